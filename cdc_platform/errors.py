@@ -1,0 +1,49 @@
+"""One error hierarchy for the platform.
+
+Every error says what happened in one line a person can act on, and chains the
+underlying cause with ``raise ... from exc``.
+"""
+
+
+class CdcError(Exception):
+    """Base class of every error raised by cdc_platform."""
+
+
+class ConfigError(CdcError):
+    """Settings are missing or invalid; the message names the setting."""
+
+
+class ProtocolError(CdcError):
+    """Bytes from PostgreSQL do not follow the replication / pgoutput protocol."""
+
+
+class ConversionError(CdcError):
+    """A column value could not be converted from its text form."""
+
+
+class ReplicationError(CdcError):
+    """The replication connection or slot failed or is unusable."""
+
+
+class SlotLostError(ReplicationError):
+    """The replication slot is missing or was invalidated (WAL removed)."""
+
+
+class ProvisioningError(CdcError):
+    """NATS streams / KV buckets could not be created, or exist with a conflicting config."""
+
+
+class PublishError(CdcError):
+    """A message could not be stored by JetStream."""
+
+
+class SnapshotError(CdcError):
+    """An INIT snapshot could not be taken."""
+
+
+class SnapshotRequestRefused(SnapshotError):
+    """A snapshot was requested for a table that is unknown or not published."""
+
+
+class PayloadTooLarge(SnapshotError):
+    """A single row encodes to more bytes than the NATS server's max_payload."""

@@ -1,0 +1,156 @@
+"""Create or verify the JetStream objects the platform needs, idempotently.
+
+* ``CDC`` stream on ``cdc.>``: change events (retention = how far back a consumer can start
+  its cutover; the seed's 1 minute is far too short for that, the default here is 7 days).
+* ``INIT`` stream on ``init.>``: snapshot chunks and meta messages.
+* ``SNAPSHOT_REQUESTS`` stream on ``snapshot.request.>``: keeps requests until a sensor has
+  turned them into runs, so a request made while nothing listens is not lost.
+* ``schemas`` KV bucket: one key per published table.
+
+An existing object whose config differs is reported field by field and left alone, unless
+``update=True`` asks to apply the editable differences.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import NotFoundError
+
+from cdc_platform.errors import ProvisioningError
+from cdc_platform.settings import NatsTopology, StreamLimits
+
+log = logging.getLogger(__name__)
+
+CDC_SUBJECTS = ["cdc.>"]
+INIT_SUBJECTS = ["init.>"]
+REQUEST_SUBJECTS = ["snapshot.request.>"]
+
+# Fields we own and compare; anything else on an existing stream is the operator's business.
+_COMPARED = ("subjects", "retention", "storage", "max_age", "max_bytes", "max_msgs",
+             "num_replicas", "duplicate_window", "discard")
+_IMMUTABLE = ("storage", "retention")
+
+
+@dataclass
+class ProvisionReport:
+    created: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        parts = [f"{label}: {', '.join(names)}" for label, names in
+                 (("created", self.created), ("updated", self.updated),
+                  ("ok", self.unchanged)) if names]
+        return "; ".join(parts) or "nothing to do"
+
+
+def stream_config(limits: StreamLimits, subjects: list[str]) -> StreamConfig:
+    return StreamConfig(
+        name=limits.name,  # type: ignore[attr-defined]
+        subjects=subjects,
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_age=limits.max_age_seconds,
+        max_bytes=limits.max_bytes,
+        max_msgs=limits.max_msgs,
+        num_replicas=limits.replicas,
+        # JetStream refuses a dedupe window longer than the retention.
+        duplicate_window=min(limits.duplicate_window_seconds, limits.max_age_seconds),
+    )
+
+
+def wanted_streams(topology: NatsTopology) -> list[StreamConfig]:
+    return [
+        stream_config(topology.cdc, CDC_SUBJECTS),
+        stream_config(topology.init, INIT_SUBJECTS),
+        stream_config(topology.requests, REQUEST_SUBJECTS),
+    ]
+
+
+def _normalized(value):
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, list):
+        return sorted(value)
+    return value
+
+
+def config_differences(existing: StreamConfig, wanted: StreamConfig) -> dict[str, tuple]:
+    """``{field: (existing, wanted)}`` for every compared field that differs."""
+    differences = {}
+    for name in _COMPARED:
+        have, want = getattr(existing, name), getattr(wanted, name)
+        if name == "duplicate_window" and not have:
+            have = 120.0  # server default when unset
+        if _normalized(have) != _normalized(want):
+            differences[name] = (have, want)
+    return differences
+
+
+def _describe(stream: str, differences: dict[str, tuple]) -> str:
+    return "; ".join(f"{stream}.{name}: existing {have!r}, wanted {want!r}"
+                     for name, (have, want) in differences.items())
+
+
+async def provision(js: JetStreamContext, topology: NatsTopology, *,
+                    update: bool = False) -> ProvisionReport:
+    """Create what is missing, verify what exists; see the module docstring."""
+    report = ProvisionReport()
+    conflicts = []
+    for wanted in wanted_streams(topology):
+        try:
+            info = await js.stream_info(wanted.name)
+        except NotFoundError:
+            await js.add_stream(wanted)
+            report.created.append(wanted.name)
+            continue
+        differences = config_differences(info.config, wanted)
+        if not differences:
+            report.unchanged.append(wanted.name)
+        elif update and not set(differences) & set(_IMMUTABLE):
+            merged = info.config
+            for name, (_, want) in differences.items():
+                setattr(merged, name, want)
+            await js.update_stream(merged)
+            report.updated.append(f"{wanted.name} ({', '.join(differences)})")
+        else:
+            conflicts.append(_describe(wanted.name, differences))
+
+    bucket = topology.schemas
+    stream_name = f"KV_{bucket.bucket}"
+    try:
+        info = await js.stream_info(stream_name)
+        differences = {}
+        if info.config.max_msgs_per_subject != bucket.history:
+            differences["history"] = (info.config.max_msgs_per_subject, bucket.history)
+        if info.config.storage != StorageType.FILE:
+            differences["storage"] = (info.config.storage, StorageType.FILE)
+        if differences:
+            conflicts.append(_describe(f"kv:{bucket.bucket}", differences))
+        else:
+            report.unchanged.append(f"kv:{bucket.bucket}")
+    except NotFoundError:
+        await js.create_key_value(KeyValueConfig(
+            bucket=bucket.bucket, history=bucket.history, storage=StorageType.FILE,
+            replicas=bucket.replicas, description="cdc_platform table schemas (key = table)",
+        ))
+        report.created.append(f"kv:{bucket.bucket}")
+
+    if conflicts:
+        raise ProvisioningError(
+            "existing JetStream config differs (re-run with --update to apply editable "
+            "changes, or change the settings): " + " | ".join(conflicts)
+        )
+    log.info("NATS provisioned: %s", report.summary())
+    return report

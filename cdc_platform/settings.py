@@ -1,0 +1,307 @@
+"""Settings: pydantic models read from environment variables.
+
+Each model accepts our own ``CDC_*`` names and, where the seed Zig bridge had one, the
+seed's name too (``PG_HOST``, ``POSTGRES_BRIDGE_USER``, ``NATS_BRIDGE_PASSWORD``...), so an
+existing deployment's environment keeps working. Secrets are ``SecretStr``: they never
+appear in a repr, a log line or an error message.
+
+``load_settings()`` turns a validation failure into one ``ConfigError`` line that names the
+environment variable and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from psycopg.conninfo import make_conninfo
+from pydantic import AliasChoices, BeforeValidator, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from cdc_platform.errors import ConfigError
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2,
+               "mib": 1024**2, "g": 1024**3, "gb": 1024**3, "gib": 1024**3, "t": 1024**4,
+               "tb": 1024**4, "tib": 1024**4}
+
+
+def parse_duration_seconds(value: Any) -> float:
+    """``"90s"``, ``"15m"``, ``"7d"``, ``"1h30m"`` or a number of seconds -> seconds."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = str(value).strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"not a duration: {value!r} (use e.g. 90s, 15m, 7d, 1h30m)")
+    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+
+
+def parse_size_bytes(value: Any) -> int:
+    """``"8G"``, ``"512MiB"``, ``"1048576"`` or -1 (unlimited) -> bytes."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().lower()
+    if text == "-1":
+        return -1
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", text)
+    if not match or match.group(2) not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {value!r} (use e.g. 512M, 8G, or -1 for unlimited)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+
+
+Seconds = Annotated[float, BeforeValidator(parse_duration_seconds)]
+Bytes = Annotated[int, BeforeValidator(parse_size_bytes)]
+
+
+def _env(*names: str) -> AliasChoices:
+    return AliasChoices(*names)
+
+
+class _Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        extra="ignore", populate_by_name=True, hide_input_in_errors=True, frozen=True
+    )
+
+
+class PostgresSettings(_Settings):
+    """Where the source database is and how the platform reaches it."""
+
+    host: str = Field("localhost", validation_alias=_env("CDC_PG_HOST", "PG_HOST"))
+    port: int = Field(5432, ge=1, le=65535, validation_alias=_env("CDC_PG_PORT", "PG_PORT"))
+    database: str = Field("postgres", validation_alias=_env("CDC_PG_DB", "PG_DB"))
+    user: str = Field(
+        "bridge_reader", validation_alias=_env("CDC_PG_USER", "POSTGRES_BRIDGE_USER")
+    )
+    password: SecretStr | None = Field(
+        None, validation_alias=_env("CDC_PG_PASSWORD", "POSTGRES_BRIDGE_PASSWORD")
+    )
+    dsn: SecretStr | None = Field(
+        None,
+        validation_alias=_env("CDC_PG_DSN"),
+        description="libpq DSN/URI; overrides host/port/db/user/password when set.",
+    )
+    sslmode: Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"] = (
+        Field("prefer", validation_alias=_env("CDC_PG_SSLMODE", "PGSSLMODE"))
+    )
+    connect_timeout: int = Field(10, ge=1, validation_alias=_env("CDC_PG_CONNECT_TIMEOUT"))
+    publication: str = Field("cdc_pub", validation_alias=_env("CDC_PUBLICATION"))
+    slot: str = Field("cdc_slot", validation_alias=_env("CDC_SLOT"))
+
+    @field_validator("publication", "slot")
+    @classmethod
+    def _identifier(cls, value: str) -> str:
+        # Slot names are restricted by PostgreSQL to [a-z0-9_]{1,63}; publication names are
+        # identifiers, kept to the same safe set so they never need quoting in commands.
+        if not re.fullmatch(r"[a-z0-9_]{1,63}", value):
+            raise ValueError("must match [a-z0-9_]{1,63}")
+        return value
+
+    def conninfo(self, *, replication: bool = False, application_name: str = "cdc_platform",
+                 **extra: Any) -> str:
+        """A libpq connection string; holds the password, so never log it."""
+        params: dict[str, Any] = {
+            "connect_timeout": self.connect_timeout,
+            "application_name": application_name,
+        }
+        if self.dsn is None:
+            params.update(host=self.host, port=self.port, dbname=self.database,
+                          user=self.user, sslmode=self.sslmode)
+            if self.password is not None:
+                params["password"] = self.password.get_secret_value()
+        if replication:
+            params["replication"] = "database"
+        params.update(extra)
+        base = self.dsn.get_secret_value() if self.dsn is not None else ""
+        return make_conninfo(base, **params)
+
+    def describe(self) -> str:
+        """Where we connect, for logs: no password."""
+        if self.dsn is not None:
+            return "dsn=<set>"
+        return f"{self.user}@{self.host}:{self.port}/{self.database}"
+
+
+class NatsSettings(_Settings):
+    """Where the NATS server is and how the platform authenticates."""
+
+    url: str | None = Field(
+        None,
+        repr=False,  # a URL may carry user:password
+        validation_alias=_env("CDC_NATS_URL", "NATS_URL"),
+        description="nats://host:port, comma-separated for a cluster; overrides host/port.",
+    )
+    host: str = Field("localhost", validation_alias=_env("CDC_NATS_HOST", "NATS_HOST"))
+    port: int = Field(4222, ge=1, le=65535, validation_alias=_env("CDC_NATS_PORT", "NATS_PORT"))
+    user: str | None = Field(None, validation_alias=_env("CDC_NATS_USER", "NATS_BRIDGE_USER"))
+    password: SecretStr | None = Field(
+        None, validation_alias=_env("CDC_NATS_PASSWORD", "NATS_BRIDGE_PASSWORD")
+    )
+    token: SecretStr | None = Field(None, validation_alias=_env("CDC_NATS_TOKEN", "NATS_TOKEN"))
+    creds_file: str | None = Field(None, validation_alias=_env("CDC_NATS_CREDS", "NATS_CREDS"))
+    connect_timeout: float = Field(5.0, gt=0, validation_alias=_env("CDC_NATS_CONNECT_TIMEOUT"))
+
+    @field_validator("url")
+    @classmethod
+    def _valid_urls(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        for server in value.split(","):
+            parts = urlsplit(server.strip())
+            if parts.scheme not in ("nats", "tls", "ws", "wss") or not parts.hostname:
+                raise ValueError("must be nats://host:port (comma-separated for several)")
+        return value
+
+    def servers(self) -> list[str]:
+        if self.url:
+            return [s.strip() for s in self.url.split(",")]
+        return [f"nats://{self.host}:{self.port}"]
+
+    def connect_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``nats.connect``; holds secrets, so never log them."""
+        options: dict[str, Any] = {
+            "servers": self.servers(),
+            "connect_timeout": self.connect_timeout,
+            "name": "cdc_platform",
+        }
+        if self.user is not None:
+            options["user"] = self.user
+            options["password"] = self.password.get_secret_value() if self.password else ""
+        if self.token is not None:
+            options["token"] = self.token.get_secret_value()
+        if self.creds_file is not None:
+            options["user_credentials"] = self.creds_file
+        return options
+
+    def describe(self) -> str:
+        """Server list for logs, credentials inside URLs redacted."""
+        redacted = []
+        for server in self.servers():
+            parts = urlsplit(server)
+            netloc = parts.hostname or ""
+            if parts.port:
+                netloc = f"{netloc}:{parts.port}"
+            redacted.append(urlunsplit((parts.scheme, netloc, parts.path, "", "")))
+        return ",".join(redacted)
+
+
+class StreamLimits(_Settings):
+    """Limits shared by the three streams; each stream gets its own env prefix."""
+
+    max_age_seconds: Seconds
+    max_bytes: Bytes
+    max_msgs: int = Field(-1, ge=-1)
+    replicas: int = Field(1, ge=1, le=5)
+    duplicate_window_seconds: Seconds = 120.0
+
+
+class CdcStreamSettings(StreamLimits):
+    """The ``CDC`` stream. Its retention bounds how old a snapshot's cutover point may be:
+    a consumer must start reading CDC at the cutover sequence before it is aged out."""
+
+    name: str = "CDC"
+    max_age_seconds: Seconds = Field(7 * 86400.0, validation_alias=_env("CDC_STREAM_MAX_AGE"))
+    max_bytes: Bytes = Field(8 * 1024**3, validation_alias=_env("CDC_STREAM_MAX_BYTES"))
+    max_msgs: int = Field(-1, ge=-1, validation_alias=_env("CDC_STREAM_MAX_MSGS"))
+    replicas: int = Field(1, ge=1, le=5, validation_alias=_env("CDC_STREAM_REPLICAS"))
+    duplicate_window_seconds: Seconds = Field(
+        120.0, validation_alias=_env("CDC_STREAM_DUPLICATE_WINDOW")
+    )
+
+
+class InitStreamSettings(StreamLimits):
+    """The ``INIT`` stream of snapshot chunks and meta messages."""
+
+    name: str = "INIT"
+    max_age_seconds: Seconds = Field(7 * 86400.0, validation_alias=_env("CDC_INIT_MAX_AGE"))
+    max_bytes: Bytes = Field(8 * 1024**3, validation_alias=_env("CDC_INIT_MAX_BYTES"))
+    max_msgs: int = Field(10_000_000, ge=-1, validation_alias=_env("CDC_INIT_MAX_MSGS"))
+    replicas: int = Field(1, ge=1, le=5, validation_alias=_env("CDC_INIT_REPLICAS"))
+    duplicate_window_seconds: Seconds = Field(
+        600.0, validation_alias=_env("CDC_INIT_DUPLICATE_WINDOW")
+    )
+
+
+class RequestStreamSettings(StreamLimits):
+    """The ``SNAPSHOT_REQUESTS`` stream that keeps ``snapshot.request.>`` messages until a
+    sensor has turned them into runs (requests survive while nothing listens)."""
+
+    name: str = "SNAPSHOT_REQUESTS"
+    max_age_seconds: Seconds = Field(86400.0, validation_alias=_env("CDC_REQUESTS_MAX_AGE"))
+    max_bytes: Bytes = Field(64 * 1024**2, validation_alias=_env("CDC_REQUESTS_MAX_BYTES"))
+    max_msgs: int = Field(100_000, ge=-1, validation_alias=_env("CDC_REQUESTS_MAX_MSGS"))
+    replicas: int = Field(1, ge=1, le=5, validation_alias=_env("CDC_REQUESTS_REPLICAS"))
+
+
+class SchemaBucketSettings(_Settings):
+    """The ``schemas`` KV bucket (key = wire table name)."""
+
+    bucket: str = Field("schemas", validation_alias=_env("CDC_SCHEMAS_BUCKET"))
+    history: int = Field(10, ge=1, le=64, validation_alias=_env("CDC_SCHEMAS_HISTORY"))
+    replicas: int = Field(1, ge=1, le=5, validation_alias=_env("CDC_SCHEMAS_REPLICAS"))
+
+
+class EncodingSettings(_Settings):
+    """Payload encoding and snapshot compression."""
+
+    format: Literal["msgpack", "json"] = Field("msgpack", validation_alias=_env("CDC_FORMAT"))
+    zstd: bool = Field(False, validation_alias=_env("CDC_ZSTD"))
+    zstd_level: int = Field(3, ge=1, le=22, validation_alias=_env("CDC_ZSTD_LEVEL"))
+    zstd_dictionary: bool = Field(True, validation_alias=_env("CDC_ZSTD_DICTIONARY"))
+    chunk_rows: int = Field(10_000, ge=1, validation_alias=_env("CDC_CHUNK_ROWS"))
+
+
+class NatsTopology(_Settings):
+    """All the JetStream objects the platform provisions."""
+
+    cdc: CdcStreamSettings = Field(default_factory=CdcStreamSettings)
+    init: InitStreamSettings = Field(default_factory=InitStreamSettings)
+    requests: RequestStreamSettings = Field(default_factory=RequestStreamSettings)
+    schemas: SchemaBucketSettings = Field(default_factory=SchemaBucketSettings)
+
+
+class PlatformSettings(_Settings):
+    """Everything, read at once so that every bad variable is reported before starting."""
+
+    postgres: PostgresSettings = Field(default_factory=PostgresSettings)
+    nats: NatsSettings = Field(default_factory=NatsSettings)
+    topology: NatsTopology = Field(default_factory=NatsTopology)
+    encoding: EncodingSettings = Field(default_factory=EncodingSettings)
+
+
+def _env_name(model: type[BaseSettings], field: str) -> str:
+    info = model.model_fields.get(field)
+    alias = info.validation_alias if info else None
+    if isinstance(alias, AliasChoices):
+        return " / ".join(str(a) for a in alias.choices)
+    prefix = model.model_config.get("env_prefix", "")
+    return f"{prefix}{field}".upper()
+
+
+def load_settings(model: type[_Settings] = PlatformSettings, **overrides: Any) -> Any:
+    """Build ``model`` from the environment; one ``ConfigError`` line on bad input."""
+    try:
+        if model is PlatformSettings:
+            # Sub-models read their own variables; build them one by one so the error
+            # names the right variable.
+            parts = {}
+            for name, sub in (("postgres", PostgresSettings), ("nats", NatsSettings),
+                              ("topology", NatsTopology), ("encoding", EncodingSettings)):
+                parts[name] = overrides.pop(name, None) or load_settings(sub)
+            return PlatformSettings(**parts)
+        if model is NatsTopology:
+            return NatsTopology(
+                cdc=load_settings(CdcStreamSettings), init=load_settings(InitStreamSettings),
+                requests=load_settings(RequestStreamSettings),
+                schemas=load_settings(SchemaBucketSettings),
+            )
+        return model(**overrides)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = str(error["loc"][0]) if error["loc"] else "?"
+        raise ConfigError(
+            f"invalid setting {_env_name(model, field)}: {error['msg']}"
+        ) from None
