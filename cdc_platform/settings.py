@@ -36,7 +36,7 @@ def parse_duration_seconds(value: Any) -> float:
         return float(text)
     parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)", text)
     if not parts or "".join(n + u for n, u in parts) != text:
-        raise ValueError(f"not a duration: {value!r} (use e.g. 90s, 15m, 7d, 1h30m)")
+        raise ValueError("not a duration (use e.g. 90s, 15m, 7d, 1h30m)")
     return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
 
 
@@ -49,7 +49,7 @@ def parse_size_bytes(value: Any) -> int:
         return -1
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", text)
     if not match or match.group(2) not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {value!r} (use e.g. 512M, 8G, or -1 for unlimited)")
+        raise ValueError("not a size (use e.g. 512M, 8G, or -1 for unlimited)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
 
 
@@ -128,9 +128,8 @@ class PostgresSettings(_Settings):
 class NatsSettings(_Settings):
     """Where the NATS server is and how the platform authenticates."""
 
-    url: str | None = Field(
-        None,
-        repr=False,  # a URL may carry user:password
+    url: SecretStr | None = Field(
+        None,  # secret: a URL may carry user:password
         validation_alias=_env("CDC_NATS_URL", "NATS_URL"),
         description="nats://host:port, comma-separated for a cluster; overrides host/port.",
     )
@@ -146,18 +145,18 @@ class NatsSettings(_Settings):
 
     @field_validator("url")
     @classmethod
-    def _valid_urls(cls, value: str | None) -> str | None:
+    def _valid_urls(cls, value: SecretStr | None) -> SecretStr | None:
         if value is None:
             return None
-        for server in value.split(","):
+        for server in value.get_secret_value().split(","):
             parts = urlsplit(server.strip())
             if parts.scheme not in ("nats", "tls", "ws", "wss") or not parts.hostname:
                 raise ValueError("must be nats://host:port (comma-separated for several)")
         return value
 
     def servers(self) -> list[str]:
-        if self.url:
-            return [s.strip() for s in self.url.split(",")]
+        if self.url is not None:
+            return [s.strip() for s in self.url.get_secret_value().split(",")]
         return [f"nats://{self.host}:{self.port}"]
 
     def connect_options(self) -> dict[str, Any]:
@@ -191,6 +190,8 @@ class NatsSettings(_Settings):
 class StreamLimits(_Settings):
     """Limits shared by the three streams; each stream gets its own env prefix."""
 
+    name: str
+    subjects: tuple[str, ...]
     max_age_seconds: Seconds
     max_bytes: Bytes
     max_msgs: int = Field(-1, ge=-1)
@@ -203,6 +204,7 @@ class CdcStreamSettings(StreamLimits):
     a consumer must start reading CDC at the cutover sequence before it is aged out."""
 
     name: str = "CDC"
+    subjects: tuple[str, ...] = ("cdc.>",)
     max_age_seconds: Seconds = Field(7 * 86400.0, validation_alias=_env("CDC_STREAM_MAX_AGE"))
     max_bytes: Bytes = Field(8 * 1024**3, validation_alias=_env("CDC_STREAM_MAX_BYTES"))
     max_msgs: int = Field(-1, ge=-1, validation_alias=_env("CDC_STREAM_MAX_MSGS"))
@@ -216,6 +218,7 @@ class InitStreamSettings(StreamLimits):
     """The ``INIT`` stream of snapshot chunks and meta messages."""
 
     name: str = "INIT"
+    subjects: tuple[str, ...] = ("init.>",)
     max_age_seconds: Seconds = Field(7 * 86400.0, validation_alias=_env("CDC_INIT_MAX_AGE"))
     max_bytes: Bytes = Field(8 * 1024**3, validation_alias=_env("CDC_INIT_MAX_BYTES"))
     max_msgs: int = Field(10_000_000, ge=-1, validation_alias=_env("CDC_INIT_MAX_MSGS"))
@@ -230,6 +233,7 @@ class RequestStreamSettings(StreamLimits):
     sensor has turned them into runs (requests survive while nothing listens)."""
 
     name: str = "SNAPSHOT_REQUESTS"
+    subjects: tuple[str, ...] = ("snapshot.request.>",)
     max_age_seconds: Seconds = Field(86400.0, validation_alias=_env("CDC_REQUESTS_MAX_AGE"))
     max_bytes: Bytes = Field(64 * 1024**2, validation_alias=_env("CDC_REQUESTS_MAX_BYTES"))
     max_msgs: int = Field(100_000, ge=-1, validation_alias=_env("CDC_REQUESTS_MAX_MSGS"))

@@ -31,10 +31,6 @@ from cdc_platform.settings import NatsTopology, StreamLimits
 
 log = logging.getLogger(__name__)
 
-CDC_SUBJECTS = ["cdc.>"]
-INIT_SUBJECTS = ["init.>"]
-REQUEST_SUBJECTS = ["snapshot.request.>"]
-
 # Fields we own and compare; anything else on an existing stream is the operator's business.
 _COMPARED = ("subjects", "retention", "storage", "max_age", "max_bytes", "max_msgs",
              "num_replicas", "duplicate_window", "discard")
@@ -54,10 +50,10 @@ class ProvisionReport:
         return "; ".join(parts) or "nothing to do"
 
 
-def stream_config(limits: StreamLimits, subjects: list[str]) -> StreamConfig:
+def stream_config(limits: StreamLimits) -> StreamConfig:
     return StreamConfig(
-        name=limits.name,  # type: ignore[attr-defined]
-        subjects=subjects,
+        name=limits.name,
+        subjects=list(limits.subjects),
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         discard=DiscardPolicy.OLD,
@@ -71,11 +67,8 @@ def stream_config(limits: StreamLimits, subjects: list[str]) -> StreamConfig:
 
 
 def wanted_streams(topology: NatsTopology) -> list[StreamConfig]:
-    return [
-        stream_config(topology.cdc, CDC_SUBJECTS),
-        stream_config(topology.init, INIT_SUBJECTS),
-        stream_config(topology.requests, REQUEST_SUBJECTS),
-    ]
+    return [stream_config(topology.cdc), stream_config(topology.init),
+            stream_config(topology.requests)]
 
 
 def _normalized(value):

@@ -1,0 +1,48 @@
+"""Spark session helpers (the snapshot jobs run on Spark; ``local[*]`` is the default)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+from cdc_platform.errors import CdcError
+
+MIN_JAVA = 17
+
+
+def check_java() -> str:
+    """Return the Java version, or fail with what to install (Spark 4 needs Java 17+)."""
+    java_home = os.environ.get("JAVA_HOME")
+    java = os.path.join(java_home, "bin", "java") if java_home else shutil.which("java")
+    if not java or not os.path.exists(java):
+        raise CdcError(
+            f"Java {MIN_JAVA}+ is required for Spark snapshots but no `java` was found: "
+            "install it (Debian: apt-get install openjdk-17-jre-headless) or set JAVA_HOME"
+        )
+    output = subprocess.run([java, "-version"], capture_output=True, text=True).stderr
+    match = re.search(r'version "(\d+)', output)
+    if not match or int(match.group(1)) < MIN_JAVA:
+        raise CdcError(f"Java {MIN_JAVA}+ is required for Spark snapshots, found: "
+                       f"{output.splitlines()[0] if output else 'unknown'}")
+    return match.group(1)
+
+
+def local_spark_session(app_name: str, master: str = "local[*]", **conf: str):
+    """A SparkSession for local runs and tests; quiet, small, no UI."""
+    check_java()
+    from pyspark.sql import SparkSession
+
+    builder = (
+        SparkSession.builder.appName(app_name).master(master)
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.driver.memory", "1g")
+        .config("spark.python.worker.reuse", "true")
+    )
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    return session

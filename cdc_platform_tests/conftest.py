@@ -1,0 +1,1 @@
+pytest_plugins = ["cdc_platform_tests.fixtures.services"]

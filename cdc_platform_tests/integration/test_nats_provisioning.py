@@ -1,0 +1,65 @@
+"""Provisioning of streams and the KV bucket on a real nats-server."""
+
+import pytest
+from nats.js.api import RetentionPolicy, StorageType
+
+from cdc_platform.errors import ProvisioningError
+from cdc_platform.jetstream.provision import provision
+from cdc_platform.settings import NatsTopology
+
+
+def _isolated_topology(suffix: str, **cdc) -> NatsTopology:
+    """Streams with their own names and subjects, so tests do not collide."""
+    return NatsTopology(
+        cdc={"name": f"CDC_{suffix}", "subjects": [f"{suffix}.cdc.>"], **cdc},
+        init={"name": f"INIT_{suffix}", "subjects": [f"{suffix}.init.>"]},
+        requests={"name": f"REQ_{suffix}", "subjects": [f"{suffix}.req.>"]},
+        schemas={"bucket": f"schemas_{suffix}"},
+    )
+
+
+async def _delete(js, topology):
+    for name in (topology.cdc.name, topology.init.name, topology.requests.name,
+                 f"KV_{topology.schemas.bucket}"):
+        await js.delete_stream(name)
+
+
+async def test_creates_then_verifies(nats_client):
+    js = nats_client.jetstream()
+    topology = NatsTopology()
+    first = await provision(js, topology)
+    second = await provision(js, topology)
+    try:
+        assert sorted(first.created) == ["CDC", "INIT", "SNAPSHOT_REQUESTS", "kv:schemas"]
+        assert sorted(second.unchanged) == sorted(first.created)
+        cdc = (await js.stream_info("CDC")).config
+        assert cdc.subjects == ["cdc.>"]
+        assert cdc.storage == StorageType.FILE and cdc.retention == RetentionPolicy.LIMITS
+        assert cdc.max_age == 7 * 86400
+        assert (await js.stream_info("INIT")).config.subjects == ["init.>"]
+        assert (await js.stream_info("SNAPSHOT_REQUESTS")).config.subjects == [
+            "snapshot.request.>"]
+        kv = await js.key_value("schemas")
+        assert (await kv.status()).history == 10
+        # a request published while nothing listens is kept
+        await nats_client.publish("snapshot.request.users", b"")
+        await nats_client.flush()
+        message = await js.get_last_msg("SNAPSHOT_REQUESTS", "snapshot.request.users")
+        assert message.subject == "snapshot.request.users"
+    finally:
+        await _delete(js, topology)
+
+
+async def test_conflicting_config_is_reported_field_by_field(nats_client):
+    js = nats_client.jetstream()
+    topology = _isolated_topology("conflict", max_age_seconds=3600)
+    await provision(js, topology)
+    try:
+        wanted = _isolated_topology("conflict", max_age_seconds=7200)
+        with pytest.raises(ProvisioningError, match=r"CDC_conflict\.max_age: existing 3600"):
+            await provision(js, wanted)
+        report = await provision(js, wanted, update=True)
+        assert report.updated == ["CDC_conflict (max_age)"]
+        assert (await js.stream_info("CDC_conflict")).config.max_age == 7200
+    finally:
+        await _delete(js, topology)

