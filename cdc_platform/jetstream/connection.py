@@ -30,17 +30,23 @@ async def connect_nats(settings: NatsSettings, *, name: str = "cdc_platform",
     async def _on_error(exc: Exception) -> None:
         log.warning("NATS: %s", exc)
 
+    client_ref: list[NatsClient] = []
+
     async def _on_disconnect() -> None:
+        if client_ref and (client_ref[0].is_closed or client_ref[0].is_draining):
+            return  # our own close(), not an outage
         log.warning("NATS disconnected from %s", settings.describe())
 
     async def _on_reconnect() -> None:
         log.info("NATS reconnected to %s", settings.describe())
 
     try:
-        return await nats.connect(
+        client = await nats.connect(
             allow_reconnect=True, error_cb=_on_error, disconnected_cb=_on_disconnect,
             reconnected_cb=_on_reconnect, **options,
         )
+        client_ref.append(client)
+        return client
     except NoServersError as exc:
         raise CdcError(f"cannot reach NATS at {settings.describe()}: {exc}") from None
     except NatsError as exc:

@@ -1,0 +1,29 @@
+# The two commands of the README: `make dev` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: dev test prereqs bench clean
+
+prereqs:
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "cdc_platform needs Python 3.11+ (found " + sys.version.split()[0] + ")")'
+	@command -v java >/dev/null 2>&1 || { echo "cdc_platform needs Java 17+ for Spark snapshots: apt-get install openjdk-17-jre-headless (or set JAVA_HOME)"; exit 1; }
+	@java -version 2>&1 | awk -F'"' '/version/ { split($$2, v, "."); if (v[1] < 17) { print "cdc_platform needs Java 17+ for Spark snapshots, found " $$2; exit 1 } }'
+
+$(VENV)/.installed: pyproject.toml | prereqs
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+dev: $(VENV)/.installed
+	$(VENV)/bin/cdc-platform dev
+
+test: $(VENV)/.installed
+	$(PY) -m pytest
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/decode.py
+
+clean:
+	rm -rf $(VENV) .cdc-dev

@@ -1,0 +1,133 @@
+"""``cdc-platform``: the command line (dev stack, DBA/NATS setup, and later the bridge)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from cdc_platform.errors import CdcError
+
+
+def _configure_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for noisy in ("nats", "py4j", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _cmd_dev(args: argparse.Namespace) -> int:
+    from cdc_platform.dev.stack import DevOptions, DevStack
+
+    options = DevOptions(
+        state_dir=Path(args.state_dir), ui_port=args.ui_port, pg_port=args.pg_port,
+        nats_port=args.nats_port, nats_monitor_port=args.nats_monitor_port,
+        dagster=not args.no_dagster, demo_writes_per_second=args.demo_rate, smoke=args.smoke,
+    )
+    return DevStack(options).run()
+
+
+def _cmd_provision(args: argparse.Namespace) -> int:
+    from cdc_platform.jetstream.connection import connect_nats
+    from cdc_platform.jetstream.provision import provision
+    from cdc_platform.settings import load_settings
+
+    settings = load_settings()
+
+    async def run() -> None:
+        client = await connect_nats(settings.nats, name="cdc-platform-provision")
+        try:
+            report = await provision(client.jetstream(), settings.topology, update=args.update)
+            print(report.summary())
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    return 0
+
+
+def _cmd_setup_db(args: argparse.Namespace) -> int:
+    import psycopg
+
+    from cdc_platform.postgres.admin import (
+        SERVER_SETTINGS_SQL,
+        apply_sql_file,
+        provision_database,
+        restart_needed,
+    )
+    from cdc_platform.settings import PostgresSettings, load_settings
+
+    settings = load_settings(PostgresSettings)
+    with psycopg.connect(args.admin_dsn, autocommit=True) as conn:
+        if args.server_settings:
+            apply_sql_file(conn, SERVER_SETTINGS_SQL)
+            if restart_needed(conn):
+                print("server settings changed: RESTART PostgreSQL before streaming")
+        provision_database(conn, publication=settings.publication, role=settings.user,
+                           tables=args.tables)
+    print(f"publication {settings.publication} and role {settings.user} are in place; set "
+          f"the role's password with \\password {settings.user} if you have not")
+    return 0
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    from cdc_platform.settings import load_settings
+
+    settings = load_settings()
+    print(f"PostgreSQL: {settings.postgres.describe()} publication={settings.postgres.publication}"
+          f" slot={settings.postgres.slot}")
+    print(f"NATS: {settings.nats.describe()}")
+    print(f"format={settings.encoding.format} zstd={settings.encoding.zstd}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cdc-platform", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    dev = commands.add_parser("dev", help="start PostgreSQL, NATS and Dagster locally")
+    dev.add_argument("--state-dir", default=".cdc-dev")
+    dev.add_argument("--ui-port", type=int, default=3000)
+    dev.add_argument("--pg-port", type=int, default=54329)
+    dev.add_argument("--nats-port", type=int, default=4222)
+    dev.add_argument("--nats-monitor-port", type=int, default=8222)
+    dev.add_argument("--demo-rate", type=float, default=2.0, help="demo writes per second")
+    dev.add_argument("--no-dagster", action="store_true", help="servers only")
+    dev.add_argument("--smoke", action="store_true", help="start, verify, stop (for CI)")
+    dev.set_defaults(handler=_cmd_dev)
+
+    prov = commands.add_parser("provision", help="create/verify JetStream streams and KV")
+    prov.add_argument("--update", action="store_true", help="apply editable differences")
+    prov.set_defaults(handler=_cmd_provision)
+
+    setup = commands.add_parser("setup-db", help="apply sql/ (publication + role) as a DBA")
+    setup.add_argument("--admin-dsn", required=True, help="a superuser's libpq DSN")
+    setup.add_argument("--server-settings", action="store_true",
+                       help="also apply sql/00_server_settings.sql (needs a restart)")
+    setup.add_argument("tables", nargs="*", help="tables to publish")
+    setup.set_defaults(handler=_cmd_setup_db)
+
+    check = commands.add_parser("check-config", help="validate settings from the environment")
+    check.set_defaults(handler=_cmd_check_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    try:
+        return args.handler(args)
+    except CdcError as exc:
+        print(f"cdc-platform: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

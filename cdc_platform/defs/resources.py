@@ -1,0 +1,61 @@
+"""Dagster resources: thin, typed handles on the library's settings.
+Every field is optional: a field left unset is read from the environment at run time by the
+library's settings (``CDC_*`` or the seed bridge's names), so one environment configures the
+CLI and Dagster alike. Secrets are wired with ``EnvVar`` in ``definitions.py``.
+"""
+
+
+from collections.abc import Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import psycopg
+from dagster import ConfigurableResource
+
+from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.settings import NatsSettings, PostgresSettings, load_settings
+
+
+def _overrides(resource: ConfigurableResource) -> dict[str, Any]:
+    # "" counts as unset so that an EnvVar pointing at an empty variable means "default".
+    return {k: v for k, v in resource.model_dump().items() if v not in (None, "")}
+
+
+class PostgresResource(ConfigurableResource):
+    """The source PostgreSQL, reached as the platform's least-privilege role."""
+
+    host: str | None = None
+    port: int | None = None
+    database: str | None = None
+    user: str | None = None
+    password: str | None = None
+    sslmode: str | None = None
+    publication: str | None = None
+    slot: str | None = None
+
+    def settings(self) -> PostgresSettings:
+        return load_settings(PostgresSettings, **_overrides(self))
+
+    @contextmanager
+    def connect(self, **kwargs: Any) -> Iterator[psycopg.Connection]:
+        with psycopg.connect(self.settings().conninfo(), **kwargs) as conn:
+            yield conn
+
+
+class NatsResource(ConfigurableResource):
+    """The NATS server holding the CDC/INIT streams and the schemas bucket."""
+
+    url: str | None = None
+    user: str | None = None
+    password: str | None = None
+
+    def settings(self) -> NatsSettings:
+        return load_settings(NatsSettings, **_overrides(self))
+
+    @asynccontextmanager
+    async def connect(self, name: str = "cdc-platform-dagster"):
+        client = await connect_nats(self.settings(), name=name)
+        try:
+            yield client
+        finally:
+            await client.close()

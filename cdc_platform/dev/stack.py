@@ -1,0 +1,309 @@
+"""``cdc-platform dev``: the whole platform on one machine, for trying it and developing it.
+
+With no servers given it starts, in ``--state-dir``: a local PostgreSQL (logical WAL, the
+``sql/`` scripts applied, a demo table with a trickle of writes) and a local nats-server
+with JetStream (streams and KV provisioned), then Dagster (webserver + daemon) on
+``workspace.yaml``. Servers given by environment (``CDC_PG_HOST``/``PG_HOST``/``CDC_PG_DSN``,
+``CDC_NATS_URL``/``NATS_URL``/``NATS_HOST``) are used as they are and nothing is started for
+them. Ctrl-C (or SIGTERM) stops everything it started, in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+
+from cdc_platform.dev.demo import DEMO_TABLES, DemoWorkload, create_demo_tables
+from cdc_platform.dev.servers import LocalNatsServer, LocalPostgres, port_is_open
+from cdc_platform.errors import CdcError
+from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.jetstream.provision import provision
+from cdc_platform.postgres.admin import (
+    SERVER_SETTINGS_SQL,
+    apply_sql_file,
+    provision_database,
+    restart_needed,
+)
+from cdc_platform.settings import NatsSettings, PostgresSettings, load_settings
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXTERNAL_PG_VARS = ("CDC_PG_HOST", "PG_HOST", "CDC_PG_DSN")
+EXTERNAL_NATS_VARS = ("CDC_NATS_URL", "NATS_URL", "CDC_NATS_HOST", "NATS_HOST")
+
+
+@dataclass
+class DevOptions:
+    state_dir: Path
+    ui_port: int = 3000
+    pg_port: int = 54329
+    nats_port: int = 4222
+    nats_monitor_port: int = 8222
+    dagster: bool = True
+    demo_writes_per_second: float = 2.0
+    smoke: bool = False  # start, verify, stop: what the tests and CI run
+
+
+@dataclass
+class _Secrets:
+    """Generated once per state dir, kept in a 0600 file, never printed."""
+
+    path: Path
+    values: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> _Secrets:
+        secrets_file = cls(path)
+        if path.exists():
+            for line in path.read_text().splitlines():
+                key, _, value = line.partition("=")
+                secrets_file.values[key] = value
+        for key in ("PG_SUPERUSER_PASSWORD", "CDC_PG_PASSWORD"):
+            secrets_file.values.setdefault(key, secrets.token_urlsafe(18))
+        path.write_text("".join(f"{k}={v}\n" for k, v in secrets_file.values.items()))
+        path.chmod(0o600)
+        return secrets_file
+
+
+class DevStack:
+    def __init__(self, options: DevOptions) -> None:
+        self.options = options
+        self.state_dir = options.state_dir.resolve()
+        self.stop_requested = threading.Event()
+        self.postgres: LocalPostgres | None = None
+        self.nats: LocalNatsServer | None = None
+        self.workload: DemoWorkload | None = None
+        self.processes: list[tuple[str, subprocess.Popen]] = []
+        self.child_env: dict[str, str] = {}
+        self.pg_settings: PostgresSettings | None = None
+        self.nats_settings: NatsSettings | None = None
+
+    # -- bring up ----------------------------------------------------------------------
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.start()
+            if self.options.smoke:
+                self.verify()
+                print("smoke check passed: PostgreSQL, NATS and Dagster are up", flush=True)
+                return 0
+            while not self.stop_requested.wait(1.0):
+                self._check_children()
+            return 0
+        finally:
+            self.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        log.info("received %s, stopping", signal.Signals(signum).name)
+        self.stop_requested.set()
+
+    def start(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        secrets_file = _Secrets.load(self.state_dir / "secrets.env")
+        self.pg_settings = pg_settings = self._start_postgres(secrets_file)
+        self.nats_settings = nats_settings = self._start_nats()
+        topology = load_settings().topology
+        asyncio.run(self._provision_nats(nats_settings, topology))
+        self.child_env = self._platform_env(pg_settings, nats_settings)
+        if self.options.dagster:
+            self._start_dagster()
+        self._print_banner(pg_settings, nats_settings)
+
+    def _start_postgres(self, secrets_file: _Secrets) -> PostgresSettings:
+        if any(os.environ.get(name) for name in EXTERNAL_PG_VARS):
+            settings = load_settings(PostgresSettings)
+            log.info("using the PostgreSQL given by the environment: %s", settings.describe())
+            with psycopg.connect(settings.conninfo(), autocommit=True):
+                pass  # fail now, clearly, if it is unreachable or refuses us
+            return settings
+        if port_is_open("127.0.0.1", self.options.pg_port):
+            raise CdcError(f"port {self.options.pg_port} is taken: stop what listens there or "
+                           "pass --pg-port")
+        self.postgres = LocalPostgres(
+            self.state_dir / "postgres", port=self.options.pg_port,
+            superuser_password=secrets_file.values["PG_SUPERUSER_PASSWORD"],
+        )
+        self.postgres.start()
+        with psycopg.connect(self.postgres.superuser_conninfo(), autocommit=True) as conn:
+            apply_sql_file(conn, SERVER_SETTINGS_SQL)
+            needs_restart = restart_needed(conn)
+        if needs_restart:
+            log.info("restarting PostgreSQL for wal_level=logical")
+            self.postgres.restart()
+        settings = PostgresSettings(
+            host=self.postgres.host, port=self.postgres.port, database="postgres",
+            user="bridge_reader", password=secrets_file.values["CDC_PG_PASSWORD"],
+            sslmode="disable",
+        )
+        with psycopg.connect(self.postgres.superuser_conninfo(), autocommit=True) as conn:
+            create_demo_tables(conn)
+            provision_database(conn, publication=settings.publication, role=settings.user,
+                               tables=list(DEMO_TABLES),
+                               role_password=settings.password.get_secret_value())
+        self.workload = DemoWorkload(self.postgres.superuser_conninfo(),
+                                     self.options.demo_writes_per_second)
+        self.workload.start()
+        return settings
+
+    def _start_nats(self) -> NatsSettings:
+        if any(os.environ.get(name) for name in EXTERNAL_NATS_VARS):
+            settings = load_settings(NatsSettings)
+            log.info("using the NATS given by the environment: %s", settings.describe())
+            return settings
+        for port, flag in ((self.options.nats_port, "--nats-port"),
+                           (self.options.nats_monitor_port, "--nats-monitor-port")):
+            if port_is_open("127.0.0.1", port):
+                raise CdcError(f"port {port} is taken: stop what listens there or pass {flag}")
+        self.nats = LocalNatsServer(self.state_dir / "nats", port=self.options.nats_port,
+                                    monitor_port=self.options.nats_monitor_port)
+        self.nats.start()
+        return NatsSettings(url=self.nats.url)
+
+    async def _provision_nats(self, settings: NatsSettings, topology) -> None:
+        client = await connect_nats(settings, name="cdc-platform-dev")
+        try:
+            report = await provision(client.jetstream(), topology)
+            log.info("JetStream: %s", report.summary())
+        finally:
+            await client.close()
+
+    def _platform_env(self, pg: PostgresSettings, nats: NatsSettings) -> dict[str, str]:
+        """What the Dagster processes need to find the servers (secrets included)."""
+        env = {
+            "CDC_PG_HOST": pg.host, "CDC_PG_PORT": str(pg.port), "CDC_PG_DB": pg.database,
+            "CDC_PG_USER": pg.user, "CDC_PG_SSLMODE": pg.sslmode,
+            "CDC_PUBLICATION": pg.publication, "CDC_SLOT": pg.slot,
+            "CDC_NATS_URL": ",".join(nats.servers()),
+        }
+        if pg.password is not None:
+            env["CDC_PG_PASSWORD"] = pg.password.get_secret_value()
+        if pg.dsn is not None:
+            env["CDC_PG_DSN"] = pg.dsn.get_secret_value()
+        if nats.user is not None:
+            env["CDC_NATS_USER"] = nats.user
+            env["CDC_NATS_PASSWORD"] = nats.password.get_secret_value() if nats.password else ""
+        return env
+
+    def _start_dagster(self) -> None:
+        dagster_home = self.state_dir / "dagster_home"
+        dagster_home.mkdir(exist_ok=True)
+        shutil.copy(REPO_ROOT / "dagster.yaml", dagster_home / "dagster.yaml")
+        env = {**os.environ, **self.child_env, "DAGSTER_HOME": str(dagster_home)}
+        if port_is_open("127.0.0.1", self.options.ui_port):
+            raise CdcError(f"port {self.options.ui_port} is taken: pass --ui-port")
+        bin_dir = Path(sys.executable).parent
+        workspace = str(REPO_ROOT / "workspace.yaml")
+        logs = self.state_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        for name, command in (
+            ("dagster-webserver", [str(bin_dir / "dagster-webserver"), "-h", "127.0.0.1",
+                                   "-p", str(self.options.ui_port), "-w", workspace]),
+            ("dagster-daemon", [str(bin_dir / "dagster-daemon"), "run", "-w", workspace]),
+        ):
+            with open(logs / f"{name}.log", "ab") as out:
+                process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+            self.processes.append((name, process))
+        self._wait_for_ui(timeout=180)
+
+    def _wait_for_ui(self, timeout: float) -> None:
+        url = f"http://127.0.0.1:{self.options.ui_port}/server_info"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not self.stop_requested.is_set():
+            self._check_children()
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            time.sleep(0.5)
+        if not self.stop_requested.is_set():
+            raise CdcError(f"Dagster UI did not answer on {url} within {timeout:.0f}s "
+                           f"(see {self.state_dir / 'logs'})")
+
+    def _check_children(self) -> None:
+        for name, process in self.processes:
+            if process.poll() is not None:
+                raise CdcError(f"{name} exited with code {process.returncode} "
+                               f"(see {self.state_dir / 'logs' / (name + '.log')})")
+
+    def _print_banner(self, pg: PostgresSettings, nats: NatsSettings) -> None:
+        lines = ["", "cdc_platform dev stack is up:",
+                 f"  PostgreSQL  {pg.describe()}  publication={pg.publication} "
+                 f"slot={pg.slot}  (passwords in {self.state_dir / 'secrets.env'})",
+                 f"  NATS        {nats.describe()}"]
+        if self.options.dagster:
+            lines.append(f"  Dagster UI  http://127.0.0.1:{self.options.ui_port}")
+        if self.workload is not None:
+            lines.append(f"  demo tables {', '.join(DEMO_TABLES)} "
+                         f"(~{self.options.demo_writes_per_second:g} writes/s)")
+        lines.append("Press Ctrl-C to stop everything.")
+        print("\n".join(lines), flush=True)
+
+    # -- checks ------------------------------------------------------------------------
+    def verify(self) -> None:
+        """What a newcomer should see: slot creatable by the role, streams and KV present,
+        the UI answering."""
+        assert self.pg_settings is not None and self.nats_settings is not None
+        with psycopg.connect(self.pg_settings.conninfo(), autocommit=True) as conn:
+            slot = f"smoke_{secrets.token_hex(3)}"
+            conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput', true)",
+                         (slot,))
+        asyncio.run(self._verify_nats(self.nats_settings))
+        if self.options.dagster:
+            self._wait_for_ui(timeout=5)
+
+    async def _verify_nats(self, settings: NatsSettings) -> None:
+        topology = load_settings().topology
+        client = await connect_nats(settings, name="cdc-platform-dev-check")
+        try:
+            js = client.jetstream()
+            for stream in (topology.cdc.name, topology.init.name, topology.requests.name):
+                await js.stream_info(stream)
+            await js.key_value(topology.schemas.bucket)
+        finally:
+            await client.close()
+
+    # -- tear down ---------------------------------------------------------------------
+    def stop(self) -> None:
+        for name, process in reversed(self.processes):
+            # Each child leads its own process group: signal the group so that the code
+            # servers Dagster spawns go too.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in 20s, killing it", name)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # stragglers in the group
+            process.wait()
+        self.processes.clear()
+        if self.workload is not None:
+            self.workload.stop()
+            self.workload = None
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+        if self.postgres is not None:
+            self.postgres.stop()
+            self.postgres = None
+        log.info("dev stack stopped")
+
