@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 from cdc_platform.errors import CdcError
 
@@ -32,6 +33,9 @@ def check_java() -> str:
 def local_spark_session(app_name: str, master: str = "local[*]", **conf: str):
     """A SparkSession for local runs and tests; quiet, small, no UI."""
     check_java()
+    # Read by spark-submit when the JVM starts; the conf keys alone come too late locally.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
     builder = (
@@ -40,6 +44,9 @@ def local_spark_session(app_name: str, master: str = "local[*]", **conf: str):
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.driver.memory", "1g")
         .config("spark.python.worker.reuse", "true")
+        # Python workers must run this interpreter (it has cdc_platform and its deps).
+        .config("spark.pyspark.python", sys.executable)
+        .config("spark.pyspark.driver.python", sys.executable)
     )
     for key, value in conf.items():
         builder = builder.config(key, value)

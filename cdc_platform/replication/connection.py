@@ -1,0 +1,251 @@
+"""A walsender connection (``replication=database``) over psycopg 3's libpq wrapper.
+
+Only replication commands and the COPY BOTH stream live here; decoding is in
+``cdc_platform.protocol``. The socket is non-blocking and driven by the asyncio loop
+(``loop.add_reader``): one ``PQconsumeInput`` per readable event, then every complete
+CopyData message is taken with ``PQgetCopyData(async=1)`` until libpq says it needs more
+input. (The seed bridge called ``PQconsumeInput`` before *every* ``PQgetCopyData``, which
+memmoves libpq's whole buffer per message: 4K events/s and 585 MB RSS.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from psycopg import pq
+from psycopg.conninfo import make_conninfo
+from psycopg.pq import ExecStatus
+
+from cdc_platform.errors import ReplicationError
+from cdc_platform.lsn import format_lsn, parse_lsn
+
+log = logging.getLogger(__name__)
+
+# Session settings for the walsender: pgoutput's text output follows them, and the value
+# converters expect exactly these (see cdc_platform.protocol.values.REQUIRED_SESSION_SETTINGS).
+SESSION_OPTIONS = (
+    "-c DateStyle=ISO,YMD -c TimeZone=UTC -c IntervalStyle=iso_8601 "
+    "-c extra_float_digits=3 -c bytea_output=hex -c client_encoding=UTF8"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SystemIdentity:
+    system_id: str
+    timeline: int
+    xlog_position: int
+    database: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class CreatedSlot:
+    slot_name: str
+    consistent_point: int
+    snapshot_name: str | None
+    output_plugin: str
+
+
+class CopyBothEnded(ReplicationError):
+    """The server ended the COPY BOTH stream (CopyDone) or the connection closed."""
+
+
+class ReplicationConnection:
+    """One walsender connection. Not thread-safe; use from one asyncio task."""
+
+    def __init__(self, pgconn: pq.PGconn, description: str) -> None:
+        self._pgconn = pgconn
+        self._description = description
+        self._streaming = False
+        self._loop = asyncio.get_running_loop()
+
+    # -- connecting ----------------------------------------------------------------
+    @classmethod
+    async def connect(cls, conninfo: str, description: str) -> ReplicationConnection:
+        """``conninfo`` must hold ``replication=database``; ``description`` is for errors
+        (no password)."""
+        conninfo = make_conninfo(conninfo, options=SESSION_OPTIONS)
+        pgconn = await asyncio.to_thread(pq.PGconn.connect, conninfo.encode())
+        if pgconn.status != pq.ConnStatus.OK:
+            message = pgconn.get_error_message()
+            pgconn.finish()
+            raise ReplicationError(
+                f"replication connection to {description} failed: {message.strip()}")
+        pgconn.nonblocking = 1
+        return cls(pgconn, description)
+
+    def close(self) -> None:
+        if self._pgconn.pgconn_ptr is not None:
+            self._pgconn.finish()
+
+    @property
+    def server_version(self) -> int:
+        return self._pgconn.server_version
+
+    @property
+    def backend_pid(self) -> int:
+        return self._pgconn.backend_pid
+
+    # -- socket waits ----------------------------------------------------------------
+    async def _wait(self, *, write: bool = False, timeout: float | None = None) -> bool:
+        """Wait until the socket is readable (or writable); False on timeout."""
+        future = self._loop.create_future()
+        fileno = self._pgconn.socket
+        add, remove = ((self._loop.add_writer, self._loop.remove_writer) if write
+                       else (self._loop.add_reader, self._loop.remove_reader))
+        add(fileno, lambda: future.done() or future.set_result(True))
+        try:
+            await asyncio.wait_for(future, timeout)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            remove(fileno)
+
+    def _error(self, what: str) -> ReplicationError:
+        message = self._pgconn.get_error_message().strip()
+        return ReplicationError(f"{what} on {self._description}: {message or 'connection lost'}")
+
+    async def _flush(self) -> None:
+        while True:
+            result = self._pgconn.flush()
+            if result == 0:
+                return
+            if result < 0:
+                raise self._error("sending")
+            await self._wait(write=True)
+
+    # -- simple commands ---------------------------------------------------------------
+    async def execute(self, command: str) -> list[tuple[str | None, ...]]:
+        """Run one replication (or SQL) command; rows as text tuples."""
+        if self._streaming:
+            raise ReplicationError("cannot run commands while streaming")
+        if not self._pgconn.send_query(command.encode()):
+            raise self._error(f"sending {command.split()[0]}")
+        await self._flush()
+        results = []
+        while True:
+            while self._pgconn.is_busy():
+                await self._wait()
+                if not self._pgconn.consume_input():
+                    raise self._error(f"reading the reply to {command.split()[0]}")
+            result = self._pgconn.get_result()
+            if result is None:
+                break
+            results.append(result)
+            if result.status == ExecStatus.COPY_BOTH:
+                self._streaming = True
+                return []
+        rows: list[tuple[str | None, ...]] = []
+        for result in results:
+            if result.status == ExecStatus.FATAL_ERROR:
+                message = (result.error_message or b"").decode(errors="replace").strip()
+                raise ReplicationError(f"{command.split('(')[0].strip()} failed: {message}")
+            for row in range(result.ntuples):
+                rows.append(tuple(
+                    None if result.get_value(row, col) is None
+                    else result.get_value(row, col).decode()
+                    for col in range(result.nfields)))
+        return rows
+
+    async def identify_system(self) -> SystemIdentity:
+        system_id, timeline, xlog_position, database = (await self.execute("IDENTIFY_SYSTEM"))[0]
+        return SystemIdentity(system_id, int(timeline), parse_lsn(xlog_position), database)
+
+    async def create_logical_slot(self, slot: str, *, temporary: bool = False,
+                                  snapshot: str = "nothing") -> CreatedSlot:
+        """``CREATE_REPLICATION_SLOT ... LOGICAL pgoutput``; ``snapshot`` is ``export``
+        (keep this connection idle to keep the snapshot valid), ``use`` or ``nothing``."""
+        if snapshot not in ("export", "use", "nothing"):
+            raise ValueError(f"snapshot must be export/use/nothing, not {snapshot!r}")
+        temp = " TEMPORARY" if temporary else ""
+        name, point, snapshot_name, plugin = (await self.execute(
+            f'CREATE_REPLICATION_SLOT "{slot}"{temp} LOGICAL pgoutput (SNAPSHOT \'{snapshot}\')'
+        ))[0]
+        return CreatedSlot(name, parse_lsn(point), snapshot_name, plugin)
+
+    async def drop_slot(self, slot: str, *, wait: bool = False) -> None:
+        await self.execute(f'DROP_REPLICATION_SLOT "{slot}"{" WAIT" if wait else ""}')
+
+    async def start_replication(self, slot: str, start_lsn: int, publications: Sequence[str],
+                                *, messages: bool = True, proto_version: int = 1) -> None:
+        """Enter COPY BOTH. ``start_lsn`` 0 means "from the slot's confirmed_flush_lsn"."""
+        names = ",".join(publications)
+        options = [f"proto_version '{proto_version}'", f"publication_names '{names}'"]
+        if messages:
+            options.append("messages 'true'")
+        await self.execute(
+            f'START_REPLICATION SLOT "{slot}" LOGICAL {format_lsn(start_lsn)} '
+            f"({', '.join(options)})"
+        )
+        if not self._streaming:
+            raise ReplicationError(f"START_REPLICATION on {slot} did not enter COPY BOTH")
+
+    # -- streaming -----------------------------------------------------------------------
+    def take_available(self, limit: int) -> list[bytes]:
+        """Complete CopyData messages already received, without waiting (up to ``limit``)."""
+        messages: list[bytes] = []
+        get_copy_data = self._pgconn.get_copy_data
+        while len(messages) < limit:
+            nbytes, data = get_copy_data(1)
+            if nbytes > 0:
+                messages.append(data)
+            elif nbytes == 0:
+                break
+            elif nbytes == -1:
+                self._streaming = False
+                if messages:
+                    break
+                raise CopyBothEnded(f"the server ended the replication stream on "
+                                    f"{self._description}")
+            else:
+                raise self._error("reading the replication stream")
+        return messages
+
+    async def read(self, timeout: float, limit: int = 4096) -> list[bytes]:
+        """Up to ``limit`` CopyData payloads; [] if nothing arrived within ``timeout``."""
+        messages = self.take_available(limit)
+        if messages:
+            return messages
+        if not await self._wait(timeout=timeout):
+            return []
+        if not self._pgconn.consume_input():
+            raise self._error("reading the replication stream")
+        return self.take_available(limit)
+
+    async def send(self, payload: bytes) -> None:
+        """Send one CopyData message (e.g. a standby status update) and flush it."""
+        while True:
+            result = self._pgconn.put_copy_data(payload)
+            if result == 1:
+                break
+            if result < 0:
+                raise self._error("sending a status update")
+            await self._wait(write=True)
+        await self._flush()
+
+    async def end_copy(self, timeout: float = 10.0) -> None:
+        """Send CopyDone and drain until the server finishes the command (clean stop)."""
+        if not self._streaming:
+            return
+        while self._pgconn.put_copy_end() == 0:
+            await self._wait(write=True)
+        await self._flush()
+        deadline = self._loop.time() + timeout
+        while self._streaming:
+            remaining = deadline - self._loop.time()
+            if remaining <= 0:
+                raise ReplicationError("the server did not end the stream after CopyDone")
+            try:
+                await self.read(timeout=remaining)  # the server may still send data
+            except CopyBothEnded:
+                break
+        while True:
+            while self._pgconn.is_busy():
+                await self._wait(timeout=1.0)
+                self._pgconn.consume_input()
+            result = self._pgconn.get_result()
+            if result is None:
+                break

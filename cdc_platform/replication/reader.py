@@ -1,0 +1,203 @@
+"""Reading a logical replication slot as typed change events, with correct acknowledgement.
+
+``SlotReader`` owns one walsender connection and one ordinary SQL connection (catalog
+look-ups for non-builtin types, slot state). It:
+
+* resumes from the slot's ``confirmed_flush_lsn`` on every (re)start — never from
+  ``pg_current_wal_lsn()``, which would skip every change made while we were away;
+* answers primary keepalives at once when the server asks, and sends standby status updates
+  at least every ``status_interval`` seconds;
+* reports as flushed only what the caller confirmed with :meth:`confirm` (the bridge confirms
+  a transaction's end LSN once JetStream stored all of it), except that when nothing is in
+  flight it may confirm the server's keepalive position, so idle slots advance.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import psycopg
+
+from cdc_platform.errors import ReplicationError
+from cdc_platform.lsn import format_lsn
+from cdc_platform.protocol.changes import TransactionAssembler, TransactionCommitted
+from cdc_platform.protocol.pgoutput import Begin, Relation, decode_message
+from cdc_platform.protocol.streaming import (
+    PrimaryKeepalive,
+    parse_copy_data,
+    standby_status_update,
+)
+from cdc_platform.protocol.values import TYPE_CATALOG_QUERY, TypeRegistry
+from cdc_platform.replication.connection import SESSION_OPTIONS, ReplicationConnection
+from cdc_platform.replication.slots import SlotState, check_slot_usable, read_slot_async
+from cdc_platform.settings import PostgresSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReadBatch:
+    """What one read produced: assembled events in WAL order, and how many raw messages."""
+
+    events: list
+    wal_messages: int
+
+
+class SlotReader:
+    def __init__(self, settings: PostgresSettings, *, slot: str | None = None,
+                 publications: Sequence[str] | None = None, create_slot: bool = True,
+                 status_interval: float = 1.0, read_limit: int = 4096,
+                 type_registry: TypeRegistry | None = None) -> None:
+        self.settings = settings
+        self.slot = slot or settings.slot
+        self.publications = list(publications or [settings.publication])
+        self.create_slot = create_slot
+        self.status_interval = status_interval
+        self.read_limit = read_limit
+        self.types = type_registry or TypeRegistry()
+        self.assembler = TransactionAssembler(self.types)
+        self.replication: ReplicationConnection | None = None
+        self.catalog: psycopg.AsyncConnection | None = None
+        self.start_lsn = 0
+        self.received_lsn = 0  # highest WAL position received (write position)
+        self.last_commit_end_lsn = 0  # end of the last transaction fully received
+        self.confirmed_lsn = 0  # what we report as flushed
+        self.server_wal_end = 0
+        self._last_status = 0.0
+        # Between Begin and Commit a keepalive may carry a position past the commit being
+        # sent to us; confirming it then would lose that transaction on a crash.
+        self._in_transaction = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def open(self) -> SlotState:
+        """Connect, check or create the slot, and start streaming from its confirmed LSN."""
+        self.catalog = await psycopg.AsyncConnection.connect(
+            self.settings.conninfo(application_name="cdc_platform_catalog",
+                                   options=SESSION_OPTIONS),
+            autocommit=True)
+        state = await read_slot_async(self.catalog, self.slot)
+        self.replication = await ReplicationConnection.connect(
+            self.settings.conninfo(replication=True, application_name="cdc_platform_bridge"),
+            self.settings.describe())
+        identity = await self.replication.identify_system()
+        if state is None:
+            if not self.create_slot:
+                raise ReplicationError(f"replication slot {self.slot} does not exist")
+            created = await self.replication.create_logical_slot(self.slot)
+            log.info("created replication slot %s at %s", self.slot,
+                     format_lsn(created.consistent_point))
+            state = await read_slot_async(self.catalog, self.slot)
+            assert state is not None
+        check_slot_usable(state, database=identity.database or self.settings.database)
+        # The slot's confirmed position is the only correct resume point.
+        self.start_lsn = state.confirmed_flush_lsn or 0
+        self.confirmed_lsn = self.last_commit_end_lsn = self.start_lsn
+        self.received_lsn = self.start_lsn
+        await self.replication.start_replication(self.slot, self.start_lsn, self.publications)
+        log.info("streaming slot %s from %s (publications %s)", self.slot,
+                 format_lsn(self.start_lsn), ",".join(self.publications))
+        self._last_status = time.monotonic()
+        return state
+
+    async def close(self, *, final_status: bool = True) -> None:
+        """Final status update with the confirmed LSN, clean CopyDone, disconnect."""
+        try:
+            if self.replication is not None and final_status:
+                try:
+                    await self.send_status()
+                    await self.replication.end_copy()
+                except ReplicationError as exc:
+                    log.warning("could not end the replication stream cleanly: %s", exc)
+        finally:
+            if self.replication is not None:
+                self.replication.close()
+                self.replication = None
+            if self.catalog is not None:
+                await self.catalog.close()
+                self.catalog = None
+
+    async def __aenter__(self) -> SlotReader:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    # -- reading -------------------------------------------------------------------------
+    async def read(self, timeout: float = 0.5) -> ReadBatch:
+        """Events from whatever arrived within ``timeout`` (possibly none)."""
+        assert self.replication is not None
+        raw = await self.replication.read(
+            timeout=min(timeout, self._until_status()), limit=self.read_limit)
+        events: list = []
+        feed = self.assembler.feed
+        for payload in raw:
+            message = parse_copy_data(payload)
+            if isinstance(message, PrimaryKeepalive):
+                self.server_wal_end = max(self.server_wal_end, message.wal_end)
+                if not self._in_transaction and self.confirmed_lsn >= self.last_commit_end_lsn:
+                    # Nothing in flight: everything up to the server's position is done.
+                    self._advance_idle(message.wal_end)
+                if message.reply_requested:
+                    await self.send_status(reply_requested=False)
+                continue
+            self.received_lsn = max(self.received_lsn, message.wal_end)
+            decoded = decode_message(message.payload)
+            kind = type(decoded)
+            if kind is Begin:
+                self._in_transaction = True
+            elif kind is Relation:
+                await self._ensure_types(decoded)
+            for event in feed(message.wal_start, decoded):
+                events.append(event)
+                if type(event) is TransactionCommitted:
+                    self.last_commit_end_lsn = event.end_lsn
+                    self._in_transaction = False
+        if time.monotonic() - self._last_status >= self.status_interval:
+            await self.send_status()
+        return ReadBatch(events, len(raw))
+
+    def _until_status(self) -> float:
+        return max(0.0, self.status_interval - (time.monotonic() - self._last_status))
+
+    async def _ensure_types(self, relation: Relation) -> None:
+        """Look up non-builtin column types (enums, domains, arrays of them) once."""
+        missing = self.types.missing_oids(c.type_oid for c in relation.columns)
+        while missing:
+            assert self.catalog is not None
+            cursor = await self.catalog.execute(TYPE_CATALOG_QUERY, (list(missing),))
+            self.types.add_catalog_rows(await cursor.fetchall())
+            still = self.types.missing_oids(c.type_oid for c in relation.columns)
+            if still == missing:
+                break  # unknown even to the catalog: converted as text
+            missing = still
+
+    # -- acknowledging -------------------------------------------------------------------
+    def confirm(self, lsn: int) -> None:
+        """Everything up to ``lsn`` (a commit's end LSN) is durably handled downstream."""
+        if lsn > self.confirmed_lsn:
+            self.confirmed_lsn = lsn
+
+    def _advance_idle(self, wal_end: int) -> None:
+        if wal_end > self.confirmed_lsn:
+            self.confirmed_lsn = wal_end
+            self.last_commit_end_lsn = max(self.last_commit_end_lsn, wal_end)
+
+    @property
+    def in_flight(self) -> bool:
+        """Received transactions not yet confirmed."""
+        return self.confirmed_lsn < self.last_commit_end_lsn
+
+    async def send_status(self, *, reply_requested: bool = False) -> None:
+        assert self.replication is not None
+        write = max(self.received_lsn, self.confirmed_lsn)
+        await self.replication.send(standby_status_update(
+            write, self.confirmed_lsn, self.confirmed_lsn, reply_requested=reply_requested))
+        self._last_status = time.monotonic()
+
+    async def slot_state(self) -> SlotState | None:
+        assert self.catalog is not None
+        return await read_slot_async(self.catalog, self.slot)

@@ -1,0 +1,173 @@
+"""Bridge telemetry: Prometheus metrics, ``/status`` JSON, ``/health``, a logfmt METRICS line.
+
+The HTTP server is the standard library's threaded one, bound to 127.0.0.1 by default. The
+only admin action (``POST /shutdown``) is off unless an admin token is configured, and then
+requires ``Authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from cdc_platform.lsn import format_lsn
+
+log = logging.getLogger(__name__)
+
+
+class BridgeMetrics:
+    """Every figure the bridge reports; one registry per bridge (tests run several)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.started = time.monotonic()
+        r = self.registry
+        self.uptime = Gauge("bridge_uptime_seconds", "Seconds since start", registry=r)
+        self.uptime.set_function(lambda: time.monotonic() - self.started)
+        self.wal_messages = Counter("bridge_wal_messages_received",
+                                    "pgoutput messages received", registry=r)
+        self.events_published = Counter("bridge_cdc_events_published",
+                                        "Change events stored by JetStream", registry=r)
+        self.events_by_table = Counter("bridge_cdc_events", "Change events stored, by table/op",
+                                       ["table", "op"], registry=r)
+        self.transactions = Counter("bridge_transactions", "Transactions fully stored",
+                                    registry=r)
+        self.last_ack_lsn = Gauge("bridge_last_ack_lsn",
+                                  "Last LSN confirmed (flushed) to PostgreSQL", registry=r)
+        self.connected = Gauge("bridge_connected", "1 while streaming from PostgreSQL",
+                               registry=r)
+        self.nats_connected = Gauge("bridge_nats_connected", "1 while connected to NATS",
+                                    registry=r)
+        self.reconnects = Counter("bridge_reconnects", "PostgreSQL reconnections", registry=r)
+        self.nats_reconnects = Counter("bridge_nats_reconnects", "NATS reconnections",
+                                       registry=r)
+        self.last_processing_time_us = Gauge(
+            "bridge_last_processing_time_us", "Decode+encode time of the last read batch, "
+            "per message, in microseconds", registry=r)
+        self.slot_active = Gauge("bridge_slot_active", "1 if the slot is active", registry=r)
+        self.wal_lag_bytes = Gauge("bridge_wal_lag_bytes",
+                                   "WAL not yet confirmed by the slot (bytes)", registry=r)
+        self.retained_wal_bytes = Gauge("bridge_retained_wal_bytes",
+                                        "WAL pinned by the slot (bytes)", registry=r)
+        self.heartbeats = Counter("bridge_heartbeats", "Heartbeat messages emitted", registry=r)
+        self.schema_changes = Counter("bridge_schema_changes",
+                                      "Schemas (re)published to KV", registry=r)
+        self.in_flight = Gauge("bridge_in_flight_messages",
+                               "Messages published but not yet acknowledged", registry=r)
+        self.publish_latency = Histogram(
+            "bridge_publish_latency_seconds", "Publish-to-PubAck latency per ack batch",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+                     5, 10), registry=r)
+        self.commit_to_stored = Histogram(
+            "bridge_commit_to_stored_seconds", "PostgreSQL commit time to JetStream PubAck",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+                     30, 60), registry=r)
+        # plain values for /status (gauges hold floats; LSNs are printed as LSNs)
+        self.confirmed_lsn = 0
+        self.current_lsn = 0
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def _value(self, metric) -> float:
+        return metric._value.get()  # noqa: SLF001 - prometheus_client has no public getter
+
+    def status(self) -> dict:
+        connected = bool(self._value(self.connected))
+        return {
+            "status": "connected" if connected else "disconnected",
+            "uptime_seconds": int(time.monotonic() - self.started),
+            "wal_messages_received": int(self._value(self.wal_messages)),
+            "cdc_events_published": int(self._value(self.events_published)),
+            "current_lsn": format_lsn(self.current_lsn),
+            "confirmed_lsn": format_lsn(self.confirmed_lsn),
+            "is_connected": connected,
+            "nats_connected": bool(self._value(self.nats_connected)),
+            "reconnect_count": int(self._value(self.reconnects)),
+            "nats_reconnect_count": int(self._value(self.nats_reconnects)),
+            "last_processing_time_us": self._value(self.last_processing_time_us),
+            "slot_active": bool(self._value(self.slot_active)),
+            "wal_lag_bytes": int(self._value(self.wal_lag_bytes)),
+            "wal_lag_mb": int(self._value(self.wal_lag_bytes)) // (1024 * 1024),
+            "in_flight_messages": int(self._value(self.in_flight)),
+        }
+
+    def logfmt(self) -> str:
+        s = self.status()
+        return (f"METRICS uptime={s['uptime_seconds']} wal_messages={s['wal_messages_received']}"
+                f" cdc_events={s['cdc_events_published']} lsn={s['confirmed_lsn']}"
+                f" connected={int(s['is_connected'])} reconnects={s['reconnect_count']}"
+                f" nats_reconnects={s['nats_reconnect_count']} lag_bytes={s['wal_lag_bytes']}"
+                f" slot_active={int(s['slot_active'])} in_flight={s['in_flight_messages']}")
+
+
+class TelemetryServer:
+    """``/metrics``, ``/status``, ``/health``; ``POST /shutdown`` only with a token."""
+
+    def __init__(self, metrics: BridgeMetrics, *, host: str = "127.0.0.1", port: int = 9090,
+                 admin_token: str | None = None,
+                 on_shutdown: Callable[[], None] | None = None) -> None:
+        self.metrics = metrics
+        telemetry = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib name
+                log.debug("telemetry: " + format, *args)
+
+            def _send(self, code: int, body: bytes, content_type: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _json(self, code: int, value: dict) -> None:
+                self._send(code, json.dumps(value).encode(), "application/json")
+
+            def do_GET(self) -> None:  # noqa: N802 - stdlib name
+                path = self.path.split("?")[0]
+                if path == "/metrics":
+                    self._send(200, telemetry.metrics.exposition(), CONTENT_TYPE_LATEST)
+                elif path == "/status":
+                    self._json(200, telemetry.metrics.status())
+                elif path == "/health":
+                    self._json(200, {"status": "ok"})
+                else:
+                    self._json(404, {"error": "not found"})
+
+            def do_POST(self) -> None:  # noqa: N802 - stdlib name
+                if self.path != "/shutdown":
+                    self._json(404, {"error": "not found"})
+                elif admin_token is None or on_shutdown is None:
+                    self._json(403, {"error": "admin actions are disabled (set "
+                                              "CDC_ADMIN_TOKEN to enable)"})
+                elif not hmac.compare_digest(self.headers.get("Authorization", ""),
+                                             f"Bearer {admin_token}"):
+                    self._json(401, {"error": "bad or missing token"})
+                else:
+                    self._json(202, {"status": "shutting down"})
+                    on_shutdown()
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name="telemetry-http", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
