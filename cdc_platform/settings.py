@@ -197,6 +197,8 @@ class StreamLimits(_Settings):
     max_msgs: int = Field(-1, ge=-1)
     replicas: int = Field(1, ge=1, le=5)
     duplicate_window_seconds: Seconds = 120.0
+    # ADR-50 fast-ingest batch publishing (nats-server >= 2.14); the CDC bridge's fast path.
+    allow_batched: bool = False
 
 
 class CdcStreamSettings(StreamLimits):
@@ -212,6 +214,7 @@ class CdcStreamSettings(StreamLimits):
     duplicate_window_seconds: Seconds = Field(
         120.0, validation_alias=_env("CDC_STREAM_DUPLICATE_WINDOW")
     )
+    allow_batched: bool = Field(True, validation_alias=_env("CDC_STREAM_ALLOW_BATCHED"))
 
 
 class InitStreamSettings(StreamLimits):

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 # Fields we own and compare; anything else on an existing stream is the operator's business.
 _COMPARED = ("subjects", "retention", "storage", "max_age", "max_bytes", "max_msgs",
-             "num_replicas", "duplicate_window", "discard")
+             "num_replicas", "duplicate_window", "discard", "allow_batched")
 _IMMUTABLE = ("storage", "retention")
 
 
@@ -63,6 +63,7 @@ def stream_config(limits: StreamLimits) -> StreamConfig:
         num_replicas=limits.replicas,
         # JetStream refuses a dedupe window longer than the retention.
         duplicate_window=min(limits.duplicate_window_seconds, limits.max_age_seconds),
+        allow_batched=limits.allow_batched or None,
     )
 
 
@@ -86,6 +87,8 @@ def config_differences(existing: StreamConfig, wanted: StreamConfig) -> dict[str
         have, want = getattr(existing, name), getattr(wanted, name)
         if name == "duplicate_window" and not have:
             have = 120.0  # server default when unset
+        if name == "allow_batched":
+            have, want = bool(have), bool(want)
         if _normalized(have) != _normalized(want):
             differences[name] = (have, want)
     return differences

@@ -63,3 +63,14 @@ async def test_conflicting_config_is_reported_field_by_field(nats_client):
         assert (await js.stream_info("CDC_conflict")).config.max_age == 7200
     finally:
         await _delete(js, topology)
+
+
+async def test_cdc_stream_allows_fast_ingest_batches(nats_client):
+    js = nats_client.jetstream()
+    topology = _isolated_topology("batched")
+    await provision(js, topology)
+    try:
+        assert (await js.stream_info("CDC_batched")).config.allow_batched is True
+        assert not (await js.stream_info("INIT_batched")).config.allow_batched
+    finally:
+        await _delete(js, topology)
