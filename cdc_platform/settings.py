@@ -261,6 +261,39 @@ class EncodingSettings(_Settings):
     chunk_rows: int = Field(10_000, ge=1, validation_alias=_env("CDC_CHUNK_ROWS"))
 
 
+class BridgeSettings(_Settings):
+    """How the CDC bridge runs (message mode, heartbeats, telemetry, monitoring)."""
+
+    message_mode: Literal["per-change", "batched"] = Field(
+        "per-change", validation_alias=_env("CDC_MESSAGE_MODE"))
+    publish_mode: Literal["auto", "fast-batch", "per-message"] = Field(
+        "auto", validation_alias=_env("CDC_PUBLISH_MODE"))
+    batch_max_events: int = Field(500, ge=1, le=10_000,
+                                  validation_alias=_env("CDC_BATCH_MAX_EVENTS"))
+    heartbeat_interval_seconds: Seconds = Field(
+        10.0, gt=0, validation_alias=_env("CDC_HEARTBEAT_INTERVAL"))
+    status_interval_seconds: Seconds = Field(
+        1.0, gt=0, le=10, validation_alias=_env("CDC_STATUS_INTERVAL"))
+    http_host: str = Field("127.0.0.1", validation_alias=_env("CDC_HTTP_HOST"))
+    http_port: int = Field(9090, ge=0, le=65535, validation_alias=_env("CDC_HTTP_PORT"))
+    admin_token: SecretStr | None = Field(None, validation_alias=_env("CDC_ADMIN_TOKEN"))
+    metrics_log_interval_seconds: Seconds = Field(
+        15.0, gt=0, validation_alias=_env("CDC_METRICS_LOG_INTERVAL"))
+    lag_check_interval_seconds: Seconds = Field(
+        30.0, gt=0, validation_alias=_env("CDC_LAG_CHECK_INTERVAL"))
+    lag_warn_bytes: Bytes = Field(512 * 1024**2, validation_alias=_env("CDC_LAG_WARN"))
+    lag_critical_bytes: Bytes = Field(1024**3, validation_alias=_env("CDC_LAG_CRITICAL"))
+    max_in_flight_messages: int = Field(20_000, ge=100,
+                                        validation_alias=_env("CDC_MAX_IN_FLIGHT"))
+    max_in_flight_bytes: Bytes = Field(64 * 1024**2,
+                                       validation_alias=_env("CDC_MAX_IN_FLIGHT_BYTES"))
+    reconnect_min_seconds: Seconds = Field(1.0, gt=0, validation_alias=_env("CDC_RECONNECT_MIN"))
+    reconnect_max_seconds: Seconds = Field(30.0, gt=0,
+                                           validation_alias=_env("CDC_RECONNECT_MAX"))
+    shutdown_timeout_seconds: Seconds = Field(
+        30.0, gt=0, validation_alias=_env("CDC_SHUTDOWN_TIMEOUT"))
+
+
 class NatsTopology(_Settings):
     """All the JetStream objects the platform provisions."""
 
@@ -277,6 +310,7 @@ class PlatformSettings(_Settings):
     nats: NatsSettings = Field(default_factory=NatsSettings)
     topology: NatsTopology = Field(default_factory=NatsTopology)
     encoding: EncodingSettings = Field(default_factory=EncodingSettings)
+    bridge: BridgeSettings = Field(default_factory=BridgeSettings)
 
 
 def _env_name(model: type[BaseSettings], field: str) -> str:
@@ -296,7 +330,8 @@ def load_settings(model: type[_Settings] = PlatformSettings, **overrides: Any) -
             # names the right variable.
             parts = {}
             for name, sub in (("postgres", PostgresSettings), ("nats", NatsSettings),
-                              ("topology", NatsTopology), ("encoding", EncodingSettings)):
+                              ("topology", NatsTopology), ("encoding", EncodingSettings),
+                              ("bridge", BridgeSettings)):
                 parts[name] = overrides.pop(name, None) or load_settings(sub)
             return PlatformSettings(**parts)
         if model is NatsTopology:

@@ -1,0 +1,225 @@
+"""Change records -> JetStream messages, in the two documented message modes.
+
+Pure: no I/O. ``MessageBuilder`` keeps per-relation wire names and schema fingerprints (from
+Relation messages) and turns the assembler's events into :class:`OutgoingMessage` lists.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from cdc_platform.lsn import format_lsn
+from cdc_platform.naming import wire_name
+from cdc_platform.protocol.changes import (
+    ChangeRecord,
+    LogicalMessageReceived,
+    RelationChanged,
+    TransactionCommitted,
+)
+from cdc_platform.protocol.pgoutput import Relation
+from cdc_platform.publishing.jetstream import OutgoingMessage
+from cdc_platform.wire import (
+    HEADER_SCHEMA_FINGERPRINT,
+    WATERMARK_PREFIX,
+    batch_msg_id,
+    cdc_batch_subject,
+    cdc_subject,
+    change_msg_id,
+    encoder,
+    schema_fingerprint,
+    watermark_subject,
+)
+
+MessageMode = Literal["per-change", "batched"]
+BATCH_MAX_EVENTS = 500
+_ARRAY32 = b"\xdd"  # msgpack array32 header: batches are the already-packed events joined
+
+
+def relation_fingerprint(relation: Relation) -> str:
+    return schema_fingerprint(
+        [(c.name, c.type_oid, c.type_modifier, c.is_key) for c in relation.columns],
+        relation.replica_identity)
+
+
+@dataclass(slots=True)
+class _RelationInfo:
+    wire_name: str
+    fingerprint: str
+    subjects: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class BuiltBatch:
+    """What one read batch turns into."""
+
+    messages: list[OutgoingMessage]
+    position: int | None  # end LSN of the last transaction fully contained so far
+    changed_relations: list[Relation]
+    watermarks: list[dict[str, Any]]
+    changes: int
+
+
+class MessageBuilder:
+    def __init__(self, fmt: Literal["msgpack", "json"] = "msgpack",
+                 mode: MessageMode = "per-change", batch_max_events: int = BATCH_MAX_EVENTS,
+                 batch_max_bytes: int = 900 * 1024) -> None:
+        self.format = fmt
+        self.mode = mode
+        self.encode = encoder(fmt)
+        self.batch_max_events = batch_max_events
+        self.batch_max_bytes = batch_max_bytes
+        self._relations: dict[int, _RelationInfo] = {}
+        # the open batch (batched mode): events of one table/op within one transaction
+        self._batch_key: tuple[int, str] | None = None
+        self._batch_events: list[bytes] = []
+        self._batch_bytes = 0
+        self._batch_first = 0
+        self._batch_last = 0
+        self._batch_commit_lsn = 0
+        self._batch_fingerprint = ""
+        self._batch_subject = ""
+        self._commit_lsn_text = ("", 0)
+
+    # -- relation bookkeeping ----------------------------------------------------------------
+    def register(self, relation: Relation) -> None:
+        self._relations[relation.relation_id] = _RelationInfo(
+            wire_name(relation.namespace, relation.name), relation_fingerprint(relation))
+
+    def _info(self, record: ChangeRecord) -> _RelationInfo:
+        info = self._relations.get(record.relation_id)
+        if info is None:  # pgoutput always sends Relation first; be safe anyway
+            info = _RelationInfo(wire_name(record.schema, record.table), "")
+            self._relations[record.relation_id] = info
+        return info
+
+    # -- events ----------------------------------------------------------------------------
+    def event_map(self, record: ChangeRecord, info: _RelationInfo, subject: str,
+                  msg_id: str) -> dict[str, Any]:
+        commit_lsn_text = self._commit_lsn_text
+        if commit_lsn_text[1] != record.commit_lsn:
+            commit_lsn_text = self._commit_lsn_text = (format_lsn(record.commit_lsn),
+                                                       record.commit_lsn)
+        operation = record.operation
+        event = {
+            "table": info.wire_name,
+            "schema": record.schema,
+            "operation": operation,
+            "relation_id": record.relation_id,
+            "lsn": format_lsn(record.lsn),
+            "commit_lsn": commit_lsn_text[0],
+            "xid": record.xid,
+            "commit_ts": record.commit_ts,
+            "ordinal": record.ordinal,
+            "msg_id": msg_id,
+            "subject": subject,
+            # DELETE: the old key/row, as the seed bridge sent it in "data"
+            "data": record.old if operation == "DELETE" else record.new,
+            "unchanged_toast": list(record.unchanged_toast),
+            "schema_fingerprint": info.fingerprint,
+        }
+        if record.old is not None:
+            event["old"] = record.old
+            event["old_kind"] = record.old_kind
+        if operation == "TRUNCATE":
+            event["cascade"] = record.cascade
+            event["restart_identity"] = record.restart_identity
+        return event
+
+    def build(self, events: Iterable[Any]) -> BuiltBatch:
+        messages: list[OutgoingMessage] = []
+        position: int | None = None
+        changed: list[Relation] = []
+        watermarks: list[dict[str, Any]] = []
+        changes = 0
+        per_change = self.mode == "per-change"
+        for event in events:
+            kind = type(event)
+            if kind is ChangeRecord:
+                changes += 1
+                if per_change:
+                    messages.append(self._single(event))
+                else:
+                    self._add_to_batch(event, messages)
+            elif kind is TransactionCommitted:
+                if not per_change:
+                    self._close_batch(messages)
+                position = event.end_lsn
+            elif kind is RelationChanged:
+                self.register(event.relation)
+                changed.append(event.relation)
+            elif kind is LogicalMessageReceived and event.prefix == WATERMARK_PREFIX:
+                if not per_change:
+                    self._close_batch(messages)
+                mark = self._watermark(event)
+                watermarks.append(mark)
+                messages.append(OutgoingMessage(
+                    mark["subject"], mark["msg_id"], self.encode(mark)))
+        return BuiltBatch(messages, position, changed, watermarks, changes)
+
+    def _single(self, record: ChangeRecord) -> OutgoingMessage:
+        info = self._info(record)
+        operation = record.operation
+        subject = info.subjects.get(operation)
+        if subject is None:
+            subject = info.subjects[operation] = cdc_subject(info.wire_name, operation)
+        msg_id = change_msg_id(record.commit_lsn, record.ordinal)
+        payload = self.encode(self.event_map(record, info, subject, msg_id))
+        return OutgoingMessage(subject, msg_id, payload,
+                               ((HEADER_SCHEMA_FINGERPRINT, info.fingerprint),))
+
+    # -- batched mode ----------------------------------------------------------------------------
+    def _add_to_batch(self, record: ChangeRecord, out: list[OutgoingMessage]) -> None:
+        key = (record.relation_id, record.operation)
+        if key != self._batch_key or record.commit_lsn != self._batch_commit_lsn:
+            self._close_batch(out)
+        info = self._info(record)
+        subject = cdc_batch_subject(info.wire_name, record.operation)
+        msg_id = change_msg_id(record.commit_lsn, record.ordinal)
+        packed = self.encode(self.event_map(record, info, subject, msg_id))
+        if self._batch_events and (len(self._batch_events) >= self.batch_max_events
+                                   or self._batch_bytes + len(packed) > self.batch_max_bytes):
+            self._close_batch(out)  # cut by content only: a replay cuts the same batches
+        if not self._batch_events:
+            self._batch_key = key
+            self._batch_commit_lsn = record.commit_lsn
+            self._batch_first = record.ordinal
+            self._batch_subject = subject
+            self._batch_fingerprint = info.fingerprint
+        self._batch_events.append(packed)
+        self._batch_bytes += len(packed)
+        self._batch_last = record.ordinal
+
+    def _close_batch(self, out: list[OutgoingMessage]) -> None:
+        if not self._batch_events:
+            self._batch_key = None
+            return
+        if self.format == "msgpack":
+            payload = _ARRAY32 + len(self._batch_events).to_bytes(4, "big") + b"".join(
+                self._batch_events)
+        else:
+            payload = b"[" + b",".join(self._batch_events) + b"]"
+        out.append(OutgoingMessage(
+            self._batch_subject,
+            batch_msg_id(self._batch_commit_lsn, self._batch_first, self._batch_last),
+            payload, ((HEADER_SCHEMA_FINGERPRINT, self._batch_fingerprint),)))
+        self._batch_events = []
+        self._batch_bytes = 0
+        self._batch_key = None
+
+    # -- snapshot watermarks --------------------------------------------------------------------
+    def _watermark(self, event: LogicalMessageReceived) -> dict[str, Any]:
+        details = json.loads(event.content)
+        snapshot_id = details["snapshot_id"]
+        subject = watermark_subject(snapshot_id)
+        return {
+            "type": "watermark",
+            "snapshot_id": snapshot_id,
+            "table": details.get("table"),
+            "lsn": format_lsn(event.lsn),
+            "commit_lsn": format_lsn(event.commit_lsn) if event.commit_lsn else None,
+            "subject": subject,
+            "msg_id": f"watermark:{snapshot_id}",
+        }

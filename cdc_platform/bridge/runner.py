@@ -1,0 +1,374 @@
+"""The CDC bridge: slot -> typed events -> JetStream, acking PostgreSQL only what is stored.
+
+One asyncio task reads the slot, builds messages and hands them to the publisher; the LSN
+confirmed to PostgreSQL is always the publisher's ``stored_position`` (the end LSN of the
+last transaction whose every message, and every earlier message, JetStream acknowledged).
+Side tasks emit heartbeats (so an idle slot still advances), watch the slot's lag, and log a
+METRICS line. PostgreSQL going away -> reconnect with backoff and resume from the slot; NATS
+going away -> the publisher holds and resends, the reader stops reading (bounded memory) but
+keeps answering the server, so nothing times out and nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from nats.js.errors import NotFoundError
+
+from cdc_platform.bridge.events import MessageBuilder
+from cdc_platform.errors import CdcError, ReplicationError, SlotLostError
+from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.lsn import format_lsn
+from cdc_platform.postgres.catalog import (
+    TableSchema,
+    published_tables_async,
+    table_schema_async,
+)
+from cdc_platform.protocol.pgoutput import Relation
+from cdc_platform.publishing.jetstream import JetStreamPublisher
+from cdc_platform.replication.reader import SlotReader
+from cdc_platform.replication.slots import read_slot_async
+from cdc_platform.settings import PlatformSettings
+from cdc_platform.telemetry import BridgeMetrics, TelemetryServer
+from cdc_platform.wire import HEARTBEAT_PREFIX, encoder
+
+log = logging.getLogger(__name__)
+
+Observer = Callable[[dict[str, Any]], None]
+
+
+class CdcBridge:
+    def __init__(self, settings: PlatformSettings, *, metrics: BridgeMetrics | None = None,
+                 observer: Observer | None = None, observe_interval: float = 30.0) -> None:
+        self.settings = settings
+        self.options = settings.bridge
+        self.metrics = metrics or BridgeMetrics()
+        self.observer = observer
+        self.observe_interval = observe_interval
+        self.builder = MessageBuilder(settings.encoding.format, self.options.message_mode,
+                                      self.options.batch_max_events)
+        self.encode = encoder(settings.encoding.format)
+        self.stop_requested = asyncio.Event()
+        self.fatal: BaseException | None = None
+        self.reader: SlotReader | None = None
+        self.publisher: JetStreamPublisher | None = None
+        self._kv = None
+        self._published_fingerprints: dict[str, str] = {}
+        self.telemetry: TelemetryServer | None = None
+
+    def request_stop(self) -> None:
+        """Graceful stop from any thread-free context (signal handler, HTTP admin, Dagster)."""
+        self.stop_requested.set()
+
+    # -- top level -------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Stream until :meth:`request_stop`; raises on a fatal error (bad config, lost slot)."""
+        pg = self.settings.postgres
+        nc = await connect_nats(self.settings.nats, name="cdc-platform-bridge",
+                                reconnect_forever=True)
+        self.metrics.nats_connected.set(1)
+        loop = asyncio.get_running_loop()
+        if self.options.http_port:
+            token = self.options.admin_token
+            self.telemetry = TelemetryServer(
+                self.metrics, host=self.options.http_host, port=self.options.http_port,
+                admin_token=token.get_secret_value() if token else None,
+                on_shutdown=lambda: loop.call_soon_threadsafe(self.request_stop))
+            self.telemetry.start()
+            log.info("telemetry on http://%s:%s/metrics", self.options.http_host,
+                     self.telemetry.port)
+        side_tasks: list[asyncio.Task] = []
+        try:
+            js = nc.jetstream()
+            stream = self.settings.topology.cdc.name
+            try:
+                await js.stream_info(stream)
+                self._kv = await js.key_value(self.settings.topology.schemas.bucket)
+            except NotFoundError:
+                raise CdcError(f"JetStream stream {stream} or KV bucket "
+                               f"{self.settings.topology.schemas.bucket} is missing: run "
+                               "`cdc-platform provision` first") from None
+            self.publisher = JetStreamPublisher(
+                nc, stream=stream, mode=self.options.publish_mode,
+                max_in_flight_messages=self.options.max_in_flight_messages,
+                max_in_flight_bytes=self.options.max_in_flight_bytes)
+            await self.publisher.start()
+            self._watch_nats(nc)
+            side_tasks = [asyncio.create_task(coro, name=name) for name, coro in (
+                ("heartbeat", self._heartbeat_loop()),
+                ("lag-monitor", self._lag_loop()),
+                ("metrics-log", self._metrics_log_loop()),
+            )]
+            await self._replicate_with_reconnects()
+            log.info("bridge stopped; confirmed LSN %s", format_lsn(self.metrics.confirmed_lsn))
+        finally:
+            for task in side_tasks:
+                task.cancel()
+            for task in side_tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            if self.publisher is not None:
+                with contextlib.suppress(Exception):
+                    await self.publisher.close(timeout=5)
+            with contextlib.suppress(Exception):
+                await nc.close()
+            if self.telemetry is not None:
+                self.telemetry.stop()
+        if self.fatal is not None:
+            raise self.fatal
+
+    def _watch_nats(self, nc) -> None:
+        previous_disconnect = nc._disconnected_cb  # noqa: SLF001 - chain, do not replace
+        previous_reconnect = nc._reconnected_cb  # noqa: SLF001
+
+        async def on_disconnect() -> None:
+            self.metrics.nats_connected.set(0)
+            if self.publisher is not None:
+                self.publisher.connection_changed()
+            if previous_disconnect:
+                await previous_disconnect()
+
+        async def on_reconnect() -> None:
+            self.metrics.nats_connected.set(1)
+            self.metrics.nats_reconnects.inc()
+            if self.publisher is not None:
+                self.publisher.connection_changed()
+            if previous_reconnect:
+                await previous_reconnect()
+
+        nc._disconnected_cb = on_disconnect  # noqa: SLF001
+        nc._reconnected_cb = on_reconnect  # noqa: SLF001
+
+    async def _replicate_with_reconnects(self) -> None:
+        delay = self.options.reconnect_min_seconds
+        ever_streamed = False
+        while not self.stop_requested.is_set():
+            reader = SlotReader(self.settings.postgres,
+                                status_interval=self.options.status_interval_seconds)
+            self.reader = reader
+            try:
+                await reader.open()
+                ever_streamed = True
+                delay = self.options.reconnect_min_seconds
+                self.metrics.connected.set(1)
+                self.metrics.slot_active.set(1)
+                await self._publish_all_schemas(reader)
+                await self._stream(reader)
+            except SlotLostError:
+                raise
+            except (ReplicationError, psycopg.OperationalError, OSError) as exc:
+                if not ever_streamed:
+                    raise  # wrong credentials, no such publication...: say so, do not loop
+                self.metrics.reconnects.inc()
+                log.warning("PostgreSQL connection lost (%s); reconnecting in %.1fs", exc, delay)
+            finally:
+                self.metrics.connected.set(0)
+                self.metrics.slot_active.set(0)
+                await self._close_reader(reader)
+                self.reader = None
+            if not self.stop_requested.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop_requested.wait(),
+                                           delay * (0.8 + 0.4 * random.random()))
+                delay = min(delay * 2, self.options.reconnect_max_seconds)
+
+    async def _close_reader(self, reader: SlotReader) -> None:
+        """Final ack: everything stored is confirmed before the connection goes."""
+        if self.publisher is not None and self.publisher.stored_position:
+            reader.confirm(self.publisher.stored_position)
+        self.metrics.confirmed_lsn = reader.confirmed_lsn
+        self.metrics.last_ack_lsn.set(reader.confirmed_lsn)
+        with contextlib.suppress(Exception):
+            await reader.close()
+
+    # -- the hot loop ------------------------------------------------------------------------
+    async def _stream(self, reader: SlotReader) -> None:
+        metrics = self.metrics
+        publisher = self.publisher
+        assert publisher is not None
+        build = self.builder.build
+        perf_counter = time.perf_counter
+        while not self.stop_requested.is_set():
+            batch = await reader.read(timeout=0.1)
+            if not batch.wal_messages:
+                self._confirm_stored(reader)
+                continue
+            started = perf_counter()
+            metrics.wal_messages.inc(batch.wal_messages)
+            built = build(batch.events)
+            for relation in built.changed_relations:
+                await self._publish_schema_from_relation(reader, relation)
+            if built.messages or built.position is not None:
+                metrics.last_processing_time_us.set(
+                    (perf_counter() - started) * 1e6 / batch.wal_messages)
+                await self._publish(reader, built.messages, built.position)
+                metrics.events_published.inc(built.changes)
+            self._confirm_stored(reader)
+            metrics.current_lsn = reader.received_lsn
+        # graceful stop: drain what is in flight (bounded), then the final ack in finally
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(publisher.flush(), self.options.shutdown_timeout_seconds)
+        self._confirm_stored(reader)
+
+    async def _publish(self, reader: SlotReader, messages, position) -> None:
+        """Publish, but keep answering PostgreSQL while the publisher applies backpressure
+        (a NATS outage must not make the walsender time us out)."""
+        assert self.publisher is not None
+        task = asyncio.ensure_future(self.publisher.publish(messages, position))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=self.options.status_interval_seconds)
+            if done:
+                task.result()
+                return
+            self._confirm_stored(reader)
+            await reader.send_status()
+
+    def _confirm_stored(self, reader: SlotReader) -> None:
+        assert self.publisher is not None
+        stored = self.publisher.stored_position
+        if stored is not None:
+            reader.confirm(stored)
+        self.metrics.confirmed_lsn = reader.confirmed_lsn
+        self.metrics.last_ack_lsn.set(reader.confirmed_lsn)
+        self.metrics.in_flight.set(self.publisher.in_flight_messages)
+
+    # -- schemas -----------------------------------------------------------------------------
+    async def _publish_all_schemas(self, reader: SlotReader) -> None:
+        assert reader.catalog is not None
+        publication = self.settings.postgres.publication
+        for schema, table in await published_tables_async(reader.catalog, publication):
+            found = await table_schema_async(reader.catalog, publication, schema, table)
+            if found is not None:
+                await self._put_schema(found)
+
+    async def _publish_schema_from_relation(self, reader: SlotReader,
+                                            relation: Relation) -> None:
+        """The Relation message is authoritative for the columns at this point of the WAL;
+        the catalog adds nullability and defaults where the column still exists."""
+        assert reader.catalog is not None
+        current = await table_schema_async(reader.catalog, self.settings.postgres.publication,
+                                           relation.namespace, relation.name)
+        await self._put_schema(schema_from_relation(relation, current))
+
+    async def _put_schema(self, schema: TableSchema) -> None:
+        key = schema.wire_name
+        if self._published_fingerprints.get(key) == schema.fingerprint:
+            return
+        value = self.encode(schema.to_wire())
+        while True:
+            try:
+                await self._kv.put(key, value)
+                break
+            except Exception as exc:  # noqa: BLE001 - NATS away: retry until it is back
+                if self.stop_requested.is_set():
+                    return
+                log.warning("could not store schema of %s in KV (%s); retrying", key, exc)
+                await asyncio.sleep(1.0)
+        self._published_fingerprints[key] = schema.fingerprint
+        self.metrics.schema_changes.inc()
+        log.info("schema of %s published (fingerprint %s)", key, schema.fingerprint)
+
+    # -- side tasks ------------------------------------------------------------------------
+    async def _sql_connection(self) -> psycopg.AsyncConnection:
+        return await psycopg.AsyncConnection.connect(
+            self.settings.postgres.conninfo(application_name="cdc_platform_monitor"),
+            autocommit=True)
+
+    async def _heartbeat_loop(self) -> None:
+        """A transactional logical message every interval: when the published tables are
+        idle the slot still gets a commit to confirm, so WAL does not pile up."""
+        conn = None
+        while True:
+            await asyncio.sleep(self.options.heartbeat_interval_seconds)
+            try:
+                if conn is None or conn.closed:
+                    conn = await self._sql_connection()
+                await conn.execute("SELECT pg_logical_emit_message(true, %s, %s)",
+                                   (HEARTBEAT_PREFIX, str(int(time.time()))))
+                self.metrics.heartbeats.inc()
+            except psycopg.Error as exc:
+                log.warning("heartbeat failed: %s", exc)
+                conn = None
+
+    async def _lag_loop(self) -> None:
+        conn = None
+        last_observation = 0.0
+        last_events = 0.0
+        while True:
+            try:
+                if conn is None or conn.closed:
+                    conn = await self._sql_connection()
+                state = await read_slot_async(conn, self.settings.postgres.slot)
+                if state is not None:
+                    self._check_lag(state)
+                    now = time.monotonic()
+                    if self.observer and now - last_observation >= self.observe_interval:
+                        events = self.metrics._value(self.metrics.events_published)  # noqa: SLF001
+                        rate = ((events - last_events) / (now - last_observation)
+                                if last_observation else 0.0)
+                        last_observation, last_events = now, events
+                        self.observer({
+                            "confirmed_lsn": format_lsn(state.confirmed_flush_lsn or 0),
+                            "lag_bytes": state.lag_bytes or 0,
+                            "retained_wal_bytes": state.retained_wal_bytes or 0,
+                            "events_per_second": round(rate, 1),
+                            "events_published": int(events),
+                        })
+            except SlotLostError as exc:
+                self.fatal = exc
+                log.error("%s", exc)
+                self.request_stop()
+                return
+            except psycopg.Error as exc:
+                log.warning("slot lag check failed: %s", exc)
+                conn = None
+            await asyncio.sleep(min(self.options.lag_check_interval_seconds,
+                                    self.observe_interval))
+
+    def _check_lag(self, state) -> None:
+        if state.lost:
+            raise SlotLostError(
+                f"slot {state.slot_name} was invalidated (its WAL was removed): changes are "
+                "lost. Drop the slot, restart the bridge, and re-snapshot the tables")
+        lag = state.lag_bytes or 0
+        self.metrics.wal_lag_bytes.set(lag)
+        self.metrics.retained_wal_bytes.set(state.retained_wal_bytes or 0)
+        if lag >= self.options.lag_critical_bytes:
+            log.error("CRITICAL: slot %s lags %d MB behind (wal_status=%s): NATS or the bridge "
+                      "is not keeping up; past max_slot_wal_keep_size the slot is invalidated",
+                      state.slot_name, lag // 2**20, state.wal_status)
+        elif lag >= self.options.lag_warn_bytes:
+            log.warning("slot %s lags %d MB behind (wal_status=%s)", state.slot_name,
+                        lag // 2**20, state.wal_status)
+
+    async def _metrics_log_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.metrics_log_interval_seconds)
+            log.info("%s", self.metrics.logfmt())
+
+
+def schema_from_relation(relation: Relation, current: TableSchema | None) -> TableSchema:
+    from cdc_platform.postgres.catalog import ColumnInfo
+
+    by_name = {c.name: c for c in current.columns} if current else {}
+    columns = []
+    for position, column in enumerate(relation.columns, start=1):
+        known = by_name.get(column.name)
+        same_type = known is not None and known.type_oid == column.type_oid
+        columns.append(ColumnInfo(
+            name=column.name, position=position,
+            data_type=known.data_type if same_type else str(column.type_oid),
+            is_nullable=known.is_nullable if same_type else True,
+            column_default=known.column_default if same_type else None,
+            type_oid=column.type_oid, type_modifier=column.type_modifier,
+            is_key=column.is_key,
+            is_primary_key=known.is_primary_key if same_type else False))
+    return TableSchema(relation.namespace, relation.name, relation.relation_id,
+                       relation.replica_identity, tuple(columns))

@@ -1,0 +1,167 @@
+"""What the catalog says about published tables: which they are, and their schemas.
+
+The schema published to KV ``schemas`` and its fingerprint are computed here from the
+catalog, and from pgoutput Relation messages by the bridge; both give the same fingerprint
+for the same table shape (the columns pgoutput sends: not dropped, not generated, within the
+publication's column list; key flags as pgoutput sets them).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from cdc_platform.errors import SnapshotRequestRefused
+from cdc_platform.naming import parse_wire_name, qualified_name, wire_name
+from cdc_platform.wire import schema_fingerprint
+
+_PUBLISHED_TABLES = """
+SELECT schemaname, tablename FROM pg_publication_tables
+WHERE pubname = %s ORDER BY schemaname, tablename
+"""
+
+# Columns as pgoutput sends them. attnames (PG15+) is the publication's column list.
+_COLUMNS = """
+SELECT a.attname, a.attnum, format_type(a.atttypid, a.atttypmod), NOT a.attnotnull,
+       pg_get_expr(d.adbin, d.adrelid), a.atttypid::int, a.atttypmod,
+       c.relreplident,
+       CASE c.relreplident
+         WHEN 'f' THEN true
+         WHEN 'n' THEN false
+         WHEN 'i' THEN a.attnum = ANY(ri.indkey)
+         ELSE a.attnum = ANY(pk.indkey)
+       END AS is_key,
+       COALESCE(a.attnum = ANY(pk.indkey), false) AS is_primary_key,
+       c.oid::int
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+LEFT JOIN pg_attrdef d ON d.adrelid = c.oid AND d.adnum = a.attnum
+LEFT JOIN pg_index pk ON pk.indrelid = c.oid AND pk.indisprimary
+LEFT JOIN pg_index ri ON ri.indrelid = c.oid AND ri.indisreplident
+JOIN pg_publication_tables pt
+  ON pt.pubname = %(publication)s AND pt.schemaname = n.nspname AND pt.tablename = c.relname
+WHERE n.nspname = %(schema)s AND c.relname = %(table)s AND a.attgenerated = ''
+  AND (pt.attnames IS NULL OR a.attname = ANY(pt.attnames))
+ORDER BY a.attnum
+"""
+
+REPLICA_IDENTITY_NAMES = {"d": "default", "f": "full", "i": "index", "n": "nothing"}
+
+
+@dataclass(frozen=True, slots=True)
+class ColumnInfo:
+    name: str
+    position: int
+    data_type: str
+    is_nullable: bool
+    column_default: str | None
+    type_oid: int
+    type_modifier: int
+    is_key: bool
+    is_primary_key: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TableSchema:
+    schema: str
+    table: str
+    relation_id: int
+    replica_identity: str  # d f i n, as in pg_class.relreplident and pgoutput
+    columns: tuple[ColumnInfo, ...]
+    captured_at: float = field(default_factory=time.time)
+
+    @property
+    def wire_name(self) -> str:
+        return wire_name(self.schema, self.table)
+
+    @property
+    def primary_key(self) -> list[str]:
+        return [c.name for c in self.columns if c.is_primary_key]
+
+    @property
+    def fingerprint(self) -> str:
+        return schema_fingerprint(
+            [(c.name, c.type_oid, c.type_modifier, c.is_key) for c in self.columns],
+            self.replica_identity)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The KV ``schemas`` value (seed fields first, then ours)."""
+        return {
+            "table": self.wire_name,
+            "schema": qualified_name(self.schema, self.table),
+            "timestamp": int(self.captured_at),
+            "columns": [
+                {"name": c.name, "position": c.position, "data_type": c.data_type,
+                 "is_nullable": c.is_nullable, "column_default": c.column_default,
+                 "type_oid": c.type_oid, "is_key": c.is_key}
+                for c in self.columns
+            ],
+            "namespace": self.schema,
+            "name": self.table,
+            "relation_id": self.relation_id,
+            "primary_key": self.primary_key,
+            "replica_identity": REPLICA_IDENTITY_NAMES.get(self.replica_identity,
+                                                           self.replica_identity),
+            "fingerprint": self.fingerprint,
+        }
+
+
+def published_tables(conn: psycopg.Connection, publication: str) -> list[tuple[str, str]]:
+    return [tuple(row) for row in conn.execute(_PUBLISHED_TABLES, (publication,)).fetchall()]
+
+
+async def published_tables_async(conn: psycopg.AsyncConnection,
+                                 publication: str) -> list[tuple[str, str]]:
+    cursor = await conn.execute(_PUBLISHED_TABLES, (publication,))
+    return [tuple(row) for row in await cursor.fetchall()]
+
+
+def _schema_from_rows(schema: str, table: str, rows: list) -> TableSchema | None:
+    if not rows:
+        return None
+    columns = tuple(ColumnInfo(name, position, data_type, nullable, default, type_oid, typmod,
+                               bool(is_key), bool(is_pk))
+                    for (name, position, data_type, nullable, default, type_oid, typmod, _,
+                         is_key, is_pk, _) in rows)
+    return TableSchema(schema, table, rows[0][10], rows[0][7], columns)
+
+
+def table_schema(conn: psycopg.Connection, publication: str, schema: str,
+                 table: str) -> TableSchema | None:
+    """The table's published shape, or None if it is not in the publication."""
+    rows = conn.execute(_COLUMNS, {"publication": publication, "schema": schema,
+                                   "table": table}).fetchall()
+    return _schema_from_rows(schema, table, rows)
+
+
+async def table_schema_async(conn: psycopg.AsyncConnection, publication: str, schema: str,
+                             table: str) -> TableSchema | None:
+    cursor = await conn.execute(_COLUMNS, {"publication": publication, "schema": schema,
+                                           "table": table})
+    return _schema_from_rows(schema, table, await cursor.fetchall())
+
+
+def resolve_published_table(conn: psycopg.Connection, publication: str,
+                            requested: str) -> TableSchema:
+    """A wire table name from a request -> its schema, or a clear refusal."""
+    try:
+        schema, table = parse_wire_name(requested)
+    except ValueError:
+        raise SnapshotRequestRefused(
+            f"{requested!r} is not a valid table name (public tables: users; others: "
+            "schema/table, with =XX escapes)") from None
+    found = table_schema(conn, publication, schema, table)
+    if found is None:
+        exists = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n "
+            "ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s)",
+            (schema, table)).fetchone()[0]
+        reason = "is not in publication" if exists else "does not exist; publication is"
+        raise SnapshotRequestRefused(
+            f"table {qualified_name(schema, table)} {reason} {publication}: refusing to "
+            "snapshot it")
+    return found
