@@ -74,6 +74,35 @@ def _cmd_setup_db(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bridge(args: argparse.Namespace) -> int:
+    import os
+    import signal
+
+    from cdc_platform.bridge.runner import CdcBridge
+    from cdc_platform.settings import load_settings
+
+    # Flags override the environment (the seed bridge's flags, same meaning).
+    for flag, variable in ((args.slot, "CDC_SLOT"), (args.pub, "CDC_PUBLICATION"),
+                           (args.port, "CDC_HTTP_PORT")):
+        if flag is not None:
+            os.environ[variable] = str(flag)
+    if args.json:
+        os.environ["CDC_FORMAT"] = "json"
+    if args.batched:
+        os.environ["CDC_MESSAGE_MODE"] = "batched"
+    settings = load_settings()
+
+    async def run() -> None:
+        bridge = CdcBridge(settings)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, bridge.request_stop)
+        await bridge.run()
+
+    asyncio.run(run())
+    return 0
+
+
 def _cmd_check_config(args: argparse.Namespace) -> int:
     from cdc_platform.settings import load_settings
 
@@ -111,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also apply sql/00_server_settings.sql (needs a restart)")
     setup.add_argument("tables", nargs="*", help="tables to publish")
     setup.set_defaults(handler=_cmd_setup_db)
+
+    bridge = commands.add_parser("bridge", help="stream the slot into JetStream (until Ctrl-C)")
+    bridge.add_argument("--slot", help="replication slot (CDC_SLOT; created if missing)")
+    bridge.add_argument("--pub", help="publication (CDC_PUBLICATION)")
+    bridge.add_argument("--port", type=int, help="telemetry HTTP port (CDC_HTTP_PORT, 9090)")
+    bridge.add_argument("--json", action="store_true", help="JSON payloads (CDC_FORMAT=json)")
+    bridge.add_argument("--batched", action="store_true",
+                        help="batched messages on cdc.{table}.{op}.batch (CDC_MESSAGE_MODE)")
+    bridge.set_defaults(handler=_cmd_bridge)
 
     check = commands.add_parser("check-config", help="validate settings from the environment")
     check.set_defaults(handler=_cmd_check_config)

@@ -26,28 +26,36 @@ async def _delete(js, topology):
 
 async def test_creates_then_verifies(nats_client):
     js = nats_client.jetstream()
-    topology = NatsTopology()
+    topology = _isolated_topology("fresh")
     first = await provision(js, topology)
     second = await provision(js, topology)
     try:
-        assert sorted(first.created) == ["CDC", "INIT", "SNAPSHOT_REQUESTS", "kv:schemas"]
+        assert sorted(first.created) == ["CDC_fresh", "INIT_fresh", "REQ_fresh",
+                                         "kv:schemas_fresh"]
         assert sorted(second.unchanged) == sorted(first.created)
-        cdc = (await js.stream_info("CDC")).config
-        assert cdc.subjects == ["cdc.>"]
+        cdc = (await js.stream_info("CDC_fresh")).config
+        assert cdc.subjects == ["fresh.cdc.>"]
         assert cdc.storage == StorageType.FILE and cdc.retention == RetentionPolicy.LIMITS
         assert cdc.max_age == 7 * 86400
-        assert (await js.stream_info("INIT")).config.subjects == ["init.>"]
-        assert (await js.stream_info("SNAPSHOT_REQUESTS")).config.subjects == [
-            "snapshot.request.>"]
-        kv = await js.key_value("schemas")
+        kv = await js.key_value("schemas_fresh")
         assert (await kv.status()).history == 10
-        # a request published while nothing listens is kept
-        await nats_client.publish("snapshot.request.users", b"")
-        await nats_client.flush()
-        message = await js.get_last_msg("SNAPSHOT_REQUESTS", "snapshot.request.users")
-        assert message.subject == "snapshot.request.users"
     finally:
         await _delete(js, topology)
+
+
+async def test_default_topology_and_requests_kept_while_nobody_listens(provisioned_nats,
+                                                                      nats_client):
+    js = nats_client.jetstream()
+    assert (await js.stream_info("CDC")).config.subjects == ["cdc.>"]
+    assert (await js.stream_info("INIT")).config.subjects == ["init.>"]
+    assert (await js.stream_info("SNAPSHOT_REQUESTS")).config.subjects == [
+        "snapshot.request.>"]
+    await js.key_value("schemas")
+    # a core-NATS request published while nothing listens is kept by the stream
+    await nats_client.publish("snapshot.request.kept_table", b"")
+    await nats_client.flush()
+    message = await js.get_last_msg("SNAPSHOT_REQUESTS", "snapshot.request.kept_table")
+    assert message.subject == "snapshot.request.kept_table"
 
 
 async def test_conflicting_config_is_reported_field_by_field(nats_client):
