@@ -1,0 +1,1 @@
+"""PostgreSQL replication protocol: pure, I/O-free decoders and state machines."""
