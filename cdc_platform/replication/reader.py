@@ -26,6 +26,7 @@ from cdc_platform.lsn import format_lsn
 from cdc_platform.protocol.changes import TransactionAssembler, TransactionCommitted
 from cdc_platform.protocol.pgoutput import Begin, Relation, decode_message
 from cdc_platform.protocol.streaming import (
+    XLOGDATA_HEADER_SIZE,
     PrimaryKeepalive,
     parse_copy_data,
     standby_status_update,
@@ -145,7 +146,7 @@ class SlotReader:
                     await self.send_status(reply_requested=False)
                 continue
             self.received_lsn = max(self.received_lsn, message.wal_end)
-            decoded = decode_message(message.payload)
+            decoded = decode_message(message.buffer, XLOGDATA_HEADER_SIZE)
             kind = type(decoded)
             if kind is Begin:
                 self._in_transaction = True
