@@ -203,9 +203,15 @@ class LocalPostgres:
         log.info("PostgreSQL %s started on %s:%s", self.version(), self.host, self.port)
 
     def stop(self, mode: str = "fast") -> None:
-        if (self.data_dir / "postmaster.pid").exists():
-            self._run(self.bin_dir / "pg_ctl", "-D", self.data_dir, "-m", mode, "-w", "stop",
-                      check=False)
+        if not (self.data_dir / "postmaster.pid").exists():
+            return
+        result = self._run(self.bin_dir / "pg_ctl", "-D", self.data_dir, "-m", mode, "-w",
+                           "-t", "60", "stop", check=False)
+        if result.returncode != 0 and (self.data_dir / "postmaster.pid").exists():
+            log.warning("pg_ctl stop -m %s failed (%s); stopping immediately", mode,
+                        (result.stderr or result.stdout).strip())
+            self._run(self.bin_dir / "pg_ctl", "-D", self.data_dir, "-m", "immediate", "-w",
+                      "stop", check=False)
 
     def restart(self) -> None:
         self.stop()

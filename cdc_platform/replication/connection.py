@@ -11,10 +11,12 @@ memmoves libpq's whole buffer per message: 4K events/s and 585 MB RSS.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import psycopg
 from psycopg import pq
 from psycopg.conninfo import make_conninfo
 from psycopg.pq import ExecStatus
@@ -104,17 +106,20 @@ class ReplicationConnection:
         finally:
             remove(fileno)
 
-    def _error(self, what: str) -> ReplicationError:
-        message = self._pgconn.get_error_message().strip()
-        return ReplicationError(f"{what} on {self._description}: {message or 'connection lost'}")
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        """libpq failures (psycopg raises OperationalError) as ReplicationError."""
+        try:
+            yield
+        except psycopg.OperationalError as exc:
+            raise ReplicationError(f"{what} on {self._description}: {exc}") from exc
 
     async def _flush(self) -> None:
         while True:
-            result = self._pgconn.flush()
-            if result == 0:
+            with self._errors("sending"):
+                pending = self._pgconn.flush()
+            if pending == 0:
                 return
-            if result < 0:
-                raise self._error("sending")
             await self._wait(write=True)
 
     # -- simple commands ---------------------------------------------------------------
@@ -122,15 +127,16 @@ class ReplicationConnection:
         """Run one replication (or SQL) command; rows as text tuples."""
         if self._streaming:
             raise ReplicationError("cannot run commands while streaming")
-        if not self._pgconn.send_query(command.encode()):
-            raise self._error(f"sending {command.split()[0]}")
+        verb = command.split()[0]
+        with self._errors(f"sending {verb}"):
+            self._pgconn.send_query(command.encode())
         await self._flush()
         results = []
         while True:
             while self._pgconn.is_busy():
                 await self._wait()
-                if not self._pgconn.consume_input():
-                    raise self._error(f"reading the reply to {command.split()[0]}")
+                with self._errors(f"reading the reply to {verb}"):
+                    self._pgconn.consume_input()
             result = self._pgconn.get_result()
             if result is None:
                 break
@@ -188,20 +194,19 @@ class ReplicationConnection:
         """Complete CopyData messages already received, without waiting (up to ``limit``)."""
         messages: list[bytes] = []
         get_copy_data = self._pgconn.get_copy_data
-        while len(messages) < limit:
-            nbytes, data = get_copy_data(1)
-            if nbytes > 0:
-                messages.append(data)
-            elif nbytes == 0:
-                break
-            elif nbytes == -1:
-                self._streaming = False
-                if messages:
+        with self._errors("reading the replication stream"):
+            while len(messages) < limit:
+                nbytes, data = get_copy_data(1)
+                if nbytes > 0:
+                    messages.append(data)
+                elif nbytes == 0:
                     break
-                raise CopyBothEnded(f"the server ended the replication stream on "
-                                    f"{self._description}")
-            else:
-                raise self._error("reading the replication stream")
+                else:  # -1: the server ended the COPY
+                    self._streaming = False
+                    if messages:
+                        break
+                    raise CopyBothEnded(f"the server ended the replication stream on "
+                                        f"{self._description}")
         return messages
 
     async def read(self, timeout: float, limit: int = 4096) -> list[bytes]:
@@ -211,18 +216,17 @@ class ReplicationConnection:
             return messages
         if not await self._wait(timeout=timeout):
             return []
-        if not self._pgconn.consume_input():
-            raise self._error("reading the replication stream")
+        with self._errors("reading the replication stream"):
+            self._pgconn.consume_input()
         return self.take_available(limit)
 
     async def send(self, payload: bytes) -> None:
         """Send one CopyData message (e.g. a standby status update) and flush it."""
         while True:
-            result = self._pgconn.put_copy_data(payload)
-            if result == 1:
+            with self._errors("sending a status update"):
+                queued = self._pgconn.put_copy_data(payload)
+            if queued == 1:
                 break
-            if result < 0:
-                raise self._error("sending a status update")
             await self._wait(write=True)
         await self._flush()
 
@@ -230,7 +234,11 @@ class ReplicationConnection:
         """Send CopyDone and drain until the server finishes the command (clean stop)."""
         if not self._streaming:
             return
-        while self._pgconn.put_copy_end() == 0:
+        while True:
+            with self._errors("ending the replication stream"):
+                queued = self._pgconn.put_copy_end()
+            if queued == 1:
+                break
             await self._wait(write=True)
         await self._flush()
         deadline = self._loop.time() + timeout
@@ -245,7 +253,7 @@ class ReplicationConnection:
         while True:
             while self._pgconn.is_busy():
                 await self._wait(timeout=1.0)
-                self._pgconn.consume_input()
-            result = self._pgconn.get_result()
-            if result is None:
+                with self._errors("ending the replication stream"):
+                    self._pgconn.consume_input()
+            if self._pgconn.get_result() is None:
                 break

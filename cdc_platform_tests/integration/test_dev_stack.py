@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from cdc_platform.dev.servers import free_port
@@ -27,5 +28,11 @@ def test_dev_stack_comes_up_and_stops_cleanly(tmp_path):
     password = secrets_file.read_text().split("CDC_PG_PASSWORD=")[1].splitlines()[0]
     assert password not in output  # secrets never printed
     assert oct(secrets_file.stat().st_mode & 0o777) == "0o600"
-    # nothing left running
-    assert subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).returncode == 1
+    # nothing left running (processes that were told to stop get a moment to exit)
+    deadline = time.monotonic() + 10
+    while True:
+        left = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True)
+        if left.returncode == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert left.returncode == 1, left.stdout

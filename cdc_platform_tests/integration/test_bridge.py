@@ -1,0 +1,259 @@
+"""The CDC bridge end to end: real PostgreSQL, real nats-server, the real library."""
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import psycopg
+import pytest
+
+from cdc_platform.bridge.runner import CdcBridge
+from cdc_platform.dev.servers import LocalNatsServer, free_port
+from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.jetstream.provision import provision
+from cdc_platform.lsn import parse_lsn
+from cdc_platform.replication.slots import read_slot
+from cdc_platform.settings import NatsSettings, NatsTopology
+from cdc_platform.wire import decode_payload
+from cdc_platform_tests.fixtures.services import (
+    platform_settings,
+    random_name,
+    read_subjects,
+)
+
+
+@contextlib.asynccontextmanager
+async def running_bridge(settings):
+    bridge = CdcBridge(settings)
+    task = asyncio.create_task(bridge.run())
+    try:
+        yield bridge
+    finally:
+        bridge.request_stop()
+        await asyncio.wait_for(task, 60)
+
+
+async def wait_for(predicate, timeout=30.0, interval=0.1, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await predicate() if asyncio.iscoroutinefunction(predicate) else predicate():
+            return
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def slot_confirmed(pg_admin, slot) -> int:
+    state = read_slot(pg_admin, slot)
+    return state.confirmed_flush_lsn or 0 if state else 0
+
+
+def events_of(messages, fmt="msgpack"):
+    return [decode_payload(m.data, fmt) for m in messages]
+
+
+@pytest.fixture
+def table(cdc_database, pg_admin):
+    name = random_name("orders")
+    pg_admin.execute(
+        f"CREATE TABLE {name} (id int PRIMARY KEY, item text, qty int, price numeric(10,2), "
+        "tags text[], meta jsonb, at timestamptz, big text)")
+    cdc_database.add_tables(pg_admin, name)
+    return name
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+async def test_mixed_workload_arrives_once_in_order_typed(fmt, table, cdc_database, pg_admin,
+                                                          provisioned_nats, nats_client,
+                                                          monkeypatch):
+    monkeypatch.setenv("CDC_FORMAT", fmt)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    settings = settings.model_copy(update={"encoding": settings.encoding.model_copy(
+        update={"format": fmt})})
+    other = random_name("other")
+    pg_admin.execute(f"CREATE TABLE {other} (k text PRIMARY KEY, v int)")
+    cdc_database.add_tables(pg_admin, other)
+    async with running_bridge(settings):
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None,
+                       what="slot creation")
+        pg_admin.execute(
+            f"INSERT INTO {table} VALUES (1, 'a', 2, 9.99, ARRAY['x', NULL, 'y,z'], "
+            "'{\"k\": [1, 2]}', '2025-01-02 03:04:05.123456+02', NULL)")
+        with pg_admin.transaction():
+            pg_admin.execute(f"UPDATE {table} SET qty = 3 WHERE id = 1")
+            pg_admin.execute(f"INSERT INTO {other} VALUES ('a', 1)")
+            pg_admin.execute(f"INSERT INTO {table} (id, item) VALUES (2, '')")
+        pg_admin.execute(f"DELETE FROM {table} WHERE id = 2")
+        pg_admin.execute(f"TRUNCATE {table}, {other}")
+        messages = await read_subjects(nats_client, "CDC", f"cdc.{table}.>", expect=5)
+        other_messages = await read_subjects(nats_client, "CDC", f"cdc.{other}.>", expect=2)
+    events = events_of(messages, fmt)
+    assert [(e["operation"], (e["data"] or {}).get("id")) for e in events] == [
+        ("INSERT", 1), ("UPDATE", 1), ("INSERT", 2), ("DELETE", 2), ("TRUNCATE", None)]
+    first = events[0]
+    assert first["data"]["tags"] == ["x", None, "y,z"]
+    assert first["data"]["meta"] == {"k": [1, 2]}
+    assert first["data"]["price"] == "9.99"
+    assert first["data"]["at"] == "2025-01-02T01:04:05.123456Z"
+    assert first["data"]["big"] is None
+    assert first["subject"] == f"cdc.{table}.insert" == messages[0].subject
+    assert first["table"] == table and first["schema"] == "public"
+    assert messages[0].headers["Nats-Msg-Id"] == first["msg_id"]
+    assert first["msg_id"] == f"{first['commit_lsn']}:{first['ordinal']}"
+    assert events[2]["data"]["item"] == ""  # empty string is not NULL
+    # one transaction: shared commit_lsn, ordinals in order across tables
+    update, insert_other = events[1], events_of(other_messages, fmt)[0]
+    assert update["commit_lsn"] == insert_other["commit_lsn"] == events[2]["commit_lsn"]
+    assert (update["ordinal"], insert_other["ordinal"], events[2]["ordinal"]) == (0, 1, 2)
+    assert events[4]["commit_lsn"] == events_of(other_messages, fmt)[1]["commit_lsn"]
+    # the slot is confirmed up to the last published commit
+    last_commit = parse_lsn(events[4]["commit_lsn"])
+    assert slot_confirmed(pg_admin, cdc_database.slot) > last_commit
+    # the schema is in KV with a fingerprint the events carry
+    kv = await nats_client.jetstream().key_value("schemas")
+    schema = decode_payload((await kv.get(table)).value, fmt)
+    assert schema["schema"] == f"public.{table}"
+    assert [c["name"] for c in schema["columns"]][:3] == ["id", "item", "qty"]
+    assert schema["primary_key"] == ["id"]
+    assert schema["fingerprint"] == first["schema_fingerprint"]
+
+
+async def test_copy_of_10k_rows_yields_10k_messages(table, cdc_database, pg_admin,
+                                                    provisioned_nats, nats_client):
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    async with running_bridge(settings):
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        with pg_admin.cursor().copy(f"COPY {table} (id, item) FROM STDIN") as copy:
+            for i in range(10_000):
+                copy.write_row((i, f"item-{i}"))
+        messages = await read_subjects(nats_client, "CDC", f"cdc.{table}.insert", expect=10_000)
+    ids = [msgpack.unpackb(m.data)["data"]["id"] for m in messages]
+    assert ids == list(range(10_000))
+    assert len({m.headers["Nats-Msg-Id"] for m in messages}) == 10_000
+
+
+async def test_batched_mode(table, cdc_database, pg_admin, provisioned_nats, nats_client):
+    settings = platform_settings(cdc_database, provisioned_nats.url, message_mode="batched")
+    async with running_bridge(settings):
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        pg_admin.execute(f"INSERT INTO {table} (id) SELECT generate_series(1, 1200)")
+        pg_admin.execute(f"UPDATE {table} SET qty = 1 WHERE id <= 10")
+        messages = await read_subjects(nats_client, "CDC", f"cdc.{table}.>", expect=4)
+    assert [m.subject for m in messages] == [f"cdc.{table}.insert.batch"] * 3 + [
+        f"cdc.{table}.update.batch"]
+    batches = [msgpack.unpackb(m.data) for m in messages]
+    assert [len(b) for b in batches] == [500, 500, 200, 10]
+    assert [e["data"]["id"] for b in batches[:3] for e in b] == list(range(1, 1201))
+    first = batches[0]
+    assert messages[0].headers["Nats-Msg-Id"] == f"{first[0]['commit_lsn']}:0-499"
+
+
+async def test_idle_tables_heartbeat_advances_slot(table, cdc_database, pg_admin,
+                                                   provisioned_nats):
+    settings = platform_settings(cdc_database, provisioned_nats.url,
+                                 heartbeat_interval_seconds=0.5)
+    async with running_bridge(settings):
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        start = slot_confirmed(pg_admin, cdc_database.slot)
+        # WAL from tables outside the publication only
+        unpublished = random_name("noise")
+        pg_admin.execute(f"CREATE TABLE {unpublished} AS SELECT generate_series(1, 1000) AS i")
+        target = parse_lsn(pg_admin.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+        await wait_for(lambda: slot_confirmed(pg_admin, cdc_database.slot) >= target,
+                       timeout=20, what="slot to advance past idle WAL")
+    assert slot_confirmed(pg_admin, cdc_database.slot) > start
+
+
+async def test_changes_made_while_stopped_are_delivered_after_restart(
+        table, cdc_database, pg_admin, provisioned_nats, nats_client):
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    async with running_bridge(settings):
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        pg_admin.execute(f"INSERT INTO {table} (id) VALUES (1)")
+        await read_subjects(nats_client, "CDC", f"cdc.{table}.>", expect=1)
+    # bridge stopped: these changes wait in the slot
+    pg_admin.execute(f"INSERT INTO {table} (id) SELECT generate_series(2, 100)")
+    async with running_bridge(settings):
+        messages = await read_subjects(nats_client, "CDC", f"cdc.{table}.>", expect=100)
+    assert [msgpack.unpackb(m.data)["data"]["id"] for m in messages] == list(range(1, 101))
+
+
+async def test_kill_9_mid_stream_loses_nothing_and_dedupes(table, cdc_database, pg_admin,
+                                                           provisioned_nats, nats_client,
+                                                           tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CDC_", "PG_", "NATS_"))}
+    env.update({
+        "CDC_PG_HOST": cdc_database.server.host, "CDC_PG_PORT": str(cdc_database.server.port),
+        "CDC_PG_DB": "postgres", "CDC_PG_USER": cdc_database.role,
+        "CDC_PG_PASSWORD": cdc_database.password, "CDC_PG_SSLMODE": "disable",
+        "CDC_NATS_URL": provisioned_nats.url, "CDC_HTTP_PORT": "0",
+    })
+    command = [str(Path(sys.executable).parent / "cdc-platform"), "bridge",
+               "--slot", cdc_database.slot, "--pub", cdc_database.publication]
+    log = open(tmp_path / "bridge.log", "wb")
+    bridge = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None, timeout=60)
+        total = 20_000
+        for start in range(0, total, 2_000):
+            pg_admin.execute(f"INSERT INTO {table} (id) SELECT generate_series({start}, "
+                             f"{start + 1999})")
+        # kill it while it is still streaming
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot).confirmed_flush_lsn,
+                       timeout=30)
+        bridge.send_signal(signal.SIGKILL)
+        bridge.wait()
+        bridge = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        messages = await read_subjects(nats_client, "CDC", f"cdc.{table}.>", expect=total,
+                                       timeout=60)
+        await asyncio.sleep(1.0)  # anything extra would show up now
+        messages = await read_subjects(nats_client, "CDC", f"cdc.{table}.>")
+    finally:
+        bridge.send_signal(signal.SIGTERM)
+        assert bridge.wait(30) == 0
+    ids = [msgpack.unpackb(m.data)["data"]["id"] for m in messages]
+    assert sorted(ids) == list(range(total))  # nothing lost, nothing twice
+
+
+async def test_nats_down_for_10s_loses_nothing(table, cdc_database, pg_admin, tmp_path):
+    port = free_port()
+    nats = LocalNatsServer(tmp_path / "nats", port=port)
+    nats.start()
+    try:
+        client = await connect_nats(NatsSettings(url=nats.url))
+        await provision(client.jetstream(), NatsTopology())
+        settings = platform_settings(cdc_database, nats.url)
+        async with running_bridge(settings):
+            await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+            pg_admin.execute(f"INSERT INTO {table} (id) SELECT generate_series(1, 1000)")
+            await read_subjects(client, "CDC", f"cdc.{table}.>", expect=1000)
+            await client.close()
+            nats.stop()
+            pg_admin.execute(f"INSERT INTO {table} (id) SELECT generate_series(1001, 3000)")
+            confirmed_during_outage = slot_confirmed(pg_admin, cdc_database.slot)
+            await asyncio.sleep(10)
+            # nothing new was confirmed while NATS was down
+            assert slot_confirmed(pg_admin, cdc_database.slot) == confirmed_during_outage
+            nats = LocalNatsServer(tmp_path / "nats", port=port)
+            nats.start()
+            client = await connect_nats(NatsSettings(url=nats.url))
+            pg_admin.execute(f"INSERT INTO {table} (id) SELECT generate_series(3001, 4000)")
+            messages = await read_subjects(client, "CDC", f"cdc.{table}.>", expect=4000,
+                                           timeout=60)
+        await client.close()
+    finally:
+        nats.stop()
+    ids = [msgpack.unpackb(m.data)["data"]["id"] for m in messages]
+    assert ids == list(range(1, 4001))
+
+
+async def test_wrong_credentials_fail_fast_and_clearly(cdc_database, provisioned_nats):
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    settings = settings.model_copy(update={"postgres": cdc_database.settings(password="nope")})
+    with pytest.raises(Exception, match="password authentication failed"):
+        await asyncio.wait_for(CdcBridge(settings).run(), 30)
