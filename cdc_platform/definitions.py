@@ -1,19 +1,48 @@
-"""The one Dagster ``Definitions`` object of the platform (loaded by workspace.yaml)."""
+"""The one Dagster ``Definitions`` object of the platform (loaded by workspace.yaml).
 
-from __future__ import annotations
+Only non-secret knobs are read here (slot name for the run tag, cron, Spark master); every
+connection setting is read by the resources at run time, secrets through ``EnvVar``.
+"""
 
 import dagster as dg
+from dagster_pyspark import LazyPySparkResource
 
+from cdc_platform.defs.cdc.assets import cdc_stream
+from cdc_platform.defs.cdc.jobs import build_cdc_job
+from cdc_platform.defs.cdc.sensors import build_cdc_sensor
 from cdc_platform.defs.platform.assets import jetstream_topology
-from cdc_platform.defs.resources import NatsResource, PostgresResource
+from cdc_platform.defs.resources import CdcResource, NatsResource, PostgresResource
+from cdc_platform.defs.schemas.assets import schemas
+from cdc_platform.defs.snapshots.assets import SNAPSHOT_KIND_TAG, init_snapshot
+from cdc_platform.defs.snapshots.schedules import build_snapshot_refresh_schedule
+from cdc_platform.defs.snapshots.sensors import (
+    build_snapshot_request_sensor,
+    publication_sync_sensor,
+)
+from cdc_platform.settings import OrchestrationSettings, PostgresSettings, load_settings
+from cdc_platform.spark import default_spark_config
 
 
 def build_definitions() -> dg.Definitions:
+    orchestration = load_settings(OrchestrationSettings)
+    slot = load_settings(PostgresSettings).slot
+    cdc_job = build_cdc_job(slot)
+    snapshot_job = dg.define_asset_job(
+        "snapshot_job", selection=[init_snapshot], tags={SNAPSHOT_KIND_TAG: "snapshot"},
+        description="INIT snapshot of one table (partition = wire table name).")
     return dg.Definitions(
-        assets=[jetstream_topology],
+        assets=[jetstream_topology, schemas, init_snapshot, cdc_stream],
+        jobs=[cdc_job, snapshot_job],
+        sensors=[build_cdc_sensor(cdc_job, orchestration.cdc_relaunch_backoff_seconds),
+                 build_snapshot_request_sensor(snapshot_job), publication_sync_sensor],
+        schedules=[build_snapshot_refresh_schedule(
+            snapshot_job, orchestration.snapshot_cron, orchestration.snapshot_timezone)],
         resources={
             "postgres": PostgresResource(password=dg.EnvVar("CDC_PG_PASSWORD")),
             "nats": NatsResource(password=dg.EnvVar("CDC_NATS_PASSWORD")),
+            "cdc": CdcResource(),
+            "pyspark": LazyPySparkResource(spark_config=default_spark_config(
+                orchestration.spark_master, orchestration.spark_driver_memory)),
         },
     )
 

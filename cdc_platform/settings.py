@@ -294,6 +294,19 @@ class BridgeSettings(_Settings):
         30.0, gt=0, validation_alias=_env("CDC_SHUTDOWN_TIMEOUT"))
 
 
+class OrchestrationSettings(_Settings):
+    """Dagster-side knobs read when the code location loads (no secrets here)."""
+
+    spark_master: str = Field("local[*]", validation_alias=_env("CDC_SPARK_MASTER"))
+    spark_driver_memory: str = Field("1g", validation_alias=_env("CDC_SPARK_DRIVER_MEMORY"))
+    snapshot_cron: str = Field("0 3 * * *", validation_alias=_env("CDC_SNAPSHOT_CRON"))
+    snapshot_timezone: str = Field("UTC", validation_alias=_env("CDC_SNAPSHOT_TIMEZONE"))
+    cdc_observe_interval_seconds: Seconds = Field(
+        30.0, gt=0, validation_alias=_env("CDC_OBSERVE_INTERVAL"))
+    cdc_relaunch_backoff_seconds: Seconds = Field(
+        30.0, gt=0, validation_alias=_env("CDC_RELAUNCH_BACKOFF"))
+
+
 class NatsTopology(_Settings):
     """All the JetStream objects the platform provisions."""
 

@@ -30,12 +30,30 @@ def check_java() -> str:
     return match.group(1)
 
 
-def local_spark_session(app_name: str, master: str = "local[*]", **conf: str):
-    """A SparkSession for local runs and tests; quiet, small, no UI."""
+def prepare_spark_environment() -> None:
+    """Call before the first SparkSession of a process: Java present, and Python workers
+    run this interpreter (it has cdc_platform). Read by spark-submit when the JVM starts,
+    so ``spark.pyspark.python`` alone comes too late for local mode."""
     check_java()
-    # Read by spark-submit when the JVM starts; the conf keys alone come too late locally.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+
+
+def default_spark_config(master: str = "local[*]", driver_memory: str = "1g") -> dict:
+    return {
+        "spark.master": master,
+        "spark.app.name": "cdc-platform-snapshot",
+        "spark.ui.enabled": "false",
+        "spark.driver.memory": driver_memory,
+        "spark.python.worker.reuse": "true",
+        "spark.pyspark.python": sys.executable,
+        "spark.pyspark.driver.python": sys.executable,
+    }
+
+
+def local_spark_session(app_name: str, master: str = "local[*]", **conf: str):
+    """A SparkSession for local runs and tests; quiet, small, no UI."""
+    prepare_spark_environment()
     from pyspark.sql import SparkSession
 
     builder = (

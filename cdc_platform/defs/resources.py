@@ -13,7 +13,15 @@ import psycopg
 from dagster import ConfigurableResource
 
 from cdc_platform.jetstream.connection import connect_nats
-from cdc_platform.settings import NatsSettings, PostgresSettings, load_settings
+from cdc_platform.settings import (
+    BridgeSettings,
+    EncodingSettings,
+    NatsSettings,
+    NatsTopology,
+    PlatformSettings,
+    PostgresSettings,
+    load_settings,
+)
 
 
 def _overrides(resource: ConfigurableResource) -> dict[str, Any]:
@@ -59,3 +67,24 @@ class NatsResource(ConfigurableResource):
             yield client
         finally:
             await client.close()
+
+
+class CdcResource(ConfigurableResource):
+    """How the CDC bridge and snapshots encode and run (unset fields: from the environment)."""
+
+    format: str | None = None  # msgpack | json
+    message_mode: str | None = None  # per-change | batched
+    zstd: bool | None = None
+    http_port: int | None = None
+
+    def platform_settings(self, postgres: PostgresResource,
+                          nats: NatsResource) -> PlatformSettings:
+        encoding = load_settings(EncodingSettings, **{
+            k: v for k, v in {"format": self.format, "zstd": self.zstd}.items()
+            if v is not None})
+        bridge = load_settings(BridgeSettings, **{
+            k: v for k, v in {"message_mode": self.message_mode,
+                              "http_port": self.http_port}.items() if v is not None})
+        return PlatformSettings(postgres=postgres.settings(), nats=nats.settings(),
+                                topology=load_settings(NatsTopology), encoding=encoding,
+                                bridge=bridge)

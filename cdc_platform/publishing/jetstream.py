@@ -1129,6 +1129,7 @@ class JetStreamPublisher:
             log.debug("stream %s not reachable after a 503: %r", self._stream, exc)
         else:
             self._stream_subjects = list(info.config.subjects or [self._stream])
+            self._subjects.clear()   # admit subjects against the current config from now on
             if not any(subject_matches(pattern, message.subject)
                        for pattern in self._stream_subjects):
                 refuse(f"no responders: stream {self._stream!r} no longer captures the subject")

@@ -1,0 +1,172 @@
+"""The Dagster layer against real servers and a real (temporary) Dagster instance."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dagster as dg
+import msgpack
+import pytest
+import yaml
+
+from cdc_platform.defs.resources import CdcResource, NatsResource, PostgresResource
+from cdc_platform.lsn import parse_lsn
+from cdc_platform.replication.slots import read_slot
+from cdc_platform_tests.fixtures.services import random_name, read_subjects
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def dagster_env(cdc_database, provisioned_nats, monkeypatch, tmp_path):
+    """The environment a deployment gives Dagster: CDC_* variables, DAGSTER_HOME."""
+    env = {
+        "CDC_PG_HOST": cdc_database.server.host, "CDC_PG_PORT": str(cdc_database.server.port),
+        "CDC_PG_DB": "postgres", "CDC_PG_USER": cdc_database.role,
+        "CDC_PG_PASSWORD": cdc_database.password, "CDC_PG_SSLMODE": "disable",
+        "CDC_PUBLICATION": cdc_database.publication, "CDC_SLOT": cdc_database.slot,
+        "CDC_NATS_URL": provisioned_nats.url, "CDC_NATS_PASSWORD": "",
+        "CDC_HTTP_PORT": "0", "CDC_OBSERVE_INTERVAL": "1", "CDC_LAG_CHECK_INTERVAL": "1",
+        "CDC_HEARTBEAT_INTERVAL": "1", "CDC_STATUS_INTERVAL": "0.5",
+        "DAGSTER_HOME": str(tmp_path / "dagster_home"),
+    }
+    (tmp_path / "dagster_home").mkdir()
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env
+
+
+def resources(env) -> dict:
+    return {"postgres": PostgresResource(password=env["CDC_PG_PASSWORD"]),
+            "nats": NatsResource(), "cdc": CdcResource()}
+
+
+def test_definitions_load_with_everything(dagster_env):
+    from cdc_platform.definitions import build_definitions
+
+    defs = build_definitions()
+    keys = {key.to_user_string() for key in defs.resolve_all_asset_keys()}
+    assert keys == {"jetstream_topology", "schemas", "init_snapshot", "cdc_stream"}
+    snapshot = defs.resolve_assets_def("init_snapshot")
+    assert snapshot.partitions_def.name == "published_tables"
+    cdc_job = defs.resolve_job_def("cdc_job")
+    assert cdc_job.tags["cdc_platform/slot"] == dagster_env["CDC_SLOT"]
+    assert defs.resolve_job_def("snapshot_job").partitions_def.name == "published_tables"
+    assert {s.name for s in defs.sensors} == {
+        "cdc_sensor", "snapshot_request_sensor", "publication_sync_sensor"}
+    assert defs.resolve_schedule_def("snapshot_refresh_schedule").cron_schedule == "0 3 * * *"
+
+
+def test_instance_config_limits_one_cdc_run_per_slot():
+    config = yaml.safe_load((REPO / "dagster.yaml").read_text())
+    limits = config["run_coordinator"]["config"]["tag_concurrency_limits"]
+    assert {"key": "cdc_platform/slot", "value": {"applyLimitPerUniqueValue": True},
+            "limit": 1} in limits
+
+
+def test_publication_sync_sensor_tracks_the_publication(dagster_env, cdc_database, pg_admin):
+    from cdc_platform.defs.snapshots.sensors import publication_sync_sensor
+
+    first, second = random_name("sync_a"), random_name("sync_b")
+    for table in (first, second):
+        pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    cdc_database.add_tables(pg_admin, first, second)
+    with dg.instance_for_test() as instance:
+        context = dg.build_sensor_context(instance=instance, resources=resources(dagster_env))
+        result = publication_sync_sensor(context)
+        (added,) = result.dynamic_partitions_requests
+        assert sorted(added.partition_keys) == sorted([first, second])
+        instance.add_dynamic_partitions("published_tables", list(added.partition_keys))
+        pg_admin.execute(f"ALTER PUBLICATION {cdc_database.publication} DROP TABLE {second}")
+        result = publication_sync_sensor(dg.build_sensor_context(
+            instance=instance, resources=resources(dagster_env)))
+        (removed,) = result.dynamic_partitions_requests
+        assert list(removed.partition_keys) == [second]
+        assert isinstance(removed, dg.DeleteDynamicPartitionsRequest)
+
+
+async def test_snapshot_requests_become_runs_once(dagster_env, cdc_database, pg_admin,
+                                                  nats_client):
+    from cdc_platform.definitions import build_definitions
+
+    table = random_name("requested")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    cdc_database.add_tables(pg_admin, table)
+    defs = build_definitions()
+    sensor = defs.resolve_sensor_def("snapshot_request_sensor")
+    for subject in (table, table, "no_such_table"):
+        await nats_client.publish(f"snapshot.request.{subject}", b"")
+    await nats_client.flush()
+    with dg.instance_for_test() as instance:
+        def evaluate(cursor):
+            context = dg.build_sensor_context(instance=instance, cursor=cursor,
+                                              resources=resources(dagster_env),
+                                              definitions=defs)
+            return sensor(context)
+
+        result = await asyncio.to_thread(evaluate, None)
+        assert [r.partition_key for r in result.run_requests] == [table]  # coalesced
+        assert result.run_requests[0].run_key.startswith(f"snapshot-request-{table}-")
+        # the next tick (cursor saved) finds nothing new: no second run
+        again = await asyncio.to_thread(evaluate, result.cursor)
+        assert isinstance(again, dg.SkipReason)
+
+
+def test_cdc_sensor_keeps_exactly_one_run(dagster_env):
+    from cdc_platform.definitions import build_definitions
+
+    defs = build_definitions()
+    sensor = defs.resolve_sensor_def("cdc_sensor")
+    job = defs.resolve_job_def("cdc_job")
+    with dg.instance_for_test() as instance:
+        first = sensor(dg.build_sensor_context(instance=instance))
+        assert isinstance(first, dg.RunRequest)
+        run = instance.create_run_for_job(job_def=job, run_id=None)
+        alive = sensor(dg.build_sensor_context(instance=instance))
+        assert isinstance(alive, dg.SkipReason) and run.run_id in alive.skip_message
+        instance.report_run_failed(run)
+        context = dg.build_sensor_context(instance=instance, cursor=None)
+        relaunch = sensor(context)
+        assert isinstance(relaunch, dg.RunRequest)
+        backoff = sensor(dg.build_sensor_context(instance=instance, cursor=context.cursor))
+        assert isinstance(backoff, dg.SkipReason) and "relaunching in" in backoff.skip_message
+
+
+async def test_cdc_job_streams_observes_and_stops_with_final_ack(dagster_env, cdc_database,
+                                                                 pg_admin, nats_client):
+    table = random_name("dag_cdc")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    cdc_database.add_tables(pg_admin, table)
+    command = [str(Path(sys.executable).parent / "dagster"), "job", "execute",
+               "-m", "cdc_platform.definitions", "-a", "defs", "-j", "cdc_job"]
+    log = open(Path(dagster_env["DAGSTER_HOME"]) / "run.log", "wb")
+    process = subprocess.Popen(command, env={**os.environ, **dagster_env}, cwd=REPO,
+                               stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while read_slot(pg_admin, cdc_database.slot) is None or \
+                not read_slot(pg_admin, cdc_database.slot).active:
+            assert time.monotonic() < deadline and process.poll() is None, \
+                (Path(dagster_env["DAGSTER_HOME"]) / "run.log").read_text()[-3000:]
+            await asyncio.sleep(0.2)
+        pg_admin.execute(f"INSERT INTO {table} SELECT i, 'v' || i FROM generate_series(1, 500) i")
+        messages = await read_subjects(nats_client, "CDC", f"cdc.{table}.>", expect=500)
+        assert len(messages) == 500
+        last_commit = parse_lsn(msgpack.unpackb(messages[-1].data)["commit_lsn"])
+        await asyncio.sleep(2.5)  # at least one observation interval
+    finally:
+        process.send_signal(signal.SIGINT)  # what cancelling a run does to the run worker
+        process.wait(60)
+    state = read_slot(pg_admin, cdc_database.slot)
+    assert not state.active
+    assert state.confirmed_flush_lsn > last_commit  # the final ack covered the last change
+    with dg.DagsterInstance.get() as instance:
+        records = instance.fetch_observations(dg.AssetKey("cdc_stream"), limit=10).records
+        assert records, "no cdc_stream observation recorded"
+        metadata = records[0].asset_observation.metadata
+        assert "confirmed_lsn" in metadata and "lag_bytes" in metadata
+        assert parse_lsn(metadata["confirmed_lsn"].value) > 0
