@@ -39,7 +39,9 @@ def build_definitions() -> dg.Definitions:
             snapshot_job, orchestration.snapshot_cron, orchestration.snapshot_timezone)],
         resources={
             "postgres": PostgresResource(password=dg.EnvVar("CDC_PG_PASSWORD")),
-            "nats": NatsResource(password=dg.EnvVar("CDC_NATS_PASSWORD")),
+            # NATS may use no password (token, creds file, no auth): read at run time from
+            # CDC_NATS_PASSWORD / NATS_BRIDGE_PASSWORD when set, never required.
+            "nats": NatsResource(),
             "cdc": CdcResource(),
             "pyspark": LazyPySparkResource(spark_config=default_spark_config(
                 orchestration.spark_master, orchestration.spark_driver_memory)),

@@ -43,6 +43,14 @@ def port_is_open(host: str, port: int) -> bool:
     return False
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _wait_until(predicate, timeout: float, what: str, log_file: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -207,11 +215,16 @@ class LocalPostgres:
             return
         result = self._run(self.bin_dir / "pg_ctl", "-D", self.data_dir, "-m", mode, "-w",
                            "-t", "60", "stop", check=False)
-        if result.returncode != 0 and (self.data_dir / "postmaster.pid").exists():
-            log.warning("pg_ctl stop -m %s failed (%s); stopping immediately", mode,
+        pid_file = self.data_dir / "postmaster.pid"
+        if result.returncode != 0 and pid_file.exists():
+            # e.g. the server's OS user lost access to a parent directory: signal the
+            # postmaster ourselves (SIGINT = fast shutdown) and wait for it.
+            log.warning("pg_ctl stop -m %s failed (%s); signalling the postmaster", mode,
                         (result.stderr or result.stdout).strip())
-            self._run(self.bin_dir / "pg_ctl", "-D", self.data_dir, "-m", "immediate", "-w",
-                      "stop", check=False)
+            pid = int(pid_file.read_text().splitlines()[0])
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)
+            _wait_until(lambda: not _alive(pid), 60, "PostgreSQL shutdown")
 
     def restart(self) -> None:
         self.stop()

@@ -213,6 +213,12 @@ class DevStack:
         workspace = str(REPO_ROOT / "workspace.yaml")
         logs = self.state_dir / "logs"
         logs.mkdir(exist_ok=True)
+        # Create/upgrade the instance storage once, before two processes race to do it
+        # (SQLite + alembic: "more than one head" otherwise).
+        migrated = subprocess.run([str(bin_dir / "dagster"), "instance", "migrate"], env=env,
+                                  cwd=REPO_ROOT, capture_output=True, text=True)
+        if migrated.returncode != 0:
+            raise CdcError(f"dagster instance migrate failed: {migrated.stderr.strip()[-500:]}")
         for name, command in (
             ("dagster-webserver", [str(bin_dir / "dagster-webserver"), "-h", "127.0.0.1",
                                    "-p", str(self.options.ui_port), "-w", workspace]),
@@ -278,8 +284,23 @@ class DevStack:
             for stream in (topology.cdc.name, topology.init.name, topology.requests.name):
                 await js.stream_info(stream)
             await js.key_value(topology.schemas.bucket)
+            if self.options.dagster and self.workload is not None:
+                await self._wait_for_cdc(js, topology.cdc.name, timeout=180)
         finally:
             await client.close()
+
+    async def _wait_for_cdc(self, js, stream: str, timeout: float) -> None:
+        """The daemon's cdc_sensor launches cdc_job; demo writes must reach the stream."""
+        subject = f"cdc.{DEMO_TABLES[0]}.>"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = await js.stream_info(stream, subjects_filter=subject)
+            if info.state.subjects:
+                log.info("CDC is streaming: %s", info.state.subjects)
+                return
+            await asyncio.sleep(1.0)
+        raise CdcError(f"no CDC events on {subject} within {timeout:.0f}s: is the "
+                       f"cdc_sensor running? (see {self.state_dir / 'logs'})")
 
     # -- tear down ---------------------------------------------------------------------
     def stop(self) -> None:

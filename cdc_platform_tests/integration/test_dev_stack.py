@@ -1,14 +1,28 @@
 """The README's first command, end to end, in smoke mode (start, verify, stop)."""
 
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+import pytest
 
 from cdc_platform.dev.servers import free_port
 
 
-def test_dev_stack_comes_up_and_stops_cleanly(tmp_path):
+@pytest.fixture
+def state_root():
+    # Not pytest's tmp_path: another pytest session resets its root to 0700, which locks
+    # the unprivileged PostgreSQL OS user out of its data directory.
+    path = Path(tempfile.mkdtemp(prefix="cdc-dev-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_dev_stack_comes_up_and_stops_cleanly(state_root):
+    tmp_path = state_root
     cli = Path(sys.executable).parent / "cdc-platform"
     ports = [str(free_port()) for _ in range(4)]
     result = subprocess.run(
@@ -35,4 +49,4 @@ def test_dev_stack_comes_up_and_stops_cleanly(tmp_path):
         if left.returncode == 1 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert left.returncode == 1, left.stdout
+    assert left.returncode == 1, left.stdout + output[-3000:]
