@@ -36,16 +36,15 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cdc_platform.dev.servers import LocalNatsServer, LocalPostgres  # noqa: E402
+from cdc_platform.dev.servers import (  # noqa: E402
+    LocalNatsServer,
+    LocalPostgres,
+    start_logical_postgres,
+)
 from cdc_platform.jetstream.connection import connect_nats  # noqa: E402
 from cdc_platform.jetstream.provision import provision  # noqa: E402
 from cdc_platform.lsn import parse_lsn  # noqa: E402
-from cdc_platform.postgres.admin import (  # noqa: E402
-    SERVER_SETTINGS_SQL,
-    apply_sql_file,
-    provision_database,
-    restart_needed,
-)
+from cdc_platform.postgres.admin import provision_database  # noqa: E402
 from cdc_platform.settings import NatsSettings, NatsTopology  # noqa: E402
 
 TABLE = "bench_events"
@@ -53,13 +52,7 @@ ROLE, PASSWORD, PUBLICATION = "bench_reader", "bench-password", "bench_pub"
 
 
 def start_servers(base: Path) -> tuple[LocalPostgres, LocalNatsServer]:
-    pg = LocalPostgres(base / "pg")
-    pg.start()
-    with psycopg.connect(pg.superuser_conninfo(), autocommit=True) as conn:
-        apply_sql_file(conn, SERVER_SETTINGS_SQL)
-        needs_restart = restart_needed(conn)
-    if needs_restart:
-        pg.restart()
+    pg = start_logical_postgres(base / "pg")
     with psycopg.connect(pg.superuser_conninfo(), autocommit=True) as conn:
         conn.execute(f"CREATE TABLE {TABLE} (id int8 PRIMARY KEY, name text, qty int4, "
                      "price numeric(12,2), at timestamptz)")

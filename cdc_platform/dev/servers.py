@@ -325,3 +325,21 @@ class LocalNatsServer:
         if self.user is not None:
             env["CDC_NATS_USER"] = self.user
         return env
+
+
+def start_logical_postgres(base_dir: Path, **kwargs) -> LocalPostgres:
+    """Start a cluster and apply ``sql/00_server_settings.sql`` exactly as a DBA would
+    (then restart it, since ``wal_level`` only changes at start)."""
+    import psycopg
+
+    from cdc_platform.postgres.admin import SERVER_SETTINGS_SQL, apply_sql_file, restart_needed
+
+    server = LocalPostgres(base_dir, **kwargs)
+    server.start()
+    with psycopg.connect(server.superuser_conninfo(), autocommit=True) as conn:
+        apply_sql_file(conn, SERVER_SETTINGS_SQL)
+        needs_restart = restart_needed(conn)
+    if needs_restart:
+        log.info("restarting PostgreSQL for wal_level=logical")
+        server.restart()
+    return server

