@@ -63,6 +63,8 @@ class BuiltBatch:
     changed_relations: list[Relation]
     watermarks: list[dict[str, Any]]
     changes: int
+    counts: dict[tuple[str, str], int]  # (table, op) -> changes, for metrics
+    last_commit_ts: str | None  # of the transaction ``position`` ends
 
 
 class MessageBuilder:
@@ -149,11 +151,15 @@ class MessageBuilder:
         changed: list[Relation] = []
         watermarks: list[dict[str, Any]] = []
         changes = 0
+        counts: dict[tuple[str, str], int] = {}
+        last_commit_ts = None
         per_change = self.mode == "per-change"
         for event in events:
             kind = type(event)
             if kind is ChangeRecord:
                 changes += 1
+                key = (event.table, event.operation)
+                counts[key] = counts.get(key, 0) + 1
                 if per_change:
                     messages.append(self._single(event))
                 else:
@@ -162,6 +168,7 @@ class MessageBuilder:
                 if not per_change:
                     self._close_batch(messages)
                 position = event.end_lsn
+                last_commit_ts = event.commit_ts
             elif kind is RelationChanged:
                 self.register(event.relation)
                 changed.append(event.relation)
@@ -172,7 +179,8 @@ class MessageBuilder:
                 watermarks.append(mark)
                 messages.append(OutgoingMessage(
                     mark["subject"], mark["msg_id"], self.encode(mark)))
-        return BuiltBatch(messages, position, changed, watermarks, changes)
+        return BuiltBatch(messages, position, changed, watermarks, changes, counts,
+                          last_commit_ts)
 
     def _single(self, record: ChangeRecord) -> OutgoingMessage:
         info = self._info(record)

@@ -12,11 +12,13 @@ keeps answering the server, so nothing times out and nothing is lost.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import random
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -61,6 +63,8 @@ class CdcBridge:
         self.publisher: JetStreamPublisher | None = None
         self._kv = None
         self._published_fingerprints: dict[str, str] = {}
+        # (position, published at (monotonic), committed at (epoch)) per published batch
+        self._timings: collections.deque = collections.deque(maxlen=100_000)
         self.telemetry: TelemetryServer | None = None
 
     def request_stop(self) -> None:
@@ -208,8 +212,13 @@ class CdcBridge:
             if built.messages or built.position is not None:
                 metrics.last_processing_time_us.set(
                     (perf_counter() - started) * 1e6 / batch.wal_messages)
+                if built.position is not None and built.last_commit_ts is not None:
+                    self._timings.append((built.position, time.monotonic(),
+                                          _epoch(built.last_commit_ts)))
                 await self._publish(reader, built.messages, built.position)
                 metrics.events_published.inc(built.changes)
+                for (table, operation), count in built.counts.items():
+                    metrics.events_by_table.labels(table, operation.lower()).inc(count)
             self._confirm_stored(reader)
             metrics.current_lsn = reader.received_lsn
         # graceful stop: drain what is in flight (bounded), then the final ack in finally
@@ -235,6 +244,13 @@ class CdcBridge:
         stored = self.publisher.stored_position
         if stored is not None:
             reader.confirm(stored)
+            timings = self._timings
+            if timings and timings[0][0] <= stored:
+                now_monotonic, now = time.monotonic(), time.time()
+                while timings and timings[0][0] <= stored:
+                    _, published_at, committed_at = timings.popleft()
+                    self.metrics.publish_latency.observe(now_monotonic - published_at)
+                    self.metrics.commit_to_stored.observe(max(0.0, now - committed_at))
         self.metrics.confirmed_lsn = reader.confirmed_lsn
         self.metrics.last_ack_lsn.set(reader.confirmed_lsn)
         self.metrics.in_flight.set(self.publisher.in_flight_messages)
@@ -352,6 +368,14 @@ class CdcBridge:
         while True:
             await asyncio.sleep(self.options.metrics_log_interval_seconds)
             log.info("%s", self.metrics.logfmt())
+
+
+def _epoch(iso_utc: str) -> float:
+    """``2025-12-08T13:45:21.719719Z`` -> seconds since the epoch (infinity -> now)."""
+    try:
+        return datetime.fromisoformat(iso_utc).timestamp()
+    except ValueError:
+        return time.time()
 
 
 def schema_from_relation(relation: Relation, current: TableSchema | None) -> TableSchema:
