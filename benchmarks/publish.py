@@ -7,10 +7,10 @@ the stream, publishes the same CDC-like messages (msgpack rows of ~226 B, one un
 checks the stream holds exactly that many. Prints msgs/s, the ratio to the baseline measured in
 the same run, and CPU (% of one core) of this process and of nats-server.
 
-Then a steady-traffic run: transactions of a few changes at a fixed rate (default 2K msgs/s),
-measuring publish() call → position stored (p50/p99/max) and the CPU it costs.
+Then steady traffic: transactions of a few changes at fixed rates (default 2K and 20K
+changes/s), measuring publish() call → position stored (p50/p99/max) and the CPU it costs.
 
-    .venv/bin/python benchmarks/publish.py [--messages 200000] [--runs 3] [--rate 2000]
+    .venv/bin/python benchmarks/publish.py [--messages 200000] [--runs 3] [--rates 2000,20000]
 """
 
 from __future__ import annotations
@@ -233,7 +233,8 @@ async def main() -> None:
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=500, help="messages per publish() call")
-    parser.add_argument("--rate", type=int, default=2000, help="steady run: changes per second")
+    parser.add_argument("--rates", default="2000,20000",
+                        help="steady runs: changes per second, comma-separated")
     parser.add_argument("--seconds", type=float, default=5.0, help="steady run: duration")
     parser.add_argument("--transaction", type=int, default=4, help="steady run: changes per txn")
     args = parser.parse_args()
@@ -247,11 +248,12 @@ async def main() -> None:
             try:
                 await throughput(nc, server.process.pid, Workload.make(args.messages),
                                  args.runs, args.chunk)
-                print(f"\nsteady {args.rate:,} changes/s in transactions of {args.transaction} "
-                      f"for {args.seconds:g} s: publish() → position stored")
-                for mode in ("baseline", "fast-batch", "per-message"):
-                    await steady_latency(nc, server.process.pid, mode, args.rate, args.seconds,
-                                         args.transaction)
+                for rate in (int(text) for text in args.rates.split(",")):
+                    print(f"\nsteady {rate:,} changes/s in transactions of {args.transaction} "
+                          f"for {args.seconds:g} s: publish() → position stored")
+                    for mode in ("baseline", "fast-batch", "per-message"):
+                        await steady_latency(nc, server.process.pid, mode, rate, args.seconds,
+                                             args.transaction)
             finally:
                 await nc.close()
         finally:

@@ -23,6 +23,8 @@ CDC_PREFIX = "cdc"
 # A token no table can have: wire table names escape "-" (see cdc_platform.naming).
 CONTROL_TOKEN = "cdc-platform"
 WATERMARK_SUBJECT_PREFIX = f"{CDC_PREFIX}.{CONTROL_TOKEN}.watermark"
+# Commit frames of JetStream fast-ingest batches: captured by the CDC stream, never stored.
+CONTROL_EOB_SUBJECT = f"{CDC_PREFIX}.{CONTROL_TOKEN}.eob"
 INIT_SNAP_PREFIX = "init.snap"
 INIT_META_PREFIX = "init.meta"
 SNAPSHOT_REQUEST_PREFIX = "snapshot.request"

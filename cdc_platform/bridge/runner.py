@@ -39,7 +39,7 @@ from cdc_platform.replication.reader import SlotReader
 from cdc_platform.replication.slots import read_slot_async
 from cdc_platform.settings import PlatformSettings
 from cdc_platform.telemetry import BridgeMetrics, TelemetryServer
-from cdc_platform.wire import HEARTBEAT_PREFIX, encoder
+from cdc_platform.wire import CONTROL_EOB_SUBJECT, HEARTBEAT_PREFIX, encoder
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,8 @@ class CdcBridge:
             self.publisher = JetStreamPublisher(
                 nc, stream=stream, mode=self.options.publish_mode,
                 max_in_flight_messages=self.options.max_in_flight_messages,
-                max_in_flight_bytes=self.options.max_in_flight_bytes)
+                max_in_flight_bytes=self.options.max_in_flight_bytes,
+                control_subject=CONTROL_EOB_SUBJECT)
             await self.publisher.start()
             self._watch_nats(nc)
             side_tasks = [asyncio.create_task(coro, name=name) for name, coro in (

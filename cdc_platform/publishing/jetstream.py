@@ -40,10 +40,11 @@ Failure model
       nobody while it shuts down or restarts. The sender asks for the stream: gone, or no longer
       capturing the subject, is fatal as above; otherwise everything unconfirmed is resent after
       a pause, for up to 30 s of 503s without progress.
-    * Silence (no ack within ``ack_timeout``) and reconnects mean "outcome unknown": everything not
-      confirmed is resent with the same ``Nats-Msg-Id``, so the stream's duplicate window makes
-      the resend harmless. Dedupe only covers ``duplicate_window`` (2 minutes by default): an
-      outage longer than that can store a message twice.
+    * Silence (nothing confirmed for ``ack_timeout`` while acks are owed) and reconnects mean
+      "outcome unknown": everything not confirmed is resent with the same ``Nats-Msg-Id``, so
+      the stream's duplicate window makes the resend harmless. Dedupe only covers
+      ``duplicate_window`` (2 minutes by default): an outage longer than that can store a
+      message twice.
     * While NATS is away nothing is sent and nothing is dropped; ``publish()`` blocks once the
       in-flight limits are reached.
 """
@@ -73,8 +74,8 @@ PublishMode = Literal["fast-batch", "per-message", "auto"]
 
 # ADR-50 fast-ingest limits and settings (nats-server 2.14+).
 _FAST_BATCH_MAX_FLOW = 500        # the server never acks less often than every 500 messages
-_FAST_BATCH_MIN_FLOW = 16         # below this, acks cost more than they save at any rate
-_FAST_BATCH_ACK_INTERVAL = 0.005  # aim for one flow ack per 5 ms of traffic (latency vs. acks)
+_FAST_BATCH_MIN_FLOW = 1          # at a trickle every message is acked, like a PubAck
+_FAST_BATCH_ACK_INTERVAL = 0.0025 # one flow ack per ~2.5 ms of traffic: bounds the tail's wait
 _FAST_BATCH_OUTSTANDING = 4       # flow-ack windows in flight (measured: 4 beats 2, 8 adds little)
 _FAST_BATCH_UNKNOWN = 10208       # "batch publish ID unknown": the server abandoned the batch
 _FAST_BATCH_REPLAN_FACTOR = 4     # start a new batch once the ideal flow is 4x the current one
@@ -300,6 +301,7 @@ class _Ledger:
         self.held_bytes = 0
         self.stored_position: int | None = None
         self.last_ack_latency: float | None = None
+        self.last_confirmed_at = 0.0                          # when `stored` last advanced
         self.largest = 0                                      # biggest message size accepted
         self._positions: deque[tuple[int, int]] = deque()   # (end index, position) per call
         self._writes: deque[tuple[int, float]] = deque()    # (end index, time) per write
@@ -324,9 +326,20 @@ class _Ledger:
         if position is None:
             return False
         if self.accepted <= self.stored:   # an empty call with nothing outstanding
+            return self._reach(position)
+        self._positions.append((self.accepted, position))
+        return False
+
+    def _reach(self, position: int) -> bool:
+        """``position`` is stored; the reported position never goes back.
+
+        A caller replaying from its last confirmed position (a PostgreSQL reconnect) publishes
+        positions lower than ones already queued; messages are stored in order, so the
+        highest position reached so far stays true.
+        """
+        if self.stored_position is None or position > self.stored_position:
             self.stored_position = position
             return True
-        self._positions.append((self.accepted, position))
         return False
 
     def take(self, count: int, now: float) -> list[_Held]:
@@ -363,12 +376,13 @@ class _Ledger:
             freed += popleft()[4]
         self.held_bytes -= freed
         self.stored = end = self.stored + count
+        self.last_confirmed_at = now
         writes = self._writes
         while writes and writes[0][0] <= end:
             self.last_ack_latency = now - writes.popleft()[1]
         positions = self._positions
         while positions and positions[0][0] <= end:
-            self.stored_position = positions.popleft()[1]
+            self._reach(positions.popleft()[1])
         return True
 
     def confirm_one(self, index: int, now: float) -> bool:
@@ -395,6 +409,16 @@ class _Ledger:
     def oldest_write(self) -> float | None:
         """When the oldest unconfirmed message was written (None: nothing unconfirmed)."""
         return self._writes[0][1] if self._writes else None
+
+    def silent_since(self) -> float | None:
+        """Since when the server owes us an ack without having sent one (None: owes none).
+
+        Measured from the oldest unconfirmed write or the latest confirmation, whichever is
+        later: a server working through a backlog is slow, not silent, and resending to it
+        would only grow the backlog.
+        """
+        oldest = self.oldest_write()
+        return None if oldest is None else max(oldest, self.last_confirmed_at)
 
 
 class _RateMeter:
@@ -484,18 +508,22 @@ class _FastBatchChannel:
 
     A batch opens with its first message alone and waits for the server's first flow ack (it
     tells the ack cadence ``msgs``); after that messages may run up to
-    ``acked + msgs * 4`` (the ADR-50 rule). The batch is committed with an end-of-batch marker
-    (op 3: batch seq last+1, empty, not stored) when flush() wants it, when the caller has been
-    idle for ``commit_idle``, when the oldest unconfirmed message has waited ``commit_max_delay``
-    (the tail after the last flow ack is confirmed only by the commit), or when the traffic grew
-    so much that a batch with a larger flow is due. Each of these keeps a batch far below the
-    server's 10 s inactivity limit.
+    ``acked + msgs * 4`` (the ADR-50 rule). The flow asked for is sized to the traffic (see
+    :meth:`_wanted_flow`), so the messages after the last flow ack wait only milliseconds.
+    The batch is committed with an end-of-batch marker (op 3: batch seq last+1, empty, not
+    stored) when flush() wants it, when the caller has been idle for ``commit_idle``, when the
+    oldest unconfirmed message has waited ``commit_max_delay`` (a backstop: the tail after the
+    last flow ack is otherwise confirmed only by the commit), or when the traffic grew so much
+    that a batch with a larger flow is due. Each of these keeps a batch far below the server's
+    10 s inactivity limit.
     """
 
     def __init__(self, host: _Host, ledger: _Ledger, wire: _Wire, inbox: str,
                  stats: PublishStats, rate: _RateMeter, *, commit_idle: float,
-                 commit_max_delay: float, flow: int | None) -> None:
+                 commit_max_delay: float, flow: int | None,
+                 control_subject: bytes | None = None) -> None:
         self._host, self._ledger, self._wire, self._inbox = host, ledger, wire, inbox
+        self._control_subject = control_subject
         self._stats, self._rate = stats, rate
         self._commit_idle, self._commit_max_delay = commit_idle, commit_max_delay
         self._fixed_flow = flow
@@ -508,15 +536,22 @@ class _FastBatchChannel:
         self._batch = None
 
     def _wanted_flow(self) -> int:
-        """Flow acks every ~5 ms of traffic: few acks at 150K msg/s, a short tail at 2K msg/s."""
+        """The ack cadence for the current traffic: a power of two, 1 to 500.
+
+        Messages after the last flow ack wait for the next one (or the commit), so acks every
+        ~2.5 ms of traffic keep that wait short at any rate: flow 4 at 2K msg/s, 500 (the
+        server's maximum, fewest acks) from 200K msg/s or whenever a backlog builds up.
+        """
         if self._fixed_flow is not None:
             return self._fixed_flow
         wanted = max(self._rate.rate * _FAST_BATCH_ACK_INTERVAL,
                      len(self._ledger.queued) / _FAST_BATCH_OUTSTANDING)
+        if wanted >= _FAST_BATCH_MAX_FLOW:
+            return _FAST_BATCH_MAX_FLOW
         flow = _FAST_BATCH_MIN_FLOW
-        while flow < wanted and flow < _FAST_BATCH_MAX_FLOW:
+        while flow * 2 <= wanted:
             flow *= 2
-        return min(flow, _FAST_BATCH_MAX_FLOW)
+        return flow
 
     async def pump(self, now: float, flush_target: int) -> bool:
         ledger, batch = self._ledger, self._batch
@@ -552,8 +587,9 @@ class _FastBatchChannel:
         if self._commit_due(batch, now, flush_target, replan):
             batch.committing = True
             self._stats.commits += 1
-            # The marker may use any subject of the stream: the last message's is one.
-            await self._wire.write([(batch.last_subject,
+            # The marker (never stored) may use any subject of the stream. A dedicated
+            # control subject keeps core subscribers of data subjects from seeing it.
+            await self._wire.write([(self._control_subject or batch.last_subject,
                                      b"%s%d.3.$FI" % (batch.reply_prefix, batch.seq + 1),
                                      None, b"")])
             return True
@@ -714,15 +750,19 @@ class JetStreamPublisher:
                  commit_idle: float = 0.01,
                  commit_max_delay: float = 0.05,
                  flow: int | None = None,
-                 on_stored: Callable[[int], None] | None = None) -> None:
+                 on_stored: Callable[[int], None] | None = None,
+                 control_subject: str | None = None) -> None:
         """
         ``max_in_flight_*`` bound what is held (queued or awaiting an ack); a single call larger
-        than the bound is still accepted, alone. ``ack_timeout``: silence after which the
-        outcome of unconfirmed messages counts as unknown and they are resent.
+        than the bound is still accepted, alone. ``ack_timeout``: how long the server may owe
+        an ack without confirming anything before the unconfirmed messages count as unknown
+        and are resent (doubling, up to 16x, while resends bring no ack).
         ``commit_idle`` / ``commit_max_delay``: when a fast-ingest batch is committed (see
         :class:`_FastBatchChannel`); ``flow`` fixes the flow-ack cadence instead of sizing it
         to the traffic. ``on_stored(position)`` is called, synchronously, each time
-        :attr:`stored_position` advances.
+        :attr:`stored_position` advances. ``control_subject``: the subject of fast-ingest
+        commit markers (captured by the stream, never stored); default: the batch's last
+        message subject.
         """
         if mode not in ("fast-batch", "per-message", "auto"):
             raise ValueError(f"unknown publish mode {mode!r}")
@@ -739,6 +779,7 @@ class JetStreamPublisher:
         self._commit_idle = commit_idle
         self._commit_max_delay = commit_max_delay
         self._flow = flow
+        self._control_subject = control_subject
         self._on_stored = on_stored
 
         self.stats = PublishStats()
@@ -753,7 +794,6 @@ class JetStreamPublisher:
         self._stream_subjects: list[str] = []
         self._subjects: dict[str, bytes] = {}          # admitted subject -> encoded
         self._extra_headers: dict[tuple[tuple[str, str], ...], str] = {}   # -> header lines
-        self._last_position: int | None = None
         self._notified_position: int | None = None
 
         self._wake = asyncio.Event()      # the sender has something to look at
@@ -826,7 +866,9 @@ class JetStreamPublisher:
             self._channel = _FastBatchChannel(
                 self, self._ledger, wire, inbox, self.stats, self._rate,
                 commit_idle=self._commit_idle, commit_max_delay=self._commit_max_delay,
-                flow=self._flow)
+                flow=self._flow,
+                control_subject=self._control_subject.encode() if self._control_subject
+                else None)
         else:
             self._channel = _PerMessageChannel(self, self._ledger, wire, inbox, self.stats)
         # Per-message acks can briefly outnumber the window (resends); never drop one.
@@ -847,14 +889,11 @@ class JetStreamPublisher:
         Returns once the messages are queued, which waits while the in-flight limits are
         reached (also while NATS is away). Raises :class:`PublishError` for a message that
         can never be published (too large, bad subject or header) before queueing any of the
-        call, and the publisher's failure if it has one; ``ValueError`` if ``position`` is
-        lower than an earlier one.
+        call, and the publisher's failure if it has one. A ``position`` lower than an earlier
+        one (a replay after a source reconnect) is fine: :attr:`stored_position` never goes
+        back.
         """
         self._raise_if_unusable()
-        if position is not None and self._last_position is not None \
-                and position < self._last_position:
-            raise ValueError(f"position {position} is lower than the previous "
-                             f"{self._last_position}; positions must not go back")
         held, size, largest = self._frame_all(messages)
         count = len(held)
         ledger = self._ledger
@@ -865,8 +904,6 @@ class JetStreamPublisher:
                 self._room_wanted = (self._max_messages - count, self._max_bytes - size)
                 await self._room.wait()
             self._raise_if_unusable()
-            if position is not None:
-                self._last_position = position
             now = asyncio.get_running_loop().time()
             self._rate.add(count, now)
             assert self._channel is not None
@@ -928,8 +965,9 @@ class JetStreamPublisher:
                 self._task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
-            if self._subscription is not None and self._nc.is_connected:
-                await self._subscription.unsubscribe()
+            if self._subscription is not None and not self._nc.is_closed:
+                with contextlib.suppress(NatsError):
+                    await self._subscription.unsubscribe()
 
     def connection_changed(self) -> None:
         """Tell the publisher NATS disconnected or reconnected (optional, it also polls)."""
@@ -1026,9 +1064,9 @@ class JetStreamPublisher:
                     await self._look_into_no_responders()
                     continue
                 now = loop.time()
-                oldest = self._ledger.oldest_write()
+                silent_since = self._ledger.silent_since()
                 ack_timeout = self._current_ack_timeout()
-                if oldest is not None and now - oldest >= ack_timeout:
+                if silent_since is not None and now - silent_since >= ack_timeout:
                     self._timeouts_without_progress += 1
                     self._restart(f"no acknowledgement within {ack_timeout:g} s")
                     continue
@@ -1041,7 +1079,7 @@ class JetStreamPublisher:
                 if wrote:
                     await asyncio.sleep(0)   # let the reader deliver acks, producers queue
                     continue
-                await self._sleep_until(self._next_deadline(now, oldest, ack_timeout))
+                await self._sleep_until(self._next_deadline(now, silent_since, ack_timeout))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug or an unforeseen reply: stop, say so, keep messages
@@ -1057,12 +1095,12 @@ class JetStreamPublisher:
         """
         return self._ack_timeout * 2 ** min(self._timeouts_without_progress, 4)
 
-    def _next_deadline(self, now: float, oldest: float | None,
+    def _next_deadline(self, now: float, silent_since: float | None,
                        ack_timeout: float) -> float | None:
         assert self._channel is not None
         deadlines = [self._channel.deadline()]
-        if oldest is not None:
-            deadlines.append(oldest + ack_timeout)
+        if silent_since is not None:
+            deadlines.append(silent_since + ack_timeout)
         if self._ledger.held:
             deadlines.append(now + _CONNECTION_POLL)   # notice a lost connection soon
         present = [deadline for deadline in deadlines if deadline is not None]
@@ -1170,8 +1208,10 @@ class JetStreamPublisher:
 
     # -- replies (called from the subscription's task) ---------------------------------------
     async def _on_reply_message(self, message: Msg) -> None:
+        # Replies are processed after a failure too: an ack for messages before the failed
+        # one is still true (a fast batch's commit PubAck follows its error).
         channel = self._channel
-        if channel is None or self._failure is not None:
+        if channel is None:
             return
         # After a reconnect and before _recover() ran, error replies may concern frames the
         # new server never saw in order (nats-py replays its buffer); _recover() resends them.

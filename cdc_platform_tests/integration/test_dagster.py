@@ -170,3 +170,53 @@ async def test_cdc_job_streams_observes_and_stops_with_final_ack(dagster_env, cd
         metadata = records[0].asset_observation.metadata
         assert "confirmed_lsn" in metadata and "lag_bytes" in metadata
         assert parse_lsn(metadata["confirmed_lsn"].value) > 0
+
+
+@pytest.mark.spark
+async def test_init_snapshot_materialization_records_the_cutover(
+        dagster_env, cdc_database, pg_admin, nats_client, spark_session):
+    from dagster_pyspark import LazyPySparkResource
+
+    from cdc_platform.bridge.runner import CdcBridge
+    from cdc_platform.defs.snapshots.assets import init_snapshot
+    from cdc_platform.settings import load_settings
+    from cdc_platform.spark import default_spark_config
+
+    table = random_name("dag_snap")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT i, 'v' || i FROM generate_series(1, 2500) i")
+    cdc_database.add_tables(pg_admin, table)
+    bridge = CdcBridge(load_settings())  # the watermark marker needs a running bridge
+    bridge_task = asyncio.create_task(bridge.run())
+    try:
+        deadline = time.monotonic() + 30
+        while read_slot(pg_admin, cdc_database.slot) is None:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        with dg.instance_for_test() as instance:
+            instance.add_dynamic_partitions("published_tables", [table])
+            spark_resource = LazyPySparkResource(
+                spark_config=default_spark_config("local[2,2]"))
+            result = await asyncio.to_thread(
+                dg.materialize, [init_snapshot], partition_key=table, instance=instance,
+                resources={**resources(dagster_env), "pyspark": spark_resource})
+            assert result.success
+            event = result.get_asset_materialization_events()[0]
+            metadata = {k: v.value for k, v in
+                        event.step_materialization_data.materialization.metadata.items()}
+    finally:
+        bridge.request_stop()
+        await asyncio.wait_for(bridge_task, 60)
+    assert metadata["row_count"] == 2500
+    assert metadata["batch_count"] >= 1
+    assert parse_lsn(metadata["lsn"]) > parse_lsn(metadata["watermark_lsn"])
+    meta_messages = await read_subjects(nats_client, "INIT", f"init.meta.{table}", expect=1)
+    meta = msgpack.unpackb(meta_messages[-1].data)
+    assert meta["snapshot_id"] == metadata["snapshot_id"]
+    assert meta["lsn"] == metadata["lsn"] and meta["row_count"] == 2500
+    chunks = await read_subjects(nats_client, "INIT", f"init.snap.{table}.>",
+                                 expect=metadata["batch_count"])
+    assert sum(len(msgpack.unpackb(c.data)["data"]) for c in chunks) == 2500
+    # the CDC start point is the watermark marker's stream sequence
+    marker = await nats_client.jetstream().get_last_msg("CDC", metadata["watermark_subject"])
+    assert metadata["cdc_start_seq"] == marker.seq

@@ -15,9 +15,17 @@ import signal
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
-from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, StorageType, StreamConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    StorageType,
+    StreamConfig,
+)
 from nats.js.errors import NotFoundError
 
 from cdc_platform.dev.servers import LocalNatsServer
@@ -78,33 +86,50 @@ def own_nats(tmp_path: Path) -> Iterator[LocalNatsServer]:
     server.stop()
 
 
-async def read_stream(js, stream: Stream) -> list[tuple[int, str, str, bytes]]:
-    """``(stream sequence, Nats-Msg-Id, subject, payload)`` of every message, in stream order."""
+class Stored(NamedTuple):
+    seq: int
+    msg_id: str
+    subject: str
+    payload: bytes
+    fingerprint: str | None
+
+
+async def read_stream(js, stream: Stream) -> list[Stored]:
+    """Every message of the stream, in stream order."""
     total = (await js.stream_info(stream.name)).state.messages
-    subscription = await js.pull_subscribe(
-        f"{stream.prefix}.>", stream=stream.name,
-        config=ConsumerConfig(ack_policy=AckPolicy.NONE))
-    stored: list[tuple[int, str, str, bytes]] = []
+    stored: list[Stored] = []
+    complete = asyncio.Event()
+
+    async def collect(message) -> None:   # a push consumer: far quicker than fetch() here
+        stored.append(Stored(message.metadata.sequence.stream, message.headers["Nats-Msg-Id"],
+                             message.subject, message.data,
+                             message.headers.get("Cdc-Schema-Fingerprint")))
+        if len(stored) == total:
+            complete.set()
+
+    if total == 0:
+        return stored
+    subscription = await js.subscribe(
+        f"{stream.prefix}.>", stream=stream.name, cb=collect, manual_ack=True,
+        config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL))
     try:
-        while len(stored) < total:
-            for message in await subscription.fetch(min(10_000, total - len(stored)),
-                                                     timeout=5):
-                stored.append((message.metadata.sequence.stream,
-                               message.headers["Nats-Msg-Id"], message.subject, message.data))
+        await asyncio.wait_for(complete.wait(), 30)
     finally:
         await subscription.unsubscribe()
     return stored
 
 
-def assert_exactly(stored, expected: list[OutgoingMessage], *, ordered: bool = True) -> None:
+def assert_exactly(stored: list[Stored], expected: list[OutgoingMessage], *,
+                   ordered: bool = True) -> None:
     """The stream holds exactly ``expected`` once each (and in that order if ``ordered``)."""
-    ids = [msg_id for _, msg_id, _, _ in stored]
+    ids = [message.msg_id for message in stored]
     assert len(ids) == len(set(ids)), "a message was stored twice"
     if ordered:
         assert ids == [message.msg_id for message in expected]
-        assert [seq for seq, *_ in stored] == list(range(1, len(expected) + 1))
-        assert [(subject, data) for _, _, subject, data in stored] == [
-            (message.subject, message.payload) for message in expected]
+        assert [message.seq for message in stored] == list(range(1, len(expected) + 1))
+        assert [(message.subject, message.payload, message.fingerprint) for message in stored] \
+            == [(message.subject, message.payload, dict(message.headers)["Cdc-Schema-Fingerprint"])
+                for message in expected]
     else:
         assert sorted(ids) == sorted(message.msg_id for message in expected)
 
@@ -213,12 +238,16 @@ async def test_nats_restart_mid_stream_loses_nothing_and_keeps_order(own_nats):
             await asyncio.sleep(0.001)
 
         await asyncio.to_thread(own_nats.stop)
+        while nc.is_connected:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)   # acks received before the disconnect may still be queued
         outage_position = publisher.stored_position
-        await asyncio.sleep(10)
+        await asyncio.sleep(9.5)
         # Nothing can be stored without a server, and publish() blocks on the full window.
         assert publisher.stored_position == outage_position
         assert not producer.done() and publisher.in_flight_messages <= 5_000
         await asyncio.to_thread(own_nats.start)
+        assert (await js.stream_info(stream.name)).state.messages >= outage_position
 
         await asyncio.wait_for(producer, 60)
         assert await publisher.flush(timeout=60) == 40_000
@@ -262,7 +291,10 @@ async def test_silent_server_means_resend_with_same_ids(own_nats, mode):
     try:
         js = nc.jetstream()
         stream = await create_stream(js)
-        publisher = JetStreamPublisher(nc, stream=stream.name, mode=mode, ack_timeout=0.5)
+        # 5,000 in flight stay below nats-py's 2 MB outbound buffer, so the sender is never
+        # stuck in a write while the server sleeps, and the ack timeout must act.
+        publisher = JetStreamPublisher(nc, stream=stream.name, mode=mode, ack_timeout=0.5,
+                                       max_in_flight_messages=5_000)
         await publisher.start()
         messages = stream.messages(0, 30_000)
         producer = asyncio.create_task(publish_in_calls(publisher, messages, largest=100))
@@ -276,7 +308,7 @@ async def test_silent_server_means_resend_with_same_ids(own_nats, mode):
         await asyncio.wait_for(producer, 30)
         assert await publisher.flush(timeout=30) == 30_000
         await publisher.close()
-        assert publisher.stats.resends > 0
+        assert publisher.stats.resends > 0, publisher.stats
         assert_exactly(await read_stream(js, stream), messages)
     finally:
         await nc.close()
@@ -375,28 +407,36 @@ async def test_jetstream_error_reply_stops_before_the_failed_message(nats_client
     assert publisher.stored_position == 6
     await publisher.close()
     stored = await read_stream(js, stream)
-    assert [msg_id for _, msg_id, _, _ in stored] == [f"m{i}" for i in range(1_000)]
+    assert [message.msg_id for message in stored] == [f"m{i}" for i in range(1_000)]
 
 
 @pytest.mark.parametrize("mode", MODES)
-async def test_duplicates_count_as_stored(nats_client, js, streams, mode):
+async def test_replayed_duplicates_count_as_stored(nats_client, js, streams, mode):
+    """A source replaying from an earlier position: dedupe stores nothing twice and the
+    reported position never goes back."""
     stream = await create_stream(js)
     streams.append(stream)
-    publisher = JetStreamPublisher(nats_client, stream=stream.name, mode=mode)
+    notified: list[int] = []
+    publisher = JetStreamPublisher(nats_client, stream=stream.name, mode=mode,
+                                   on_stored=notified.append)
     await publisher.start()
-    await publisher.publish(stream.messages(0, 1_000), position=1)
-    await publisher.flush(timeout=10)
-    await publisher.publish(stream.messages(500, 1_000), position=2)   # 500 already stored
-    assert await publisher.flush(timeout=10) == 2
+    await publisher.publish(stream.messages(0, 1_000), position=10)
+    assert await publisher.flush(timeout=10) == 10
+    await publisher.publish(stream.messages(500, 1_000), position=5)   # 500 already stored
+    assert await publisher.flush(timeout=10) == 10
+    await publisher.publish([], position=12)   # nothing outstanding: stored at once
+    assert publisher.stored_position == 12
     await publisher.close()
+    assert notified == [10, 12]
     assert_exactly(await read_stream(js, stream), stream.messages(0, 1_500))
 
 
 async def test_fast_batch_tail_is_committed_when_the_caller_goes_idle(nats_client, js, streams):
-    """No flush(): the few messages after the last flow ack are committed within ms."""
+    """No flush(): the messages after the last flow ack are committed once the caller idles."""
     stream = await create_stream(js)
     streams.append(stream)
-    publisher = JetStreamPublisher(nats_client, stream=stream.name, mode="fast-batch")
+    # Flow 500: no flow ack covers three messages, only the commit can.
+    publisher = JetStreamPublisher(nats_client, stream=stream.name, mode="fast-batch", flow=500)
     await publisher.start()
     loop = asyncio.get_running_loop()
     for round_ in range(3):

@@ -1,0 +1,332 @@
+"""The work of one Spark task: read a block range under the exported snapshot, publish chunks.
+
+A task opens its own connection as the platform role with the session settings the value
+converters expect (``SESSION_OPTIONS``, the same as the CDC walsender), imports the snapshot::
+
+    BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY;
+    SET TRANSACTION SNAPSHOT '<exported name>';
+    SET LOCAL synchronize_seqscans = off;          -- physical order from the range start
+    SET LOCAL max_parallel_workers_per_gather = 0; -- one ordered scan, no Gather
+    COPY (SELECT <published columns> FROM t WHERE <ctid range>) TO STDOUT
+
+and streams the COPY text straight from libpq (``PQgetCopyData`` non-blocking, every complete
+row already received taken in one go) into a :class:`~cdc_platform.snapshot.chunks.Chunker`.
+Chunks go to JetStream with a few publishes outstanding; the task returns only after every one
+was acknowledged, and returns only small statistics to the driver, never rows.
+
+Errors that a retry cannot fix (a row over ``max_payload``, a value that does not convert) are
+returned as statistics with ``error`` set, so Spark does not retry them; anything else raises
+and Spark retries the task, which republishes identical chunks (see ``chunks``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import nats.errors
+import psycopg
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NoStreamResponseError
+from psycopg import pq, sql
+from psycopg.pq import ExecStatus
+
+from cdc_platform.errors import (
+    ConversionError,
+    PayloadTooLarge,
+    PublishError,
+    SnapshotError,
+)
+from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.postgres.catalog import ColumnInfo
+from cdc_platform.protocol.values import TypeRegistry
+from cdc_platform.settings import NatsSettings
+from cdc_platform.snapshot.chunks import Chunk, Chunker, ChunkLayout
+from cdc_platform.snapshot.plan import BlockRange
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PUBLISH_WINDOW = 8  # chunks in flight per task (up to max_payload each)
+_BLOCK_BYTES = 512 * 1024  # COPY text handed to the chunker at a time, at most
+_MIN_BLOCK_BYTES = 64 * 1024  # ... and at least, unless the COPY has ended
+_PUBLISH_ATTEMPTS = 6
+
+
+class InjectedFault(RuntimeError):
+    """Test-only: a task attempt failing on purpose (see :class:`TaskFault`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskFault:
+    """Test-only fault injection: the first attempt of ``partition`` fails right after
+    ``after_chunks`` of its chunks were acknowledged."""
+
+    partition: int
+    after_chunks: int
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSpec:
+    """What every task of one snapshot needs. Travels to the executors with the tasks, so it
+    holds the connection secrets: run Spark where you would run the platform itself."""
+
+    conninfo: str = field(repr=False)
+    nats: NatsSettings
+    snapshot_name: str
+    select: str  # COPY (SELECT ... WHERE {range}) TO STDOUT, with {range} to fill in
+    layout: ChunkLayout
+    columns: tuple[ColumnInfo, ...]
+    type_rows: tuple[tuple[Any, ...], ...]
+    stream: str
+    publish_window: int = DEFAULT_PUBLISH_WINDOW
+    publish_timeout: float = 30.0
+    fault: TaskFault | None = None
+
+    def copy_command(self, block_range: BlockRange) -> str:
+        return self.select.replace("{range}", block_range.predicate().as_string(None))
+
+
+@dataclass(slots=True)
+class RangeStats:
+    """What a task returns to the driver."""
+
+    partition: int
+    rows: int = 0
+    chunks: int = 0
+    first_chunk: int | None = None
+    bytes_raw: int = 0
+    bytes_compressed: int = 0
+    splits: int = 0
+    duplicates: int = 0  # chunks JetStream already had (a retried attempt)
+    seconds: float = 0.0
+    attempt: int = 0
+    error: str | None = None
+    error_kind: str | None = None  # PayloadTooLarge / ConversionError
+
+
+# -- COPY from libpq --------------------------------------------------------------------------
+async def _readable(pgconn: pq.PGconn) -> None:
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    fileno = pgconn.socket
+    loop.add_reader(fileno, lambda: future.done() or future.set_result(None))
+    try:
+        await future
+    finally:
+        loop.remove_reader(fileno)
+
+
+def _raise_for(result: pq.PGresult, what: str) -> None:
+    message = (result.error_message or b"").decode(errors="replace").strip()
+    raise SnapshotError(f"{what} failed: {message}")
+
+
+async def copy_blocks(pgconn: pq.PGconn, command: str) -> AsyncIterator[bytearray]:
+    """Run ``COPY ... TO STDOUT`` (text) and yield blocks of complete lines (each ending with
+    ``\\n``) of 64 to 512 KiB (the last one may be smaller).
+
+    Rows are appended to one ``bytearray`` as they come (``PQgetCopyData`` hands out one row
+    per call): joining them later would cost twice as much.
+    """
+    pgconn.send_query(command.encode())
+    while pgconn.flush():
+        await asyncio.sleep(0)
+    while pgconn.is_busy():
+        await _readable(pgconn)
+        pgconn.consume_input()
+    result = pgconn.get_result()
+    if result is None or result.status != ExecStatus.COPY_OUT:
+        if result is not None:
+            while pgconn.get_result() is not None:
+                pass
+            _raise_for(result, "COPY")
+        raise SnapshotError("COPY returned no result")
+    buffer = bytearray()
+    get_copy_data = pgconn.get_copy_data
+    done = False
+    while not done:
+        while True:
+            nbytes, data = get_copy_data(1)
+            if nbytes > 0:
+                buffer += data
+                if len(buffer) >= _BLOCK_BYTES:
+                    break
+            elif nbytes == 0:
+                break
+            else:
+                done = True
+                break
+        # Hand on a block when it is full, and also when libpq has nothing more right now
+        # and the block is worth a call: converting it lets PostgreSQL refill the socket
+        # meanwhile, where waiting would leave both sides idle in turn.
+        if len(buffer) >= _BLOCK_BYTES or (buffer and (done or (
+                nbytes == 0 and len(buffer) >= _MIN_BLOCK_BYTES))):
+            # PostgreSQL sends one row per CopyData message, but the protocol does not
+            # promise it: hand on complete lines only.
+            end = buffer.rfind(b"\n") + 1
+            if end == len(buffer):
+                block, buffer = buffer, bytearray()
+                yield block
+            elif end:
+                block = buffer[:end]
+                del buffer[:end]
+                yield block
+        if not done and nbytes == 0:
+            await _readable(pgconn)
+            pgconn.consume_input()
+    if buffer:
+        raise SnapshotError("COPY output ended inside a row")
+    while (result := pgconn.get_result()) is not None:
+        if result.status != ExecStatus.COMMAND_OK:
+            _raise_for(result, "COPY")
+
+
+# -- publishing --------------------------------------------------------------------------------
+class ChunkPublisher:
+    """Up to ``window`` chunks in flight; a chunk whose PubAck does not come is sent again
+    with the same ``Nats-Msg-Id`` (JetStream keeps one)."""
+
+    def __init__(self, js: JetStreamContext, stream: str, window: int, timeout: float) -> None:
+        self._js = js
+        self._stream = stream
+        self._window = max(1, window)
+        self._timeout = timeout
+        self._in_flight: deque[asyncio.Task] = deque()
+        self.sent = 0
+        self.acked = 0
+        self.duplicates = 0
+
+    async def publish(self, chunk: Chunk) -> None:
+        while len(self._in_flight) >= self._window:
+            await self._in_flight.popleft()
+        self._in_flight.append(asyncio.create_task(self._send(chunk)))
+        self.sent += 1
+        # Let the send start now: converting the next chunk keeps the loop busy for a while,
+        # and COPY data is nearly always ready, so nothing else would yield to it.
+        await asyncio.sleep(0)
+
+    async def flush(self) -> None:
+        while self._in_flight:
+            await self._in_flight.popleft()
+
+    async def close(self) -> None:
+        for task in self._in_flight:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.gather(*self._in_flight, return_exceptions=True)
+        self._in_flight.clear()
+
+    async def _send(self, chunk: Chunk) -> None:
+        delay = 0.2
+        for attempt in range(1, _PUBLISH_ATTEMPTS + 1):
+            try:
+                ack = await self._js.publish(chunk.subject, chunk.payload,
+                                             timeout=self._timeout, headers=dict(chunk.headers))
+            except (nats.errors.TimeoutError, NoStreamResponseError) as exc:
+                if attempt == _PUBLISH_ATTEMPTS:
+                    raise PublishError(f"chunk {chunk.subject}: no PubAck after {attempt} "
+                                       f"attempts ({type(exc).__name__})") from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            except APIError as exc:
+                raise PublishError(f"chunk {chunk.subject} refused by JetStream: {exc}") from exc
+            if ack.stream != self._stream:
+                raise PublishError(f"chunk {chunk.subject} was stored in stream {ack.stream}, "
+                                   f"not {self._stream}")
+            self.acked += 1
+            if ack.duplicate:
+                self.duplicates += 1
+            return
+
+
+# -- one task ---------------------------------------------------------------------------------
+def _attempt_number() -> int:
+    try:
+        from pyspark import TaskContext
+    except ImportError:  # pragma: no cover - outside Spark
+        return 0
+    context = TaskContext.get()
+    return context.attemptNumber() if context is not None else 0
+
+
+def converters_for(spec: TaskSpec) -> list:
+    registry = TypeRegistry()
+    registry.add_catalog_rows(spec.type_rows)
+    converters = registry.for_columns(spec.columns)
+    return converters
+
+
+async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 0) -> RangeStats:
+    """Read, convert, chunk and publish one range; see the module docstring."""
+    started = time.monotonic()
+    stats = RangeStats(block_range.index, attempt=attempt)
+    client = await connect_nats(spec.nats, name=f"cdc-snapshot-{block_range.index}")
+    publisher = None
+    try:
+        js = client.jetstream()
+        layout = replace(spec.layout, max_payload=min(spec.layout.max_payload,
+                                                      client.max_payload))
+        chunker = Chunker(layout, converters_for(spec), block_range.index)
+        publisher = ChunkPublisher(js, spec.stream, spec.publish_window, spec.publish_timeout)
+        fault = spec.fault if (spec.fault and spec.fault.partition == block_range.index
+                               and attempt == 0) else None
+        # not ``with``: leaving a failed COPY must not try a ROLLBACK on a busy connection
+        conn = psycopg.connect(spec.conninfo, autocommit=True)
+        try:
+            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(
+                sql.Literal(spec.snapshot_name)))
+            conn.execute("SET LOCAL synchronize_seqscans = off")
+            conn.execute("SET LOCAL max_parallel_workers_per_gather = 0")
+            async for block in copy_blocks(conn.pgconn, spec.copy_command(block_range)):
+                for chunk in chunker.add(block):
+                    await _publish(publisher, chunk, stats, fault)
+            for chunk in chunker.finish():
+                await _publish(publisher, chunk, stats, fault)
+            await publisher.flush()
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+        stats.rows = chunker.stats.rows
+        stats.chunks = chunker.stats.chunks
+        stats.bytes_raw = chunker.stats.bytes_raw
+        stats.bytes_compressed = chunker.stats.bytes_compressed
+        stats.splits = chunker.stats.splits
+        stats.duplicates = publisher.duplicates
+    except (PayloadTooLarge, ConversionError) as exc:
+        stats.error, stats.error_kind = str(exc), type(exc).__name__
+    finally:
+        if publisher is not None:
+            await publisher.close()
+        await client.close()
+    stats.seconds = time.monotonic() - started
+    return stats
+
+
+async def _publish(publisher: ChunkPublisher, chunk: Chunk, stats: RangeStats,
+                   fault: TaskFault | None) -> None:
+    if stats.first_chunk is None:
+        stats.first_chunk = chunk.number
+    await publisher.publish(chunk)
+    if fault is not None and publisher.sent >= fault.after_chunks:
+        await publisher.flush()
+        raise InjectedFault(f"test fault: partition {fault.partition} fails after "
+                            f"{fault.after_chunks} chunks")
+
+
+def run_partition(spec: TaskSpec, ranges: Iterable[BlockRange]) -> Iterator[dict[str, Any]]:
+    """``mapPartitions`` body: one statistics dict per range (one range per partition)."""
+    attempt = _attempt_number()
+    for block_range in ranges:
+        yield asdict(asyncio.run(read_range(spec, block_range, attempt=attempt)))
+
+
+def range_stats(rows: Sequence[dict[str, Any]]) -> list[RangeStats]:
+    return sorted((RangeStats(**row) for row in rows), key=lambda s: s.partition)

@@ -1,0 +1,577 @@
+"""INIT snapshots end to end: real PostgreSQL, nats-server and local Spark (``local[2,2]``)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+import math
+import random
+import threading
+import time
+import uuid
+from collections import Counter
+from decimal import Decimal
+
+import msgpack
+import nats.errors
+import psycopg
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from cdc_platform.bridge.runner import CdcBridge
+from cdc_platform.dev.servers import LocalNatsServer
+from cdc_platform.errors import PayloadTooLarge, SnapshotRequestRefused
+from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.jetstream.provision import provision
+from cdc_platform.lsn import parse_lsn
+from cdc_platform.protocol.copy_text import iter_rows
+from cdc_platform.protocol.values import TYPE_CATALOG_QUERY, TypeRegistry, convert_row
+from cdc_platform.replication.connection import SESSION_OPTIONS
+from cdc_platform.replication.slots import read_slot
+from cdc_platform.settings import EncodingSettings, NatsSettings, NatsTopology
+from cdc_platform.snapshot import SnapshotOptions, snapshot_table
+from cdc_platform.snapshot.dictionary import decompressor, fetch_dictionary
+from cdc_platform.snapshot.job import JOB_GROUP_PREFIX
+from cdc_platform.snapshot.reader import TaskFault
+from cdc_platform.wire import decode_payload, encode_json, snapshot_meta_subject
+from cdc_platform_tests.fixtures.services import platform_settings, random_name
+
+pytestmark = pytest.mark.spark
+# No bridge runs in most tests: do not wait for a watermark marker that cannot come.
+NO_BRIDGE = SnapshotOptions(watermark_wait_seconds=0.2)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def settings_for(cdc_database, nats_url, **encoding):
+    settings = platform_settings(cdc_database, nats_url)
+    return settings.model_copy(update={"encoding": EncodingSettings(**encoding)})
+
+
+async def chunk_messages(client, result):
+    """Every stored chunk of the snapshot, a few at a time: chunks are up to max_payload
+    each, and a 1000-message fetch would overflow the server's per-client pending limit."""
+    js = client.jetstream()
+    subscription = await js.pull_subscribe(
+        f"{result.chunk_subject_prefix}>", stream="INIT",
+        config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+    messages = []
+    try:
+        while True:
+            pending = (await subscription.consumer_info()).num_pending
+            if pending == 0 and messages:
+                break
+            messages += await subscription.fetch(min(max(pending, 1), 16), timeout=5.0)
+    finally:
+        await subscription.unsubscribe()
+    assert len(messages) == result.batch_count
+    return messages
+
+
+async def decoded_chunks(client, result, fmt="msgpack"):
+    """Chunk payloads, decompressed with the dictionary the headers name, in chunk order."""
+    messages = await chunk_messages(client, result)
+    dictionaries = {}
+    chunks = []
+    for message in messages:
+        data = message.data
+        if message.headers.get("Content-Encoding") == "zstd":
+            dict_id = message.headers.get("Cdc-Zstd-Dict")
+            if dict_id not in dictionaries:
+                dictionaries[dict_id] = decompressor(None if dict_id is None else
+                                                     await fetch_dictionary(
+                                                         client.jetstream(), result.table,
+                                                         int(dict_id)))
+            data = dictionaries[dict_id].decompress(data)
+        chunk = decode_payload(data, fmt)
+        assert message.headers["Nats-Msg-Id"] == f"{result.snapshot_id}:{chunk['chunk']}"
+        assert message.subject == f"{result.chunk_subject_prefix}{chunk['chunk']}"
+        chunks.append(chunk)
+    numbers = [c["chunk"] for c in chunks]
+    assert len(set(numbers)) == len(numbers) == result.batch_count
+    return sorted(chunks, key=lambda c: c["chunk"])
+
+
+async def snapshot_data(client, result, fmt="msgpack"):
+    return [row for chunk in await decoded_chunks(client, result, fmt) for row in chunk["data"]]
+
+
+async def meta_of(client, result, fmt="msgpack"):
+    js = client.jetstream()
+    message = await js.get_last_msg("INIT", snapshot_meta_subject(result.table))
+    return decode_payload(message.data, fmt)
+
+
+def direct_rows(conninfo, table, columns):
+    """The table read directly (COPY text on a session with the converters' settings),
+    converted with the same converters: what every snapshot must reproduce."""
+    with psycopg.connect(conninfo, autocommit=True, options=SESSION_OPTIONS) as conn:
+        oids = [conn.execute("SELECT atttypid::int FROM pg_attribute WHERE attrelid = %s::regclass "
+                             "AND attname = %s", (table, c)).fetchone()[0] for c in columns]
+        registry = TypeRegistry()
+        missing = registry.missing_oids(oids)
+        if missing:
+            registry.add_catalog_rows(conn.execute(TYPE_CATALOG_QUERY, (list(missing),)))
+        converters = [registry.converter(oid) for oid in oids]
+        cols = ", ".join(f'"{c}"' for c in columns)
+        with conn.cursor().copy(f"COPY (SELECT {cols} FROM {table}) TO STDOUT") as copy:
+            text = b"".join(bytes(b) for b in copy).decode()
+    return [dict(zip(columns, convert_row(converters, row))) for row in iter_rows(text)]
+
+
+def by_key(rows, key="id"):
+    """``{key: packed row}``: msgpack bytes compare NaN equal to NaN, -0.0 unequal to 0.0,
+    int unequal to float, and key order, at C speed."""
+    keyed = {row[key]: _pack(row) for row in rows}
+    assert len(keyed) == len(rows), "duplicate keys"
+    return keyed
+
+
+_pack = msgpack.Packer(use_bin_type=True, datetime=False).pack
+
+
+# -- a table with every kind of type ------------------------------------------------------------
+TYPES_COLUMNS = ["id", "i2", "i4", "f4", "f8", "num", "num_fixed", "flag", "txt", "vc", "ch",
+                 "u", "j", "jb", "arr_i", "arr_t", "d", "tm", "tz", "ts", "ttz", "iv", "by",
+                 "ip", "mood"]
+
+
+def create_types_table(pg_admin, name, rows):
+    mood = f"{name}_mood"
+    pg_admin.execute(f"CREATE TYPE {mood} AS ENUM ('sad', 'ok', 'happy')")
+    pg_admin.execute(f"""
+        CREATE TABLE {name} (
+            id bigint PRIMARY KEY, i2 smallint, i4 integer, f4 real, f8 double precision,
+            num numeric, num_fixed numeric(12, 3), flag boolean, txt text, vc varchar(40),
+            ch char(5), u uuid, j json, jb jsonb, arr_i int[], arr_t text[], d date,
+            tm time, tz timestamptz, ts timestamp, ttz timetz, iv interval, by bytea,
+            ip inet, mood {mood})""")
+    pg_admin.execute(f"""
+        INSERT INTO {name}
+        SELECT i, (i % 32000)::smallint, CASE WHEN i % 17 = 0 THEN NULL ELSE i * 7 - 1000000 END,
+          CASE i % 50 WHEN 0 THEN 'NaN'::real WHEN 1 THEN 'Infinity' WHEN 2 THEN '-Infinity'
+                      ELSE (i / 3.0)::real END,
+          CASE i % 50 WHEN 0 THEN 'NaN'::float8 WHEN 1 THEN 'Infinity' WHEN 2 THEN '-Infinity'
+                      WHEN 3 THEN '-0'::float8 WHEN 4 THEN 1e-300 ELSE i / 7.0 END,
+          CASE i % 40 WHEN 0 THEN 'NaN'::numeric WHEN 1 THEN 123456789012345678901234567890.5
+                      WHEN 2 THEN NULL ELSE (i::numeric / 7)::numeric(40, 20) END,
+          (i % 1000000 / 1000.0)::numeric(12, 3),
+          CASE i % 3 WHEN 0 THEN NULL ELSE i % 2 = 0 END,
+          CASE i % 10 WHEN 0 THEN NULL WHEN 1 THEN ''
+                      WHEN 2 THEN E'tab\\there\\nnew line\\\\back\\\\slash\\r'
+                      WHEN 3 THEN 'unicode ünï ✓ 😀' WHEN 4 THEN E'\\\\N'
+                      WHEN 5 THEN E'quote '' and "double"'
+                      ELSE 'row ' || i END,
+          'vc-' || (i % 1000), CASE WHEN i % 4 = 0 THEN 'ab' ELSE 'abcde' END,
+          md5(i::text)::uuid,
+          CASE WHEN i % 9 = 0 THEN NULL ELSE
+            json_build_object('i', i, 'nested', json_build_array(1, 'two', NULL, true)) END,
+          jsonb_build_object('k', i, 'f', 1.5, 'big', 12345678901234567890,
+                             's', E'line\\nbreak'),
+          ARRAY[i::int, NULL, -i::int],
+          CASE WHEN i % 6 = 0 THEN ARRAY[]::text[] ELSE
+            ARRAY['a,b', 'quote"d', NULL, 'NULL', E'back\\\\slash', '', '{{brace}}', 'ü'] END,
+          CASE i % 100 WHEN 0 THEN 'infinity'::date WHEN 1 THEN '0044-03-15 BC'::date
+                       ELSE date '2000-01-01' + (i % 10000)::int END,
+          time '00:00' + (i % 86400) * interval '1 second' + interval '0.123456 second',
+          CASE i % 100 WHEN 0 THEN '-infinity'::timestamptz
+               ELSE timestamptz '2020-01-01 00:00:00+00' + i * interval '1.000001 second' END,
+          timestamp '2021-06-01 12:00' + i * interval '1 minute',
+          timetz '13:45:21+02' + i * interval '1 second',
+          make_interval(years => i % 3, months => i % 12, days => i % 30, hours => i % 24,
+                        secs => (i % 60) + 0.5),
+          CASE WHEN i % 5 = 0 THEN NULL WHEN i % 5 = 1 THEN ''::bytea
+               ELSE decode(md5(i::text), 'hex') || '\\x005c0a09'::bytea END,
+          CASE WHEN i % 7 = 0 THEN ('2001:db8::' || to_hex(i % 65536))::inet
+               ELSE ('10.' || (i / 65536 % 256) || '.' || (i / 256 % 256) || '.' || (i % 256)
+                     || '/24')::inet END,
+          (ARRAY['sad', 'ok', 'happy'])[1 + i % 3]::{mood}
+        FROM generate_series(1, {rows}) AS i""")
+    pg_admin.execute(f"ANALYZE {name}")
+
+
+@pytest.fixture(scope="module")
+def module_admin(postgres_server):
+    with psycopg.connect(postgres_server.superuser_conninfo(), autocommit=True) as conn:
+        yield conn
+
+
+@pytest.fixture(scope="module")
+def types_table(module_admin):
+    name = random_name("types")
+    create_types_table(module_admin, name, 200_000)
+    return name
+
+
+@pytest.fixture(scope="module")
+def small_types_table(module_admin):
+    name = random_name("types_small")
+    create_types_table(module_admin, name, 20_000)
+    return name
+
+
+# -- tests ---------------------------------------------------------------------------------------
+async def test_200k_rows_of_every_type_round_trip_exactly(types_table, cdc_database, pg_admin,
+                                                          provisioned_nats, nats_client,
+                                                          spark_session):
+    cdc_database.add_tables(pg_admin, types_table)
+    settings = settings_for(cdc_database, provisioned_nats.url)
+    result = await snapshot_table(spark_session, settings, types_table, options=NO_BRIDGE)
+    assert result.row_count == 200_000
+    assert result.partitions >= 4  # 2 cores x 2
+    chunks = await decoded_chunks(nats_client, result)
+    assert all(len(c["data"]) <= 10_000 for c in chunks)
+    first = chunks[0]
+    assert {k: first[k] for k in ("table", "operation", "snapshot_id", "lsn",
+                                  "schema_fingerprint")} == {
+        "table": types_table, "operation": "snapshot", "snapshot_id": result.snapshot_id,
+        "lsn": result.lsn, "schema_fingerprint": result.schema_fingerprint}
+    rows = [row for chunk in chunks for row in chunk["data"]]
+    assert list(rows[0]) == TYPES_COLUMNS  # every published column, in order
+
+    direct = direct_rows(cdc_database.server.superuser_conninfo(), types_table, TYPES_COLUMNS)
+    assert by_key(rows) == by_key(direct)
+
+    # and against Python values computed independently of the converters
+    got = {row["id"]: row for row in rows}
+    row = got[2]  # i % 10 == 2, i % 50 == 2, i % 40 == 2
+    assert row["txt"] == "tab\there\nnew line\\back\\slash\r"
+    assert row["f8"] == float("-inf") and row["f4"] == float("-inf")
+    assert row["num"] is None and row["flag"] is True
+    assert math.isnan(got[50]["f8"]) and math.isnan(got[50]["f4"]) and got[51]["f8"] == math.inf
+    assert got[53]["f8"] == 0.0 and math.copysign(1, got[53]["f8"]) == -1.0
+    assert got[54]["f8"] == 1e-300
+    assert got[40]["num"] == "NaN" and got[41]["num"] == "123456789012345678901234567890.5"
+    assert Decimal(got[7]["num"]) == (Decimal(7) / 7).quantize(Decimal("1e-20"))
+    assert got[11]["txt"] == "" and got[10]["txt"] is None  # empty string is not NULL
+    assert got[14]["txt"] == "\\N"  # a string that looks like COPY's NULL marker
+    assert got[13]["txt"] == "unicode ünï ✓ 😀"
+    assert got[15]["txt"] == "quote ' and \"double\""
+    assert got[7]["u"] == str(uuid.UUID(hex=hashlib.md5(b"7").hexdigest()))
+    assert got[7]["j"] == {"i": 7, "nested": [1, "two", None, True]} and got[9]["j"] is None
+    assert got[7]["jb"] == {"k": 7, "f": 1.5, "big": 12345678901234567890, "s": "line\nbreak"}
+    assert got[7]["arr_i"] == [7, None, -7]
+    assert got[7]["arr_t"] == ["a,b", 'quote"d', None, "NULL", "back\\slash", "", "{brace}", "ü"]
+    assert got[6]["arr_t"] == []
+    assert got[7]["d"] == "2000-01-08" and got[100]["d"] == "infinity"
+    assert got[101]["d"] == "-0043-03-15"
+    assert got[7]["tz"] == "2020-01-01T00:00:07.000007Z" and got[100]["tz"] == "-infinity"
+    assert got[7]["ts"] == "2021-06-01T12:07:00"
+    assert got[7]["tm"] == "00:00:07.123456" and got[7]["ttz"] == "13:45:28+02:00"
+    assert got[7]["iv"] == "P1Y7M7DT7H7.5S"
+    assert got[7]["by"] == bytes.fromhex(hashlib.md5(b"7").hexdigest()) + \
+        b"\x00\\\n\t"
+    assert got[5]["by"] is None and got[6]["by"] == b""
+    assert got[7]["ip"] == "2001:db8::7" and got[8]["ip"] == "10.0.0.8/24"
+    assert got[7]["mood"] == "ok" and got[4]["ch"] == "ab   "  # bpchar keeps its padding
+    assert got[17]["i4"] is None and got[18]["i4"] == 18 * 7 - 1_000_000
+
+    meta = await meta_of(nats_client, result)
+    assert meta["snapshot_id"] == result.snapshot_id and meta["table"] == types_table
+    assert meta["row_count"] == 200_000 and meta["batch_count"] == len(chunks)
+    assert meta["lsn"] == result.lsn and parse_lsn(meta["watermark_lsn"]) < parse_lsn(meta["lsn"])
+    assert meta["cdc_stream"] == "CDC"
+    assert meta["watermark_subject"] == f"cdc.cdc-platform.watermark.{result.snapshot_id}"
+    assert meta["cdc_start_seq"] is None  # no bridge ran for this test's slot
+    assert meta["compression"] is None and meta["format"] == "msgpack"
+    assert sum(count for _, _, count in meta["chunks"]) == meta["batch_count"]
+    assert meta["partitions"] == result.partitions
+    assert "commit_lsn >= " + result.lsn in meta["cutover_rule"]
+    # the temporary slot is gone with its connection
+    assert pg_admin.execute("SELECT count(*) FROM pg_replication_slots "
+                            "WHERE slot_name LIKE 'cdc_snap_%'").fetchone()[0] == 0
+
+
+async def test_zstd_with_dictionary_round_trips(small_types_table, cdc_database, pg_admin,
+                                                provisioned_nats, nats_client, spark_session):
+    cdc_database.add_tables(pg_admin, small_types_table)
+    settings = settings_for(cdc_database, provisioned_nats.url, format="json", zstd=True,
+                            chunk_rows=2_000)
+    result = await snapshot_table(spark_session, settings, small_types_table, options=NO_BRIDGE)
+    assert result.compression == "zstd" and result.dictionary_id is not None
+    assert result.bytes_compressed < result.bytes_raw / 3
+    # measured on sample chunks; for chunks this large a dictionary gains little (see
+    # benchmarks/snapshot.py), so only check that both were reported
+    assert 0 < result.sample_ratio_with_dictionary < 0.5
+    assert 0 < result.sample_ratio_without_dictionary < 0.5
+    messages = await chunk_messages(nats_client, result)
+    assert {m.headers["Cdc-Zstd-Dict"] for m in messages} == {str(result.dictionary_id)}
+    assert {m.headers["Content-Encoding"] for m in messages} == {"zstd"}
+    rows = await snapshot_data(nats_client, result, "json")
+    direct = direct_rows(cdc_database.server.superuser_conninfo(), small_types_table,
+                         TYPES_COLUMNS)
+    # JSON: bytes as base64, non-finite floats as the strings PostgreSQL prints
+    assert by_key(rows) == by_key(json.loads(encode_json(direct)))
+    got = {row["id"]: row for row in rows}
+    assert base64.b64decode(got[7]["by"]) == bytes.fromhex(hashlib.md5(b"7").hexdigest()) + \
+        b"\x00\\\n\t"
+    assert got[50]["f8"] == "NaN" and got[51]["f8"] == "Infinity"
+    dictionary = await fetch_dictionary(nats_client.jetstream(), small_types_table,
+                                        result.dictionary_id)
+    assert dictionary[:4] == b"\x37\xa4\x30\xec"  # zstd dictionary magic
+    meta = await meta_of(nats_client, result, "json")
+    assert meta["dictionary_id"] == result.dictionary_id
+    assert meta["dictionary_key"] == f"{small_types_table}.{result.dictionary_id}"
+    assert meta["compression"] == "zstd"
+
+
+async def test_unpublished_or_missing_table_is_refused_before_any_spark_job(
+        cdc_database, pg_admin, provisioned_nats, nats_client, spark_session):
+    unpublished = random_name("secret")
+    pg_admin.execute(f"CREATE TABLE {unpublished} (id int PRIMARY KEY)")
+    settings = settings_for(cdc_database, provisioned_nats.url)
+    tracker = spark_session.sparkContext.statusTracker()
+    for table, reason in ((unpublished, "is not in publication"),
+                          (random_name("missing"), "does not exist"),
+                          ("bad.name", "not a valid table name")):
+        snapshot_id = random_name("refused").replace("_", "-")
+        with pytest.raises(SnapshotRequestRefused, match=reason):
+            await snapshot_table(spark_session, settings, table, snapshot_id=snapshot_id)
+        assert tracker.getJobIdsForGroup(f"{JOB_GROUP_PREFIX}{snapshot_id}") == []
+        js = nats_client.jetstream()
+        with pytest.raises(Exception):  # no watermark was emitted, nothing was published
+            await js.get_last_msg("INIT", snapshot_meta_subject(table))
+    assert pg_admin.execute("SELECT count(*) FROM pg_replication_slots "
+                            "WHERE slot_name LIKE 'cdc_snap_%'").fetchone()[0] == 0
+
+
+async def test_table_without_primary_key(cdc_database, pg_admin, provisioned_nats, nats_client,
+                                         spark_session):
+    table = random_name("nokey")
+    pg_admin.execute(f"CREATE TABLE {table} (a int, b text)")
+    # duplicates included: only a multiset comparison is meaningful
+    pg_admin.execute(f"INSERT INTO {table} SELECT i % 1000, 'v' || (i % 7) "
+                     "FROM generate_series(1, 30000) i")
+    pg_admin.execute(f"DELETE FROM {table} WHERE a = 5")  # holes in the heap
+    cdc_database.add_tables(pg_admin, table)
+    settings = settings_for(cdc_database, provisioned_nats.url, chunk_rows=3_000)
+    result = await snapshot_table(spark_session, settings, table, options=NO_BRIDGE)
+    rows = await snapshot_data(nats_client, result)
+    assert result.row_count == len(rows) == 29_970
+    assert Counter((r["a"], r["b"]) for r in rows) == Counter(
+        tuple(r) for r in pg_admin.execute(f"SELECT a, b FROM {table}").fetchall())
+    assert all(set(r) == {"a", "b"} for r in rows)  # the ctid used for errors is not sent
+
+
+async def test_empty_table_gets_a_meta_with_no_chunks(cdc_database, pg_admin, provisioned_nats,
+                                                     nats_client, spark_session):
+    table = random_name("empty")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    cdc_database.add_tables(pg_admin, table)
+    settings = settings_for(cdc_database, provisioned_nats.url, zstd=True)  # no sample: no dict
+    result = await snapshot_table(spark_session, settings, table, options=NO_BRIDGE)
+    assert (result.row_count, result.batch_count, result.partitions) == (0, 0, 1)
+    assert result.dictionary_id is None
+    meta = await meta_of(nats_client, result)
+    assert (meta["row_count"], meta["batch_count"], meta["chunks"]) == (0, 0, [])
+
+
+@pytest.fixture
+def small_nats(tmp_path):
+    """A nats-server of its own with a 64 KiB max_payload (the shared one has 1 MiB)."""
+    server = LocalNatsServer(tmp_path / "nats", max_payload=64 * 1024)
+    server.start()
+    yield server
+    server.stop()
+
+
+async def test_chunks_fit_max_payload_and_an_oversized_row_fails_by_key(
+        cdc_database, pg_admin, small_nats, spark_session):
+    client = await connect_nats(NatsSettings(url=small_nats.url))
+    try:
+        await provision(client.jetstream(), NatsTopology())
+        assert client.max_payload == 64 * 1024
+        table = random_name("wide")
+        nokey = random_name("wide_nokey")
+        pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, body text)")
+        pg_admin.execute(f"CREATE TABLE {nokey} (body text)")
+        pg_admin.execute(f"INSERT INTO {table} SELECT i, repeat(md5(i::text), 30) "
+                         "FROM generate_series(1, 3000) i")  # ~1 KB rows: 64 KB cuts, not 10K
+        cdc_database.add_tables(pg_admin, table, nokey)
+        settings = settings_for(cdc_database, small_nats.url)
+        result = await snapshot_table(spark_session, settings, table, options=NO_BRIDGE)
+        messages = await chunk_messages(client, result)
+        assert result.batch_count >= 3000 * 1000 // (64 * 1024)
+        assert max(len(m.data) for m in messages) <= 64 * 1024
+        rows = await snapshot_data(client, result)
+        assert sorted(r["id"] for r in rows) == list(range(1, 3001))
+
+        # one random (incompressible) row of 100 KB
+        big = "".join(random.choice("abcdefghijklmnopqrstuvwxyz0123456789")
+                      for _ in range(100_000))
+        pg_admin.execute(f"INSERT INTO {table} VALUES (4242, %s)", (big,))
+        with pytest.raises(PayloadTooLarge, match=rf"{table}: row id=4242 encodes to \d+ bytes"):
+            await snapshot_table(spark_session, settings, table, options=NO_BRIDGE)
+        zstd = settings_for(cdc_database, small_nats.url, zstd=True, zstd_dictionary=False)
+        with pytest.raises(PayloadTooLarge, match="id=4242"):  # compressed, still too large
+            await snapshot_table(spark_session, zstd, table, options=NO_BRIDGE)
+        pg_admin.execute(f"INSERT INTO {nokey} VALUES ('small'), (%s)", (big,))
+        with pytest.raises(PayloadTooLarge, match=r"row ctid=\(0,2\) \(no primary key\)"):
+            await snapshot_table(spark_session, settings, nokey, options=NO_BRIDGE)
+    finally:
+        await client.close()
+
+
+async def test_retried_task_does_not_duplicate_chunks(cdc_database, pg_admin, provisioned_nats,
+                                                      nats_client, spark_session):
+    table = random_name("retry")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT i, md5(i::text) "
+                     "FROM generate_series(1, 40000) i")
+    cdc_database.add_tables(pg_admin, table)
+    settings = settings_for(cdc_database, provisioned_nats.url, chunk_rows=1_000)
+    result = await snapshot_table(spark_session, settings, table, options=NO_BRIDGE,
+                                  fault=TaskFault(partition=0, after_chunks=3))
+    first = result.ranges[0]
+    assert first.attempt == 1  # the second attempt succeeded
+    assert first.duplicates >= 3  # what the first attempt had stored was dropped as duplicates
+    assert all(r.attempt == 0 and r.duplicates == 0 for r in result.ranges[1:])
+    rows = await snapshot_data(nats_client, result)  # checks count and unique chunk numbers
+    assert sorted(r["id"] for r in rows) == list(range(1, 40001))
+    info = await nats_client.jetstream().stream_info(
+        "INIT", subjects_filter=f"{result.chunk_subject_prefix}>")
+    assert sum(info.state.subjects.values()) == result.batch_count
+
+
+# -- concurrent writes and the cutover ---------------------------------------------------------
+class Writer(threading.Thread):
+    """Random inserts/updates/deletes in small transactions until stopped."""
+
+    def __init__(self, conninfo, table, first_free_id):
+        super().__init__(daemon=True)
+        self.conninfo, self.table, self.next_id = conninfo, table, first_free_id
+        self.stop = threading.Event()
+        self.transactions = 0
+        self.error = None
+
+    def run(self):
+        rng = random.Random(7)
+        try:
+            with psycopg.connect(self.conninfo, autocommit=True) as conn:
+                while not self.stop.is_set():
+                    with conn.transaction():
+                        for _ in range(rng.randint(1, 4)):
+                            op = rng.random()
+                            if op < 0.4:
+                                conn.execute(f"INSERT INTO {self.table} VALUES "
+                                             "(%s, %s, %s, now(), ARRAY['w', %s])",
+                                             (self.next_id, rng.randint(0, 99), "new",
+                                              str(self.next_id)))
+                                self.next_id += 1
+                            elif op < 0.8:
+                                conn.execute(f"UPDATE {self.table} SET v = v + 1, txt = %s "
+                                             "WHERE id = %s", (f"upd{rng.random()}",
+                                                               rng.randint(1, self.next_id)))
+                            else:
+                                conn.execute(f"DELETE FROM {self.table} WHERE id = %s",
+                                             (rng.randint(1, self.next_id),))
+                    self.transactions += 1
+                    self.stop.wait(0.002)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+
+async def cdc_events(client, table, start_seq):
+    """The table's CDC events from ``start_seq`` (None: from the start) up to the final
+    change with id 0 that the test writes last."""
+    config = ConsumerConfig(ack_policy=AckPolicy.NONE)
+    if start_seq is not None:
+        config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
+        config.opt_start_seq = start_seq
+    subscription = await client.jetstream().pull_subscribe(f"cdc.{table}.>", stream="CDC",
+                                                           config=config)
+    events = []
+    deadline = time.monotonic() + 60
+    try:
+        while not any(e["data"] and e["data"]["id"] == 0 for e in events[-50:]):
+            assert time.monotonic() < deadline, "CDC did not catch up within 60 s"
+            with contextlib.suppress(nats.errors.TimeoutError):
+                batch = await subscription.fetch(1000, timeout=1.0)
+                events += [decode_payload(m.data, "msgpack") for m in batch]
+    finally:
+        await subscription.unsubscribe()
+    return events
+
+
+def cutover(table_rows, events, snapshot_lsn):
+    """The documented rule: apply exactly the events with commit_lsn >= the snapshot lsn."""
+    applied = skipped = 0
+    for event in events:
+        if parse_lsn(event["commit_lsn"]) >= snapshot_lsn:
+            apply_event(table_rows, event)
+            applied += 1
+        else:
+            skipped += 1
+    return applied, skipped
+
+
+def apply_event(table_rows, event):
+    """Strict: an INSERT of an existing key or an UPDATE/DELETE of a missing one is a bug
+    (a change applied twice or a row missing from the snapshot)."""
+    op, data = event["operation"], event["data"]
+    if op == "INSERT":
+        assert data["id"] not in table_rows, f"insert of existing {data['id']}"
+        table_rows[data["id"]] = data
+    elif op == "UPDATE":
+        assert data["id"] in table_rows, f"update of missing {data['id']}"
+        table_rows[data["id"]] = data
+    elif op == "DELETE":
+        assert data["id"] in table_rows, f"delete of missing {data['id']}"
+        del table_rows[data["id"]]
+    else:
+        raise AssertionError(f"unexpected {op}")
+
+
+async def test_concurrent_writes_and_the_cutover_rule_rebuild_the_table(
+        cdc_database, pg_admin, provisioned_nats, nats_client, spark_session):
+    table = random_name("live")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int, txt text, "
+                     "at timestamptz, tags text[])")
+    pg_admin.execute(f"INSERT INTO {table} SELECT i, i % 100, 'r' || i, now(), ARRAY['a'] "
+                     "FROM generate_series(1, 100000) i")
+    cdc_database.add_tables(pg_admin, table)
+    settings = settings_for(cdc_database, provisioned_nats.url)
+    bridge = CdcBridge(settings)
+    bridge_task = asyncio.create_task(bridge.run())
+    writer = Writer(cdc_database.server.superuser_conninfo(), table, 100_001)
+    try:
+        for _ in range(300):
+            if read_slot(pg_admin, cdc_database.slot) is not None:
+                break
+            await asyncio.sleep(0.1)
+        writer.start()
+        await asyncio.sleep(0.5)  # writes before the watermark too
+        result = await snapshot_table(spark_session, settings, table)
+        await asyncio.sleep(0.5)  # and after the snapshot
+        writer.stop.set()
+        await asyncio.to_thread(writer.join, 10)
+        assert writer.error is None, writer.error
+        # a last change, so we know when CDC has caught up
+        pg_admin.execute(f"INSERT INTO {table} VALUES (0, 0, 'end', now(), NULL)")
+        end_lsn = parse_lsn(pg_admin.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+        assert result.cdc_start_seq is not None, "the bridge published the watermark marker"
+
+        events = await cdc_events(nats_client, table, result.cdc_start_seq)
+        # "any earlier sequence is also correct": from the very start of the stream
+        all_events = await cdc_events(nats_client, table, None)
+    finally:
+        writer.stop.set()
+        bridge.request_stop()
+        await asyncio.wait_for(bridge_task, 60)
+
+    snapshot_rows = await snapshot_data(nats_client, result)
+    source = by_key(direct_rows(cdc_database.server.superuser_conninfo(), table,
+                                ["id", "v", "txt", "at", "tags"]))
+    counts = []
+    for stream_events in (events, all_events):
+        rebuilt = {row["id"]: row for row in snapshot_rows}
+        counts.append(cutover(rebuilt, stream_events, parse_lsn(result.lsn)))
+        assert by_key(list(rebuilt.values())) == source
+    (applied, skipped), _ = counts
+    assert len(all_events) > len(events)  # writes before the watermark were skipped too
+    assert writer.transactions > 50 and applied > 20
+    assert end_lsn > parse_lsn(result.lsn)
+    print(f"cutover: {writer.transactions} writer transactions, {len(events)} events from the "
+          f"marker on: {applied} applied, {skipped} skipped (already in the snapshot)")
