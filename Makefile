@@ -24,6 +24,9 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/decode.py
+	$(PY) benchmarks/publish.py
+	$(PY) benchmarks/cdc.py
+	$(PY) benchmarks/snapshot.py
 
 clean:
 	rm -rf $(VENV) .cdc-dev
