@@ -177,6 +177,50 @@ def bench_decode(rows: int, *, stand_in: bool = False, profile: bool = False,
     return rate
 
 
+def bench_receive(rows: int) -> float:
+    """Raw receive rate of the live replication connection for the same 5-column rows:
+    a local PostgreSQL, one transaction of ``rows`` inserts, read as CopyData messages only
+    (no decoding) until the commit. Returns rows/s."""
+    import asyncio
+    import shutil
+    import tempfile
+
+    import psycopg
+
+    from cdc_platform.dev.servers import start_logical_postgres
+    from cdc_platform.postgres.admin import provision_database
+    from cdc_platform.replication.connection import ReplicationConnection
+
+    base = Path(tempfile.mkdtemp(prefix="cdc-decode-bench-"))
+    server = start_logical_postgres(base / "pg")
+    try:
+        with psycopg.connect(server.superuser_conninfo(), autocommit=True) as conn:
+            conn.execute("CREATE TABLE bench (id int8 PRIMARY KEY, name text, qty int4, "
+                         "price numeric(12,2), created timestamptz)")
+            provision_database(conn, publication="bench_pub", role="bench_reader",
+                               tables=["bench"], role_password="bench")
+            conn.execute("SELECT pg_create_logical_replication_slot('bench', 'pgoutput')")
+            conn.execute("INSERT INTO bench SELECT i, 'name-' || i, i %% 1000, i * 0.01, "
+                         "now() FROM generate_series(1, %s) i", (rows,))
+
+        async def receive() -> float:
+            conninfo = (f"host={server.host} port={server.port} dbname=postgres "
+                        "user=bench_reader password=bench replication=database")
+            connection = await ReplicationConnection.connect(conninfo, "bench")
+            await connection.start_replication("bench", 0, ["bench_pub"])
+            started, received = time.perf_counter(), 0
+            while received < rows + 3:  # Begin, Relation, inserts, Commit
+                received += sum(1 for m in await connection.read(timeout=5.0) if m[0] == 0x77)
+            elapsed = time.perf_counter() - started
+            connection.close()
+            return rows / elapsed
+
+        return asyncio.run(receive())
+    finally:
+        server.stop("immediate")
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="pgoutput decode throughput")
     parser.add_argument("--rows", type=int, default=500_000)
@@ -184,9 +228,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--stand-in", action="store_true",
                         help="stand-in converters instead of cdc_platform.protocol.values")
     parser.add_argument("--loop", choices=[*LOOPS, "all"], default="all")
+    parser.add_argument("--no-receive", action="store_true",
+                        help="skip the live receive-rate baseline (needs PostgreSQL)")
     args = parser.parse_args(argv)
+    decode_rate = 0.0
     for loop in LOOPS if args.loop == "all" else [args.loop]:
-        bench_decode(args.rows, stand_in=args.stand_in, profile=args.profile, loop=loop)
+        decode_rate = max(decode_rate, bench_decode(args.rows, stand_in=args.stand_in,
+                                                    profile=args.profile, loop=loop))
+    if not args.no_receive:
+        rate = bench_receive(args.rows)
+        print(f"raw receive (replication connection, asyncio reader, no decode): "
+              f"{rate:,.0f} rows/s; decode / receive = {decode_rate / rate:.2f}")
 
 
 if __name__ == "__main__":
