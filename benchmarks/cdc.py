@@ -96,6 +96,26 @@ def bridge_env(pg: LocalPostgres, nats: LocalNatsServer, slot: str, mode: str) -
     return env
 
 
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """user + system CPU time of a live process, from /proc/<pid>/stat."""
+    if not pid:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def slot_pid(conn: psycopg.Connection, slot: str) -> int | None:
+    row = conn.execute("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s",
+                       (slot,)).fetchone()
+    return row[0] if row else None
+
+
 def peak_rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -104,6 +124,7 @@ def peak_rss_mb(pid: int) -> float:
 
 
 PROFILE_DIR: Path | None = None  # --profile: py-spy flame data per catch-up run
+NATS_PID: int | None = None
 
 
 def run_bridge_catch_up(admin: psycopg.Connection, pg, nats, mode: str, slot: str,
@@ -121,14 +142,20 @@ def run_bridge_catch_up(admin: psycopg.Connection, pg, nats, mode: str, slot: st
                 raise SystemExit(f"bridge exited early, see {log}")
             time.sleep(0.005)
         started = time.perf_counter()
+        # Who uses the two cores: the bridge, its walsender, nats-server.
+        pids = {"bridge": process.pid, "walsender": slot_pid(admin, slot),
+                "nats-server": NATS_PID}
+        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         while slot_state(admin, slot)[1] < end_lsn:
             time.sleep(0.005)
         elapsed = time.perf_counter() - started
+        cores = {name: (cpu_seconds(pid) - cpu_before[name]) / elapsed
+                 for name, pid in pids.items()}
         rss = peak_rss_mb(process.pid) if PROFILE_DIR is None else float("nan")
     finally:
         process.send_signal(2)  # SIGINT: py-spy writes its profile, the bridge stops cleanly
         process.wait(60)
-    return events / elapsed, rss
+    return events / elapsed, rss, cores
 
 
 def run_recvlogical_catch_up(pg: LocalPostgres, slot: str, end_lsn: int, events: int) -> float:
@@ -167,10 +194,12 @@ def throughput(admin, pg, nats, mode: str, workload: str, txns: int, rows: int,
     end_lsn = current_lsn(admin)
     events = txns * rows
     baseline = run_recvlogical_catch_up(pg, baseline_slot, end_lsn, events)
-    bridge, rss = run_bridge_catch_up(admin, pg, nats, mode, bridge_slot, end_lsn, events, log)
+    bridge, rss, cores = run_bridge_catch_up(admin, pg, nats, mode, bridge_slot, end_lsn,
+                                             events, log)
     drop_slots(admin, bridge_slot, baseline_slot)
     return {"mode": mode, "workload": workload, "events": events, "bridge": bridge,
-            "pg_recvlogical": baseline, "ratio": bridge / baseline, "rss_mb": rss}
+            "pg_recvlogical": baseline, "ratio": bridge / baseline, "rss_mb": rss,
+            "cores": cores}
 
 
 async def steady_latency(admin_conninfo: str, pg, nats, mode: str, seconds: float,
@@ -236,10 +265,11 @@ def main() -> None:
     parser.add_argument("--modes", default="per-change,batched")
     parser.add_argument("--profile", type=Path, help="write py-spy profiles to this folder")
     args = parser.parse_args()
-    global PROFILE_DIR
+    global PROFILE_DIR, NATS_PID
     PROFILE_DIR = args.profile
     base = Path(tempfile.mkdtemp(prefix="cdc-bench-"))
     pg, nats = start_servers(base)
+    NATS_PID = nats.process.pid if nats.process else None
     log = base / "bridge.log"
     next_id = [1]
     results, latencies = [], []
@@ -259,10 +289,13 @@ def main() -> None:
     print(f"\nPostgreSQL {pg.version()}, nats-server, {os.cpu_count()} cores, all on this "
           "machine")
     print(f"{'mode':<11} {'workload':<8} {'events':>8} {'bridge ev/s':>12} "
-          f"{'pg_recvlogical ev/s':>20} {'ratio':>6} {'peak RSS MB':>12}")
+          f"{'pg_recvlogical ev/s':>20} {'ratio':>6} {'peak RSS MB':>12}  "
+          "cores used: bridge/walsender/nats")
     for r in results:
+        cores = r["cores"]
         print(f"{r['mode']:<11} {r['workload']:<8} {r['events']:>8} {r['bridge']:>12,.0f} "
-              f"{r['pg_recvlogical']:>20,.0f} {r['ratio']:>6.2f} {r['rss_mb']:>12.0f}")
+              f"{r['pg_recvlogical']:>20,.0f} {r['ratio']:>6.2f} {r['rss_mb']:>12.0f}  "
+              f"{cores['bridge']:.2f}/{cores['walsender']:.2f}/{cores['nats-server']:.2f}")
     print("\nsteady 2K changes/s, commit -> received from JetStream:")
     for r in latencies:
         print(f"{r['mode']:<11} events={r['events']} p50={r['p50_ms']:.1f} ms "

@@ -19,6 +19,7 @@ from cdc_platform.protocol.changes import (
     RelationChanged,
     TransactionCommitted,
 )
+from cdc_platform.protocol.native import NATIVE
 from cdc_platform.protocol.pgoutput import Relation
 from cdc_platform.publishing.jetstream import OutgoingMessage
 from cdc_platform.wire import (
@@ -34,6 +35,7 @@ from cdc_platform.wire import (
 
 MessageMode = Literal["per-change", "batched"]
 BATCH_MAX_EVENTS = 500
+_STATIC_FIELD_COUNT = 9  # entries of MessageBuilder._static_fields
 _ARRAY32 = b"\xdd"  # msgpack array32 header: batches are the already-packed events joined
 
 
@@ -88,6 +90,10 @@ class MessageBuilder:
         self._batch_subject = ""
         self._lsn_cache: tuple[int, str] = (-1, "")
         self._commit_cache: tuple[int, str] = (-1, "")
+        # The compiled msgpack writer (native.py), and the packed shared fields per (relation
+        # id, operation, commit LSN).
+        self._pack_map = NATIVE.pack_map if NATIVE is not None and fmt == "msgpack" else None
+        self._prefixes: dict[tuple[int, str, int], bytes] = {}
 
     # -- relation bookkeeping ----------------------------------------------------------------
     def register(self, relation: Relation) -> None:
@@ -117,33 +123,64 @@ class MessageBuilder:
                                            f"{commit_lsn >> 32:X}/{commit_lsn & 0xFFFFFFFF:X}")
         return cached[1]
 
-    def event_map(self, record: ChangeRecord, info: _RelationInfo, subject: str,
-                  msg_id: str, commit_lsn_text: str) -> dict[str, Any]:
-        operation = record.operation
-        event = {
+    @staticmethod
+    def _static_fields(record: ChangeRecord, info: _RelationInfo, subject: str,
+                       commit_lsn_text: str) -> dict[str, Any]:
+        """The fields every change of one table and operation in one transaction shares."""
+        return {
             "table": info.wire_name,
             "schema": record.schema,
-            "operation": operation,
+            "operation": record.operation,
             "relation_id": record.relation_id,
-            "lsn": self._lsn_text(record.lsn),
             "commit_lsn": commit_lsn_text,
             "xid": record.xid,
             "commit_ts": record.commit_ts,
-            "ordinal": record.ordinal,
-            "msg_id": msg_id,
             "subject": subject,
-            # DELETE: the old key/row, as the seed bridge sent it in "data"
-            "data": record.old if operation == "DELETE" else record.new,
-            "unchanged_toast": list(record.unchanged_toast),
             "schema_fingerprint": info.fingerprint,
         }
+
+    def _change_fields(self, record: ChangeRecord, msg_id: str) -> tuple:
+        """The fields of this change: key, value, key, value, ..."""
+        operation = record.operation
+        fields: tuple = (
+            "lsn", self._lsn_text(record.lsn),
+            "ordinal", record.ordinal,
+            "msg_id", msg_id,
+            # DELETE: the old key/row, as the seed bridge sent it in "data"
+            "data", record.old if operation == "DELETE" else record.new,
+            "unchanged_toast", record.unchanged_toast,
+        )
         if record.old is not None:
-            event["old"] = record.old
-            event["old_kind"] = record.old_kind
+            fields += ("old", record.old, "old_kind", record.old_kind)
         if operation == "TRUNCATE":
-            event["cascade"] = record.cascade
-            event["restart_identity"] = record.restart_identity
+            fields += ("cascade", record.cascade, "restart_identity", record.restart_identity)
+        return fields
+
+    def event_map(self, record: ChangeRecord, info: _RelationInfo, subject: str,
+                  msg_id: str, commit_lsn_text: str) -> dict[str, Any]:
+        """The event as a map: the shared fields first, then this change's."""
+        event = self._static_fields(record, info, subject, commit_lsn_text)
+        fields = self._change_fields(record, msg_id)
+        for index in range(0, len(fields), 2):
+            event[fields[index]] = fields[index + 1]
         return event
+
+    def encode_event(self, record: ChangeRecord, info: _RelationInfo, subject: str,
+                     msg_id: str, commit_lsn_text: str) -> bytes:
+        """``encode(event_map(...))``; with the compiled accelerator and msgpack, the shared
+        fields are packed once per table, operation and transaction and the same bytes are
+        written around them."""
+        if self._pack_map is None:
+            return self.encode(self.event_map(record, info, subject, msg_id, commit_lsn_text))
+        key = (record.relation_id, record.operation, record.commit_lsn)
+        prefix = self._prefixes.get(key)
+        if prefix is None:
+            if len(self._prefixes) >= 256:
+                self._prefixes.clear()
+            shared = self._static_fields(record, info, subject, commit_lsn_text)
+            prefix = self._prefixes[key] = b"".join(
+                self.encode(name) + self.encode(value) for name, value in shared.items())
+        return self._pack_map(prefix, _STATIC_FIELD_COUNT, self._change_fields(record, msg_id))
 
     def build(self, events: Iterable[Any]) -> BuiltBatch:
         messages: list[OutgoingMessage] = []
@@ -190,7 +227,7 @@ class MessageBuilder:
             subject = info.subjects[operation] = cdc_subject(info.wire_name, operation)
         commit_text = self._commit_lsn_text(record.commit_lsn)
         msg_id = f"{commit_text}:{record.ordinal}"  # = wire.change_msg_id, inlined
-        payload = self.encode(self.event_map(record, info, subject, msg_id, commit_text))
+        payload = self.encode_event(record, info, subject, msg_id, commit_text)
         return OutgoingMessage(subject, msg_id, payload, info.headers)
 
     # -- batched mode ----------------------------------------------------------------------------
@@ -201,8 +238,8 @@ class MessageBuilder:
         info = self._info(record)
         subject = cdc_batch_subject(info.wire_name, record.operation)
         commit_text = self._commit_lsn_text(record.commit_lsn)
-        packed = self.encode(self.event_map(record, info, subject,
-                                            f"{commit_text}:{record.ordinal}", commit_text))
+        packed = self.encode_event(record, info, subject, f"{commit_text}:{record.ordinal}",
+                                   commit_text)
         if self._batch_events and (len(self._batch_events) >= self.batch_max_events
                                    or self._batch_bytes + len(packed) > self.batch_max_bytes):
             self._close_batch(out)  # cut by content only: a replay cuts the same batches

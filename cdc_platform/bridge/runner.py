@@ -201,9 +201,12 @@ class CdcBridge:
         build = self.builder.build
         perf_counter = time.perf_counter
         while not self.stop_requested.is_set():
-            batch = await reader.read(timeout=0.1)
+            # While PubAcks are outstanding, look back soon: an idle stream then reports
+            # the final acknowledgement of a burst within ~10 ms.
+            batch = await reader.read(timeout=0.01 if publisher.in_flight_messages else 0.1)
             if not batch.wal_messages:
                 self._confirm_stored(reader)
+                await reader.report_progress()
                 continue
             started = perf_counter()
             metrics.wal_messages.inc(batch.wal_messages)

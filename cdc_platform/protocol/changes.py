@@ -38,6 +38,7 @@ from typing import Any, Literal, Protocol, TypeAlias
 
 from cdc_platform.errors import CdcError, ConversionError, ProtocolError
 from cdc_platform.lsn import format_lsn
+from cdc_platform.protocol.native import NATIVE
 from cdc_platform.protocol.pgoutput import (
     UNCHANGED_TOAST,
     Begin,
@@ -59,6 +60,7 @@ from cdc_platform.protocol.pgoutput import (
     Update,
     timestamp_to_iso,
 )
+from cdc_platform.protocol.values import identity
 
 __all__ = [
     "ChangeRecord",
@@ -166,6 +168,8 @@ def _not_text(value: Any) -> Any:
 
 
 _BUILDERS: dict[tuple, Callable[[TupleData], dict[str, Any]]] = {}
+# Converters that return the text itself: the builders skip the call.
+_PASSTHROUGH = frozenset((str, identity))
 
 
 def _row_builder(names: tuple[str, ...], converters: tuple[Callable[[str], Any], ...],
@@ -176,13 +180,18 @@ def _row_builder(names: tuple[str, ...], converters: tuple[Callable[[str], Any],
     converter call; None and bytes pass through; UNCHANGED_TOAST raises _SlowPath (the
     caller then takes :meth:`TransactionAssembler._row`). ``values`` must have
     ``len(names)`` items (checked by the caller). The generated source holds only
-    indexes; names and converters are bound as closure variables.
+    indexes; names and converters are bound as closure variables. With the compiled
+    accelerator built (``native.py``), its ``RowBuilder`` does the same.
     """
     key = (names, converters, indexes)
     try:
         builder = _BUILDERS.get(key)
     except TypeError:  # an unhashable converter: build without caching
         key, builder = None, None
+    if builder is None and NATIVE is not None:
+        builder = NATIVE.RowBuilder(names, converters, indexes, _PASSTHROUGH, _SLOW_PATH)
+        if key is not None:
+            _BUILDERS[key] = builder
     if builder is None:
         if len(_BUILDERS) > 4096:
             _BUILDERS.clear()
@@ -192,7 +201,7 @@ def _row_builder(names: tuple[str, ...], converters: tuple[Callable[[str], Any],
         items = ", ".join(
             # A column converted by ``str`` keeps its text: no call; bytes and None pass.
             f"n{i}: v{i} if v{i}.__class__ is not unchanged_class else not_text(v{i})"
-            if converters[i] is str else
+            if converters[i] in _PASSTHROUGH else
             f"n{i}: c{i}(v{i}) if v{i}.__class__ is str else "
             f"v{i} if v{i} is None else not_text(v{i})" for i in indexes)
         parameters = ", ".join(["not_text", "unchanged_class", "str",

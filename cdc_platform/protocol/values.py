@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cdc_platform.errors import ConversionError
+from cdc_platform.protocol.native import NATIVE
 
 REQUIRED_SESSION_SETTINGS = {
     "DateStyle": "ISO, YMD",
@@ -128,8 +129,12 @@ def _timetz(text: str) -> str:
     return _iso_offset(text)
 
 
-def _identity(text: str) -> str:
+def identity(text: str) -> str:
+    """The converter of text-like types: the text is the value (callers may skip it)."""
     return text
+
+
+_identity = identity
 
 
 _SCALARS: dict[int, Converter] = {
@@ -139,7 +144,11 @@ _SCALARS: dict[int, Converter] = {
     700: float, 701: float,
     1700: _identity,  # numeric: exact text
     114: json.loads, 3802: json.loads,
-    1082: _date, 1114: _timestamp, 1184: _timestamptz, 1083: _identity, 1266: _timetz,
+    1082: _date, 1083: _identity,
+    # the compiled twins when built (same results; see native.py)
+    1114: NATIVE.timestamp if NATIVE else _timestamp,
+    1184: NATIVE.timestamptz if NATIVE else _timestamptz,
+    1266: NATIVE.timetz if NATIVE else _timetz,
     1186: _identity,  # interval, as printed with IntervalStyle=iso_8601
 }
 

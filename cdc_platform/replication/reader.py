@@ -66,6 +66,7 @@ class SlotReader:
         self.received_lsn = 0  # highest WAL position received (write position)
         self.last_commit_end_lsn = 0  # end of the last transaction fully received
         self.confirmed_lsn = 0  # what we report as flushed
+        self.reported_lsn = 0  # the flush LSN of the last status update sent
         self.server_wal_end = 0
         self._last_status = 0.0
         # Between Begin and Commit a keepalive may carry a position past the commit being
@@ -197,7 +198,17 @@ class SlotReader:
         write = max(self.received_lsn, self.confirmed_lsn)
         await self.replication.send(standby_status_update(
             write, self.confirmed_lsn, self.confirmed_lsn, reply_requested=reply_requested))
+        self.reported_lsn = self.confirmed_lsn
         self._last_status = time.monotonic()
+
+    async def report_progress(self) -> None:
+        """Send a status update now if the confirmed LSN moved since the last one.
+
+        For when the stream is idle: the last acknowledgement of a burst then reaches the
+        server at once instead of up to ``status_interval`` later, so the slot (and what
+        ``pg_replication_slots`` shows) does not lag behind what is stored."""
+        if self.confirmed_lsn > self.reported_lsn:
+            await self.send_status()
 
     async def slot_state(self) -> SlotState | None:
         assert self.catalog is not None

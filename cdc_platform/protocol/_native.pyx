@@ -1,0 +1,457 @@
+# cython: language_level=3, cdivision=True
+"""Compiled twins of the hottest pure-Python functions. Optional: see ``native.py``.
+
+Every function here has a pure-Python original with the same results (named in its
+docstring); ``cdc_platform_tests/unit/test_native.py`` checks them against each other on
+captured and generated inputs. Where an input is unusual (non-ASCII text, a BC date, a
+malformed message) these functions either take the same slow path as the original or
+return ``None`` so that the caller's Python code produces the precise result or error --
+errors are worded in one place only.
+
+* :func:`read_tuple`: pgoutput TupleData -> tuple of column values (``pgoutput._tuple``);
+* :class:`RowBuilder`: a tuple of texts -> ``{column: typed value}``
+  (``changes._row_builder``);
+* :func:`timestamptz`, :func:`timestamp`, :func:`timetz`: the converters of ``values.py``;
+* :func:`packb` and :func:`pack_map`: msgpack, byte for byte what ``msgpack.packb`` writes
+  for the types the platform produces (anything else is handed to ``msgpack.packb``).
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.dict cimport PyDict_Next, PyDict_SetItem
+from cpython.float cimport PyFloat_AS_DOUBLE
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLong
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE, PyTuple_New, PyTuple_SET_ITEM
+from libc.string cimport memcpy
+
+import msgpack
+
+cdef extern from "Python.h":
+    object PyUnicode_DecodeUTF8(const char* s, Py_ssize_t size, const char* errors)
+    const char* PyUnicode_AsUTF8AndSize(object unicode, Py_ssize_t* size) except NULL
+    bint PyUnicode_IS_COMPACT_ASCII(object o)
+    Py_ssize_t PyUnicode_GET_LENGTH(object o)
+    void* PyUnicode_DATA(object o)
+    object PyUnicode_New(Py_ssize_t size, Py_UCS4 maxchar)
+    object PyLong_FromUnicodeObject(object u, int base)
+    object PyFloat_FromString(object s)
+    object PyObject_CallOneArg(object callable, object arg)
+    object PyByteArray_FromStringAndSize(const char* s, Py_ssize_t size)
+    char* PyByteArray_AS_STRING(object o)
+    Py_ssize_t PyByteArray_GET_SIZE(object o)
+    bint PyByteArray_Check(object o)
+    bint PyLong_Check(object o)
+    bint PyUnicode_Check(object o)
+    bint PyBytes_Check(object o)
+    bint PyFloat_Check(object o)
+    bint PyDict_Check(object o)
+    bint PyList_Check(object o)
+    bint PyTuple_Check(object o)
+    Py_ssize_t PyList_GET_SIZE(object o)
+    PyObject* PyList_GET_ITEM(object o, Py_ssize_t i)
+    Py_ssize_t PyDict_Size(object o)
+
+
+# -- pgoutput TupleData ---------------------------------------------------------------------
+cdef inline Py_ssize_t _u32(const unsigned char* p) noexcept nogil:
+    return (<Py_ssize_t>p[0] << 24) | (<Py_ssize_t>p[1] << 16) | (<Py_ssize_t>p[2] << 8) | p[3]
+
+
+def read_tuple(bytes data, Py_ssize_t pos, object unchanged):
+    """``pgoutput._tuple``: TupleData at ``data[pos:]`` -> ``(values, end)``.
+
+    Kinds ``t`` -> str (UTF-8), ``b`` -> bytes, ``n`` -> None, ``u`` -> ``unchanged``.
+    ``None`` when the tuple is truncated or has an unknown kind (the caller's Python
+    decoder then raises the precise error); invalid UTF-8 raises UnicodeDecodeError."""
+    cdef const unsigned char* buf = <const unsigned char*>PyBytes_AS_STRING(data)
+    cdef Py_ssize_t size = PyBytes_GET_SIZE(data)
+    cdef Py_ssize_t count, i, length
+    cdef unsigned char kind
+    cdef object value
+    if pos < 0 or pos + 2 > size:
+        return None
+    count = (<Py_ssize_t>buf[pos] << 8) | buf[pos + 1]
+    pos += 2
+    values = PyTuple_New(count)
+    for i in range(count):
+        if pos >= size:
+            return None
+        kind = buf[pos]
+        pos += 1
+        if kind == 116 or kind == 98:  # 't', 'b'
+            if pos + 4 > size:
+                return None
+            length = _u32(buf + pos)
+            pos += 4
+            if length > size - pos:
+                return None
+            if kind == 116:
+                value = PyUnicode_DecodeUTF8(<const char*>buf + pos, length, NULL)
+            else:
+                value = PyBytes_FromStringAndSize(<const char*>buf + pos, length)
+            pos += length
+        elif kind == 110:  # 'n'
+            value = None
+        elif kind == 117:  # 'u'
+            value = unchanged
+        else:
+            return None
+        Py_INCREF(value)
+        PyTuple_SET_ITEM(values, i, value)
+    return values, pos
+
+
+# -- rows -----------------------------------------------------------------------------------
+cdef enum ConvertKind:
+    KEEP = 0  # the text is the value
+    TO_INT = 1
+    TO_FLOAT = 2
+    CALL = 3
+
+
+cdef class RowBuilder:
+    """``changes._row_builder``: ``values -> {name: value}`` for the columns at ``indexes``.
+
+    A ``str`` value goes through its column's converter (none for ``passthrough`` ones,
+    ``int`` and ``float`` parsed directly); None and bytes pass as they are; anything else
+    (UNCHANGED_TOAST) raises ``slow``, the caller's cue for its general loop."""
+
+    cdef tuple names
+    cdef tuple converters
+    cdef tuple indexes
+    cdef int* kinds
+    cdef Py_ssize_t* positions
+    cdef Py_ssize_t count
+    cdef Py_ssize_t width
+    cdef object slow
+
+    def __cinit__(self):
+        self.kinds = NULL
+        self.positions = NULL
+
+    def __init__(self, tuple names, tuple converters, tuple indexes, passthrough,
+                 object slow):
+        cdef Py_ssize_t j
+        self.width = len(names)
+        if len(converters) != self.width:
+            raise ValueError("one converter per column")
+        self.count = len(indexes)
+        self.names = tuple(names[i] for i in indexes)
+        self.converters = tuple(converters[i] for i in indexes)
+        self.indexes = indexes
+        self.slow = slow
+        self.kinds = <int*>PyMem_Malloc(max(self.count, 1) * sizeof(int))
+        self.positions = <Py_ssize_t*>PyMem_Malloc(max(self.count, 1) * sizeof(Py_ssize_t))
+        if self.kinds == NULL or self.positions == NULL:
+            raise MemoryError()
+        for j in range(self.count):
+            index = indexes[j]
+            if not 0 <= index < self.width:
+                raise ValueError(f"column index {index} out of range")
+            self.positions[j] = index
+            convert = self.converters[j]
+            if convert in passthrough:
+                self.kinds[j] = KEEP
+            elif convert is int:
+                self.kinds[j] = TO_INT
+            elif convert is float:
+                self.kinds[j] = TO_FLOAT
+            else:
+                self.kinds[j] = CALL
+
+    def __dealloc__(self):
+        PyMem_Free(self.kinds)
+        PyMem_Free(self.positions)
+
+    def __call__(self, tuple values):
+        cdef Py_ssize_t j
+        cdef object value
+        cdef int kind
+        cdef dict row = {}
+        if PyTuple_GET_SIZE(values) != self.width:
+            raise ValueError(f"expected {self.width} values, got {PyTuple_GET_SIZE(values)}")
+        for j in range(self.count):
+            value = <object>PyTuple_GET_ITEM(values, self.positions[j])
+            if type(value) is str:
+                kind = self.kinds[j]
+                if kind == TO_INT:
+                    value = PyLong_FromUnicodeObject(value, 10)
+                elif kind == TO_FLOAT:
+                    value = PyFloat_FromString(value)
+                elif kind == CALL:
+                    value = PyObject_CallOneArg(<object>PyTuple_GET_ITEM(self.converters, j),
+                                                value)
+            elif value is not None and type(value) is not bytes:
+                raise self.slow
+            PyDict_SetItem(row, <object>PyTuple_GET_ITEM(self.names, j), value)
+        return row
+
+
+# -- temporal converters ------------------------------------------------------------------
+cdef inline object _ascii(const char* source, Py_ssize_t size):
+    result = PyUnicode_New(size, 127)
+    memcpy(PyUnicode_DATA(result), source, size)
+    return result
+
+
+def _bc_year(str date_part):
+    year, rest = date_part.split("-", 1)
+    return f"-{int(year) - 1:04d}-{rest}"
+
+
+def _iso_offset(str text):
+    cdef Py_ssize_t index
+    for index in range(len(text) - 1, 0, -1):
+        if text[index] in "+-":
+            offset = text[index:]
+            if len(offset) == 3:
+                return f"{text[:index]}{offset}:00"
+            return text
+    return text
+
+
+def timestamp(str text):
+    """``values._timestamp``: ``2025-12-08 13:45:21.5`` -> ``2025-12-08T13:45:21.5``."""
+    cdef Py_ssize_t size = PyUnicode_GET_LENGTH(text)
+    cdef char* chars
+    cdef char buffer[64]
+    if PyUnicode_IS_COMPACT_ASCII(text) and 11 < size < 64:
+        chars = <char*>PyUnicode_DATA(text)
+        if chars[10] == 32 and chars[size - 1] != 67 and chars[size - 1] != 121:  # ' ', C, y
+            memcpy(buffer, chars, size)
+            buffer[10] = 84  # 'T'
+            return _ascii(buffer, size)
+    if text.endswith(" BC"):
+        date_part, time_part = text[:-3].split(" ", 1)
+        return f"{_bc_year(date_part)}T{time_part}"
+    if text[-1] == "y":
+        return text
+    return text.replace(" ", "T", 1)
+
+
+def timestamptz(str text):
+    """``values._timestamptz``: ``2025-12-08 13:45:21.5+00`` -> ``2025-12-08T13:45:21.5Z``."""
+    cdef Py_ssize_t size = PyUnicode_GET_LENGTH(text)
+    cdef char* chars
+    cdef char buffer[64]
+    if PyUnicode_IS_COMPACT_ASCII(text) and 14 < size < 64:
+        chars = <char*>PyUnicode_DATA(text)
+        # "...+00" in UTC: the last three characters become "Z"
+        if chars[10] == 32 and chars[size - 3] == 43 and chars[size - 2] == 48 \
+                and chars[size - 1] == 48:
+            memcpy(buffer, chars, size - 3)
+            buffer[10] = 84  # 'T'
+            buffer[size - 3] = 90  # 'Z'
+            return _ascii(buffer, size - 2)
+    bc = text.endswith(" BC")
+    if bc:
+        text = text[:-3]
+    elif text[-1] == "y":
+        return text
+    if text.endswith("+00"):
+        text = text[:-3] + "Z"
+    else:
+        text = _iso_offset(text)
+    date_part, time_part = text.split(" ", 1)
+    if bc:
+        date_part = _bc_year(date_part)
+    return f"{date_part}T{time_part}"
+
+
+def timetz(str text):
+    """``values._timetz``: ``13:45:21+02`` -> ``13:45:21+02:00``."""
+    return _iso_offset(text)
+
+
+# -- msgpack ------------------------------------------------------------------------------
+cdef struct Buffer:
+    char* data
+    Py_ssize_t size
+    Py_ssize_t capacity
+
+
+cdef int _reserve(Buffer* out, Py_ssize_t extra) except -1:
+    cdef Py_ssize_t wanted = out.size + extra
+    cdef Py_ssize_t capacity
+    cdef char* grown
+    if wanted <= out.capacity:
+        return 0
+    capacity = max(wanted, out.capacity * 2)
+    grown = <char*>PyMem_Realloc(out.data, capacity)
+    if grown == NULL:
+        raise MemoryError()
+    out.data = grown
+    out.capacity = capacity
+    return 0
+
+
+cdef inline int _put(Buffer* out, const char* data, Py_ssize_t size) except -1:
+    if out.size + size > out.capacity:
+        _reserve(out, size)
+    memcpy(out.data + out.size, data, size)
+    out.size += size
+    return 0
+
+
+cdef inline int _put_head(Buffer* out, unsigned char tag, unsigned long long value,
+                          int width) except -1:
+    """A tag byte and ``value`` as a big-endian integer of ``width`` bytes."""
+    cdef unsigned char head[9]
+    cdef int i
+    head[0] = tag
+    for i in range(width):
+        head[width - i] = <unsigned char>(value >> (8 * i))
+    return _put(out, <char*>head, width + 1)
+
+
+cdef int _put_length(Buffer* out, Py_ssize_t size, unsigned char fix, Py_ssize_t fix_limit,
+                     unsigned char tag8, unsigned char tag16, unsigned char tag32) except -1:
+    if size < fix_limit:
+        return _put_head(out, fix | <unsigned char>size, 0, 0)
+    if tag8 and size < 256:
+        return _put_head(out, tag8, size, 1)
+    if size < 65536:
+        return _put_head(out, tag16, size, 2)
+    if size <= 0xFFFFFFFF:
+        return _put_head(out, tag32, size, 4)
+    raise ValueError("object too large for msgpack")
+
+
+cdef int _pack(Buffer* out, object obj, int depth) except -1:
+    cdef long long number
+    cdef unsigned long long unsigned_number
+    cdef int overflow
+    cdef Py_ssize_t size, i
+    cdef const char* chars
+    cdef double real
+    cdef PyObject* key
+    cdef PyObject* value
+    if depth > 500:
+        return _pack_fallback(out, obj)
+    if obj is None:
+        return _put_head(out, 0xC0, 0, 0)
+    if obj is True:
+        return _put_head(out, 0xC3, 0, 0)
+    if obj is False:
+        return _put_head(out, 0xC2, 0, 0)
+    if PyUnicode_Check(obj):
+        chars = PyUnicode_AsUTF8AndSize(obj, &size)
+        _put_length(out, size, 0xA0, 32, 0xD9, 0xDA, 0xDB)
+        return _put(out, chars, size)
+    if PyLong_Check(obj):
+        number = PyLong_AsLongLongAndOverflow(obj, &overflow)
+        if overflow == 0:
+            if number < -32:
+                if number < -32768:
+                    if number < -2147483648:
+                        return _put_head(out, 0xD3, <unsigned long long>number, 8)
+                    return _put_head(out, 0xD2, <unsigned long long>number, 4)
+                if number < -128:
+                    return _put_head(out, 0xD1, <unsigned long long>number, 2)
+                return _put_head(out, 0xD0, <unsigned long long>number, 1)
+            if number < 128:
+                return _put_head(out, <unsigned char>number, 0, 0)
+            if number < 256:
+                return _put_head(out, 0xCC, number, 1)
+            if number < 65536:
+                return _put_head(out, 0xCD, number, 2)
+            if number < 4294967296:
+                return _put_head(out, 0xCE, number, 4)
+            return _put_head(out, 0xCF, number, 8)
+        if overflow > 0:
+            try:
+                unsigned_number = PyLong_AsUnsignedLongLong(obj)
+            except OverflowError:
+                return _pack_fallback(out, obj)  # raises msgpack's error
+            return _put_head(out, 0xCF, unsigned_number, 8)
+        return _pack_fallback(out, obj)
+    if PyFloat_Check(obj):
+        real = PyFloat_AS_DOUBLE(obj)
+        memcpy(&unsigned_number, &real, 8)
+        return _put_head(out, 0xCB, unsigned_number, 8)
+    if PyDict_Check(obj):
+        size = PyDict_Size(obj)
+        _put_length(out, size, 0x80, 16, 0, 0xDE, 0xDF)
+        i = 0
+        while PyDict_Next(obj, &i, &key, &value):
+            _pack(out, <object>key, depth + 1)
+            _pack(out, <object>value, depth + 1)
+        return 0
+    if PyList_Check(obj):
+        size = PyList_GET_SIZE(obj)
+        _put_length(out, size, 0x90, 16, 0, 0xDC, 0xDD)
+        for i in range(size):
+            _pack(out, <object>PyList_GET_ITEM(obj, i), depth + 1)
+        return 0
+    if PyTuple_Check(obj):
+        size = PyTuple_GET_SIZE(obj)
+        _put_length(out, size, 0x90, 16, 0, 0xDC, 0xDD)
+        for i in range(size):
+            _pack(out, <object>PyTuple_GET_ITEM(obj, i), depth + 1)
+        return 0
+    if PyBytes_Check(obj):
+        size = PyBytes_GET_SIZE(obj)
+        _put_length(out, size, 0, 0, 0xC4, 0xC5, 0xC6)
+        return _put(out, PyBytes_AS_STRING(obj), size)
+    if PyByteArray_Check(obj):
+        size = PyByteArray_GET_SIZE(obj)
+        _put_length(out, size, 0, 0, 0xC4, 0xC5, 0xC6)
+        return _put(out, PyByteArray_AS_STRING(obj), size)
+    return _pack_fallback(out, obj)
+
+
+cdef int _pack_fallback(Buffer* out, object obj) except -1:
+    """Whatever this writer does not know: msgpack's own packer (and its errors)."""
+    cdef bytes packed = msgpack.packb(obj)
+    return _put(out, PyBytes_AS_STRING(packed), PyBytes_GET_SIZE(packed))
+
+
+cdef bytes _finish(Buffer* out):
+    try:
+        return PyBytes_FromStringAndSize(out.data, out.size)
+    finally:
+        PyMem_Free(out.data)
+        out.data = NULL
+
+
+def packb(obj):
+    """``msgpack.packb(obj)``, the same bytes."""
+    cdef Buffer out
+    out.data = <char*>PyMem_Malloc(256)
+    if out.data == NULL:
+        raise MemoryError()
+    out.size = 0
+    out.capacity = 256
+    try:
+        _pack(&out, obj, 0)
+    except BaseException:
+        PyMem_Free(out.data)
+        raise
+    return _finish(&out)
+
+
+def pack_map(bytes prefix, Py_ssize_t prefix_items, tuple items):
+    """A msgpack map of ``prefix_items`` key/value pairs already packed in ``prefix``,
+    followed by ``items`` (key, value, key, value, ...): the bytes of ``msgpack.packb`` of
+    the dict with those pairs in that order."""
+    cdef Py_ssize_t count = PyTuple_GET_SIZE(items)
+    cdef Py_ssize_t i
+    cdef Buffer out
+    if count % 2:
+        raise ValueError("items must alternate keys and values")
+    out.capacity = PyBytes_GET_SIZE(prefix) + 64 + 32 * count
+    out.data = <char*>PyMem_Malloc(out.capacity)
+    if out.data == NULL:
+        raise MemoryError()
+    out.size = 0
+    try:
+        _put_length(&out, prefix_items + count // 2, 0x80, 16, 0, 0xDE, 0xDF)
+        _put(&out, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix))
+        for i in range(count):
+            _pack(&out, <object>PyTuple_GET_ITEM(items, i), 1)
+    except BaseException:
+        PyMem_Free(out.data)
+        raise
+    return _finish(&out)
