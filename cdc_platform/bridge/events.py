@@ -7,6 +7,8 @@ Relation messages) and turns the assembler's events into :class:`OutgoingMessage
 from __future__ import annotations
 
 import json
+import logging
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -33,7 +35,11 @@ from cdc_platform.wire import (
     watermark_subject,
 )
 
+log = logging.getLogger(__name__)
+
 MessageMode = Literal["per-change", "batched"]
+# What a snapshot id may be (snapshot.job checks the same): one NATS subject token.
+_SNAPSHOT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 BATCH_MAX_EVENTS = 500
 _STATIC_FIELD_COUNT = 9  # entries of MessageBuilder._static_fields
 _ARRAY32 = b"\xdd"  # msgpack array32 header: batches are the already-packed events joined
@@ -213,9 +219,10 @@ class MessageBuilder:
                 if not per_change:
                     self._close_batch(messages)
                 mark = self._watermark(event)
-                watermarks.append(mark)
-                messages.append(OutgoingMessage(
-                    mark["subject"], mark["msg_id"], self.encode(mark)))
+                if mark is not None:
+                    watermarks.append(mark)
+                    messages.append(OutgoingMessage(
+                        mark["subject"], mark["msg_id"], self.encode(mark)))
         return BuiltBatch(messages, position, changed, watermarks, changes, counts,
                           last_commit_ts)
 
@@ -271,9 +278,20 @@ class MessageBuilder:
         self._batch_key = None
 
     # -- snapshot watermarks --------------------------------------------------------------------
-    def _watermark(self, event: LogicalMessageReceived) -> dict[str, Any]:
-        details = json.loads(event.content)
-        snapshot_id = details["snapshot_id"]
+    def _watermark(self, event: LogicalMessageReceived) -> dict[str, Any] | None:
+        """The marker of a snapshot's watermark message; None (and a warning) for a message
+        under our prefix that is not one: it stays in the WAL for good, so raising here
+        would stop the bridge at the same place after every restart."""
+        try:
+            details = json.loads(event.content)
+            snapshot_id = details["snapshot_id"]
+            valid = isinstance(snapshot_id, str) and _SNAPSHOT_ID.fullmatch(snapshot_id)
+        except (ValueError, TypeError, KeyError):
+            valid = False
+        if not valid:
+            log.warning("ignored a %s message at %s that is not a snapshot watermark: %r",
+                        WATERMARK_PREFIX, format_lsn(event.lsn), event.content[:100])
+            return None
         subject = watermark_subject(snapshot_id)
         return {
             "type": "watermark",

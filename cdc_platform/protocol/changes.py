@@ -173,7 +173,8 @@ _PASSTHROUGH = frozenset((str, identity))
 
 
 def _row_builder(names: tuple[str, ...], converters: tuple[Callable[[str], Any], ...],
-                 indexes: tuple[int, ...]) -> Callable[[TupleData], dict[str, Any]]:
+                 indexes: tuple[int, ...], *, native: Any = NATIVE
+                 ) -> Callable[[TupleData], dict[str, Any]]:
     """``values -> {name: value}`` for the columns at ``indexes``, generated per shape.
 
     The loop unrolled into one dict display: each column costs one class check and the
@@ -183,13 +184,13 @@ def _row_builder(names: tuple[str, ...], converters: tuple[Callable[[str], Any],
     indexes; names and converters are bound as closure variables. With the compiled
     accelerator built (``native.py``), its ``RowBuilder`` does the same.
     """
-    key = (names, converters, indexes)
+    key = (names, converters, indexes, native is None)
     try:
         builder = _BUILDERS.get(key)
     except TypeError:  # an unhashable converter: build without caching
         key, builder = None, None
-    if builder is None and NATIVE is not None:
-        builder = NATIVE.RowBuilder(names, converters, indexes, _PASSTHROUGH, _SLOW_PATH)
+    if builder is None and native is not None:
+        builder = native.RowBuilder(names, converters, indexes, _PASSTHROUGH, _SLOW_PATH)
         if key is not None:
             _BUILDERS[key] = builder
     if builder is None:

@@ -1,0 +1,297 @@
+"""The compiled accelerator (``protocol/_native.pyx``) against its pure-Python originals.
+
+Each compiled function must give what the Python code gives -- the same values, the same
+bytes, the same exception type -- on bytes captured from PostgreSQL, on every truncation of
+them, and on generated inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from datetime import datetime
+from decimal import Decimal
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from cdc_platform.bridge.events import MessageBuilder
+from cdc_platform.protocol import changes, pgoutput, values
+from cdc_platform.protocol.changes import TransactionAssembler
+from cdc_platform.protocol.native import NATIVE
+from cdc_platform.protocol.pgoutput import UNCHANGED_TOAST, decode_message
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "pgoutput"
+TUPLE_TAGS = {ord("I"), ord("U"), ord("D")}
+
+
+def test_the_accelerator_is_built():
+    """CI and the benchmarks measure the compiled path: a build that silently lost it (no C
+    compiler) must be noticed. Set CDC_PLATFORM_PURE_PYTHON=1 to test the pure code."""
+    if os.environ.get("CDC_PLATFORM_PURE_PYTHON"):
+        pytest.skip("pure Python asked for")
+    assert NATIVE is not None, "cdc_platform.protocol._native is not built: pip install -e ."
+
+
+native = pytest.mark.skipif(NATIVE is None, reason="accelerator not built")
+
+
+def _outcome(function, *args):
+    """(result, None) or (None, exception type): what a call did."""
+    try:
+        return function(*args), None
+    except Exception as exc:  # noqa: BLE001 - comparing behaviour
+        return None, type(exc)
+
+
+def _captured_payloads() -> list[bytes]:
+    payloads = []
+    for path in sorted(DATA.glob("*/*.jsonl")):
+        for line in path.read_text().splitlines()[1:]:
+            payloads.append(bytes.fromhex(json.loads(line)["data"]))
+    return payloads
+
+
+# -- TupleData --------------------------------------------------------------------------------
+def _tuple_positions(payload: bytes) -> list[int]:
+    """Where the TupleData parts of an Insert/Update/Delete message start."""
+    if payload[0] not in TUPLE_TAGS:
+        return []
+    positions, pos = [], 5
+    while pos < len(payload):
+        marker = payload[pos]
+        if marker not in b"NKO":
+            break
+        positions.append(pos + 1)
+        _, pos = pgoutput._tuple_python(payload, pos + 1)
+    return positions
+
+
+@native
+def test_read_tuple_equals_python_on_captured_messages():
+    checked = 0
+    for payload in _captured_payloads():
+        for pos in _tuple_positions(payload):
+            assert NATIVE.read_tuple(payload, pos, UNCHANGED_TOAST) == \
+                pgoutput._tuple_python(payload, pos)
+            checked += 1
+    assert checked > 100
+
+
+@native
+def test_read_tuple_on_every_truncation_is_none_or_equal():
+    for payload in _captured_payloads():
+        for pos in _tuple_positions(payload)[:1]:
+            for end in range(pos, min(len(payload), pos + 300)):
+                cut = payload[:end]
+                result = NATIVE.read_tuple(cut, pos, UNCHANGED_TOAST)
+                if result is not None:  # a shorter tuple may still be complete
+                    assert result == pgoutput._tuple_python(cut, pos)
+                    assert result[1] <= end
+
+
+@native
+def test_decode_message_errors_are_the_python_errors():
+    """A malformed message raises the same ProtocolError text with and without the
+    accelerator: the compiled reader hands malformed tuples to the Python code."""
+    data = struct.pack(">cIcHcI", b"I", 1, b"N", 2, b"t", 3) + b"abc" + b"x"
+    with pytest.raises(pgoutput.ProtocolError, match="unknown TupleData column kind 'x'"):
+        decode_message(data)
+
+
+column_parts = st.one_of(
+    st.just(b"n"), st.just(b"u"),
+    st.text(max_size=40).map(lambda t: b"t" + struct.pack(">I", len(t.encode())) + t.encode()),
+    st.binary(max_size=40).map(lambda b: b"b" + struct.pack(">I", len(b)) + b),
+)
+
+
+@native
+@settings(max_examples=300, deadline=None)
+@given(st.lists(column_parts, max_size=30), st.binary(max_size=4))
+def test_read_tuple_equals_python_on_generated_tuples(parts, tail):
+    data = b"xx" + struct.pack(">H", len(parts)) + b"".join(parts) + tail
+    assert NATIVE.read_tuple(data, 2, UNCHANGED_TOAST) == pgoutput._tuple_python(data, 2)
+
+
+@native
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_read_tuple_on_garbage_never_disagrees(data):
+    result = _outcome(NATIVE.read_tuple, data, 0, UNCHANGED_TOAST)
+    if result[0] is None and result[1] is None:
+        return  # None: the Python path decides (and raises)
+    expected = _outcome(pgoutput._tuple_python, data, 0)
+    if result[1] is not None:
+        assert result[1] is UnicodeDecodeError and expected[1] is UnicodeDecodeError
+    else:
+        assert result == expected
+
+
+# -- rows -----------------------------------------------------------------------------------
+CONVERTERS = [str, values.identity, int, float, values._timestamptz, values._bool,
+              json.loads, lambda text: text.upper()]
+cells = st.one_of(st.none(), st.just(UNCHANGED_TOAST), st.binary(max_size=5),
+                  st.sampled_from(["12", "-3", "1.5", "nan", "t", "f", "x", "",
+                                   "2025-01-02 03:04:05+00", "[1, 2]", " 7 ", "1_000"]))
+
+
+@native
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(CONVERTERS), cells), min_size=0, max_size=8),
+       st.data())
+def test_row_builder_equals_the_generated_python_builder(columns, data):
+    names = tuple(f"c{i}" for i in range(len(columns)))
+    converters = tuple(c for c, _ in columns)
+    row = tuple(v for _, v in columns)
+    indexes = tuple(sorted(data.draw(st.sets(st.integers(0, max(len(columns) - 1, 0)))
+                                     if columns else st.just(set()))))
+    python = changes._row_builder(names, converters, indexes, native=None)
+    compiled = changes._row_builder(names, converters, indexes, native=NATIVE)
+    assert type(compiled) is NATIVE.RowBuilder
+    got, want = _outcome(compiled, row), _outcome(python, row)
+    assert got[1] == want[1]
+    if got[1] is None:
+        assert msgpack.packb(got[0]) == msgpack.packb(want[0])  # (NaN != NaN)
+        for key in got[0]:
+            assert type(got[0][key]) is type(want[0][key])
+
+
+# -- temporal converters --------------------------------------------------------------------
+years = st.integers(1, 294276).map(lambda y: f"{y:04d}")
+clock = st.builds(lambda h, m, s, frac: f"{h:02d}:{m:02d}:{s:02d}{frac}",
+                  st.integers(0, 23), st.integers(0, 59), st.integers(0, 59),
+                  st.sampled_from(["", ".5", ".123456", ".000001"]))
+offsets = st.sampled_from(["+00", "+02", "-03", "+05:30", "-09:30", "+01:02:03", "+14"])
+dates = st.builds(lambda y, m, d: f"{y}-{m:02d}-{d:02d}", years, st.integers(1, 12),
+                  st.integers(1, 28))
+era = st.sampled_from(["", " BC"])
+pg_timestamptz = st.one_of(
+    st.builds(lambda d, c, o, e: f"{d} {c}{o}{e}", dates, clock, offsets, era),
+    st.sampled_from(["infinity", "-infinity"]))
+pg_timestamp = st.one_of(st.builds(lambda d, c, e: f"{d} {c}{e}", dates, clock, era),
+                         st.sampled_from(["infinity", "-infinity"]))
+pg_timetz = st.builds(lambda c, o: f"{c}{o}", clock, offsets)
+
+
+@native
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(pg_timestamptz, st.text(max_size=30)))
+def test_timestamptz(text):
+    assert _outcome(NATIVE.timestamptz, text) == _outcome(values._timestamptz, text)
+
+
+@native
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(pg_timestamp, st.text(max_size=30)))
+def test_timestamp(text):
+    assert _outcome(NATIVE.timestamp, text) == _outcome(values._timestamp, text)
+
+
+@native
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(pg_timetz, st.text(max_size=20)))
+def test_timetz(text):
+    assert _outcome(NATIVE.timetz, text) == _outcome(values._timetz, text)
+
+
+@native
+def test_timestamptz_examples():
+    assert NATIVE.timestamptz("2025-12-08 13:45:21.719719+00") == "2025-12-08T13:45:21.719719Z"
+    assert NATIVE.timestamptz("0044-03-15 10:00:00+00 BC") == "-0043-03-15T10:00:00Z"
+    assert NATIVE.timestamptz("2025-12-08 13:45:21+05:30") == "2025-12-08T13:45:21+05:30"
+    assert NATIVE.timestamp("2025-12-08 13:45:21") == "2025-12-08T13:45:21"
+
+
+# -- msgpack --------------------------------------------------------------------------------
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
+    st.text(max_size=70), st.binary(max_size=300),
+    st.sampled_from(["x" * 31, "x" * 32, "x" * 255, "x" * 256, b"y" * 255, b"y" * 256]),
+)
+packable = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=20), st.lists(inner, max_size=20).map(tuple),
+        st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-5, 5)), inner,
+                        max_size=20)),
+    max_leaves=60)
+
+
+def _same_bytes_or_error(got, want):
+    if want[1] is None:
+        assert got[1] is None
+        assert got[0] == want[0]
+    else:
+        assert got[1] is want[1]
+
+
+@native
+@settings(max_examples=400, deadline=None)
+@given(packable)
+def test_packb_equals_msgpack(value):
+    _same_bytes_or_error(_outcome(NATIVE.packb, value), _outcome(msgpack.packb, value))
+
+
+@native
+@pytest.mark.parametrize("value", [
+    0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1,
+    -1, -32, -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1, -(2**63),
+    2**64, -(2**63) - 1, math.nan, -0.0, math.inf, bytearray(b"ab"), [1] * 16, [1] * 65536,
+    {str(i): i for i in range(16)}, {str(i): i for i in range(70000)},
+    datetime(2025, 1, 1), Decimal("1.5"), {1, 2}, True, "é" * 31, "é" * 40,
+    "z" * 65535, "z" * 65536, b"y" * 65535, b"y" * 65536,
+])
+def test_packb_boundaries(value):
+    _same_bytes_or_error(_outcome(NATIVE.packb, value), _outcome(msgpack.packb, value))
+
+
+small_packable = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**65), 2**65), st.floats(),
+              st.text(max_size=40), st.binary(max_size=40)),
+    lambda inner: st.one_of(st.lists(inner, max_size=5),
+                            st.dictionaries(st.text(max_size=5), inner, max_size=5)),
+    max_leaves=10)
+
+
+@native
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(max_size=5), small_packable, max_size=20),
+       st.dictionaries(st.text(max_size=5), small_packable, max_size=20))
+def test_pack_map_equals_packing_the_dict(shared, own):
+    own = {k: v for k, v in own.items() if k not in shared}
+    try:
+        prefix = b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in shared.items())
+    except OverflowError:
+        assume(False)  # the shared part is packed by msgpack itself
+    items = tuple(x for pair in own.items() for x in pair)
+    _same_bytes_or_error(_outcome(NATIVE.pack_map, prefix, len(shared), items),
+                         _outcome(msgpack.packb, {**shared, **own}))
+
+
+# -- whole events ---------------------------------------------------------------------------
+@native
+@pytest.mark.parametrize("mode", ["per-change", "batched"])
+def test_event_payloads_are_the_same_bytes(mode):
+    """Every captured transaction through the builder with and without the compiled
+    writer: identical payloads, ids and subjects."""
+    checked = 0
+    for path in sorted(DATA.glob("*/*.jsonl")):
+        if "streamed" in path.name:
+            continue
+        assembler = TransactionAssembler(values.TypeRegistry())
+        compiled, python = MessageBuilder("msgpack", mode), MessageBuilder("msgpack", mode)
+        python._pack_map = None  # noqa: SLF001 - the pure-Python writer
+        for line in path.read_text().splitlines()[1:]:
+            row = json.loads(line)
+            events = assembler.feed(int(row["lsn"].split("/")[0], 16) << 32 | int(
+                row["lsn"].split("/")[1], 16), decode_message(bytes.fromhex(row["data"])))
+            got, want = compiled.build(events), python.build(events)
+            assert got.messages == want.messages
+            checked += len(got.messages)
+    assert checked > 20
