@@ -41,6 +41,9 @@ MessageMode = Literal["per-change", "batched"]
 # What a snapshot id may be (snapshot.job checks the same): one NATS subject token.
 _SNAPSHOT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 BATCH_MAX_EVENTS = 500
+# LSN -> text: the compiled formatter when built (a row inserted by INSERT ... SELECT has an
+# LSN of its own, so the text is made once per change).
+_lsn_text = NATIVE.lsn_text if NATIVE is not None else format_lsn
 _STATIC_FIELD_COUNT = 9  # entries of MessageBuilder._static_fields
 _ARRAY32 = b"\xdd"  # msgpack array32 header: batches are the already-packed events joined
 
@@ -119,14 +122,13 @@ class MessageBuilder:
         of a transaction shares its commit LSN (format_lsn was 8% of the bridge's time)."""
         cached = self._lsn_cache
         if cached[0] != lsn:
-            cached = self._lsn_cache = (lsn, f"{lsn >> 32:X}/{lsn & 0xFFFFFFFF:X}")
+            cached = self._lsn_cache = (lsn, _lsn_text(lsn))
         return cached[1]
 
     def _commit_lsn_text(self, commit_lsn: int) -> str:
         cached = self._commit_cache
         if cached[0] != commit_lsn:
-            cached = self._commit_cache = (commit_lsn,
-                                           f"{commit_lsn >> 32:X}/{commit_lsn & 0xFFFFFFFF:X}")
+            cached = self._commit_cache = (commit_lsn, _lsn_text(commit_lsn))
         return cached[1]
 
     @staticmethod

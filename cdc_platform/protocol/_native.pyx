@@ -455,3 +455,32 @@ def pack_map(bytes prefix, Py_ssize_t prefix_items, tuple items):
         PyMem_Free(out.data)
         raise
     return _finish(&out)
+
+
+# -- LSN text ---------------------------------------------------------------------------------
+cdef const char* _HEX = b"0123456789ABCDEF"
+
+
+cdef Py_ssize_t _put_hex(char* out, unsigned int value) noexcept:
+    """``value`` in uppercase hexadecimal without leading zeros; returns the length."""
+    cdef char digits[8]
+    cdef Py_ssize_t count = 0, i
+    while True:
+        digits[count] = _HEX[value & 15]
+        count += 1
+        value >>= 4
+        if value == 0:
+            break
+    for i in range(count):
+        out[i] = digits[count - 1 - i]
+    return count
+
+
+def lsn_text(unsigned long long lsn):
+    """``lsn.format_lsn`` for a valid LSN: ``0x16B374D848`` -> ``"16/B374D848"``."""
+    cdef char text[17]
+    cdef Py_ssize_t size = _put_hex(text, <unsigned int>(lsn >> 32))
+    text[size] = 47  # '/'
+    size += 1
+    size += _put_hex(text + size, <unsigned int>(lsn & 0xFFFFFFFF))
+    return _ascii(text, size)

@@ -15,6 +15,7 @@ look-ups for non-builtin types, slot state). It:
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,10 @@ from cdc_platform.replication.slots import SlotState, check_slot_usable, read_sl
 from cdc_platform.settings import PostgresSettings
 
 log = logging.getLogger(__name__)
+
+# XLogData 'w': "Int64 The starting point of the WAL data in this message. Int64 The current
+# end of WAL on the server." (read without building an XLogData object: hot path)
+_XLOGDATA_POSITIONS = struct.Struct(">QQ").unpack_from
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,28 +141,38 @@ class SlotReader:
             timeout=min(timeout, self._until_status()), limit=self.read_limit)
         events: list = []
         feed = self.assembler.feed
+        received_lsn = self.received_lsn
         for payload in raw:
-            message = parse_copy_data(payload)
-            if isinstance(message, PrimaryKeepalive):
-                self.server_wal_end = max(self.server_wal_end, message.wal_end)
-                if not self._in_transaction and self.confirmed_lsn >= self.last_commit_end_lsn:
-                    # Nothing in flight: everything up to the server's position is done.
-                    self._advance_idle(message.wal_end)
-                if message.reply_requested:
-                    await self.send_status(reply_requested=False)
-                continue
-            self.received_lsn = max(self.received_lsn, message.wal_end)
-            decoded = decode_message(message.buffer, XLOGDATA_HEADER_SIZE)
+            if payload[0] == 0x77 and len(payload) > XLOGDATA_HEADER_SIZE:  # 'w', the hot path
+                wal_start, wal_end = _XLOGDATA_POSITIONS(payload, 1)
+            else:
+                message = parse_copy_data(payload)
+                if isinstance(message, PrimaryKeepalive):
+                    self.received_lsn = received_lsn
+                    self.server_wal_end = max(self.server_wal_end, message.wal_end)
+                    if not self._in_transaction and \
+                            self.confirmed_lsn >= self.last_commit_end_lsn:
+                        # Nothing in flight: everything up to the server's position is done.
+                        self._advance_idle(message.wal_end)
+                    if message.reply_requested:
+                        await self.send_status(reply_requested=False)
+                    continue
+                wal_start, wal_end = message.wal_start, message.wal_end
+            if wal_end > received_lsn:
+                received_lsn = wal_end
+            decoded = decode_message(payload, XLOGDATA_HEADER_SIZE)
             kind = type(decoded)
             if kind is Begin:
                 self._in_transaction = True
             elif kind is Relation:
+                self.received_lsn = received_lsn
                 await self._ensure_types(decoded)
-            for event in feed(message.wal_start, decoded):
+            for event in feed(wal_start, decoded):
                 events.append(event)
                 if type(event) is TransactionCommitted:
                     self.last_commit_end_lsn = event.end_lsn
                     self._in_transaction = False
+        self.received_lsn = received_lsn
         if time.monotonic() - self._last_status >= self.status_interval:
             await self.send_status()
         return ReadBatch(events, len(raw))

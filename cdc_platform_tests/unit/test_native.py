@@ -295,3 +295,12 @@ def test_event_payloads_are_the_same_bytes(mode):
             assert got.messages == want.messages
             checked += len(got.messages)
     assert checked > 20
+
+
+@native
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 2**32 - 1, 2**32, 2**64 - 1])))
+def test_lsn_text_equals_format_lsn(lsn):
+    from cdc_platform.lsn import format_lsn
+
+    assert NATIVE.lsn_text(lsn) == format_lsn(lsn)
