@@ -36,11 +36,13 @@ from itertools import accumulate, chain, repeat
 from operator import add
 from typing import Any
 
+import msgpack
 import zstandard
 
 from cdc_platform.errors import ConversionError, PayloadTooLarge, SnapshotError
 from cdc_platform.protocol import values
 from cdc_platform.protocol.copy_text import unescape
+from cdc_platform.protocol.native import NATIVE
 from cdc_platform.wire import (
     CONTENT_TYPES,
     HEADER_CONTENT_ENCODING,
@@ -62,7 +64,18 @@ _ESTIMATE_FILL = 0.9
 # Header bytes beyond "Key: value\r\n" lines: "NATS/1.0\r\n" and the final "\r\n".
 _HEADER_FRAME = len("NATS/1.0\r\n\r\n")
 # The converter values.py uses for text-like types; skipping it saves a call per value.
-_IDENTITY = getattr(values, "_identity", None)
+_IDENTITY = values.identity
+
+
+def _native_kinds(converters: Sequence[Converter]) -> tuple[int, ...] | None:
+    """The compiled row packer's column kinds (``_native.ROW_*``), None without it."""
+    if NATIVE is None:
+        return None
+    special = {values.identity: NATIVE.ROW_KEEP, str: NATIVE.ROW_KEEP, int: NATIVE.ROW_INT,
+               float: NATIVE.ROW_FLOAT, values._bool: NATIVE.ROW_BOOL,  # noqa: SLF001
+               NATIVE.timestamptz: NATIVE.ROW_TIMESTAMPTZ,
+               values._timestamptz: NATIVE.ROW_TIMESTAMPTZ}  # noqa: SLF001
+    return tuple(special.get(convert, NATIVE.ROW_CALL) for convert in converters)
 
 Converter = Callable[[str], Any]
 
@@ -85,6 +98,15 @@ def _gc_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+def _array_header(count: int) -> bytes:
+    """The msgpack array header msgpack itself writes for ``count`` items."""
+    if count < 16:
+        return bytes((0x90 | count,))
+    if count < 65536:
+        return b"\xdc" + count.to_bytes(2, "big")
+    return b"\xdd" + count.to_bytes(4, "big")
 
 
 def chunk_number(partition: int, n: int) -> int:
@@ -200,6 +222,20 @@ class Chunker:
         self._pending_escapes = False
         self._next = 0
         self._limit = self._raw_limit()
+        # msgpack with the compiled accelerator: rows are packed straight from the COPY
+        # fields (same bytes as packing the row maps), the chunk around them by hand.
+        self._native_kinds = _native_kinds(self._converters) if layout.format == "msgpack" \
+            else None
+        if self._native_kinds is not None:
+            pack = msgpack.Packer(use_bin_type=True, datetime=False).pack
+            self._packed_names = tuple(pack(name) for name in self._names)
+            head = {"table": layout.table, "operation": OPERATION,
+                    "snapshot_id": layout.snapshot_id}
+            self._chunk_head = b"".join(pack(k) + pack(v) for k, v in head.items())
+            self._chunk_key = pack("chunk")
+            self._chunk_lsn = pack("lsn") + pack(layout.lsn) + pack("data")
+            self._chunk_tail = (pack("partition") + pack(partition) + pack("schema_fingerprint")
+                                + pack(layout.schema_fingerprint))
 
     # -- parsing ------------------------------------------------------------------------------
     def parse(self, block: bytes | bytearray | str) -> tuple[list[str], list[str], bool]:
@@ -316,9 +352,41 @@ class Chunker:
         fields = pending[0] if len(pending) == 1 else list(chain.from_iterable(pending))
         out: list[Chunk] = []
         with _gc_paused():  # no cycles here; collections during millions of allocations cost
+            if self._native_kinds is not None:
+                try:
+                    rows = NATIVE.pack_rows(fields, count, self._width, self._packed_names,
+                                            self._native_kinds, tuple(self._converters),
+                                            unescape)
+                except (ValueError, TypeError, ArithmeticError, ConversionError):
+                    self.rows_of(fields, count, escapes)  # raises the worded error
+                    raise
+                self._encode_packed(rows, 0, fields, out)
+                return out
             data, ctids = self.rows_of(fields, count, escapes)
             self._encode_fitting(data, 0, ctids, out)
         return out
+
+    def _encode_packed(self, rows: list[bytes], offset: int, fields: list[str],
+                       out: list[Chunk]) -> None:
+        """:meth:`_encode_fitting` for rows packed by the compiled packer: the chunk map is
+        written around them, byte for byte what msgpack writes for the chunk's map."""
+        number = chunk_number(self.partition, self._next)
+        count = len(rows)
+        raw = b"".join((b"\x88", self._chunk_head, self._chunk_key, NATIVE.packb(number),
+                        self._chunk_lsn, _array_header(count), *rows, self._chunk_tail))
+        payload = self._compress(raw) if self._compress is not None else raw
+        if len(payload) > self._budget:
+            if count == 1:
+                width = self._width
+                row_fields = fields[offset * width:(offset + 1) * width]
+                data, ctids = self.rows_of(row_fields, 1)
+                self._encode_fitting(data, 0, ctids, [])  # raises PayloadTooLarge
+            self.stats.splits += 1
+            half = count // 2
+            self._encode_packed(rows[:half], offset, fields, out)
+            self._encode_packed(rows[half:], offset + half, fields, out)
+            return
+        self._finish_chunk(number, count, raw, payload, out)
 
     def _encode_fitting(self, data: list[dict[str, Any]], offset: int,
                         ctids: Sequence[str] | None, out: list[Chunk]) -> None:
@@ -343,16 +411,21 @@ class Chunker:
             self._encode_fitting(data[:half], offset, ctids, out)
             self._encode_fitting(data[half:], offset + half, ctids, out)
             return
+        self._finish_chunk(number, len(data), raw, payload, out)
+
+    def _finish_chunk(self, number: int, rows: int, raw: bytes, payload: bytes,
+                      out: list[Chunk]) -> None:
+        layout = self.layout
         self._next += 1
         self._ratio = len(payload) / len(raw) if raw else 1.0
         self._limit = self._raw_limit()
         stats = self.stats
-        stats.rows += len(data)
+        stats.rows += rows
         stats.chunks += 1
         stats.bytes_raw += len(raw)
         stats.bytes_compressed += len(payload)
         out.append(Chunk(number, snapshot_chunk_subject(layout.table, layout.snapshot_id, number),
-                         layout.headers(number), payload, len(data), len(raw)))
+                         layout.headers(number), payload, rows, len(raw)))
 
     def _describe_key(self, row: dict[str, Any], ctids: Sequence[str] | None,
                       offset: int) -> str:

@@ -304,3 +304,87 @@ def test_lsn_text_equals_format_lsn(lsn):
     from cdc_platform.lsn import format_lsn
 
     assert NATIVE.lsn_text(lsn) == format_lsn(lsn)
+
+
+# -- snapshot rows ----------------------------------------------------------------------------
+SNAPSHOT_COLUMNS = [("id", 20), ("qty", 23), ("name", 25), ("score", 701), ("ok", 16),
+                    ("at", 1184), ("price", 1700), ("doc", 3802), ("tags", 1009),
+                    ("blob", 17), ("day", 1082)]
+copy_fields = {
+    20: st.one_of(st.integers(-(2**63), 2**63 - 1).map(str), st.sampled_from(["007", "-0"])),
+    23: st.integers(-(2**31), 2**31 - 1).map(str),
+    25: st.one_of(st.text(max_size=20).map(
+        lambda t: t.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")),
+        st.sampled_from(["\\\\N", "\\101\\x41", "", "é\\tü"])),
+    701: st.one_of(st.floats().map(repr).map(
+        lambda r: {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}.get(r, r)),
+        st.sampled_from(["1e999", "-0", "1.5"])),
+    16: st.sampled_from(["t", "f"]),
+    1184: st.one_of(pg_timestamptz, st.just("2025-01-02 03:04:05.123456+00")),
+    1700: st.sampled_from(["12.50", "NaN", "-0.001", "Infinity"]),
+    3802: st.sampled_from(['{"a": [1, 2]}', "[]", '"x"', "null", '{"k": "t\\\\tab"}']),
+    1009: st.sampled_from(["{}", '{a,"b c",NULL}', '{"q\\\\"x"}']),
+    17: st.sampled_from(["\\\\x", "\\\\x00ff", "\\\\xdeadbeef"]),
+    1082: st.sampled_from(["2025-01-02", "0044-03-15 BC", "infinity"]),
+}
+
+
+def _chunkers(columns, **overrides):
+    from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
+
+    registry = values.TypeRegistry()
+    converters = registry.for_columns([type("C", (), {"type_oid": oid}) for _, oid in columns])
+    settings_ = dict(table="t", snapshot_id="s1", lsn="0/1", schema_fingerprint="f",
+                     columns=tuple(name for name, _ in columns), key_columns=(0,),
+                     chunk_rows=7)
+    settings_.update(overrides)
+    layout = ChunkLayout(**settings_)
+    compiled, python = Chunker(layout, converters, 3), Chunker(layout, converters, 3)
+    python._native_kinds = None  # noqa: SLF001 - the pure-Python path
+    return compiled, python
+
+
+def _chunk_everything(chunker, text: bytes):
+    return [(c.number, c.headers, c.payload, c.rows) for c in chunker.add(text)] + \
+        [(c.number, c.headers, c.payload, c.rows) for c in chunker.finish()]
+
+
+@native
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(*(st.one_of(copy_fields[oid], st.just("\\N"))
+                            for _, oid in SNAPSHOT_COLUMNS)), min_size=1, max_size=25))
+def test_snapshot_chunks_are_the_same_bytes(rows):
+    text = "".join("\t".join(row) + "\n" for row in rows).encode()
+    compiled, python = _chunkers(SNAPSHOT_COLUMNS)
+    assert compiled._native_kinds is not None  # noqa: SLF001
+    assert _chunk_everything(compiled, text) == _chunk_everything(python, text)
+
+
+@native
+@pytest.mark.parametrize("overrides", [{"zstd_level": 3}, {"max_payload": 600},
+                                       {"key_columns": ()}])
+def test_snapshot_chunks_same_bytes_with_zstd_splits_and_ctid(overrides):
+    columns = SNAPSHOT_COLUMNS[:6]
+    with_ctid = not overrides.get("key_columns", (0,))
+    rows = ["\t".join([str(i), str(i % 7), f"name {i} " + "x" * (i % 40), f"{i / 3!r}",
+                       "tf"[i % 2], "2025-01-02 03:04:05+00"]
+                      + ([f"({i},1)"] if with_ctid else [])) for i in range(60)]
+    text = "".join(row + "\n" for row in rows).encode()
+    compiled, python = _chunkers(columns, **overrides)
+    got, want = _chunk_everything(compiled, text), _chunk_everything(python, text)
+    assert got == want and len(got) > 1
+
+
+@native
+def test_snapshot_row_too_large_and_bad_values_raise_the_python_errors():
+    from cdc_platform.errors import ConversionError, PayloadTooLarge
+
+    columns = SNAPSHOT_COLUMNS[:3]
+    for text, error in ((b"1\t2\t" + b"y" * 2000 + b"\n", PayloadTooLarge),
+                        (b"1\tnot-a-number\tx\n", ConversionError)):
+        messages = []
+        for chunker in _chunkers(columns, max_payload=700):
+            with pytest.raises(error) as raised:
+                _chunk_everything(chunker, text)
+            messages.append(str(raised.value))
+        assert messages[0] == messages[1]
