@@ -12,28 +12,14 @@ with the value converters of ``cdc_platform.protocol.values`` (or, with ``--stan
 while values.py does not exist, int/str/int/Decimal/datetime.fromisoformat). Target: 300K
 rows/s per core.
 
-Where the time goes (2-vCPU AMD EPYC VM, Python 3.11, stand-in converters, 500K rows;
-``--loop in-place`` ~225K rows/s = 0.75x the target, ``via-payload`` ~200K rows/s):
-
-    per row ~4.4 us, timed piecewise without a profiler
-    0.57 us  13%  parse_copy_data: header unpack + XLogData (slot-descriptor construction)
-    1.85 us  42%  decode_message: the generated, unrolled 5-column text reader is 1.2 us of
-                  it (per column: struct unpack of kind+length, slice, UTF-8 decode, ~0.23
-                  us); the rest is the Insert header and the Insert object
-    1.85 us  42%  TransactionAssembler.feed (Insert inlined): converters 0.6 us (Decimal
-                  and datetime.fromisoformat the dearest), generated dict builder 0.35 us,
-                  ChangeRecord 0.35 us, dispatch + ordinal bookkeeping 0.5 us
-    0.1  us   3%  the loop itself
-
-cProfile (which triples the wall time) agrees on the order: read_exact 34% cumulative,
-feed 32% (build 12%, ChangeRecord.__init__ 4.5%), parse_copy_data 10%. Already applied:
-struct.Struct unpackers, loop unrolling by code generation (pgoutput._text_tuple_reader,
-changes._row_builder), the Insert path inlined in decode_message and feed, frozen
-dataclasses built through slot descriptors (object.__setattr__ per field costs ~6x),
-decoding in place from the CopyData buffer (``via-payload`` pays a memoryview slice and a
-copy: -10%). GC is not a factor (gc.disable() changes nothing). What is left is
-interpreter work per column; more would need compiled code (mypyc/Cython) or fewer
-Python-level objects per row (e.g. a tuple-based ChangeRecord, -0.1 us).
+Where the time goes (2-vCPU VM, Python 3.11, the real converters, compiled accelerator
+built): ~3.1 us per row, ~315K rows/s = 1.05x the target. Per row: parse_copy_data 0.6 us,
+decode_message 0.8 (the compiled TupleData reader 0.25 of it), feed 1.1 (compiled row
+builder 0.4, ChangeRecord 0.4). Pure Python (CDC_PLATFORM_PURE_PYTHON=1) is ~190K rows/s:
+the per-column interpreter work is what the accelerator removes. The receive rate is set by
+the walsender (~130-140K rows/s here); a dedicated reader thread is no faster than the
+asyncio reader on the same WAL (both printed), so the bridge keeps the asyncio reader: no
+cross-thread hand-off and no GIL contention with decoding.
 """
 
 from __future__ import annotations
@@ -177,10 +163,14 @@ def bench_decode(rows: int, *, stand_in: bool = False, profile: bool = False,
     return rate
 
 
-def bench_receive(rows: int) -> float:
+def bench_receive(rows: int) -> dict[str, float]:
     """Raw receive rate of the live replication connection for the same 5-column rows:
     a local PostgreSQL, one transaction of ``rows`` inserts, read as CopyData messages only
-    (no decoding) until the commit. Returns rows/s."""
+    (no decoding) until the commit, by the two ways a replication connection can live with
+    asyncio (issue 3): ``asyncio`` -- the non-blocking socket on the event loop
+    (``ReplicationConnection``, what the bridge uses); ``thread`` -- a dedicated thread doing
+    blocking ``PQgetCopyData`` reads into a bounded queue, the event loop taking batches from
+    it. Each reads the same WAL from its own slot. Returns rows/s per way."""
     import asyncio
     import shutil
     import tempfile
@@ -200,6 +190,7 @@ def bench_receive(rows: int) -> float:
             provision_database(conn, publication="bench_pub", role="bench_reader",
                                tables=["bench"], role_password="bench")
             conn.execute("SELECT pg_create_logical_replication_slot('bench', 'pgoutput')")
+            conn.execute("SELECT pg_create_logical_replication_slot('bench_t', 'pgoutput')")
             conn.execute("INSERT INTO bench SELECT i, 'name-' || i, i %% 1000, i * 0.01, "
                          "now() FROM generate_series(1, %s) i", (rows,))
 
@@ -215,7 +206,54 @@ def bench_receive(rows: int) -> float:
             connection.close()
             return rows / elapsed
 
-        return asyncio.run(receive())
+        async def receive_in_thread() -> float:
+            import queue
+            import threading
+
+            from psycopg import pq
+
+            conninfo = (f"host={server.host} port={server.port} dbname=postgres "
+                        "user=bench_reader password=bench replication=database")
+            batches: queue.Queue = queue.Queue(maxsize=64)  # bounded: backpressure
+
+            def read() -> None:  # libpq reads off the event loop
+                import select
+
+                pgconn = pq.PGconn.connect(conninfo.encode())
+                pgconn.exec_(b"START_REPLICATION SLOT bench_t LOGICAL 0/0 "
+                             b"(proto_version '1', publication_names 'bench_pub')")
+                pgconn.nonblocking = 1
+                # Wait in select(), which releases the GIL: psycopg's blocking
+                # get_copy_data(0) holds it while it waits for the network, starving the
+                # event loop (measured: ~1K rows/s).
+                while not stop.is_set():
+                    select.select([pgconn.socket], [], [], 1.0)
+                    pgconn.consume_input()
+                    batch = []
+                    while len(batch) < 4096:
+                        nbytes, data = pgconn.get_copy_data(1)
+                        if nbytes <= 0:
+                            break
+                        batch.append(data)
+                    if batch:
+                        batches.put(batch)  # blocks when the loop falls behind
+                    if nbytes < 0:
+                        break
+                pgconn.finish()
+
+            stop = threading.Event()
+            thread = threading.Thread(target=read, daemon=True)
+            loop = asyncio.get_running_loop()
+            started, received = time.perf_counter(), 0
+            thread.start()
+            while received < rows + 3:
+                batch = await loop.run_in_executor(None, batches.get)
+                received += sum(1 for m in batch if m[0] == 0x77)
+            elapsed = time.perf_counter() - started
+            stop.set()
+            return rows / elapsed
+
+        return {"asyncio": asyncio.run(receive()), "thread": asyncio.run(receive_in_thread())}
     finally:
         server.stop("immediate")
         shutil.rmtree(base, ignore_errors=True)
@@ -236,9 +274,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         decode_rate = max(decode_rate, bench_decode(args.rows, stand_in=args.stand_in,
                                                     profile=args.profile, loop=loop))
     if not args.no_receive:
-        rate = bench_receive(args.rows)
+        rates = bench_receive(args.rows)
+        rate = rates["asyncio"]
         print(f"raw receive (replication connection, asyncio reader, no decode): "
               f"{rate:,.0f} rows/s; decode / receive = {decode_rate / rate:.2f}")
+        print(f"raw receive (dedicated reader thread: select + libpq, bounded queue): "
+              f"{rates['thread']:,.0f} rows/s; asyncio / thread = "
+              f"{rate / rates['thread']:.2f}")
 
 
 if __name__ == "__main__":
