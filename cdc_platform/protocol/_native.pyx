@@ -196,20 +196,18 @@ cdef inline object _ascii(const char* source, Py_ssize_t size):
     return result
 
 
-def _bc_year(str date_part):
-    year, rest = date_part.split("-", 1)
-    return f"-{int(year) - 1:04d}-{rest}"
+cdef object _values = None
 
 
-def _iso_offset(str text):
-    cdef Py_ssize_t index
-    for index in range(len(text) - 1, 0, -1):
-        if text[index] in "+-":
-            offset = text[index:]
-            if len(offset) == 3:
-                return f"{text[:index]}{offset}:00"
-            return text
-    return text
+cdef object _python_values():
+    """``values.py``, for the unusual inputs (BC dates, infinity, offsets other than UTC,
+    non-ASCII): the compiled converters hand those to the Python originals. Imported on
+    first use: values.py imports this module."""
+    global _values
+    if _values is None:
+        from cdc_platform.protocol import values
+        _values = values
+    return _values
 
 
 def timestamp(str text):
@@ -223,12 +221,7 @@ def timestamp(str text):
             memcpy(buffer, chars, size)
             buffer[10] = 84  # 'T'
             return _ascii(buffer, size)
-    if text.endswith(" BC"):
-        date_part, time_part = text[:-3].split(" ", 1)
-        return f"{_bc_year(date_part)}T{time_part}"
-    if text[-1] == "y":
-        return text
-    return text.replace(" ", "T", 1)
+    return _python_values()._timestamp(text)
 
 
 def timestamptz(str text):
@@ -245,24 +238,26 @@ def timestamptz(str text):
             buffer[10] = 84  # 'T'
             buffer[size - 3] = 90  # 'Z'
             return _ascii(buffer, size - 2)
-    bc = text.endswith(" BC")
-    if bc:
-        text = text[:-3]
-    elif text[-1] == "y":
-        return text
-    if text.endswith("+00"):
-        text = text[:-3] + "Z"
-    else:
-        text = _iso_offset(text)
-    date_part, time_part = text.split(" ", 1)
-    if bc:
-        date_part = _bc_year(date_part)
-    return f"{date_part}T{time_part}"
+    return _python_values()._timestamptz(text)
 
 
 def timetz(str text):
     """``values._timetz``: ``13:45:21+02`` -> ``13:45:21+02:00``."""
-    return _iso_offset(text)
+    cdef Py_ssize_t size = PyUnicode_GET_LENGTH(text)
+    cdef char* chars
+    cdef char buffer[64]
+    if PyUnicode_IS_COMPACT_ASCII(text) and 3 < size < 60:
+        chars = <char*>PyUnicode_DATA(text)
+        # "...+02" / "...-03": a whole-hour offset gets its minutes
+        if (chars[size - 3] == 43 or chars[size - 3] == 45) and 48 <= chars[size - 2] <= 57 \
+                and 48 <= chars[size - 1] <= 57 and chars[size - 4] != 58 \
+                and chars[size - 4] != 43 and chars[size - 4] != 45:
+            memcpy(buffer, chars, size)
+            buffer[size] = 58  # ':'
+            buffer[size + 1] = 48
+            buffer[size + 2] = 48
+            return _ascii(buffer, size + 3)
+    return _python_values()._timetz(text)
 
 
 # -- msgpack ------------------------------------------------------------------------------
@@ -343,23 +338,7 @@ cdef int _pack(Buffer* out, object obj, int depth) except -1:
     if PyLong_Check(obj):
         number = PyLong_AsLongLongAndOverflow(obj, &overflow)
         if overflow == 0:
-            if number < -32:
-                if number < -32768:
-                    if number < -2147483648:
-                        return _put_head(out, 0xD3, <unsigned long long>number, 8)
-                    return _put_head(out, 0xD2, <unsigned long long>number, 4)
-                if number < -128:
-                    return _put_head(out, 0xD1, <unsigned long long>number, 2)
-                return _put_head(out, 0xD0, <unsigned long long>number, 1)
-            if number < 128:
-                return _put_head(out, <unsigned char>number, 0, 0)
-            if number < 256:
-                return _put_head(out, 0xCC, number, 1)
-            if number < 65536:
-                return _put_head(out, 0xCD, number, 2)
-            if number < 4294967296:
-                return _put_head(out, 0xCE, number, 4)
-            return _put_head(out, 0xCF, number, 8)
+            return _pack_long_long(out, number)
         if overflow > 0:
             try:
                 unsigned_number = PyLong_AsUnsignedLongLong(obj)
