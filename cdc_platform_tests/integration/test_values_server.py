@@ -119,21 +119,24 @@ def test_numeric_round_trips_through_server(conn, number):
 
 
 def _rectangular(value) -> bool:
-    """PostgreSQL arrays are rectangular, of one depth."""
-    if not isinstance(value, list) or not value:
-        return True
-    kinds = {isinstance(v, list) for v in value}
-    if len(kinds) > 1:
-        return False
-    if kinds == {True}:
-        lengths = {len(v) for v in value}
-        return len(lengths) == 1 and 0 not in lengths and all(_rectangular(v) for v in value) and \
-            len({_depth(v) for v in value}) == 1
-    return True
+    """PostgreSQL arrays are rectangular, of one depth: every sub-array of a level has the
+    same shape (not only the same length)."""
+    return _shape(value) is not None
 
 
-def _depth(value) -> int:
-    return 1 + max((_depth(v) for v in value), default=0) if isinstance(value, list) else 0
+def _shape(value) -> tuple | None:
+    """(length, length of each element, ...) of a rectangular nesting; None otherwise."""
+    if not isinstance(value, list):
+        return ()
+    if not value:
+        return (0,)
+    shapes = {_shape(v) for v in value}
+    if len(shapes) != 1 or None in shapes:
+        return None
+    (inner,) = shapes
+    if inner and inner[0] == 0:
+        return None  # {{}} is not an array PostgreSQL prints
+    return (len(value), *inner)
 
 
 def _no_nul(value):
