@@ -44,7 +44,6 @@ BATCH_MAX_EVENTS = 500
 # LSN -> text: the compiled formatter when built (a row inserted by INSERT ... SELECT has an
 # LSN of its own, so the text is made once per change).
 _lsn_text = NATIVE.lsn_text if NATIVE is not None else format_lsn
-_STATIC_FIELD_COUNT = 9  # entries of MessageBuilder._static_fields
 _ARRAY32 = b"\xdd"  # msgpack array32 header: batches are the already-packed events joined
 
 
@@ -99,10 +98,10 @@ class MessageBuilder:
         self._batch_subject = ""
         self._lsn_cache: tuple[int, str] = (-1, "")
         self._commit_cache: tuple[int, str] = (-1, "")
-        # The compiled msgpack writer (native.py), and the packed shared fields per (relation
-        # id, operation, commit LSN).
+        # The compiled msgpack writer (native.py), and the shared fields per (relation id,
+        # operation, commit LSN): how many, packed.
         self._pack_map = NATIVE.pack_map if NATIVE is not None and fmt == "msgpack" else None
-        self._prefixes: dict[tuple[int, str, int], bytes] = {}
+        self._prefixes: dict[tuple[int, str, int], tuple[int, bytes]] = {}
 
     # -- relation bookkeeping ----------------------------------------------------------------
     def register(self, relation: Relation) -> None:
@@ -186,9 +185,10 @@ class MessageBuilder:
             if len(self._prefixes) >= 256:
                 self._prefixes.clear()
             shared = self._static_fields(record, info, subject, commit_lsn_text)
-            prefix = self._prefixes[key] = b"".join(
-                self.encode(name) + self.encode(value) for name, value in shared.items())
-        return self._pack_map(prefix, _STATIC_FIELD_COUNT, self._change_fields(record, msg_id))
+            prefix = self._prefixes[key] = (len(shared), b"".join(
+                self.encode(name) + self.encode(value) for name, value in shared.items()))
+        count, packed = prefix
+        return self._pack_map(packed, count, self._change_fields(record, msg_id))
 
     def build(self, events: Iterable[Any]) -> BuiltBatch:
         messages: list[OutgoingMessage] = []

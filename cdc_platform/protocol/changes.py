@@ -60,7 +60,7 @@ from cdc_platform.protocol.pgoutput import (
     Update,
     timestamp_to_iso,
 )
-from cdc_platform.protocol.values import identity
+from cdc_platform.protocol.values import TEXT_CONVERTERS
 
 __all__ = [
     "ChangeRecord",
@@ -168,8 +168,6 @@ def _not_text(value: Any) -> Any:
 
 
 _BUILDERS: dict[tuple, Callable[[TupleData], dict[str, Any]]] = {}
-# Converters that return the text itself: the builders skip the call.
-_PASSTHROUGH = frozenset((str, identity))
 
 
 def _row_builder(names: tuple[str, ...], converters: tuple[Callable[[str], Any], ...],
@@ -190,7 +188,7 @@ def _row_builder(names: tuple[str, ...], converters: tuple[Callable[[str], Any],
     except TypeError:  # an unhashable converter: build without caching
         key, builder = None, None
     if builder is None and native is not None:
-        builder = native.RowBuilder(names, converters, indexes, _PASSTHROUGH, _SLOW_PATH)
+        builder = native.RowBuilder(names, converters, indexes, TEXT_CONVERTERS, _SLOW_PATH)
         if key is not None:
             _BUILDERS[key] = builder
     if builder is None:
@@ -202,7 +200,7 @@ def _row_builder(names: tuple[str, ...], converters: tuple[Callable[[str], Any],
         items = ", ".join(
             # A column converted by ``str`` keeps its text: no call; bytes and None pass.
             f"n{i}: v{i} if v{i}.__class__ is not unchanged_class else not_text(v{i})"
-            if converters[i] in _PASSTHROUGH else
+            if converters[i] in TEXT_CONVERTERS else
             f"n{i}: c{i}(v{i}) if v{i}.__class__ is str else "
             f"v{i} if v{i} is None else not_text(v{i})" for i in indexes)
         parameters = ", ".join(["not_text", "unchanged_class", "str",
@@ -436,6 +434,13 @@ class TransactionAssembler:
         except (ValueError, TypeError, ArithmeticError, ConversionError) as exc:
             raise self._conversion_error(table, values, lsn) from exc
 
+    def _build_old(self, table: _Table, old_kind: str, values: TupleData,
+                   lsn: int) -> dict[str, Any]:
+        """The old part of an Update/Delete: 'K' the key columns, 'O' the whole row."""
+        if old_kind == "K":
+            return self._build_key(table, values, lsn)
+        return self._build(table, values, lsn, None)
+
     @staticmethod
     def _width_error(table: _Table, values: TupleData) -> ProtocolError:
         return ProtocolError(
@@ -485,12 +490,7 @@ class TransactionAssembler:
         unchanged: list[str] = []
         new = self._build(table, message.new, lsn, unchanged)
         old_kind = message.old_kind
-        if old_kind is None:
-            old = None
-        elif old_kind == "K":
-            old = self._build_key(table, message.old, lsn)
-        else:
-            old = self._build(table, message.old, lsn, None)
+        old = None if old_kind is None else self._build_old(table, old_kind, message.old, lsn)
         ordinal = self._ordinal
         self._ordinal = ordinal + 1
         return (ChangeRecord(
@@ -499,10 +499,7 @@ class TransactionAssembler:
 
     def _on_delete(self, lsn: int, message: Delete) -> Sequence[Event]:
         table = self._table(message.relation_id, "Delete")
-        if message.old_kind == "K":
-            old = self._build_key(table, message.old, lsn)
-        else:
-            old = self._build(table, message.old, lsn, None)
+        old = self._build_old(table, message.old_kind, message.old, lsn)
         ordinal = self._ordinal
         self._ordinal = ordinal + 1
         return (ChangeRecord(

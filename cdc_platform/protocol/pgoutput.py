@@ -622,13 +622,14 @@ def decode_message(data: bytes | bytearray | memoryview, offset: int = 0) -> Pgo
     try:
         if data[offset] == 73:  # 'I'
             relation_id, marker, count = _INSERT_HEAD(data, offset + 1)
-            if _read_tuple is not None:
-                result = _read_tuple(data, offset + 6, UNCHANGED_TOAST)
-                values = result[0] if result is not None and result[1] == len(data) else None
-            else:
-                reader = _EXACT_READERS.get(count)
-                values = reader(data, offset + 8) if reader is not None else None
             if marker == 78:  # 'N'
+                if _read_tuple is not None:
+                    result = _read_tuple(data, offset + 6, UNCHANGED_TOAST)
+                    values = result[0] if result is not None and result[1] == len(data) \
+                        else None
+                else:
+                    reader = _EXACT_READERS.get(count)
+                    values = reader(data, offset + 8) if reader is not None else None
                 if values is not None:
                     # A frozen dataclass's __init__ sets fields through object.__setattr__;
                     # the slot descriptors are twice as fast and build the same object.

@@ -134,7 +134,8 @@ def identity(text: str) -> str:
     return text
 
 
-_identity = identity
+#: Converters that return the text itself: row builders and packers skip the call.
+TEXT_CONVERTERS = frozenset((str, identity))
 
 
 _SCALARS: dict[int, Converter] = {
@@ -142,14 +143,14 @@ _SCALARS: dict[int, Converter] = {
     17: _bytea,
     20: int, 21: int, 23: int, 26: int, 28: int, 29: int, 5069: int,  # int8/2/4, oid, xid, cid
     700: float, 701: float,
-    1700: _identity,  # numeric: exact text
+    1700: identity,  # numeric: exact text
     114: json.loads, 3802: json.loads,
-    1082: _date, 1083: _identity,
+    1082: _date, 1083: identity,
     # the compiled twins when built (same results; see native.py)
     1114: NATIVE.timestamp if NATIVE else _timestamp,
     1184: NATIVE.timestamptz if NATIVE else _timestamptz,
     1266: NATIVE.timetz if NATIVE else _timetz,
-    1186: _identity,  # interval, as printed with IntervalStyle=iso_8601
+    1186: identity,  # interval, as printed with IntervalStyle=iso_8601
 }
 
 _BUILTIN_NAMES: dict[int, str] = {
@@ -182,7 +183,7 @@ _BOX_OID = 603
 
 
 # -- arrays --------------------------------------------------------------------------------------
-def parse_array(text: str, convert: Converter = _identity, delimiter: str = ",") -> list:
+def parse_array(text: str, convert: Converter = identity, delimiter: str = ",") -> list:
     """A PostgreSQL array literal as printed by ``array_out`` -> nested lists.
 
     Quoted elements may contain the delimiter, braces, ``"`` and ``\\`` (backslash-escaped);
@@ -245,7 +246,7 @@ def _parse_level(text: str, pos: int, convert: Converter, delimiter: str) -> tup
 
 
 def _array_converter(element: Converter, delimiter: str) -> Converter:
-    if element is _identity and delimiter == ",":
+    if element is identity and delimiter == ",":
         return parse_array
     return lambda text: parse_array(text, element, delimiter)
 
@@ -313,7 +314,7 @@ class TypeRegistry:
 
     def _build(self, oid: int, depth: int) -> Converter:
         if depth > 16:  # a domain over a domain over ...: give up on typing, keep the text
-            return _identity
+            return identity
         scalar = _SCALARS.get(oid)
         if scalar is not None:
             return scalar
@@ -323,14 +324,14 @@ class TypeRegistry:
                                     ";" if element == _BOX_OID else ",")
         info = self._catalog.get(oid)
         if info is None:
-            return _identity  # text types, unknown and extension types: the text itself
+            return identity  # text types, unknown and extension types: the text itself
         if info.kind == "d" and info.base_oid:
             return self._build(info.base_oid, depth + 1)
         if info.category == "A" and info.element_oid:
             element_info = self._catalog.get(info.element_oid)
             delimiter = element_info.delimiter if element_info else ","
             return _array_converter(self._build(info.element_oid, depth + 1), delimiter)
-        return _identity  # enums, composites, ranges, extension base types
+        return identity  # enums, composites, ranges, extension base types
 
     def for_columns(self, columns: Sequence[Any]) -> list[Converter]:
         """One text->value function per column (objects with ``.type_oid``)."""

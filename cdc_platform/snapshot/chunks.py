@@ -63,21 +63,19 @@ CONTENT_ENCODING_ZSTD = "zstd"
 _ESTIMATE_FILL = 0.9
 # Header bytes beyond "Key: value\r\n" lines: "NATS/1.0\r\n" and the final "\r\n".
 _HEADER_FRAME = len("NATS/1.0\r\n\r\n")
-# The converter values.py uses for text-like types; skipping it saves a call per value.
-_IDENTITY = values.identity
+Converter = Callable[[str], Any]
 
 
 def _native_kinds(converters: Sequence[Converter]) -> tuple[int, ...] | None:
     """The compiled row packer's column kinds (``_native.ROW_*``), None without it."""
     if NATIVE is None:
         return None
-    special = {values.identity: NATIVE.ROW_KEEP, str: NATIVE.ROW_KEEP, int: NATIVE.ROW_INT,
-               float: NATIVE.ROW_FLOAT, values._bool: NATIVE.ROW_BOOL,  # noqa: SLF001
+    special = {int: NATIVE.ROW_INT, float: NATIVE.ROW_FLOAT,
+               values._bool: NATIVE.ROW_BOOL,  # noqa: SLF001
                NATIVE.timestamptz: NATIVE.ROW_TIMESTAMPTZ,
                values._timestamptz: NATIVE.ROW_TIMESTAMPTZ}  # noqa: SLF001
+    special.update(dict.fromkeys(values.TEXT_CONVERTERS, NATIVE.ROW_KEEP))
     return tuple(special.get(convert, NATIVE.ROW_CALL) for convert in converters)
-
-Converter = Callable[[str], Any]
 
 
 def row_maker(names: Sequence[str]) -> Callable[..., dict[str, Any]]:
@@ -205,7 +203,7 @@ class Chunker:
         self.stats = ChunkStats()
         self._names = layout.columns
         self._make_row = row_maker(layout.columns)
-        self._converters = list(converters)
+        self._converters = tuple(converters)
         self._width = len(layout.columns) + (1 if layout.with_ctid else 0)
         self._encode = encoder(layout.format)
         self._compressor = layout.compressor()
@@ -284,12 +282,12 @@ class Chunker:
             for index, convert in enumerate(self._converters):
                 column = columns[index]
                 if escapes and "\\" in "".join(column):
-                    if convert is _IDENTITY:
+                    if convert in values.TEXT_CONVERTERS:
                         columns[index] = [None if f == "\\N" else unescape(f) for f in column]
                     else:
                         columns[index] = [None if f == "\\N" else convert(unescape(f))
                                           for f in column]
-                elif convert is not _IDENTITY:
+                elif convert not in values.TEXT_CONVERTERS:
                     columns[index] = list(map(convert, column))
         except ConversionError:
             raise
@@ -355,7 +353,7 @@ class Chunker:
             if self._native_kinds is not None:
                 try:
                     rows = NATIVE.pack_rows(fields, count, self._width, self._packed_names,
-                                            self._native_kinds, tuple(self._converters),
+                                            self._native_kinds, self._converters,
                                             unescape)
                 except (ValueError, TypeError, ArithmeticError, ConversionError):
                     self.rows_of(fields, count, escapes)  # raises the worded error
@@ -378,9 +376,8 @@ class Chunker:
         if len(payload) > self._budget:
             if count == 1:
                 width = self._width
-                row_fields = fields[offset * width:(offset + 1) * width]
-                data, ctids = self.rows_of(row_fields, 1)
-                self._encode_fitting(data, 0, ctids, [])  # raises PayloadTooLarge
+                data, ctids = self.rows_of(fields[offset * width:(offset + 1) * width], 1)
+                raise self._row_too_large(data[0], ctids, 0, len(payload))
             self.stats.splits += 1
             half = count // 2
             self._encode_packed(rows[:half], offset, fields, out)
@@ -401,11 +398,7 @@ class Chunker:
         payload = self._compress(raw) if self._compress is not None else raw
         if len(payload) > self._budget:
             if len(data) == 1:
-                raise PayloadTooLarge(
-                    f"{layout.table}: row {self._describe_key(data[0], ctids, offset)} "
-                    f"encodes to {len(payload)} bytes, over the {self._budget} a chunk may "
-                    f"use (NATS max_payload {layout.max_payload}); raise max_payload or "
-                    "leave this table out of snapshots")
+                raise self._row_too_large(data[0], ctids, offset, len(payload))
             self.stats.splits += 1
             half = len(data) // 2
             self._encode_fitting(data[:half], offset, ctids, out)
@@ -426,6 +419,14 @@ class Chunker:
         stats.bytes_compressed += len(payload)
         out.append(Chunk(number, snapshot_chunk_subject(layout.table, layout.snapshot_id, number),
                          layout.headers(number), payload, rows, len(raw)))
+
+    def _row_too_large(self, row: dict[str, Any], ctids: Sequence[str] | None, offset: int,
+                       size: int) -> PayloadTooLarge:
+        layout = self.layout
+        return PayloadTooLarge(
+            f"{layout.table}: row {self._describe_key(row, ctids, offset)} encodes to {size} "
+            f"bytes, over the {self._budget} a chunk may use (NATS max_payload "
+            f"{layout.max_payload}); raise max_payload or leave this table out of snapshots")
 
     def _describe_key(self, row: dict[str, Any], ctids: Sequence[str] | None,
                       offset: int) -> str:
