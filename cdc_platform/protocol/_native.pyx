@@ -196,6 +196,16 @@ cdef inline object _ascii(const char* source, Py_ssize_t size):
     return result
 
 
+cdef inline bint _date_then_space(const char* chars) noexcept nogil:
+    """Whether the first space is at index 10 (``YYYY-MM-DD hh:...``): the Python
+    converters split at the first space, so the fast paths must not see an earlier one."""
+    cdef Py_ssize_t index
+    for index in range(10):
+        if chars[index] == 32:
+            return False
+    return chars[10] == 32
+
+
 cdef object _values = None
 
 
@@ -217,7 +227,7 @@ def timestamp(str text):
     cdef char buffer[64]
     if PyUnicode_IS_COMPACT_ASCII(text) and 11 < size < 64:
         chars = <char*>PyUnicode_DATA(text)
-        if chars[10] == 32 and chars[size - 1] != 67 and chars[size - 1] != 121:  # ' ', C, y
+        if _date_then_space(chars) and chars[size - 1] != 67 and chars[size - 1] != 121:  # ' ', C, y
             memcpy(buffer, chars, size)
             buffer[10] = 84  # 'T'
             return _ascii(buffer, size)
@@ -232,7 +242,7 @@ def timestamptz(str text):
     if PyUnicode_IS_COMPACT_ASCII(text) and 14 < size < 64:
         chars = <char*>PyUnicode_DATA(text)
         # "...+00" in UTC: the last three characters become "Z"
-        if chars[10] == 32 and chars[size - 3] == 43 and chars[size - 2] == 48 \
+        if _date_then_space(chars) and chars[size - 3] == 43 and chars[size - 2] == 48 \
                 and chars[size - 1] == 48:
             memcpy(buffer, chars, size - 3)
             buffer[10] = 84  # 'T'
@@ -520,7 +530,7 @@ cdef int _pack_ascii_timestamptz(Buffer* out, const char* chars, Py_ssize_t size
     """``timestamptz`` of ``2025-12-08 13:45:21.5+00`` packed as ``2025-12-08T13:45:21.5Z``;
     1 when the text is not of that form."""
     cdef Py_ssize_t length = size - 2
-    if not (14 < size < 64 and chars[10] == 32 and chars[size - 3] == 43
+    if not (14 < size < 64 and _date_then_space(chars) and chars[size - 3] == 43
             and chars[size - 2] == 48 and chars[size - 1] == 48):
         return 1
     _put_length(out, length, 0xA0, 32, 0xD9, 0xDA, 0xDB)
