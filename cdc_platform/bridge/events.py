@@ -10,8 +10,8 @@ import json
 import logging
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
 
 from cdc_platform.lsn import format_lsn
 from cdc_platform.naming import wire_name
@@ -57,11 +57,22 @@ def relation_fingerprint(relation: Relation) -> str:
 class _RelationInfo:
     wire_name: str
     fingerprint: str
-    subjects: dict[str, str] = field(default_factory=dict)
     headers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         self.headers = ((HEADER_SCHEMA_FINGERPRINT, self.fingerprint),)
+
+
+class _Shared(NamedTuple):
+    """What every change of one table and operation in one transaction shares, looked up
+    once per change: one dict lookup instead of one per field."""
+
+    subject: str
+    commit_lsn_text: str
+    headers: tuple[tuple[str, str], ...]
+    info: _RelationInfo
+    packed_count: int      # with the compiled writer: how many shared fields, packed ...
+    packed: bytes          # ... as these bytes; (0, b"") otherwise
 
 
 @dataclass(slots=True)
@@ -73,7 +84,7 @@ class BuiltBatch:
     changed_relations: list[Relation]
     watermarks: list[dict[str, Any]]
     changes: int
-    counts: dict[tuple[str, str], int]  # (table, op) -> changes, for metrics
+    counts: dict[tuple[str, str], int]  # (table wire name, op) -> changes, for metrics
     last_commit_ts: str | None  # of the transaction ``position`` ends
 
 
@@ -98,15 +109,18 @@ class MessageBuilder:
         self._batch_subject = ""
         self._lsn_cache: tuple[int, str] = (-1, "")
         self._commit_cache: tuple[int, str] = (-1, "")
-        # The compiled msgpack writer (native.py), and the shared fields per (relation id,
-        # operation, commit LSN): how many, packed.
+        # The compiled msgpack writer (native.py), and what every change of one table and
+        # operation in one transaction shares (see _Shared).
         self._pack_map = NATIVE.pack_map if NATIVE is not None and fmt == "msgpack" else None
-        self._prefixes: dict[tuple[int, str, int], tuple[int, bytes]] = {}
+        self._shared: dict[tuple[int, str, int], _Shared] = {}
 
     # -- relation bookkeeping ----------------------------------------------------------------
     def register(self, relation: Relation) -> None:
         self._relations[relation.relation_id] = _RelationInfo(
             wire_name(relation.namespace, relation.name), relation_fingerprint(relation))
+        # A table altered (or renamed) mid-transaction: later changes carry the new name and
+        # fingerprint, so nothing packed for the old shape may be reused.
+        self._shared.clear()
 
     def _info(self, record: ChangeRecord) -> _RelationInfo:
         info = self._relations.get(record.relation_id)
@@ -172,23 +186,35 @@ class MessageBuilder:
             event[fields[index]] = fields[index + 1]
         return event
 
-    def encode_event(self, record: ChangeRecord, info: _RelationInfo, subject: str,
-                     msg_id: str, commit_lsn_text: str) -> bytes:
+    def _shared_of(self, record: ChangeRecord) -> _Shared:
+        """The :class:`_Shared` of ``record``'s table, operation and transaction (cached)."""
+        key = (record.relation_id, record.operation, record.commit_lsn)
+        shared = self._shared.get(key)
+        if shared is None:
+            if len(self._shared) >= 256:
+                self._shared.clear()
+            info = self._info(record)
+            subject_of = cdc_subject if self.mode == "per-change" else cdc_batch_subject
+            subject = subject_of(info.wire_name, record.operation)
+            commit_text = self._commit_lsn_text(record.commit_lsn)
+            count, packed = 0, b""
+            if self._pack_map is not None:
+                fields = self._static_fields(record, info, subject, commit_text)
+                count, packed = len(fields), b"".join(
+                    self.encode(name) + self.encode(value) for name, value in fields.items())
+            shared = self._shared[key] = _Shared(subject, commit_text, info.headers, info,
+                                                 count, packed)
+        return shared
+
+    def encode_event(self, record: ChangeRecord, shared: _Shared, msg_id: str) -> bytes:
         """``encode(event_map(...))``; with the compiled accelerator and msgpack, the shared
         fields are packed once per table, operation and transaction and the same bytes are
         written around them."""
         if self._pack_map is None:
-            return self.encode(self.event_map(record, info, subject, msg_id, commit_lsn_text))
-        key = (record.relation_id, record.operation, record.commit_lsn)
-        prefix = self._prefixes.get(key)
-        if prefix is None:
-            if len(self._prefixes) >= 256:
-                self._prefixes.clear()
-            shared = self._static_fields(record, info, subject, commit_lsn_text)
-            prefix = self._prefixes[key] = (len(shared), b"".join(
-                self.encode(name) + self.encode(value) for name, value in shared.items()))
-        count, packed = prefix
-        return self._pack_map(packed, count, self._change_fields(record, msg_id))
+            return self.encode(self.event_map(record, shared.info, shared.subject, msg_id,
+                                              shared.commit_lsn_text))
+        return self._pack_map(shared.packed, shared.packed_count,
+                              self._change_fields(record, msg_id))
 
     def build(self, events: Iterable[Any]) -> BuiltBatch:
         messages: list[OutgoingMessage] = []
@@ -196,17 +222,21 @@ class MessageBuilder:
         changed: list[Relation] = []
         watermarks: list[dict[str, Any]] = []
         changes = 0
-        counts: dict[tuple[str, str], int] = {}
+        # Changes come in runs of one table and operation: counted per run, not per change.
+        runs: list[tuple[int, str, int]] = []   # (relation id, operation, changes before)
+        run_relation, run_operation = -1, ""
         last_commit_ts = None
         per_change = self.mode == "per-change"
+        single, append = self._single, messages.append
         for event in events:
             kind = type(event)
             if kind is ChangeRecord:
+                if event.relation_id != run_relation or event.operation != run_operation:
+                    run_relation, run_operation = event.relation_id, event.operation
+                    runs.append((run_relation, run_operation, changes))
                 changes += 1
-                key = (event.table, event.operation)
-                counts[key] = counts.get(key, 0) + 1
                 if per_change:
-                    messages.append(self._single(event))
+                    append(single(event))
                 else:
                     self._add_to_batch(event, messages)
             elif kind is TransactionCommitted:
@@ -215,6 +245,8 @@ class MessageBuilder:
                 position = event.end_lsn
                 last_commit_ts = event.commit_ts
             elif kind is RelationChanged:
+                if not per_change:
+                    self._close_batch(messages)  # a batch has one shape (fingerprint header)
                 self.register(event.relation)
                 changed.append(event.relation)
             elif kind is LogicalMessageReceived and event.prefix == WATERMARK_PREFIX:
@@ -225,30 +257,38 @@ class MessageBuilder:
                     watermarks.append(mark)
                     messages.append(OutgoingMessage(
                         mark["subject"], mark["msg_id"], self.encode(mark)))
+        counts: dict[tuple[str, str], int] = {}
+        for index, (relation_id, operation, before) in enumerate(runs):
+            after = runs[index + 1][2] if index + 1 < len(runs) else changes
+            info = self._relations.get(relation_id)
+            key = (info.wire_name if info is not None else str(relation_id), operation)
+            counts[key] = counts.get(key, 0) + after - before
         return BuiltBatch(messages, position, changed, watermarks, changes, counts,
                           last_commit_ts)
 
     def _single(self, record: ChangeRecord) -> OutgoingMessage:
-        info = self._info(record)
-        operation = record.operation
-        subject = info.subjects.get(operation)
-        if subject is None:
-            subject = info.subjects[operation] = cdc_subject(info.wire_name, operation)
-        commit_text = self._commit_lsn_text(record.commit_lsn)
-        msg_id = f"{commit_text}:{record.ordinal}"  # = wire.change_msg_id, inlined
-        payload = self.encode_event(record, info, subject, msg_id, commit_text)
-        return OutgoingMessage(subject, msg_id, payload, info.headers)
+        shared = self._shared.get((record.relation_id, record.operation, record.commit_lsn))
+        if shared is None:
+            shared = self._shared_of(record)
+        msg_id = f"{shared.commit_lsn_text}:{record.ordinal}"  # = wire.change_msg_id, inlined
+        if self._pack_map is None:
+            payload = self.encode(self.event_map(record, shared.info, shared.subject, msg_id,
+                                                 shared.commit_lsn_text))
+        else:
+            payload = self._pack_map(shared.packed, shared.packed_count,
+                                     self._change_fields(record, msg_id))
+        return OutgoingMessage(shared.subject, msg_id, payload, shared.headers)
 
     # -- batched mode ----------------------------------------------------------------------------
     def _add_to_batch(self, record: ChangeRecord, out: list[OutgoingMessage]) -> None:
         key = (record.relation_id, record.operation)
         if key != self._batch_key or record.commit_lsn != self._batch_commit_lsn:
             self._close_batch(out)
-        info = self._info(record)
-        subject = cdc_batch_subject(info.wire_name, record.operation)
-        commit_text = self._commit_lsn_text(record.commit_lsn)
-        packed = self.encode_event(record, info, subject, f"{commit_text}:{record.ordinal}",
-                                   commit_text)
+        shared = self._shared.get((record.relation_id, record.operation, record.commit_lsn))
+        if shared is None:
+            shared = self._shared_of(record)
+        info, subject = shared.info, shared.subject
+        packed = self.encode_event(record, shared, f"{shared.commit_lsn_text}:{record.ordinal}")
         if self._batch_events and (len(self._batch_events) >= self.batch_max_events
                                    or self._batch_bytes + len(packed) > self.batch_max_bytes):
             self._close_batch(out)  # cut by content only: a replay cuts the same batches

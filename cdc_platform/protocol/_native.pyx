@@ -619,3 +619,147 @@ def pack_rows(list fields, Py_ssize_t count, Py_ssize_t width, tuple packed_name
     finally:
         PyMem_Free(out.data)
         PyMem_Free(column_kinds)
+
+
+# -- NATS framing ----------------------------------------------------------------------------
+cdef extern from "Python.h":
+    PyObject* PyDict_GetItemWithError(object d, object key) except? NULL
+
+
+cdef const char* _MSG_ID_HEADER = b"NATS/1.0\r\nNats-Msg-Id: "
+
+
+cdef inline bint _printable_ascii(object text) noexcept:
+    """``text.isascii() and text.isprintable()`` for a non-empty compact ASCII str."""
+    cdef Py_ssize_t index, size
+    cdef const unsigned char* chars
+    if not PyUnicode_IS_COMPACT_ASCII(text):
+        return False
+    size = PyUnicode_GET_LENGTH(text)
+    chars = <const unsigned char*>PyUnicode_DATA(text)
+    if size == 0:
+        return False
+    for index in range(size):
+        if chars[index] < 32 or chars[index] > 126:
+            return False
+    return True
+
+
+def frame_messages(messages, dict subjects, dict extras, Py_ssize_t max_payload):
+    """``JetStreamPublisher._frame_all`` for the common case -> ``(held, total, largest)``;
+    None when a message needs the Python loop: a subject or header set not yet admitted
+    (not in ``subjects`` / ``extras``), a message id that is not printable ASCII, a message
+    over ``max_payload``. That loop then admits, or raises with the precise error."""
+    cdef list held = []
+    cdef Py_ssize_t total = 0, largest = 0, size, id_size, extra_size, header_size
+    cdef PyObject* found
+    cdef object subject, msg_id, headers, payload, extra, header
+    cdef char* out
+    for message in messages:
+        if not PyTuple_Check(message) or PyTuple_GET_SIZE(message) != 4:
+            return None
+        found = PyDict_GetItemWithError(subjects, <object>PyTuple_GET_ITEM(message, 0))
+        if found == NULL:
+            return None
+        subject = <object>found
+        msg_id = <object>PyTuple_GET_ITEM(message, 1)
+        payload = <object>PyTuple_GET_ITEM(message, 2)
+        headers = <object>PyTuple_GET_ITEM(message, 3)
+        if not PyUnicode_Check(msg_id) or not _printable_ascii(msg_id) \
+                or not PyBytes_Check(payload) or not PyTuple_Check(headers):
+            return None
+        extra_size = 0
+        if PyTuple_GET_SIZE(headers):
+            found = PyDict_GetItemWithError(extras, headers)
+            if found == NULL or not PyUnicode_Check(<object>found) \
+                    or not PyUnicode_IS_COMPACT_ASCII(<object>found):
+                return None
+            extra = <object>found
+            extra_size = PyUnicode_GET_LENGTH(extra)
+        id_size = PyUnicode_GET_LENGTH(msg_id)
+        # "NATS/1.0\r\nNats-Msg-Id: " id "\r\n" extra "\r\n"
+        header_size = 23 + id_size + 2 + extra_size + 2
+        size = header_size + PyBytes_GET_SIZE(payload)
+        if size > max_payload:
+            return None
+        header = PyBytes_FromStringAndSize(NULL, header_size)
+        out = PyBytes_AS_STRING(header)
+        memcpy(out, _MSG_ID_HEADER, 23)
+        memcpy(out + 23, PyUnicode_DATA(msg_id), id_size)
+        out[23 + id_size] = 13
+        out[24 + id_size] = 10
+        if extra_size:
+            memcpy(out + 25 + id_size, PyUnicode_DATA(extra), extra_size)
+        out[header_size - 2] = 13
+        out[header_size - 1] = 10
+        held.append((subject, header, payload, message, size))
+        total += size
+        if size > largest:
+            largest = size
+    return held, total, largest
+
+
+cdef inline int _put_decimal(Buffer* out, unsigned long long value) except -1:
+    cdef char digits[24]
+    cdef int start = 24
+    while True:
+        start -= 1
+        digits[start] = 48 + <char>(value % 10)
+        value //= 10
+        if value == 0:
+            break
+    return _put(out, digits + start, 24 - start)
+
+
+def frame_sequence(list held, bytes reply_prefix, unsigned long long first_seq,
+                   bytes reply_suffix):
+    """The NATS protocol bytes of ``held`` messages (``(subject, header or None, payload,
+    ...)``) with reply subjects ``reply_prefix + str(seq) + reply_suffix``, seq counting up
+    from ``first_seq``: ``HPUB subject reply header_size total_size\\r\\n header payload
+    \\r\\n`` each (``PUB`` without headers). The pure twin is ``publishing.jetstream.
+    frame_sequence``."""
+    cdef Buffer out
+    cdef Py_ssize_t index, count = len(held), header_size, payload_size
+    cdef unsigned long long seq = first_seq
+    cdef object item, subject, header, payload
+    out.capacity = 4096
+    out.size = 0
+    out.data = <char*>PyMem_Malloc(out.capacity)
+    if out.data == NULL:
+        raise MemoryError()
+    try:
+        for index in range(count):
+            item = <object>PyList_GET_ITEM(held, index)
+            subject = item[0]
+            header = item[1]
+            payload = item[2]
+            if not PyBytes_Check(subject) or not PyBytes_Check(payload) \
+                    or (header is not None and not PyBytes_Check(header)):
+                raise TypeError("frame_sequence: subject, header and payload must be bytes")
+            payload_size = PyBytes_GET_SIZE(payload)
+            if header is None:
+                _put(&out, b"PUB ", 4)
+            else:
+                _put(&out, b"HPUB ", 5)
+            _put(&out, PyBytes_AS_STRING(subject), PyBytes_GET_SIZE(subject))
+            _put(&out, b" ", 1)
+            _put(&out, PyBytes_AS_STRING(reply_prefix), PyBytes_GET_SIZE(reply_prefix))
+            _put_decimal(&out, seq)
+            _put(&out, PyBytes_AS_STRING(reply_suffix), PyBytes_GET_SIZE(reply_suffix))
+            _put(&out, b" ", 1)
+            if header is None:
+                _put_decimal(&out, payload_size)
+                _put(&out, b"\r\n", 2)
+            else:
+                header_size = PyBytes_GET_SIZE(header)
+                _put_decimal(&out, header_size)
+                _put(&out, b" ", 1)
+                _put_decimal(&out, header_size + payload_size)
+                _put(&out, b"\r\n", 2)
+                _put(&out, PyBytes_AS_STRING(header), header_size)
+            _put(&out, PyBytes_AS_STRING(payload), payload_size)
+            _put(&out, b"\r\n", 2)
+            seq += 1
+        return PyBytes_FromStringAndSize(out.data, out.size)
+    finally:
+        PyMem_Free(out.data)

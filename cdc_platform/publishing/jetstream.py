@@ -67,6 +67,7 @@ from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 
 from cdc_platform.errors import PublishError
+from cdc_platform.protocol.native import NATIVE
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,33 @@ class _Wire(Protocol):
 
     async def write(self, frames: Sequence[_Frame]) -> None: ...
 
+    async def write_sequence(self, held: list[_Held], reply_prefix: bytes, first_seq: int,
+                             reply_suffix: bytes) -> None: ...
+
+
+def frame_sequence(held: list[_Held], reply_prefix: bytes, first_seq: int,
+                   reply_suffix: bytes) -> list[_Frame]:
+    """The frames of ``held`` with reply subjects ``reply_prefix + seq + reply_suffix``, seq
+    counting up from ``first_seq``: how both channels number their messages."""
+    return [(subject, b"%s%d%s" % (reply_prefix, seq, reply_suffix), header, payload)
+            for seq, (subject, header, payload, _, _) in enumerate(held, first_seq)]
+
+
+def protocol_bytes(frames: Sequence[_Frame]) -> bytes:
+    """NATS protocol text of ``frames``: ``HPUB`` with a header block, ``PUB`` without."""
+    buffer = bytearray()
+    for subject, reply, header, payload in frames:
+        if header is None:
+            buffer += b"PUB %s %s %d\r\n" % (subject, reply, len(payload))
+        else:
+            header_size = len(header)
+            buffer += b"HPUB %s %s %d %d\r\n" % (subject, reply, header_size,
+                                                 header_size + len(payload))
+            buffer += header
+        buffer += payload
+        buffer += b"\r\n"
+    return bytes(buffer)
+
 
 class _RawWire:
     """Writes pre-framed ``HPUB``/``PUB`` bytes through nats-py's outbound buffer.
@@ -167,7 +195,8 @@ class _RawWire:
     ``Client._flush_pending``, nats-py 2.16): framing ourselves skips nats-py's per-message
     header encoding, which costs more than the publish itself. :func:`probe_raw_wire` checks at
     start that the internals still do what we expect, so a nats-py upgrade falls back to
-    :class:`_PublicWire` instead of putting garbage on the wire.
+    :class:`_PublicWire` instead of putting garbage on the wire. A run of messages is framed
+    by the compiled accelerator when it is built (``frame_sequence`` there; same bytes).
     """
 
     name = "raw-hpub"
@@ -177,18 +206,18 @@ class _RawWire:
         self._flush_pending = nc._flush_pending
 
     async def write(self, frames: Sequence[_Frame]) -> None:
-        buffer = bytearray()
-        for subject, reply, header, payload in frames:
-            if header is None:
-                buffer += b"PUB %s %s %d\r\n" % (subject, reply, len(payload))
-            else:
-                header_size = len(header)
-                buffer += b"HPUB %s %s %d %d\r\n" % (subject, reply, header_size,
-                                                     header_size + len(payload))
-                buffer += header
-            buffer += payload
-            buffer += b"\r\n"
-        await self._send_command(bytes(buffer))
+        await self._send(protocol_bytes(frames))
+
+    async def write_sequence(self, held: list[_Held], reply_prefix: bytes, first_seq: int,
+                             reply_suffix: bytes) -> None:
+        if NATIVE is not None:
+            await self._send(NATIVE.frame_sequence(held, reply_prefix, first_seq, reply_suffix))
+        else:
+            await self._send(protocol_bytes(frame_sequence(held, reply_prefix, first_seq,
+                                                           reply_suffix)))
+
+    async def _send(self, data: bytes) -> None:
+        await self._send_command(data)
         # Kicks nats-py's flusher task; returns at once (it does not wait for the socket).
         await self._flush_pending()
 
@@ -205,6 +234,10 @@ class _PublicWire:
         for subject, reply, header, payload in frames:
             await self._nc.publish(subject.decode(), payload, reply=reply.decode(),
                                    headers=None if header is None else _parse_headers(header))
+
+    async def write_sequence(self, held: list[_Held], reply_prefix: bytes, first_seq: int,
+                             reply_suffix: bytes) -> None:
+        await self.write(frame_sequence(held, reply_prefix, first_seq, reply_suffix))
 
 
 def _parse_headers(block: bytes) -> dict[str, str]:
@@ -576,13 +609,10 @@ class _FastBatchChannel:
             room = batch.acked + batch.msgs * _FAST_BATCH_OUTSTANDING - batch.seq
             if room > 0:
                 held = ledger.take(min(room, _CHUNK_MESSAGES, len(ledger.queued)), now)
-                frames, seq, prefix = [], batch.seq, batch.reply_prefix
-                for subject, header, payload, _, _ in held:
-                    seq += 1
-                    frames.append((subject, b"%s%d.1.$FI" % (prefix, seq), header, payload))
-                batch.seq, batch.last_subject = seq, held[-1][0]
+                first_seq = batch.seq + 1
+                batch.seq, batch.last_subject = batch.seq + len(held), held[-1][0]
                 self._stats.messages_sent += len(held)
-                await self._wire.write(frames)
+                await self._wire.write_sequence(held, batch.reply_prefix, first_seq, b".1.$FI")
                 return True
         if self._commit_due(batch, now, flush_target, replan):
             batch.committing = True
@@ -695,14 +725,10 @@ class _PerMessageChannel:
         ledger = self._ledger
         if not ledger.queued:
             return False
-        index, prefix = ledger.sent_end, self._reply_prefix
+        first_index = ledger.sent_end
         held = ledger.take(min(_CHUNK_MESSAGES, len(ledger.queued)), now)
-        frames = []
-        for subject, header, payload, _, _ in held:
-            frames.append((subject, b"%s%d" % (prefix, index), header, payload))
-            index += 1
         self._stats.messages_sent += len(held)
-        await self._wire.write(frames)
+        await self._wire.write_sequence(held, self._reply_prefix, first_index, b"")
         return True
 
     def deadline(self) -> float | None:
@@ -981,6 +1007,10 @@ class JetStreamPublisher:
         """
         max_payload = self._nc.max_payload
         subjects, extras = self._subjects, self._extra_headers
+        if NATIVE is not None:  # the same loop compiled; None: something to admit or refuse
+            framed = NATIVE.frame_messages(messages, subjects, extras, max_payload)
+            if framed is not None:
+                return framed
         held: list[_Held] = []
         total = largest = 0
         # The hot loop of the publisher: kept free of calls where a builtin will do.

@@ -5,9 +5,16 @@ from __future__ import annotations
 import json
 
 import msgpack
+import pytest
 
-from cdc_platform.bridge.events import MessageBuilder
-from cdc_platform.protocol.changes import LogicalMessageReceived
+from cdc_platform.bridge.events import MessageBuilder, relation_fingerprint
+from cdc_platform.protocol.changes import (
+    ChangeRecord,
+    LogicalMessageReceived,
+    RelationChanged,
+    TransactionCommitted,
+)
+from cdc_platform.protocol.pgoutput import Relation, RelationColumn
 from cdc_platform.wire import WATERMARK_PREFIX
 
 
@@ -34,3 +41,39 @@ def test_messages_under_the_watermark_prefix_that_are_not_watermarks_are_skipped
     built = MessageBuilder("msgpack").build([_message(content) for content in bad])
     assert built.messages == [] and built.watermarks == []
     assert caplog.text.count("not a snapshot watermark") == len(bad)
+
+
+# -- a table altered inside a transaction -----------------------------------------------------
+def _relation(*columns: str) -> Relation:
+    return Relation(16400, "public", "users", "d",
+                    tuple(RelationColumn(name, 23, -1, name == "id") for name in columns))
+
+
+def _insert(ordinal: int, row: dict) -> ChangeRecord:
+    return ChangeRecord(table="users", schema="public", operation="INSERT",
+                        relation_id=16400, lsn=0x1_0000_0100 + ordinal,
+                        commit_lsn=0x1_0000_0900, xid=77, commit_ts="2026-11-22T10:00:00Z",
+                        ordinal=ordinal, new=row, old=None, old_kind=None, unchanged_toast=())
+
+
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+@pytest.mark.parametrize("mode", ["per-change", "batched"])
+def test_changes_after_an_alter_in_the_same_transaction_carry_the_new_fingerprint(fmt, mode):
+    """ALTER TABLE between two inserts of one transaction: PostgreSQL sends a second Relation
+    message; the second change must not reuse what was prepared for the first shape."""
+    before, after = _relation("id"), _relation("id", "score")
+    built = MessageBuilder(fmt, mode).build([
+        RelationChanged(before, None), _insert(0, {"id": 1}),
+        RelationChanged(after, before), _insert(1, {"id": 2, "score": 5}),
+        TransactionCommitted(0x1_0000_0900, 0x1_0000_0930, "2026-11-22T10:00:00Z", 77, 2)])
+    decode = msgpack.unpackb if fmt == "msgpack" else json.loads
+    events = [event for message in built.messages
+              for event in (decode(message.payload) if mode == "batched"
+                            else [decode(message.payload)])]
+    assert [event["data"] for event in events] == [{"id": 1}, {"id": 2, "score": 5}]
+    assert [event["schema_fingerprint"] for event in events] == [
+        relation_fingerprint(before), relation_fingerprint(after)]
+    assert relation_fingerprint(before) != relation_fingerprint(after)
+    assert [dict(message.headers)["Cdc-Schema-Fingerprint"] for message in built.messages] \
+        == [relation_fingerprint(before), relation_fingerprint(after)]
+    assert built.counts == {("users", "INSERT"): 2}

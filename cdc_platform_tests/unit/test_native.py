@@ -393,3 +393,98 @@ def test_snapshot_row_too_large_and_bad_values_raise_the_python_errors():
                 _chunk_everything(chunker, text)
             messages.append(str(raised.value))
         assert messages[0] == messages[1]
+
+
+# -- NATS framing -----------------------------------------------------------------------------
+def _publisher(max_payload: int = 1 << 20):
+    from cdc_platform.publishing.jetstream import JetStreamPublisher
+
+    class _Connection:  # what the framing reads of a nats-py client
+        def __init__(self) -> None:
+            self.max_payload = max_payload
+
+        def jetstream(self, **_options):
+            return None
+
+    publisher = JetStreamPublisher(_Connection(), stream="CDC")
+    publisher._stream_subjects = ["cdc.>"]  # noqa: SLF001 - as start() reads them
+    return publisher
+
+
+def _framed_in_python(publisher, messages):
+    """``_frame_all`` with the compiled loop switched off."""
+    import cdc_platform.publishing.jetstream as jetstream
+
+    saved, jetstream.NATIVE = jetstream.NATIVE, None
+    try:
+        return publisher._frame_all(messages)  # noqa: SLF001
+    finally:
+        jetstream.NATIVE = saved
+
+
+msg_ids = st.one_of(st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126),
+                            min_size=1, max_size=40),
+                    st.sampled_from(["", "a\tb", "é", "x\r\ny", "0/1A2B:7"]))
+outgoing = st.builds(
+    lambda table, msg_id, payload, fingerprint: __import__(
+        "cdc_platform.publishing.jetstream", fromlist=["OutgoingMessage"]).OutgoingMessage(
+            f"cdc.{table}.insert", msg_id, payload,
+            (("Cdc-Schema-Fingerprint", fingerprint),) if fingerprint else ()),
+    st.sampled_from(["users", "orders"]), msg_ids, st.binary(max_size=300),
+    st.sampled_from(["", "903cccd54ae54af6", "786f82a5fcf0a92f"]))
+
+
+@native
+@settings(max_examples=300, deadline=None)
+@given(st.lists(outgoing, max_size=20), st.integers(200, 400))
+def test_frame_messages_equals_the_python_loop(messages, max_payload):
+    """Same held frames, or None exactly when the Python loop has something to admit or
+    to refuse (and then the Python loop runs, so the outcome is the same)."""
+    publisher = _publisher(max_payload)
+    try:
+        want = _framed_in_python(publisher, messages)  # admits subjects and header sets
+    except Exception as exc:  # noqa: BLE001 - compared below
+        want = exc
+    got = NATIVE.frame_messages(messages, publisher._subjects,  # noqa: SLF001
+                                publisher._extra_headers, max_payload)  # noqa: SLF001
+    if isinstance(want, Exception):
+        assert got is None
+        assert str(_framed_or_error(publisher, messages)) == str(want)
+    else:
+        assert got == want
+    fresh = _publisher(max_payload)  # nothing admitted yet: the compiled loop defers
+    assert messages == [] or NATIVE.frame_messages(
+        messages, fresh._subjects, fresh._extra_headers, max_payload) is None  # noqa: SLF001
+
+
+def _framed_or_error(publisher, messages):
+    try:
+        return publisher._frame_all(messages)  # noqa: SLF001
+    except Exception as exc:  # noqa: BLE001
+        return exc
+
+
+@native
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([b"cdc.users.insert", b"cdc.a.b"]),
+                          st.one_of(st.none(), st.binary(max_size=60)),
+                          st.binary(max_size=200)), max_size=12),
+       st.binary(min_size=1, max_size=40), st.integers(0, 2**63),
+       st.sampled_from([b"", b".1.$FI"]))
+def test_frame_sequence_equals_protocol_bytes(frames, prefix, first_seq, suffix):
+    from cdc_platform.publishing.jetstream import frame_sequence, protocol_bytes
+
+    held = [(subject, header, payload, None, 0) for subject, header, payload in frames]
+    assert NATIVE.frame_sequence(held, prefix, first_seq, suffix) == protocol_bytes(
+        frame_sequence(held, prefix, first_seq, suffix))
+
+
+def test_protocol_bytes_are_nats_protocol():
+    from cdc_platform.publishing.jetstream import frame_sequence, protocol_bytes
+
+    held = [(b"cdc.users.insert", b"NATS/1.0\r\nNats-Msg-Id: 0/10:0\r\n\r\n", b"abc", None, 0),
+            (b"cdc.x.y", None, b"", None, 0)]
+    assert protocol_bytes(frame_sequence(held, b"_INBOX.q.", 9, b".1.$FI")) == (
+        b"HPUB cdc.users.insert _INBOX.q.9.1.$FI 33 36\r\n"
+        b"NATS/1.0\r\nNats-Msg-Id: 0/10:0\r\n\r\nabc\r\n"
+        b"PUB cdc.x.y _INBOX.q.10.1.$FI 0\r\n\r\n")
