@@ -11,6 +11,7 @@ import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Literal, NamedTuple
 
 from cdc_platform.lsn import format_lsn
@@ -91,7 +92,8 @@ class BuiltBatch:
 class MessageBuilder:
     def __init__(self, fmt: Literal["msgpack", "json"] = "msgpack",
                  mode: MessageMode = "per-change", batch_max_events: int = BATCH_MAX_EVENTS,
-                 batch_max_bytes: int = 900 * 1024) -> None:
+                 batch_max_bytes: int = 900 * 1024, native: ModuleType | None = NATIVE) -> None:
+        """``native``: the compiled accelerator to use (None: the pure-Python writer)."""
         self.format = fmt
         self.mode = mode
         self.encode = encoder(fmt)
@@ -111,7 +113,9 @@ class MessageBuilder:
         self._commit_cache: tuple[int, str] = (-1, "")
         # The compiled msgpack writer (native.py), and what every change of one table and
         # operation in one transaction shares (see _Shared).
-        self._pack_map = NATIVE.pack_map if NATIVE is not None and fmt == "msgpack" else None
+        compiled = native if fmt == "msgpack" else None
+        self._pack_map = compiled.pack_map if compiled is not None else None
+        self._change_message = compiled.change_message if compiled is not None else None
         self._shared: dict[tuple[int, str, int], _Shared] = {}
 
     # -- relation bookkeeping ----------------------------------------------------------------
@@ -270,6 +274,8 @@ class MessageBuilder:
         shared = self._shared.get((record.relation_id, record.operation, record.commit_lsn))
         if shared is None:
             shared = self._shared_of(record)
+        if self._change_message is not None:  # what follows, compiled
+            return self._change_message(record, shared, OutgoingMessage)
         msg_id = f"{shared.commit_lsn_text}:{record.ordinal}"  # = wire.change_msg_id, inlined
         if self._pack_map is None:
             payload = self.encode(self.event_map(record, shared.info, shared.subject, msg_id,

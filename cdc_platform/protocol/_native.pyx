@@ -13,7 +13,10 @@ errors are worded in one place only.
   (``changes._row_builder``);
 * :func:`timestamptz`, :func:`timestamp`, :func:`timetz`: the converters of ``values.py``;
 * :func:`packb` and :func:`pack_map`: msgpack, byte for byte what ``msgpack.packb`` writes
-  for the types the platform produces (anything else is handed to ``msgpack.packb``).
+  for the types the platform produces (anything else is handed to ``msgpack.packb``);
+* :func:`change_message`: a per-change CDC message (``events.MessageBuilder._single``);
+* :func:`pack_rows`: snapshot rows packed from COPY fields (``chunks.Chunker``);
+* :func:`frame_messages`, :func:`frame_sequence`: NATS ``HPUB`` framing of the publisher.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
@@ -473,6 +476,80 @@ def lsn_text(unsigned long long lsn):
     size += 1
     size += _put_hex(text + size, <unsigned int>(lsn & 0xFFFFFFFF))
     return _ascii(text, size)
+
+
+# -- CDC events -----------------------------------------------------------------------------
+cdef object _DELETE = "DELETE"
+cdef object _TRUNCATE = "TRUNCATE"
+cdef object _tuple_new = tuple.__new__
+
+
+cdef inline int _put_key(Buffer* out, const char* name, Py_ssize_t size) except -1:
+    _put_head(out, 0xA0 | <unsigned char>size, 0, 0)  # a fixstr: every key is < 32 bytes
+    return _put(out, name, size)
+
+
+def change_message(record, shared_fields, type message_type):
+    """``MessageBuilder._single`` with the compiled writer: ``record`` (a ChangeRecord) and
+    its ``_Shared`` -> ``message_type(subject, msg_id, payload, headers)``, the payload the
+    bytes of ``pack_map(shared.packed, shared.packed_count, _change_fields(record, msg_id))``
+    and ``msg_id`` = ``f"{commit_lsn_text}:{ordinal}"``."""
+    if not isinstance(shared_fields, tuple):  # a NamedTuple: a tuple subclass
+        raise TypeError("change_message: a _Shared tuple expected")
+    cdef tuple shared = <tuple>shared_fields
+    cdef object subject = shared[0], commit_text = shared[1], headers = shared[2]
+    cdef Py_ssize_t packed_count = shared[4]
+    cdef bytes packed = shared[5]
+    cdef object operation = record.operation, old = record.old, ordinal = record.ordinal
+    cdef object msg_id, data
+    cdef Py_ssize_t count, commit_size
+    cdef Buffer out
+    cdef char digits[24]
+    cdef char text[17]
+    cdef unsigned long long lsn = record.lsn
+    cdef bint truncate = operation == _TRUNCATE
+    if not PyUnicode_IS_COMPACT_ASCII(commit_text) or not PyLong_Check(ordinal):
+        raise TypeError("change_message: commit LSN text and ordinal expected")
+    msg_id = commit_text + ":" + str(ordinal)
+    data = old if operation == _DELETE else record.new
+    count = packed_count + 5 + (2 if old is not None else 0) + (2 if truncate else 0)
+    out.capacity = PyBytes_GET_SIZE(packed) + 512
+    out.size = 0
+    out.data = <char*>PyMem_Malloc(out.capacity)
+    if out.data == NULL:
+        raise MemoryError()
+    try:
+        _put_length(&out, count, 0x80, 16, 0, 0xDE, 0xDF)
+        _put(&out, PyBytes_AS_STRING(packed), PyBytes_GET_SIZE(packed))
+        _put_key(&out, b"lsn", 3)
+        commit_size = _put_hex(text, <unsigned int>(lsn >> 32))
+        text[commit_size] = 47  # '/'
+        commit_size += 1
+        commit_size += _put_hex(text + commit_size, <unsigned int>(lsn & 0xFFFFFFFF))
+        _put_head(&out, 0xA0 | <unsigned char>commit_size, 0, 0)
+        _put(&out, text, commit_size)
+        _put_key(&out, b"ordinal", 7)
+        _pack(&out, ordinal, 1)
+        _put_key(&out, b"msg_id", 6)
+        _pack(&out, msg_id, 1)
+        _put_key(&out, b"data", 4)
+        _pack(&out, data, 1)
+        _put_key(&out, b"unchanged_toast", 15)
+        _pack(&out, record.unchanged_toast, 1)
+        if old is not None:
+            _put_key(&out, b"old", 3)
+            _pack(&out, old, 1)
+            _put_key(&out, b"old_kind", 8)
+            _pack(&out, record.old_kind, 1)
+        if truncate:
+            _put_key(&out, b"cascade", 7)
+            _pack(&out, record.cascade, 1)
+            _put_key(&out, b"restart_identity", 16)
+            _pack(&out, record.restart_identity, 1)
+    except BaseException:
+        PyMem_Free(out.data)
+        raise
+    return _tuple_new(message_type, (subject, msg_id, _finish(&out), headers))
 
 
 # -- snapshot rows: COPY text fields -> packed row maps ------------------------------------
