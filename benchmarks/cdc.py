@@ -12,6 +12,10 @@ point):
 * ``pg_recvlogical`` (pgoutput, same publication, output to /dev/null, ``--endpos``): the
   physical limit of reading the same WAL, in the same run -> the ratio.
 
+Then the ceiling of per-change mode here: the same per-change messages built in memory and
+published by the bridge's publisher to a stream configured like ``CDC``, nothing else
+running (nats-server alone; the bridge / ceiling ratio is printed).
+
 Then, with the bridge running, a steady 2K changes/s for ``--steady-seconds``: latency from
 each transaction's commit to its message arriving at a JetStream consumer (an upper bound of
 commit -> stored), p50/p99. Peak RSS of the bridge process is read from /proc (VmHWM).
@@ -35,6 +39,7 @@ import msgpack
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # decode.py's captured WAL
 
 from cdc_platform.dev.servers import (  # noqa: E402
     LocalNatsServer,
@@ -256,6 +261,53 @@ async def steady_latency(admin_conninfo: str, pg, nats, mode: str, seconds: floa
             "p99_ms": 1000 * ordered[int(len(ordered) * 0.99) - 1], "rss_mb": rss}
 
 
+async def publish_ceiling(nats, events: int) -> dict:
+    """nats-server alone: the per-change messages of ``events`` rows of this table's shape
+    (built by the bridge's own code from WAL captured by ``decode.py``'s fixture), published
+    from memory by the bridge's publisher to a stream configured like ``CDC``, with nothing
+    else running. No bridge can store faster than this: the upper bound of per-change mode
+    on this machine."""
+    import dataclasses
+
+    from decode import build_copy_data
+
+    from cdc_platform.bridge.events import MessageBuilder
+    from cdc_platform.jetstream.provision import stream_config
+    from cdc_platform.protocol.changes import TransactionAssembler
+    from cdc_platform.protocol.pgoutput import decode_message
+    from cdc_platform.protocol.streaming import XLOGDATA_HEADER_SIZE, parse_copy_data
+    from cdc_platform.protocol.values import TypeRegistry
+    from cdc_platform.publishing import JetStreamPublisher, OutgoingMessage
+
+    preamble, buffers = build_copy_data(events)
+    assembler, records = TransactionAssembler(TypeRegistry()), []
+    for buffer in [*preamble, *buffers]:
+        records.extend(assembler.feed(parse_copy_data(buffer).wal_start,
+                                      decode_message(buffer, XLOGDATA_HEADER_SIZE)))
+    messages = [OutgoingMessage("ceiling." + m.subject, m.msg_id, m.payload, m.headers)
+                for m in MessageBuilder("msgpack", "per-change").build(records).messages]
+    client = await connect_nats(NatsSettings(url=nats.url))
+    js = client.jetstream()
+    await js.add_stream(dataclasses.replace(stream_config(NatsTopology().cdc), name="CEILING",
+                                            subjects=["ceiling.>"]))
+    publisher = JetStreamPublisher(client, stream="CEILING", mode="fast-batch")
+    await publisher.start()
+    server_before, started = cpu_seconds(nats.process.pid), time.perf_counter()
+    for first in range(0, len(messages), 4096):
+        await publisher.publish(messages[first:first + 4096], position=first + 1)
+    await publisher.flush(timeout=120)
+    elapsed = time.perf_counter() - started
+    server_cores = (cpu_seconds(nats.process.pid) - server_before) / elapsed
+    stored = (await js.stream_info("CEILING")).state.messages
+    await publisher.close()
+    await js.delete_stream("CEILING")
+    await client.close()
+    if stored != len(messages):
+        raise SystemExit(f"ceiling run stored {stored} of {len(messages)} messages")
+    return {"rate": len(messages) / elapsed, "server_cores": server_cores,
+            "payload": sum(len(m.payload) for m in messages) / len(messages)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000)
@@ -272,7 +324,7 @@ def main() -> None:
     NATS_PID = nats.process.pid if nats.process else None
     log = base / "bridge.log"
     next_id = [1]
-    results, latencies = [], []
+    results, latencies, ceiling = [], [], None
     try:
         with psycopg.connect(pg.superuser_conninfo(), autocommit=True) as admin:
             for mode in args.modes.split(","):
@@ -280,6 +332,8 @@ def main() -> None:
                                           next_id, log))
                 results.append(throughput(admin, pg, nats, mode, "20x10k", args.small_txns,
                                           args.small_rows, next_id, log))
+        ceiling = (asyncio.run(publish_ceiling(nats, args.rows))
+                   if "per-change" in args.modes.split(",") else None)
         for mode in args.modes.split(","):
             latencies.append(asyncio.run(steady_latency(
                 pg.superuser_conninfo(), pg, nats, mode, args.steady_seconds, next_id, log)))
@@ -296,6 +350,12 @@ def main() -> None:
         print(f"{r['mode']:<11} {r['workload']:<8} {r['events']:>8} {r['bridge']:>12,.0f} "
               f"{r['pg_recvlogical']:>20,.0f} {r['ratio']:>6.2f} {r['rss_mb']:>12.0f}  "
               f"{cores['bridge']:.2f}/{cores['walsender']:.2f}/{cores['nats-server']:.2f}")
+    if ceiling is not None:
+        best = max((r["bridge"] for r in results if r["mode"] == "per-change"), default=0.0)
+        print(f"\nnats-server ingest ceiling (per-change messages of {ceiling['payload']:.0f} B "
+              f"published from memory, nothing else running): {ceiling['rate']:,.0f} msg/s, "
+              f"nats-server {ceiling['server_cores']:.2f} cores; best per-change bridge / "
+              f"ceiling = {best / ceiling['rate']:.2f}")
     print("\nsteady 2K changes/s, commit -> received from JetStream:")
     for r in latencies:
         print(f"{r['mode']:<11} events={r['events']} p50={r['p50_ms']:.1f} ms "

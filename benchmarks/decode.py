@@ -52,6 +52,7 @@ from cdc_platform.protocol.streaming import XLOGDATA_HEADER_SIZE, parse_copy_dat
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "cdc_platform_tests" / "data" / "pgoutput" / "pg15" / "copy_multi_insert.jsonl"
 TARGET_ROWS_PER_SECOND = 300_000
+READ_LIMIT = 4096  # CopyData messages per SlotReader.read (its read_limit)
 
 
 class StandInConverters:
@@ -131,7 +132,31 @@ def decode_stream_via_payload(assembler: TransactionAssembler, buffers: Sequence
     return count
 
 
-LOOPS = {"in-place": decode_stream, "via-payload": decode_stream_via_payload}
+def decode_stream_runs(assembler: TransactionAssembler, buffers: Sequence[bytes]) -> int:
+    """The bridge's loop (``SlotReader.read``): runs of Inserts in one compiled call
+    (``TransactionAssembler.take_inserts``), anything else as in :func:`decode_stream`."""
+    feed, take_inserts = assembler.feed, assembler.take_inserts
+    produced = 0
+    for first in range(0, len(buffers), READ_LIMIT):  # the reader's batches
+        raw = list(buffers[first:first + READ_LIMIT])
+        events: list = []
+        index, count = 0, len(raw)
+        while index < count:
+            if assembler.in_transaction and assembler.takes_inserts:
+                taken, _ = take_inserts(raw, index, events)
+                if taken > index:
+                    index = taken
+                    continue
+            buf = raw[index]
+            index += 1
+            message = parse_copy_data(buf)
+            events.extend(feed(message.wal_start, decode_message(buf, XLOGDATA_HEADER_SIZE)))
+        produced += len(events)
+    return produced
+
+
+LOOPS = {"runs": decode_stream_runs, "in-place": decode_stream,
+         "via-payload": decode_stream_via_payload}
 
 
 def bench_decode(rows: int, *, stand_in: bool = False, profile: bool = False,

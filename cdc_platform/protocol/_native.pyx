@@ -11,6 +11,8 @@ errors are worded in one place only.
 * :func:`read_tuple`: pgoutput TupleData -> tuple of column values (``pgoutput._tuple``);
 * :class:`RowBuilder`: a tuple of texts -> ``{column: typed value}``
   (``changes._row_builder``);
+* :func:`take_inserts`: a run of XLogData Inserts -> ChangeRecords
+  (``changes.TransactionAssembler.feed``);
 * :func:`timestamptz`, :func:`timestamp`, :func:`timetz`: the converters of ``values.py``;
 * :func:`packb` and :func:`pack_map`: msgpack, byte for byte what ``msgpack.packb`` writes
   for the types the platform produces (anything else is handed to ``msgpack.packb``);
@@ -68,9 +70,18 @@ def read_tuple(bytes data, Py_ssize_t pos, object unchanged):
     Kinds ``t`` -> str (UTF-8), ``b`` -> bytes, ``n`` -> None, ``u`` -> ``unchanged``.
     ``None`` when the tuple is truncated or has an unknown kind (the caller's Python
     decoder then raises the precise error); invalid UTF-8 raises UnicodeDecodeError."""
-    cdef const unsigned char* buf = <const unsigned char*>PyBytes_AS_STRING(data)
-    cdef Py_ssize_t size = PyBytes_GET_SIZE(data)
+    cdef object values = _tuple_at(<const unsigned char*>PyBytes_AS_STRING(data),
+                                   PyBytes_GET_SIZE(data), &pos, unchanged)
+    if values is None:
+        return None
+    return values, pos
+
+
+cdef object _tuple_at(const unsigned char* buf, Py_ssize_t size, Py_ssize_t* position,
+                      object unchanged):
+    """:func:`read_tuple` on a buffer; ``position`` is advanced past the tuple."""
     cdef Py_ssize_t count, i, length
+    cdef Py_ssize_t pos = position[0]
     cdef unsigned char kind
     cdef object value
     if pos < 0 or pos + 2 > size:
@@ -103,7 +114,8 @@ def read_tuple(bytes data, Py_ssize_t pos, object unchanged):
             return None
         Py_INCREF(value)
         PyTuple_SET_ITEM(values, i, value)
-    return values, pos
+    position[0] = pos
+    return values
 
 
 # -- rows -----------------------------------------------------------------------------------
@@ -169,6 +181,9 @@ cdef class RowBuilder:
         PyMem_Free(self.positions)
 
     def __call__(self, tuple values):
+        return self._build(values)
+
+    cdef dict _build(self, tuple values):
         cdef Py_ssize_t j
         cdef object value
         cdef int kind
@@ -190,6 +205,87 @@ cdef class RowBuilder:
                 raise self.slow
             PyDict_SetItem(row, <object>PyTuple_GET_ITEM(self.names, j), value)
         return row
+
+
+# -- runs of Inserts: CopyData -> ChangeRecord ----------------------------------------------
+cdef extern from "Python.h":
+    bint PyBytes_CheckExact(object o)
+    bint PyMemoryView_Check(object o)
+    Py_buffer* PyMemoryView_GET_BUFFER(object o)
+    int PyBuffer_IsContiguous(const Py_buffer* view, char order)
+
+cdef object _INSERT = "INSERT"
+cdef tuple _NO_COLUMNS = ()
+
+
+cdef inline unsigned long long _u64(const unsigned char* p) noexcept nogil:
+    return (<unsigned long long>_u32(p) << 32) | <unsigned long long>_u32(p + 4)
+
+
+def take_inserts(list raw, Py_ssize_t index, dict tables, object record_type,
+                 object commit_lsn, object xid, object commit_ts, Py_ssize_t ordinal,
+                 list events, object unchanged):
+    """``TransactionAssembler.feed(wal_start, decode_message(...))`` for a run of Inserts
+    (``changes.TransactionAssembler.take_inserts``): from ``raw[index]`` on, every CopyData
+    message that is an XLogData ('w') holding a pgoutput Insert ('I', new tuple 'N') of a
+    relation in ``tables`` whose ``build`` is a :class:`RowBuilder` becomes
+    ``record_type(...)`` (a ChangeRecord) appended to ``events``, ordinals counting from
+    ``ordinal``. Stops before the first message that is anything else, or whose tuple or
+    row does not build: the caller's general path takes that one (and words its errors).
+    Returns ``(next index, next ordinal, highest XLogData wal_end taken or 0)``."""
+    cdef Py_ssize_t count = PyList_GET_SIZE(raw), size, pos
+    cdef const unsigned char* buf
+    cdef Py_buffer* view
+    cdef object payload, values, new, candidate, table
+    cdef object name = None, schema = None, relation = None
+    cdef RowBuilder builder = None
+    cdef unsigned int relation_id, current_relation = 0
+    cdef unsigned long long wal_end, highest = 0
+    while index < count:
+        payload = <object>PyList_GET_ITEM(raw, index)
+        if PyBytes_CheckExact(payload):
+            buf = <const unsigned char*>PyBytes_AS_STRING(payload)
+            size = PyBytes_GET_SIZE(payload)
+        elif PyMemoryView_Check(payload):  # what psycopg's get_copy_data hands over
+            view = PyMemoryView_GET_BUFFER(payload)
+            if view.itemsize != 1 or not PyBuffer_IsContiguous(view, b'C'):
+                break
+            buf = <const unsigned char*>view.buf
+            size = view.len
+        else:
+            break
+        # XLogData: 'w', Int64 wal_start, Int64 wal_end, Int64 send time, then the pgoutput
+        # Insert: 'I', Int32 relation oid, 'N', TupleData.
+        if size < 33 or buf[0] != 119 or buf[25] != 73 or buf[30] != 78:
+            break
+        relation_id = <unsigned int>_u32(buf + 26)
+        if builder is None or relation_id != current_relation:
+            relation = relation_id
+            table = tables.get(relation)
+            if table is None:
+                break
+            candidate = table.build
+            if type(candidate) is not RowBuilder:
+                break
+            builder = <RowBuilder>candidate
+            name, schema = table.table, table.schema
+            current_relation = relation_id
+        pos = 31
+        try:
+            values = _tuple_at(buf, size, &pos, unchanged)
+            if values is None or pos != size:
+                break
+            new = builder._build(values)
+        except Exception:  # UTF-8, width, a converter, UNCHANGED_TOAST: the general path
+            break
+        events.append(record_type(name, schema, _INSERT, relation, _u64(buf + 1), commit_lsn,
+                                  xid, commit_ts, ordinal, new, None, None, _NO_COLUMNS))
+        ordinal += 1
+        wal_end = _u64(buf + 9)
+        if wal_end > highest:
+            highest = wal_end
+        index += 1
+    return index, ordinal, highest
 
 
 # -- temporal converters ------------------------------------------------------------------

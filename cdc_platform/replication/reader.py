@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 # XLogData 'w': "Int64 The starting point of the WAL data in this message. Int64 The current
 # end of WAL on the server." (read without building an XLogData object: hot path)
 _XLOGDATA_POSITIONS = struct.Struct(">QQ").unpack_from
+_INSERT_TAG_OFFSET = XLOGDATA_HEADER_SIZE  # where an XLogData's pgoutput message tag is
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,8 +142,21 @@ class SlotReader:
             timeout=min(timeout, self._until_status()), limit=self.read_limit)
         events: list = []
         feed = self.assembler.feed
+        take_inserts = self.assembler.take_inserts if self.assembler.takes_inserts else None
         received_lsn = self.received_lsn
-        for payload in raw:
+        index, count = 0, len(raw)
+        while index < count:
+            payload = raw[index]
+            # A run of Inserts (COPY, multi-row and bulk inserts): one compiled call.
+            if take_inserts is not None and self._in_transaction and payload[0] == 0x77 \
+                    and len(payload) > _INSERT_TAG_OFFSET and payload[_INSERT_TAG_OFFSET] == 0x49:
+                taken, wal_end = take_inserts(raw, index, events)
+                if taken > index:
+                    index = taken
+                    if wal_end > received_lsn:
+                        received_lsn = wal_end
+                    continue
+            index += 1
             if payload[0] == 0x77 and len(payload) > XLOGDATA_HEADER_SIZE:  # 'w', the hot path
                 wal_start, wal_end = _XLOGDATA_POSITIONS(payload, 1)
             else:
