@@ -6,25 +6,34 @@
 Input: the 100 Insert messages of a 5-column table (int8 id, text, int4, numeric(12,2),
 timestamptz) captured from PostgreSQL 15 by COPY (cdc_platform_tests/data/pgoutput/pg15/
 copy_multi_insert.jsonl), each framed as the XLogData CopyData message a walsender sends,
-repeated to ``--rows`` distinct ``bytes`` objects (as libpq hands them over). Timed: for
-every message ``parse_copy_data`` + ``decode_message`` + ``TransactionAssembler.feed``,
-with the value converters of ``cdc_platform.protocol.values`` (or, with ``--stand-in`` or
-while values.py does not exist, int/str/int/Decimal/datetime.fromisoformat). Target: 300K
-rows/s per core.
+repeated to ``--rows`` distinct objects, memoryviews as psycopg's ``get_copy_data`` hands
+them over. Timed, per loop (all printed; the best is compared with the receive rate):
 
-Where the time goes (2-vCPU VM, Python 3.11, the real converters, compiled accelerator
-built): ~3.1 us per row, ~315K rows/s = 1.05x the target. Per row: parse_copy_data 0.6 us,
-decode_message 0.8 (the compiled TupleData reader 0.25 of it), feed 1.1 (compiled row
-builder 0.4, ChangeRecord 0.4). Pure Python (CDC_PLATFORM_PURE_PYTHON=1) is ~190K rows/s:
-the per-column interpreter work is what the accelerator removes. The receive rate is set by
-the walsender (~130-140K rows/s here); a dedicated reader thread is no faster than the
-asyncio reader on the same WAL (both printed), so the bridge keeps the asyncio reader: no
-cross-thread hand-off and no GIL contention with decoding.
+* ``runs``: the bridge's loop (``SlotReader.read``): runs of Inserts through
+  ``TransactionAssembler.take_inserts``, one compiled call per run, in batches of 4096
+  messages (the reader's ``read_limit``);
+* ``in-place``: per message ``parse_copy_data`` + ``decode_message`` + ``feed``, the general
+  path every other message takes;
+* ``via-payload``: the same through ``XLogData.payload``.
+
+With the value converters of ``cdc_platform.protocol.values`` (or, with ``--stand-in``,
+int/str/int/Decimal/datetime.fromisoformat). Target: 300K rows/s per core.
+
+Where the time goes (2-vCPU VM, Python 3.11, compiled accelerator built), 2026-11-22:
+``runs`` ~2.0 us per row, ~500K rows/s = 1.7x the target: TupleData read 0.25 us, typed
+row 0.4 (timestamptz 0.15 of it), ChangeRecord 0.35, the rest list and loop work. The
+general path is ~3.5 us per row (~270-290K rows/s): parse_copy_data 0.6, decode_message
+0.8 (+0.2 copying a memoryview to bytes), feed 1.1. Pure Python
+(CDC_PLATFORM_PURE_PYTHON=1) is ~190K rows/s. The receive rate is set by the walsender
+(~95-140K rows/s here, varying with the VM); a dedicated reader thread is no faster than
+the asyncio reader on the same WAL (both printed), so the bridge keeps the asyncio reader:
+no cross-thread hand-off and no GIL contention with decoding.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -105,8 +114,10 @@ def build_copy_data(rows: int) -> tuple[list[bytes], list[bytes]]:
     lsn, begin, relation, inserts = load_fixture()
     preamble = [xlogdata(lsn, begin), xlogdata(lsn, relation)]
     framed = [xlogdata(lsn, p) for p in inserts]
-    # bytes(bytearray(...)): distinct objects, as from the network, not 100 hot ones.
-    return preamble, [bytes(bytearray(framed[i % len(framed)])) for i in range(rows)]
+    # Distinct objects, as from the network, not 100 hot ones; memoryviews, as psycopg's
+    # get_copy_data hands them over.
+    return preamble, [memoryview(bytes(bytearray(framed[i % len(framed)])))
+                      for i in range(rows)]
 
 
 def decode_stream(assembler: TransactionAssembler, buffers: Sequence[bytes]) -> int:
@@ -276,6 +287,10 @@ def bench_receive(rows: int) -> dict[str, float]:
                 received += sum(1 for m in batch if m[0] == 0x77)
             elapsed = time.perf_counter() - started
             stop.set()
+            while thread.is_alive():  # let it see stop (a full queue would block its put)
+                with contextlib.suppress(queue.Empty):
+                    batches.get_nowait()
+                thread.join(0.05)
             return rows / elapsed
 
         return {"asyncio": asyncio.run(receive()), "thread": asyncio.run(receive_in_thread())}
