@@ -251,6 +251,13 @@ class SchemaBucketSettings(_Settings):
     replicas: int = Field(1, ge=1, le=5, validation_alias=_env("CDC_SCHEMAS_REPLICAS"))
 
 
+class DictionaryBucketSettings(_Settings):
+    """The KV bucket of per-table zstd dictionaries (key = ``{table}.{dictionary id}``)."""
+
+    bucket: str = Field("zstd_dictionaries", validation_alias=_env("CDC_DICTIONARY_BUCKET"))
+    replicas: int = Field(1, ge=1, le=5, validation_alias=_env("CDC_DICTIONARY_REPLICAS"))
+
+
 class EncodingSettings(_Settings):
     """Payload encoding and snapshot compression."""
 
@@ -314,6 +321,7 @@ class NatsTopology(_Settings):
     init: InitStreamSettings = Field(default_factory=InitStreamSettings)
     requests: RequestStreamSettings = Field(default_factory=RequestStreamSettings)
     schemas: SchemaBucketSettings = Field(default_factory=SchemaBucketSettings)
+    dictionaries: DictionaryBucketSettings = Field(default_factory=DictionaryBucketSettings)
 
 
 class PlatformSettings(_Settings):

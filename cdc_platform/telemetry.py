@@ -77,27 +77,28 @@ class BridgeMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def _value(self, metric) -> float:
+    def value(self, metric) -> float:
+        """The current value of one of these counters or gauges."""
         return metric._value.get()  # noqa: SLF001 - prometheus_client has no public getter
 
     def status(self) -> dict:
-        connected = bool(self._value(self.connected))
+        connected = bool(self.value(self.connected))
         return {
             "status": "connected" if connected else "disconnected",
             "uptime_seconds": int(time.monotonic() - self.started),
-            "wal_messages_received": int(self._value(self.wal_messages)),
-            "cdc_events_published": int(self._value(self.events_published)),
+            "wal_messages_received": int(self.value(self.wal_messages)),
+            "cdc_events_published": int(self.value(self.events_published)),
             "current_lsn": format_lsn(self.current_lsn),
             "confirmed_lsn": format_lsn(self.confirmed_lsn),
             "is_connected": connected,
-            "nats_connected": bool(self._value(self.nats_connected)),
-            "reconnect_count": int(self._value(self.reconnects)),
-            "nats_reconnect_count": int(self._value(self.nats_reconnects)),
-            "last_processing_time_us": self._value(self.last_processing_time_us),
-            "slot_active": bool(self._value(self.slot_active)),
-            "wal_lag_bytes": int(self._value(self.wal_lag_bytes)),
-            "wal_lag_mb": int(self._value(self.wal_lag_bytes)) // (1024 * 1024),
-            "in_flight_messages": int(self._value(self.in_flight)),
+            "nats_connected": bool(self.value(self.nats_connected)),
+            "reconnect_count": int(self.value(self.reconnects)),
+            "nats_reconnect_count": int(self.value(self.nats_reconnects)),
+            "last_processing_time_us": self.value(self.last_processing_time_us),
+            "slot_active": bool(self.value(self.slot_active)),
+            "wal_lag_bytes": int(self.value(self.wal_lag_bytes)),
+            "wal_lag_mb": int(self.value(self.wal_lag_bytes)) // (1024 * 1024),
+            "in_flight_messages": int(self.value(self.in_flight)),
         }
 
     def logfmt(self) -> str:

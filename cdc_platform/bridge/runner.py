@@ -318,29 +318,41 @@ class CdcBridge:
                 conn = None
 
     async def _lag_loop(self) -> None:
+        """Slot checks every ``lag_check_interval_seconds`` (lag warnings, a lost slot), and
+        observations for the observer (Dagster) every ``observe_interval``: two cadences,
+        one query for whichever is due."""
         conn = None
         last_observation = 0.0
         last_events = 0.0
+        next_check = next_observation = 0.0
         while True:
+            now = time.monotonic()
+            check_due = now >= next_check
+            observe_due = self.observer is not None and now >= next_observation
             try:
-                if conn is None or conn.closed:
-                    conn = await self._sql_connection()
-                state = await read_slot_async(conn, self.settings.postgres.slot)
-                if state is not None:
-                    self._check_lag(state)
-                    now = time.monotonic()
-                    if self.observer and now - last_observation >= self.observe_interval:
-                        events = self.metrics._value(self.metrics.events_published)  # noqa: SLF001
-                        rate = ((events - last_events) / (now - last_observation)
-                                if last_observation else 0.0)
-                        last_observation, last_events = now, events
-                        self.observer({
-                            "confirmed_lsn": format_lsn(state.confirmed_flush_lsn or 0),
-                            "lag_bytes": state.lag_bytes or 0,
-                            "retained_wal_bytes": state.retained_wal_bytes or 0,
-                            "events_per_second": round(rate, 1),
-                            "events_published": int(events),
-                        })
+                if check_due or observe_due:
+                    if conn is None or conn.closed:
+                        conn = await self._sql_connection()
+                    state = await read_slot_async(conn, self.settings.postgres.slot)
+                    if check_due:
+                        next_check = now + self.options.lag_check_interval_seconds
+                    if observe_due:
+                        next_observation = now + self.observe_interval
+                    if state is not None:
+                        if check_due or state.lost:  # a lost slot is fatal: never wait
+                            self._check_lag(state)
+                        if observe_due:
+                            events = self.metrics.value(self.metrics.events_published)
+                            rate = ((events - last_events) / (now - last_observation)
+                                    if last_observation else 0.0)
+                            last_observation, last_events = now, events
+                            self.observer({
+                                "confirmed_lsn": format_lsn(state.confirmed_flush_lsn or 0),
+                                "lag_bytes": state.lag_bytes or 0,
+                                "retained_wal_bytes": state.retained_wal_bytes or 0,
+                                "events_per_second": round(rate, 1),
+                                "events_published": int(events),
+                            })
             except SlotLostError as exc:
                 self.fatal = exc
                 log.error("%s", exc)
@@ -349,8 +361,14 @@ class CdcBridge:
             except psycopg.Error as exc:
                 log.warning("slot lag check failed: %s", exc)
                 conn = None
-            await asyncio.sleep(min(self.options.lag_check_interval_seconds,
-                                    self.observe_interval))
+                retry = time.monotonic() + min(self.options.lag_check_interval_seconds,
+                                               self.observe_interval)
+                next_check, next_observation = max(next_check, retry), max(next_observation,
+                                                                          retry)
+            wake = next_check
+            if self.observer is not None:
+                wake = min(wake, next_observation)
+            await asyncio.sleep(max(0.05, wake - time.monotonic()))
 
     def _check_lag(self, state) -> None:
         if state.lost:

@@ -6,6 +6,8 @@
 * ``SNAPSHOT_REQUESTS`` stream on ``snapshot.request.>``: keeps requests until a sensor has
   turned them into runs, so a request made while nothing listens is not lost.
 * ``schemas`` KV bucket: one key per published table.
+* ``zstd_dictionaries`` KV bucket: the zstd dictionaries of compressed snapshots (key =
+  ``{table}.{dictionary id}``, one version each: an id never names other bytes).
 
 An existing object whose config differs is reported field by field and left alone, unless
 ``update=True`` asks to apply the editable differences.
@@ -72,6 +74,41 @@ def wanted_streams(topology: NatsTopology) -> list[StreamConfig]:
             stream_config(topology.requests)]
 
 
+def wanted_buckets(topology: NatsTopology) -> list[KeyValueConfig]:
+    return [
+        KeyValueConfig(bucket=topology.schemas.bucket, history=topology.schemas.history,
+                       storage=StorageType.FILE, replicas=topology.schemas.replicas,
+                       description="cdc_platform table schemas (key = table)"),
+        dictionary_bucket_config(topology.dictionaries.bucket, topology.dictionaries.replicas),
+    ]
+
+
+def dictionary_bucket_config(bucket: str, replicas: int = 1) -> KeyValueConfig:
+    return KeyValueConfig(
+        bucket=bucket, history=1, storage=StorageType.FILE, replicas=replicas,
+        description="cdc_platform zstd dictionaries of INIT snapshots "
+                    "(key = {table}.{dictionary id})")
+
+
+async def _ensure_bucket(js: JetStreamContext, wanted: KeyValueConfig, report: ProvisionReport,
+                         conflicts: list[str]) -> None:
+    try:
+        info = await js.stream_info(f"KV_{wanted.bucket}")
+    except NotFoundError:
+        await js.create_key_value(wanted)
+        report.created.append(f"kv:{wanted.bucket}")
+        return
+    differences = {}
+    if info.config.max_msgs_per_subject != wanted.history:
+        differences["history"] = (info.config.max_msgs_per_subject, wanted.history)
+    if info.config.storage != StorageType.FILE:
+        differences["storage"] = (info.config.storage, StorageType.FILE)
+    if differences:
+        conflicts.append(_describe(f"kv:{wanted.bucket}", differences))
+    else:
+        report.unchanged.append(f"kv:{wanted.bucket}")
+
+
 def _normalized(value):
     if isinstance(value, float):
         return round(value, 3)
@@ -123,25 +160,8 @@ async def provision(js: JetStreamContext, topology: NatsTopology, *,
         else:
             conflicts.append(_describe(wanted.name, differences))
 
-    bucket = topology.schemas
-    stream_name = f"KV_{bucket.bucket}"
-    try:
-        info = await js.stream_info(stream_name)
-        differences = {}
-        if info.config.max_msgs_per_subject != bucket.history:
-            differences["history"] = (info.config.max_msgs_per_subject, bucket.history)
-        if info.config.storage != StorageType.FILE:
-            differences["storage"] = (info.config.storage, StorageType.FILE)
-        if differences:
-            conflicts.append(_describe(f"kv:{bucket.bucket}", differences))
-        else:
-            report.unchanged.append(f"kv:{bucket.bucket}")
-    except NotFoundError:
-        await js.create_key_value(KeyValueConfig(
-            bucket=bucket.bucket, history=bucket.history, storage=StorageType.FILE,
-            replicas=bucket.replicas, description="cdc_platform table schemas (key = table)",
-        ))
-        report.created.append(f"kv:{bucket.bucket}")
+    for wanted_bucket in wanted_buckets(topology):
+        await _ensure_bucket(js, wanted_bucket, report, conflicts)
 
     if conflicts:
         raise ProvisioningError(

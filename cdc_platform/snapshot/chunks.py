@@ -2,7 +2,8 @@
 
 A :class:`Chunker` takes the COPY text of one block range, in blocks of complete lines in the
 order ``COPY`` produced them, converts it column by column with the CDC converters
-(``cdc_platform.protocol.values``; fields decoded as ``copy_text`` does) and cuts it into chunks of at most ``chunk_rows`` rows whose message (payload + headers) fits
+(``cdc_platform.protocol.values``; fields decoded as ``copy_text`` does) and cuts it into
+chunks of at most ``chunk_rows`` rows whose message (payload + headers) fits
 the server's ``max_payload`` after encoding and compression. Every decision depends only on
 the rows and their order, never on how the bytes arrived, so reading the same range of the
 same snapshot again yields byte-identical chunks with the same numbers: a retried Spark task

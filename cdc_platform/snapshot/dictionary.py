@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 import zstandard
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
+from cdc_platform.jetstream.provision import dictionary_bucket_config
 from cdc_platform.wire import Format, encoder
 
 log = logging.getLogger(__name__)
 
-DICTIONARY_BUCKET = "zstd_dictionaries"
+DICTIONARY_BUCKET = "zstd_dictionaries"  # the default of settings.topology.dictionaries
 DEFAULT_DICTIONARY_BYTES = 64 * 1024
 DEFAULT_SAMPLE_ROWS = 20_000
 # zstd's trainer wants many samples and much more sample data than dictionary.
@@ -94,14 +94,12 @@ def sample_ratios(rows: Sequence[dict], fmt: Format, *, level: int, dictionary: 
 async def publish_dictionary(js: JetStreamContext, table: str,
                              dictionary: TrainedDictionary, *,
                              bucket: str = DICTIONARY_BUCKET) -> str:
-    """Store the dictionary (creating the bucket on first use); returns its key."""
+    """Store the dictionary in ``bucket`` (``provision`` creates it; created here if
+    missing); returns its key."""
     try:
         kv = await js.key_value(bucket)
-    except (BucketNotFoundError, NotFoundError):
-        kv = await js.create_key_value(KeyValueConfig(
-            bucket=bucket, history=1, storage=StorageType.FILE,
-            description="cdc_platform zstd dictionaries of INIT snapshots "
-                        "(key = {table}.{dictionary id})"))
+    except (BucketNotFoundError, NotFoundError):  # provisioned before the bucket existed
+        kv = await js.create_key_value(dictionary_bucket_config(bucket))
     key = dictionary_key(table, dictionary.dictionary_id)
     await kv.put(key, dictionary.data)
     return key

@@ -6,7 +6,8 @@ this order:
 1. **Validate**: the table must be in the publication (``resolve_published_table``); anything
    else raises :class:`SnapshotRequestRefused` before any watermark, slot or Spark job.
 2. **Dictionary** (``encoding.zstd`` and ``encoding.zstd_dictionary``): a zstd dictionary
-   trained on a sample of the table, stored in KV ``zstd_dictionaries``.
+   trained on a sample of the table, stored in KV ``zstd_dictionaries``
+   (``settings.topology.dictionaries``).
 3. **Watermark**: ``pg_logical_emit_message(true, 'cdc_platform.watermark',
    '{"snapshot_id": ..., "table": ...}')`` in its own transaction. The CDC bridge publishes it
    as a marker on ``cdc.cdc-platform.watermark.{snapshot_id}``.
@@ -343,7 +344,8 @@ async def snapshot_table(spark: Any, settings: PlatformSettings, table: str, *,
                     dictionaries.train, sample, encoding.format, level=encoding.zstd_level,
                     dictionary_bytes=options.dictionary_bytes, chunk_rows=encoding.chunk_rows)
                 if trained is not None:
-                    dictionary_key = await dictionaries.publish_dictionary(js, wire_table, trained)
+                    dictionary_key = await dictionaries.publish_dictionary(
+                        js, wire_table, trained, bucket=settings.topology.dictionaries.bucket)
 
             # 3. watermark, in its own transaction (autocommit)
             mark = json.dumps({"snapshot_id": snapshot_id, "table": wire_table})
@@ -435,7 +437,7 @@ async def snapshot_table(spark: Any, settings: PlatformSettings, table: str, *,
                 "cutover_rule": rule, "format": encoding.format,
                 "compression": CONTENT_ENCODING_ZSTD if encoding.zstd else None,
                 "dictionary_id": trained.dictionary_id if trained else None,
-                "dictionary_bucket": dictionaries.DICTIONARY_BUCKET if trained else None,
+                "dictionary_bucket": settings.topology.dictionaries.bucket if trained else None,
                 "dictionary_key": dictionary_key,
                 "schema_fingerprint": described.schema.fingerprint,
                 "partitions": len(ranges),

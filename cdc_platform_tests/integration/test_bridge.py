@@ -257,3 +257,35 @@ async def test_wrong_credentials_fail_fast_and_clearly(cdc_database, provisioned
     settings = settings.model_copy(update={"postgres": cdc_database.settings(password="nope")})
     with pytest.raises(Exception, match="password authentication failed"):
         await asyncio.wait_for(CdcBridge(settings).run(), 30)
+
+
+async def test_slot_checks_and_observations_keep_their_own_cadence(
+        table, cdc_database, pg_admin, provisioned_nats, caplog):
+    """Observations (Dagster) every observe_interval; lag checks (and their warnings) only
+    every lag_check_interval, however long: one is not capped by the other."""
+    settings = platform_settings(cdc_database, provisioned_nats.url,
+                                 lag_check_interval_seconds=3600, lag_warn_bytes=1)
+    observations = []
+    bridge = CdcBridge(settings, observer=observations.append, observe_interval=0.2)
+    caplog.set_level("WARNING", logger="cdc_platform.bridge.runner")
+    writing = True
+
+    async def write_wal() -> None:  # keeps the slot lagging by more than 1 byte
+        while writing:
+            await asyncio.to_thread(pg_admin.execute,
+                                    "SELECT pg_logical_emit_message(false, 'test-noise', 'x')")
+            await asyncio.sleep(0.02)
+
+    writer = asyncio.create_task(write_wal())
+    task = asyncio.create_task(bridge.run())
+    try:
+        await wait_for(lambda: sum(o["lag_bytes"] > 1 for o in observations) >= 5, timeout=20,
+                       what="5 observations of a lagging slot")
+    finally:
+        writing = False
+        await writer
+        bridge.request_stop()
+        await asyncio.wait_for(task, 60)
+    assert {"confirmed_lsn", "lag_bytes", "events_per_second"} <= set(observations[-1])
+    warnings = [r for r in caplog.records if "lags" in r.getMessage()]
+    assert len(warnings) <= 1, [r.getMessage() for r in warnings]  # the one check at start

@@ -15,12 +15,13 @@ def _isolated_topology(suffix: str, **cdc) -> NatsTopology:
         init={"name": f"INIT_{suffix}", "subjects": [f"{suffix}.init.>"]},
         requests={"name": f"REQ_{suffix}", "subjects": [f"{suffix}.req.>"]},
         schemas={"bucket": f"schemas_{suffix}"},
+        dictionaries={"bucket": f"dictionaries_{suffix}"},
     )
 
 
 async def _delete(js, topology):
     for name in (topology.cdc.name, topology.init.name, topology.requests.name,
-                 f"KV_{topology.schemas.bucket}"):
+                 f"KV_{topology.schemas.bucket}", f"KV_{topology.dictionaries.bucket}"):
         await js.delete_stream(name)
 
 
@@ -31,7 +32,7 @@ async def test_creates_then_verifies(nats_client):
     second = await provision(js, topology)
     try:
         assert sorted(first.created) == ["CDC_fresh", "INIT_fresh", "REQ_fresh",
-                                         "kv:schemas_fresh"]
+                                         "kv:dictionaries_fresh", "kv:schemas_fresh"]
         assert sorted(second.unchanged) == sorted(first.created)
         cdc = (await js.stream_info("CDC_fresh")).config
         assert cdc.subjects == ["fresh.cdc.>"]
@@ -39,6 +40,8 @@ async def test_creates_then_verifies(nats_client):
         assert cdc.max_age == 7 * 86400
         kv = await js.key_value("schemas_fresh")
         assert (await kv.status()).history == 10
+        dictionaries = await js.key_value("dictionaries_fresh")
+        assert (await dictionaries.status()).history == 1  # an id never names other bytes
     finally:
         await _delete(js, topology)
 
@@ -51,6 +54,7 @@ async def test_default_topology_and_requests_kept_while_nobody_listens(provision
     assert (await js.stream_info("SNAPSHOT_REQUESTS")).config.subjects == [
         "snapshot.request.>"]
     await js.key_value("schemas")
+    await js.key_value("zstd_dictionaries")
     # a core-NATS request published while nothing listens is kept by the stream
     await nats_client.publish("snapshot.request.kept_table", b"")
     await nats_client.flush()
