@@ -9,8 +9,8 @@ copy_multi_insert.jsonl), each framed as the XLogData CopyData message a walsend
 repeated to ``--rows`` distinct objects, memoryviews as psycopg's ``get_copy_data`` hands
 them over. Timed, per loop (all printed; the best is compared with the receive rate):
 
-* ``runs``: the bridge's loop (``SlotReader.read``): runs of Inserts through
-  ``TransactionAssembler.take_inserts``, one compiled call per run, in batches of 4096
+* ``runs``: the bridge's loop (``SlotReader.read``): runs of row changes through
+  ``TransactionAssembler.take_changes``, one compiled call per run, in batches of 4096
   messages (the reader's ``read_limit``);
 * ``in-place``: per message ``parse_copy_data`` + ``decode_message`` + ``feed``, the general
   path every other message takes;
@@ -144,17 +144,17 @@ def decode_stream_via_payload(assembler: TransactionAssembler, buffers: Sequence
 
 
 def decode_stream_runs(assembler: TransactionAssembler, buffers: Sequence[bytes]) -> int:
-    """The bridge's loop (``SlotReader.read``): runs of Inserts in one compiled call
-    (``TransactionAssembler.take_inserts``), anything else as in :func:`decode_stream`."""
-    feed, take_inserts = assembler.feed, assembler.take_inserts
+    """The bridge's loop (``SlotReader.read``): runs of row changes in one compiled call
+    (``TransactionAssembler.take_changes``), anything else as in :func:`decode_stream`."""
+    feed, take_changes = assembler.feed, assembler.take_changes
     produced = 0
     for first in range(0, len(buffers), READ_LIMIT):  # the reader's batches
         raw = list(buffers[first:first + READ_LIMIT])
         events: list = []
         index, count = 0, len(raw)
         while index < count:
-            if assembler.in_transaction and assembler.takes_inserts:
-                taken, _ = take_inserts(raw, index, events)
+            if assembler.in_transaction and assembler.takes_changes:
+                taken, _ = take_changes(raw, index, events)
                 if taken > index:
                     index = taken
                     continue

@@ -11,7 +11,7 @@ errors are worded in one place only.
 * :func:`read_tuple`: pgoutput TupleData -> tuple of column values (``pgoutput._tuple``);
 * :class:`RowBuilder`: a tuple of texts -> ``{column: typed value}``
   (``changes._row_builder``);
-* :func:`take_inserts`: a run of XLogData Inserts -> ChangeRecords
+* :func:`take_changes`: a run of XLogData Inserts/Updates/Deletes -> ChangeRecords
   (``changes.TransactionAssembler.feed``);
 * :func:`timestamptz`, :func:`timestamp`, :func:`timetz`: the converters of ``values.py``;
 * :func:`packb` and :func:`pack_map`: msgpack, byte for byte what ``msgpack.packb`` writes
@@ -207,7 +207,7 @@ cdef class RowBuilder:
         return row
 
 
-# -- runs of Inserts: CopyData -> ChangeRecord ----------------------------------------------
+# -- runs of row changes: CopyData -> ChangeRecord ------------------------------------------
 cdef extern from "Python.h":
     bint PyBytes_CheckExact(object o)
     bint PyMemoryView_Check(object o)
@@ -215,6 +215,10 @@ cdef extern from "Python.h":
     int PyBuffer_IsContiguous(const Py_buffer* view, char order)
 
 cdef object _INSERT = "INSERT"
+cdef object _UPDATE = "UPDATE"
+cdef object _DELETE = "DELETE"
+cdef object _KEY_KIND = "K"
+cdef object _OLD_KIND = "O"
 cdef tuple _NO_COLUMNS = ()
 
 
@@ -222,25 +226,27 @@ cdef inline unsigned long long _u64(const unsigned char* p) noexcept nogil:
     return (<unsigned long long>_u32(p) << 32) | <unsigned long long>_u32(p + 4)
 
 
-def take_inserts(list raw, Py_ssize_t index, dict tables, object record_type,
+def take_changes(list raw, Py_ssize_t index, dict tables, object record_type,
                  object commit_lsn, object xid, object commit_ts, Py_ssize_t ordinal,
                  list events, object unchanged):
-    """``TransactionAssembler.feed(wal_start, decode_message(...))`` for a run of Inserts
-    (``changes.TransactionAssembler.take_inserts``): from ``raw[index]`` on, every CopyData
-    message that is an XLogData ('w') holding a pgoutput Insert ('I', new tuple 'N') of a
-    relation in ``tables`` whose ``build`` is a :class:`RowBuilder` becomes
+    """``TransactionAssembler.feed(wal_start, decode_message(...))`` for a run of row
+    changes (``changes.TransactionAssembler.take_changes``): from ``raw[index]`` on, every
+    CopyData message that is an XLogData ('w') holding a pgoutput Insert, Update or Delete
+    of a relation in ``tables`` whose builders are :class:`RowBuilder` objects becomes
     ``record_type(...)`` (a ChangeRecord) appended to ``events``, ordinals counting from
-    ``ordinal``. Stops before the first message that is anything else, or whose tuple or
-    row does not build: the caller's general path takes that one (and words its errors).
+    ``ordinal``. Stops before the first message that is anything else, or whose tuples or
+    rows do not build (unchanged TOAST, a value a converter refuses, a wrong width, bad
+    UTF-8): the caller's general path takes that one and words its errors.
     Returns ``(next index, next ordinal, highest XLogData wal_end taken or 0)``."""
     cdef Py_ssize_t count = PyList_GET_SIZE(raw), size, pos
     cdef const unsigned char* buf
     cdef Py_buffer* view
-    cdef object payload, values, new, candidate, table
+    cdef object payload, values, new, old, old_kind, operation, candidate, key_candidate, table
     cdef object name = None, schema = None, relation = None
-    cdef RowBuilder builder = None
+    cdef RowBuilder builder = None, key_builder = None
     cdef unsigned int relation_id, current_relation = 0
     cdef unsigned long long wal_end, highest = 0
+    cdef unsigned char tag, marker
     while index < count:
         payload = <object>PyList_GET_ITEM(raw, index)
         if PyBytes_CheckExact(payload):
@@ -254,9 +260,12 @@ def take_inserts(list raw, Py_ssize_t index, dict tables, object record_type,
             size = view.len
         else:
             break
-        # XLogData: 'w', Int64 wal_start, Int64 wal_end, Int64 send time, then the pgoutput
-        # Insert: 'I', Int32 relation oid, 'N', TupleData.
-        if size < 33 or buf[0] != 119 or buf[25] != 73 or buf[30] != 78:
+        # XLogData: 'w', Int64 wal_start, Int64 wal_end, Int64 send time; then the pgoutput
+        # message: tag, Int32 relation oid, a tuple kind byte, TupleData...
+        if size < 33 or buf[0] != 119:
+            break
+        tag = buf[25]
+        if tag != 73 and tag != 85 and tag != 68:  # 'I', 'U', 'D'
             break
         relation_id = <unsigned int>_u32(buf + 26)
         if builder is None or relation_id != current_relation:
@@ -264,22 +273,55 @@ def take_inserts(list raw, Py_ssize_t index, dict tables, object record_type,
             table = tables.get(relation)
             if table is None:
                 break
-            candidate = table.build
-            if type(candidate) is not RowBuilder:
+            candidate, key_candidate = table.build, table.build_key
+            if type(candidate) is not RowBuilder or type(key_candidate) is not RowBuilder:
                 break
-            builder = <RowBuilder>candidate
+            builder, key_builder = <RowBuilder>candidate, <RowBuilder>key_candidate
             name, schema = table.table, table.schema
             current_relation = relation_id
+        marker = buf[30]
         pos = 31
+        new = old = old_kind = None
         try:
-            values = _tuple_at(buf, size, &pos, unchanged)
-            if values is None or pos != size:
+            if tag == 73:  # Insert: 'N' TupleData
+                if marker != 78:
+                    break
+                operation = _INSERT
+            else:
+                if marker == 75 or marker == 79:  # 'K' key / 'O' old row
+                    values = _tuple_at(buf, size, &pos, unchanged)
+                    if values is None:
+                        break
+                    if marker == 75:
+                        old_kind = _KEY_KIND
+                        old = key_builder._build(values)
+                    else:
+                        old_kind = _OLD_KIND
+                        old = builder._build(values)
+                    if tag == 85:  # Update: then 'N'
+                        if pos >= size:
+                            break
+                        marker = buf[pos]
+                        pos += 1
+                elif tag == 68:  # Delete: 'K' or 'O' only
+                    break
+                if tag == 85:
+                    if marker != 78:
+                        break
+                    operation = _UPDATE
+                else:
+                    operation = _DELETE
+            if tag != 68:
+                values = _tuple_at(buf, size, &pos, unchanged)
+                if values is None:
+                    break
+                new = builder._build(values)
+            if pos != size:
                 break
-            new = builder._build(values)
         except Exception:  # UTF-8, width, a converter, UNCHANGED_TOAST: the general path
             break
-        events.append(record_type(name, schema, _INSERT, relation, _u64(buf + 1), commit_lsn,
-                                  xid, commit_ts, ordinal, new, None, None, _NO_COLUMNS))
+        events.append(record_type(name, schema, operation, relation, _u64(buf + 1), commit_lsn,
+                                  xid, commit_ts, ordinal, new, old, old_kind, _NO_COLUMNS))
         ordinal += 1
         wal_end = _u64(buf + 9)
         if wal_end > highest:
@@ -575,7 +617,6 @@ def lsn_text(unsigned long long lsn):
 
 
 # -- CDC events -----------------------------------------------------------------------------
-cdef object _DELETE = "DELETE"
 cdef object _TRUNCATE = "TRUNCATE"
 cdef object _tuple_new = tuple.__new__
 

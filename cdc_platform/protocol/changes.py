@@ -158,7 +158,7 @@ class _SlowPath(Exception):
 
 
 _SLOW_PATH = _SlowPath()
-_take_inserts = NATIVE.take_inserts if NATIVE is not None else None
+_take_changes = NATIVE.take_changes if NATIVE is not None else None
 
 
 def _not_text(value: Any) -> Any:
@@ -321,27 +321,27 @@ class TransactionAssembler:
                 f"not a pgoutput message: {type(message).__name__}") from None
         return handler(lsn, message)
 
-    def take_inserts(self, raw: list[bytes], index: int, events: list[Event]) -> tuple[int, int]:
-        """:meth:`feed` for a run of Inserts, straight from CopyData, in one compiled call.
+    def take_changes(self, raw: list[bytes], index: int, events: list[Event]) -> tuple[int, int]:
+        """:meth:`feed` for a run of row changes, straight from CopyData, in one compiled call.
 
-        From ``raw[index]`` on, every XLogData message holding an Insert of a known table
-        is assembled into a ChangeRecord (exactly what ``feed(wal_start,
+        From ``raw[index]`` on, every XLogData message holding an Insert, Update or Delete
+        of a known table is assembled into a ChangeRecord (exactly what ``feed(wal_start,
         decode_message(...))`` returns for it) and appended to ``events``. Stops before the
         first message that is anything else, or that the general path must handle (an
-        unusual value, an error to report). Returns ``(next index, highest XLogData
-        wal_end taken, 0 if none)``; consumes nothing outside a transaction or without the
-        accelerator (see :attr:`takes_inserts`)."""
-        if _take_inserts is None or not self._in_transaction:
+        unchanged TOAST value, an unusual value, an error to report). Returns ``(next
+        index, highest XLogData wal_end taken, 0 if none)``; consumes nothing outside a
+        transaction or without the accelerator (see :attr:`takes_changes`)."""
+        if _take_changes is None or not self._in_transaction:
             return index, 0
-        index, self._ordinal, wal_end = _take_inserts(
+        index, self._ordinal, wal_end = _take_changes(
             raw, index, self._tables, ChangeRecord, self._commit_lsn, self._xid,
             self._commit_ts, self._ordinal, events, UNCHANGED_TOAST)
         return index, wal_end
 
     @property
-    def takes_inserts(self) -> bool:
-        """Whether :meth:`take_inserts` is compiled (else it never takes anything)."""
-        return _take_inserts is not None
+    def takes_changes(self) -> bool:
+        """Whether :meth:`take_changes` is compiled (else it never takes anything)."""
+        return _take_changes is not None
 
     # -- transaction boundaries ----------------------------------------------------------------
     def _on_begin(self, lsn: int, message: Begin) -> Sequence[Event]:

@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 # XLogData 'w': "Int64 The starting point of the WAL data in this message. Int64 The current
 # end of WAL on the server." (read without building an XLogData object: hot path)
 _XLOGDATA_POSITIONS = struct.Struct(">QQ").unpack_from
-_INSERT_TAG_OFFSET = XLOGDATA_HEADER_SIZE  # where an XLogData's pgoutput message tag is
+_TAG_OFFSET = XLOGDATA_HEADER_SIZE  # where an XLogData's pgoutput message tag is
+_ROW_TAGS = frozenset(b"IUD")  # Insert, Update, Delete
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,15 +143,15 @@ class SlotReader:
             timeout=min(timeout, self._until_status()), limit=self.read_limit)
         events: list = []
         feed = self.assembler.feed
-        take_inserts = self.assembler.take_inserts if self.assembler.takes_inserts else None
+        take_changes = self.assembler.take_changes if self.assembler.takes_changes else None
         received_lsn = self.received_lsn
         index, count = 0, len(raw)
         while index < count:
             payload = raw[index]
-            # A run of Inserts (COPY, multi-row and bulk inserts): one compiled call.
-            if take_inserts is not None and self._in_transaction and payload[0] == 0x77 \
-                    and len(payload) > _INSERT_TAG_OFFSET and payload[_INSERT_TAG_OFFSET] == 0x49:
-                taken, wal_end = take_inserts(raw, index, events)
+            # A run of row changes (bulk writes, busy tables): one compiled call.
+            if take_changes is not None and self._in_transaction and payload[0] == 0x77 \
+                    and len(payload) > _TAG_OFFSET and payload[_TAG_OFFSET] in _ROW_TAGS:
+                taken, wal_end = take_changes(raw, index, events)
                 if taken > index:
                     index = taken
                     if wal_end > received_lsn:

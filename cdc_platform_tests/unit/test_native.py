@@ -279,7 +279,7 @@ def test_pack_map_equals_packing_the_dict(shared, own):
                          _outcome(msgpack.packb, {**shared, **own}))
 
 
-# -- runs of Inserts ----------------------------------------------------------------------------
+# -- runs of row changes ----------------------------------------------------------------------------
 def _xlogdata(lsn: int, payload: bytes) -> bytes:
     """The CopyData message a walsender sends for one pgoutput message."""
     return struct.pack(">cQQq", b"w", lsn, lsn + len(payload), 0) + payload
@@ -308,12 +308,12 @@ def _fed(raw: list) -> tuple[list, list]:
 
 
 def _taken(raw: list) -> tuple[list, list, int]:
-    """The reader's loop: runs through take_inserts, the rest through feed. Also returns
-    how many messages take_inserts took."""
+    """The reader's loop: runs through take_changes, the rest through feed. Also returns
+    how many messages take_changes took."""
     assembler = TransactionAssembler(values.TypeRegistry())
     events, errors, index, taken_total = [], [], 0, 0
     while index < len(raw):
-        taken, wal_end = assembler.take_inserts(raw, index, events)
+        taken, wal_end = assembler.take_changes(raw, index, events)
         if taken > index:
             assert wal_end == max(struct.unpack_from(">Q", m, 9)[0] for m in raw[index:taken])
             taken_total += taken - index
@@ -331,7 +331,7 @@ def _taken(raw: list) -> tuple[list, list, int]:
 
 @native
 @pytest.mark.parametrize("as_view", [False, True], ids=["bytes", "memoryview"])
-def test_take_inserts_equals_feed_on_captured_streams(as_view):
+def test_take_changes_equals_feed_on_captured_streams(as_view):
     """psycopg hands CopyData over as memoryviews; both kinds give the general path's
     events exactly, and the Inserts are really taken by the compiled loop."""
     taken_total = 0
@@ -347,11 +347,14 @@ def test_take_inserts_equals_feed_on_captured_streams(as_view):
         assert (repr(got_events), got_errors) == (repr(want_events), want_errors), path.name
         taken_total += taken
     assert taken_total >= 100  # copy_multi_insert alone has 100 Inserts
+    taken_kinds = {bytes(m[25:26]) for path in sorted(DATA.glob("*/*.jsonl"))
+                   for m in _fixture_stream(path)} & {b"I", b"U", b"D"}
+    assert taken_kinds == {b"I", b"U", b"D"}  # the fixtures hold all three
 
 
-def _insert(relation_id: int, columns: list) -> bytes:
-    """A pgoutput Insert: columns are str ('t'), None ('n'), b'u' (unchanged) or raw bytes
-    to put after a 't' kind byte (to forge invalid UTF-8)."""
+def _tuple_data(columns: list) -> bytes:
+    """TupleData: columns are str ('t'), None ('n'), b'u' (unchanged) or raw bytes to put
+    after a 't' kind byte (to forge invalid UTF-8)."""
     body = b""
     for value in columns:
         if value is None:
@@ -361,7 +364,20 @@ def _insert(relation_id: int, columns: list) -> bytes:
         else:
             data = value.encode() if isinstance(value, str) else value
             body += b"t" + struct.pack(">I", len(data)) + data
-    return b"I" + struct.pack(">I", relation_id) + b"N" + struct.pack(">H", len(columns)) + body
+    return struct.pack(">H", len(columns)) + body
+
+
+def _insert(relation_id: int, columns: list) -> bytes:
+    return b"I" + struct.pack(">I", relation_id) + b"N" + _tuple_data(columns)
+
+
+def _update(relation_id: int, columns: list, old_kind: bytes = b"", old: list = ()) -> bytes:
+    head = old_kind + _tuple_data(list(old)) if old_kind else b""
+    return b"U" + struct.pack(">I", relation_id) + head + b"N" + _tuple_data(columns)
+
+
+def _delete(relation_id: int, old_kind: bytes, old: list) -> bytes:
+    return b"D" + struct.pack(">I", relation_id) + old_kind + _tuple_data(old)
 
 
 @native
@@ -371,8 +387,8 @@ def _insert(relation_id: int, columns: list) -> bytes:
     ["1", b"u"],               # unchanged TOAST in an Insert (PostgreSQL sends none)
     ["1"],                     # fewer columns than the Relation message
 ], ids=["conversion", "utf8", "unchanged", "width"])
-def test_take_inserts_leaves_what_it_cannot_take_to_the_general_path(bad):
-    """A run stops before a message it cannot assemble; the general path then gives the
+def test_take_changes_leaves_what_it_cannot_take_to_the_general_path(bad):
+    """A run stops before an Insert it cannot assemble; the general path then gives the
     same events and the same error as without the compiled loop."""
     stream = _fixture_stream(DATA / "pg15" / "insert_types.jsonl")
     begin_at = next(i for i, m in enumerate(stream) if m[25:26] == b"I")
@@ -597,3 +613,41 @@ def test_protocol_bytes_are_nats_protocol():
         b"HPUB cdc.users.insert _INBOX.q.9.1.$FI 33 36\r\n"
         b"NATS/1.0\r\nNats-Msg-Id: 0/10:0\r\n\r\nabc\r\n"
         b"PUB cdc.x.y _INBOX.q.10.1.$FI 0\r\n\r\n")
+
+
+_ROW = ["7", "fine", None, None, None, None, None, None, None]  # the items table, 9 columns
+
+
+@native
+@pytest.mark.parametrize("message", [
+    lambda rid: _update(rid, _ROW),                                        # no old tuple
+    lambda rid: _update(rid, _ROW, b"K", ["7"] + [None] * 8),
+    lambda rid: _update(rid, _ROW, b"O", _ROW),
+    lambda rid: _update(rid, ["7", b"u"] + [None] * 7),                    # unchanged TOAST
+    lambda rid: _update(rid, _ROW, b"K", ["x"] + [None] * 8),              # bad key value
+    lambda rid: _update(rid, ["7"], b"O", _ROW),                           # width
+    lambda rid: _update(rid, _ROW, b"X", _ROW),                            # bad marker
+    lambda rid: _update(rid, _ROW)[:-3],                                   # truncated
+    lambda rid: _delete(rid, b"K", ["7"] + [None] * 8),
+    lambda rid: _delete(rid, b"O", _ROW),
+    lambda rid: _delete(rid, b"O", ["7", b"\xff"] + [None] * 7),           # bad UTF-8
+    lambda rid: _delete(rid, b"N", _ROW),                                  # bad marker
+    lambda rid: _delete(rid + 1, b"K", _ROW),                              # unknown relation
+], ids=["update", "update-K", "update-O", "update-toast", "update-bad-key", "update-width",
+        "update-marker", "update-truncated", "delete-K", "delete-O", "delete-utf8",
+        "delete-marker", "delete-unknown-relation"])
+def test_take_changes_updates_and_deletes_equal_the_general_path(message):
+    """Updates and Deletes, well formed or not, between good Inserts: the same events and
+    errors as feed(decode_message(...)); the well-formed ones are taken by the compiled
+    loop."""
+    stream = _fixture_stream(DATA / "pg15" / "insert_types.jsonl")
+    begin_at = next(i for i, m in enumerate(stream) if m[25:26] == b"I")
+    relation_id = struct.unpack_from(">I", stream[begin_at], 26)[0]
+    good = _xlogdata(0x1000, _insert(relation_id, _ROW))
+    raw = stream[:begin_at] + [good, _xlogdata(0x1100, message(relation_id)), good]
+    want_events, want_errors = _fed(raw)
+    got_events, got_errors, taken = _taken(raw)
+    assert (repr(got_events), got_errors) == (repr(want_events), want_errors)
+    records = [e for e in want_events if isinstance(e, changes.ChangeRecord)]
+    if not want_errors and not any(r.unchanged_toast for r in records):
+        assert len(records) == 3 and taken == 3  # the good Inserts and the change itself
