@@ -211,8 +211,9 @@ cdef class RowBuilder:
 cdef extern from "Python.h":
     bint PyBytes_CheckExact(object o)
     bint PyMemoryView_Check(object o)
-    Py_buffer* PyMemoryView_GET_BUFFER(object o)
-    int PyBuffer_IsContiguous(const Py_buffer* view, char order)
+    int PyObject_GetBuffer(object o, Py_buffer* view, int flags) except -1
+    void PyBuffer_Release(Py_buffer* view)
+    int PyBUF_SIMPLE
 
 cdef object _INSERT = "INSERT"
 cdef object _UPDATE = "UPDATE"
@@ -226,106 +227,133 @@ cdef inline unsigned long long _u64(const unsigned char* p) noexcept nogil:
     return (<unsigned long long>_u32(p) << 32) | <unsigned long long>_u32(p + 4)
 
 
+cdef class _Run:
+    """One ``take_changes`` call: the transaction's fields and the current relation's
+    builders (looked up again only when the relation changes)."""
+    cdef dict tables
+    cdef object record_type, commit_lsn, xid, commit_ts, unchanged
+    cdef unsigned int relation_id
+    cdef object relation, name, schema
+    cdef RowBuilder builder, key_builder
+    cdef unsigned long long wal_end  # of the last message taken
+
+    cdef bint _use_relation(self, unsigned int relation_id) except -1:
+        """Switch to ``relation_id``; False when the general path must take its changes."""
+        if self.builder is not None and self.relation_id == relation_id:
+            return True
+        relation = relation_id
+        table = self.tables.get(relation)
+        if table is None:
+            return False
+        builder, key_builder = table.build, table.build_key
+        if type(builder) is not RowBuilder or type(key_builder) is not RowBuilder:
+            return False
+        self.relation_id, self.relation = relation_id, relation
+        self.name, self.schema = table.table, table.schema
+        self.builder, self.key_builder = <RowBuilder>builder, <RowBuilder>key_builder
+        return True
+
+    cdef object row_change(self, const unsigned char* buf, Py_ssize_t size,
+                           Py_ssize_t ordinal):
+        """One XLogData CopyData message -> its ChangeRecord, or None (not a row change
+        the compiled path can take, or anything unusual: the general path's job)."""
+        cdef unsigned char tag, marker
+        cdef Py_ssize_t pos = 31
+        cdef object values, new = None, old = None, old_kind = None, operation
+        # XLogData: 'w', Int64 wal_start, Int64 wal_end, Int64 send time; then the pgoutput
+        # message: tag, Int32 relation oid, a tuple kind byte, TupleData...
+        if size < 33 or buf[0] != 119:
+            return None
+        tag = buf[25]
+        if tag != 73 and tag != 85 and tag != 68:  # 'I', 'U', 'D'
+            return None
+        if not self._use_relation(<unsigned int>_u32(buf + 26)):
+            return None
+        marker = buf[30]
+        try:
+            if tag == 73:  # Insert: 'N' TupleData
+                if marker != 78:
+                    return None
+                operation = _INSERT
+            else:
+                if marker == 75 or marker == 79:  # 'K' key / 'O' old row
+                    values = _tuple_at(buf, size, &pos, self.unchanged)
+                    if values is None:
+                        return None
+                    if marker == 75:
+                        old_kind, old = _KEY_KIND, self.key_builder._build(values)
+                    else:
+                        old_kind, old = _OLD_KIND, self.builder._build(values)
+                    if tag == 85:  # Update: then 'N'
+                        if pos >= size:
+                            return None
+                        marker = buf[pos]
+                        pos += 1
+                elif tag == 68:  # Delete: 'K' or 'O' only
+                    return None
+                if tag == 85:
+                    if marker != 78:
+                        return None
+                    operation = _UPDATE
+                else:
+                    operation = _DELETE
+            if tag != 68:
+                values = _tuple_at(buf, size, &pos, self.unchanged)
+                if values is None:
+                    return None
+                new = self.builder._build(values)
+            if pos != size:
+                return None
+        except Exception:  # UTF-8, width, a converter, UNCHANGED_TOAST: the general path
+            return None
+        self.wal_end = _u64(buf + 9)
+        return self.record_type(self.name, self.schema, operation, self.relation,
+                                _u64(buf + 1), self.commit_lsn, self.xid, self.commit_ts,
+                                ordinal, new, old, old_kind, _NO_COLUMNS)
+
+
 def take_changes(list raw, Py_ssize_t index, dict tables, object record_type,
                  object commit_lsn, object xid, object commit_ts, Py_ssize_t ordinal,
                  list events, object unchanged):
     """``TransactionAssembler.feed(wal_start, decode_message(...))`` for a run of row
     changes (``changes.TransactionAssembler.take_changes``): from ``raw[index]`` on, every
-    CopyData message that is an XLogData ('w') holding a pgoutput Insert, Update or Delete
-    of a relation in ``tables`` whose builders are :class:`RowBuilder` objects becomes
-    ``record_type(...)`` (a ChangeRecord) appended to ``events``, ordinals counting from
-    ``ordinal``. Stops before the first message that is anything else, or whose tuples or
-    rows do not build (unchanged TOAST, a value a converter refuses, a wrong width, bad
-    UTF-8): the caller's general path takes that one and words its errors.
+    CopyData message (bytes, or a memoryview as psycopg hands it over) that is an XLogData
+    ('w') holding a pgoutput Insert, Update or Delete of a relation in ``tables`` whose
+    builders are :class:`RowBuilder` objects becomes ``record_type(...)`` (a ChangeRecord)
+    appended to ``events``, ordinals counting from ``ordinal``. Stops before the first
+    message that is anything else, or whose tuples or rows do not build (unchanged TOAST, a
+    value a converter refuses, a wrong width, bad UTF-8): the caller's general path takes
+    that one and words its errors.
     Returns ``(next index, next ordinal, highest XLogData wal_end taken or 0)``."""
-    cdef Py_ssize_t count = PyList_GET_SIZE(raw), size, pos
-    cdef const unsigned char* buf
-    cdef Py_buffer* view
-    cdef object payload, values, new, old, old_kind, operation, candidate, key_candidate, table
-    cdef object name = None, schema = None, relation = None
-    cdef RowBuilder builder = None, key_builder = None
-    cdef unsigned int relation_id, current_relation = 0
-    cdef unsigned long long wal_end, highest = 0
-    cdef unsigned char tag, marker
+    cdef Py_ssize_t count = PyList_GET_SIZE(raw)
+    cdef Py_buffer view
+    cdef object payload, record
+    cdef unsigned long long highest = 0
+    cdef _Run run = _Run()
+    run.tables, run.record_type, run.unchanged = tables, record_type, unchanged
+    run.commit_lsn, run.xid, run.commit_ts = commit_lsn, xid, commit_ts
     while index < count:
         payload = <object>PyList_GET_ITEM(raw, index)
         if PyBytes_CheckExact(payload):
-            buf = <const unsigned char*>PyBytes_AS_STRING(payload)
-            size = PyBytes_GET_SIZE(payload)
-        elif PyMemoryView_Check(payload):  # what psycopg's get_copy_data hands over
-            view = PyMemoryView_GET_BUFFER(payload)
-            if view.itemsize != 1 or not PyBuffer_IsContiguous(view, b'C'):
+            record = run.row_change(<const unsigned char*>PyBytes_AS_STRING(payload),
+                                    PyBytes_GET_SIZE(payload), ordinal)
+        elif PyMemoryView_Check(payload):
+            try:  # the buffer protocol, not the view's struct: a released view raises here
+                PyObject_GetBuffer(payload, &view, PyBUF_SIMPLE)
+            except Exception:
                 break
-            buf = <const unsigned char*>view.buf
-            size = view.len
+            try:
+                record = run.row_change(<const unsigned char*>view.buf, view.len, ordinal)
+            finally:
+                PyBuffer_Release(&view)
         else:
             break
-        # XLogData: 'w', Int64 wal_start, Int64 wal_end, Int64 send time; then the pgoutput
-        # message: tag, Int32 relation oid, a tuple kind byte, TupleData...
-        if size < 33 or buf[0] != 119:
+        if record is None:
             break
-        tag = buf[25]
-        if tag != 73 and tag != 85 and tag != 68:  # 'I', 'U', 'D'
-            break
-        relation_id = <unsigned int>_u32(buf + 26)
-        if builder is None or relation_id != current_relation:
-            relation = relation_id
-            table = tables.get(relation)
-            if table is None:
-                break
-            candidate, key_candidate = table.build, table.build_key
-            if type(candidate) is not RowBuilder or type(key_candidate) is not RowBuilder:
-                break
-            builder, key_builder = <RowBuilder>candidate, <RowBuilder>key_candidate
-            name, schema = table.table, table.schema
-            current_relation = relation_id
-        marker = buf[30]
-        pos = 31
-        new = old = old_kind = None
-        try:
-            if tag == 73:  # Insert: 'N' TupleData
-                if marker != 78:
-                    break
-                operation = _INSERT
-            else:
-                if marker == 75 or marker == 79:  # 'K' key / 'O' old row
-                    values = _tuple_at(buf, size, &pos, unchanged)
-                    if values is None:
-                        break
-                    if marker == 75:
-                        old_kind = _KEY_KIND
-                        old = key_builder._build(values)
-                    else:
-                        old_kind = _OLD_KIND
-                        old = builder._build(values)
-                    if tag == 85:  # Update: then 'N'
-                        if pos >= size:
-                            break
-                        marker = buf[pos]
-                        pos += 1
-                elif tag == 68:  # Delete: 'K' or 'O' only
-                    break
-                if tag == 85:
-                    if marker != 78:
-                        break
-                    operation = _UPDATE
-                else:
-                    operation = _DELETE
-            if tag != 68:
-                values = _tuple_at(buf, size, &pos, unchanged)
-                if values is None:
-                    break
-                new = builder._build(values)
-            if pos != size:
-                break
-        except Exception:  # UTF-8, width, a converter, UNCHANGED_TOAST: the general path
-            break
-        events.append(record_type(name, schema, operation, relation, _u64(buf + 1), commit_lsn,
-                                  xid, commit_ts, ordinal, new, old, old_kind, _NO_COLUMNS))
+        events.append(record)
         ordinal += 1
-        wal_end = _u64(buf + 9)
-        if wal_end > highest:
-            highest = wal_end
+        if run.wal_end > highest:
+            highest = run.wal_end
         index += 1
     return index, ordinal, highest
 
