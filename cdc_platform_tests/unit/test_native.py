@@ -651,3 +651,22 @@ def test_take_changes_updates_and_deletes_equal_the_general_path(message):
     records = [e for e in want_events if isinstance(e, changes.ChangeRecord)]
     if not want_errors and not any(r.unchanged_toast for r in records):
         assert len(records) == 3 and taken == 3  # the good Inserts and the change itself
+
+
+@native
+def test_take_changes_stops_at_a_released_memoryview():
+    """A released view is never read (its memory may be gone): the run stops before it and
+    the general path reports it."""
+    stream = _fixture_stream(DATA / "pg15" / "copy_multi_insert.jsonl")
+    views = [memoryview(message) for message in stream]
+    first = next(i for i, m in enumerate(stream) if m[25:26] == b"I")
+    assembler = TransactionAssembler(values.TypeRegistry())
+    events: list = []
+    for message in stream[:first]:
+        events.extend(assembler.feed(struct.unpack_from(">Q", message, 1)[0],
+                                     decode_message(message, 25)))
+    views[first + 3].release()
+    taken, _ = assembler.take_changes(views, first, events)
+    assert taken == first + 3
+    with pytest.raises(ValueError, match="released"):
+        bytes(views[taken])
