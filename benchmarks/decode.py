@@ -22,12 +22,17 @@ int/str/int/Decimal/datetime.fromisoformat). Target: 300K rows/s per core.
 Where the time goes (2-vCPU VM, Python 3.11, compiled accelerator built), 2026-11-22:
 ``runs`` ~2.0 us per row, ~500K rows/s = 1.7x the target: TupleData read 0.25 us, typed
 row 0.4 (timestamptz 0.15 of it), ChangeRecord 0.35, the rest list and loop work. The
-general path is ~3.5 us per row (~270-290K rows/s): parse_copy_data 0.6, decode_message
+general path is ~3.5 us per row (~270-290K rows/s that day): parse_copy_data 0.6, decode_message
 0.8 (+0.2 copying a memoryview to bytes), feed 1.1. Pure Python
-(CDC_PLATFORM_PURE_PYTHON=1) is ~190K rows/s. The receive rate is set by the walsender
-(~95-140K rows/s here, varying with the VM); a dedicated reader thread is no faster than
-the asyncio reader on the same WAL (both printed), so the bridge keeps the asyncio reader:
-no cross-thread hand-off and no GIL contention with decoding.
+(CDC_PLATFORM_PURE_PYTHON=1) is ~190K rows/s. The VM's speed varies from run to run
+(the general path measured 270-440K rows/s on one day), so compare only within a run.
+
+The receive rate is set by the walsender (~95-130K rows/s here). When the data is only
+counted, a dedicated reader thread (blocking select + libpq, bounded queue) receives 6-21 %
+faster than the asyncio reader on the same WAL (asyncio / thread 0.79-0.94, both printed).
+The bridge keeps the asyncio reader anyway: at full rate it is CPU-bound in decoding,
+building and publishing on the event loop, where a reader thread would add a cross-thread
+hand-off and compete for the GIL; a thread reader end to end has not been measured.
 """
 
 from __future__ import annotations
