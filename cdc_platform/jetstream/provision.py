@@ -103,6 +103,8 @@ async def _ensure_bucket(js: JetStreamContext, wanted: KeyValueConfig, report: P
         differences["history"] = (info.config.max_msgs_per_subject, wanted.history)
     if info.config.storage != StorageType.FILE:
         differences["storage"] = (info.config.storage, StorageType.FILE)
+    if (info.config.num_replicas or 1) != wanted.replicas:
+        differences["replicas"] = (info.config.num_replicas, wanted.replicas)
     if differences:
         conflicts.append(_describe(f"kv:{wanted.bucket}", differences))
     else:

@@ -84,7 +84,7 @@ cdef object _tuple_at(const unsigned char* buf, Py_ssize_t size, Py_ssize_t* pos
     cdef Py_ssize_t pos = position[0]
     cdef unsigned char kind
     cdef object value
-    if pos < 0 or pos + 2 > size:
+    if pos < 0 or pos > size - 2:  # not pos + 2 > size: that overflows near the maximum
         return None
     count = (<Py_ssize_t>buf[pos] << 8) | buf[pos + 1]
     pos += 2
@@ -312,9 +312,9 @@ cdef class _Run:
                                 ordinal, new, old, old_kind, _NO_COLUMNS)
 
 
-def take_changes(list raw, Py_ssize_t index, dict tables, object record_type,
-                 object commit_lsn, object xid, object commit_ts, Py_ssize_t ordinal,
-                 list events, object unchanged):
+def take_changes(list raw not None, Py_ssize_t index, dict tables not None,
+                 object record_type, object commit_lsn, object xid, object commit_ts,
+                 Py_ssize_t ordinal, list events not None, object unchanged):
     """``TransactionAssembler.feed(wal_start, decode_message(...))`` for a run of row
     changes (``changes.TransactionAssembler.take_changes``): from ``raw[index]`` on, every
     CopyData message (bytes, or a memoryview as psycopg hands it over) that is an XLogData
@@ -330,6 +330,8 @@ def take_changes(list raw, Py_ssize_t index, dict tables, object record_type,
     cdef object payload, record
     cdef unsigned long long highest = 0
     cdef _Run run = _Run()
+    if index < 0:
+        raise IndexError(f"take_changes: index {index} < 0")
     run.tables, run.record_type, run.unchanged = tables, record_type, unchanged
     run.commit_lsn, run.xid, run.commit_ts = commit_lsn, xid, commit_ts
     while index < count:
@@ -673,8 +675,9 @@ def change_message(record, shared_fields, type message_type):
     cdef char text[17]
     cdef unsigned long long lsn = record.lsn
     cdef bint truncate = operation == _TRUNCATE
-    if not PyUnicode_IS_COMPACT_ASCII(commit_text) or not PyLong_Check(ordinal):
-        raise TypeError("change_message: commit LSN text and ordinal expected")
+    if packed is None or not PyUnicode_IS_COMPACT_ASCII(commit_text) \
+            or not PyLong_Check(ordinal):
+        raise TypeError("change_message: packed fields, commit LSN text and ordinal expected")
     msg_id = commit_text + ":" + str(ordinal)
     data = old if operation == _DELETE else record.new
     count = packed_count + 5 + (2 if old is not None else 0) + (2 if truncate else 0)
@@ -897,6 +900,8 @@ def frame_messages(messages, dict subjects, dict extras, Py_ssize_t max_payload)
     cdef PyObject* found
     cdef object subject, msg_id, headers, payload, extra, header
     cdef char* out
+    if not PyList_Check(messages) and not PyTuple_Check(messages):
+        return None  # an iterator: the Python loop must be able to go over it again
     for message in messages:
         if not PyTuple_Check(message) or PyTuple_GET_SIZE(message) != 4:
             return None
@@ -953,8 +958,8 @@ cdef inline int _put_decimal(Buffer* out, unsigned long long value) except -1:
     return _put(out, digits + start, 24 - start)
 
 
-def frame_sequence(list held, bytes reply_prefix, unsigned long long first_seq,
-                   bytes reply_suffix):
+def frame_sequence(list held not None, bytes reply_prefix not None,
+                   unsigned long long first_seq, bytes reply_suffix not None):
     """The NATS protocol bytes of ``held`` messages (``(subject, header or None, payload,
     ...)``) with reply subjects ``reply_prefix + str(seq) + reply_suffix``, seq counting up
     from ``first_seq``: ``HPUB subject reply header_size total_size\\r\\n header payload

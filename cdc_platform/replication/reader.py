@@ -146,12 +146,15 @@ class SlotReader:
         take_changes = self.assembler.take_changes if self.assembler.takes_changes else None
         received_lsn = self.received_lsn
         index, count = 0, len(raw)
+        refused = -1  # where the last run stopped: that message is the general path's
         while index < count:
             payload = raw[index]
             # A run of row changes (bulk writes, busy tables): one compiled call.
-            if take_changes is not None and self._in_transaction and payload[0] == 0x77 \
-                    and len(payload) > _TAG_OFFSET and payload[_TAG_OFFSET] in _ROW_TAGS:
+            if take_changes is not None and index != refused and self._in_transaction \
+                    and payload[0] == 0x77 and len(payload) > _TAG_OFFSET \
+                    and payload[_TAG_OFFSET] in _ROW_TAGS:
                 taken, wal_end = take_changes(raw, index, events)
+                refused = taken
                 if taken > index:
                     index = taken
                     if wal_end > received_lsn:

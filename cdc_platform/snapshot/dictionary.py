@@ -93,13 +93,13 @@ def sample_ratios(rows: Sequence[dict], fmt: Format, *, level: int, dictionary: 
 
 async def publish_dictionary(js: JetStreamContext, table: str,
                              dictionary: TrainedDictionary, *,
-                             bucket: str = DICTIONARY_BUCKET) -> str:
+                             bucket: str = DICTIONARY_BUCKET, replicas: int = 1) -> str:
     """Store the dictionary in ``bucket`` (``provision`` creates it; created here if
     missing); returns its key."""
     try:
         kv = await js.key_value(bucket)
     except (BucketNotFoundError, NotFoundError):  # provisioned before the bucket existed
-        kv = await js.create_key_value(dictionary_bucket_config(bucket))
+        kv = await js.create_key_value(dictionary_bucket_config(bucket, replicas))
     key = dictionary_key(table, dictionary.dictionary_id)
     await kv.put(key, dictionary.data)
     return key

@@ -345,7 +345,8 @@ async def snapshot_table(spark: Any, settings: PlatformSettings, table: str, *,
                     dictionary_bytes=options.dictionary_bytes, chunk_rows=encoding.chunk_rows)
                 if trained is not None:
                     dictionary_key = await dictionaries.publish_dictionary(
-                        js, wire_table, trained, bucket=settings.topology.dictionaries.bucket)
+                        js, wire_table, trained, bucket=settings.topology.dictionaries.bucket,
+                        replicas=settings.topology.dictionaries.replicas)
 
             # 3. watermark, in its own transaction (autocommit)
             mark = json.dumps({"snapshot_id": snapshot_id, "table": wire_table})

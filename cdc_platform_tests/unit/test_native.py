@@ -11,6 +11,7 @@ import json
 import math
 import os
 import struct
+import sys
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
@@ -670,3 +671,25 @@ def test_take_changes_stops_at_a_released_memoryview():
     assert taken == first + 3
     with pytest.raises(ValueError, match="released"):
         bytes(views[taken])
+
+
+@native
+def test_native_functions_refuse_what_would_read_out_of_bounds():
+    """Inputs no caller should pass still get an answer or an exception, never a read
+    outside the object (these crashed the process before)."""
+    assert NATIVE.read_tuple(b"abc", sys.maxsize, None) is None  # pos + 2 overflowed
+    with pytest.raises(IndexError):
+        NATIVE.take_changes([b"x"], -1, {}, tuple, 0, 0, "", 0, [], None)
+    with pytest.raises(TypeError):
+        NATIVE.take_changes(None, 0, {}, tuple, 0, 0, "", 0, [], None)
+    with pytest.raises(TypeError):
+        NATIVE.frame_sequence([], None, 1, b"")
+
+
+@native
+def test_frame_messages_leaves_iterators_to_the_python_loop():
+    """A generator can be gone over once: the compiled loop must not start on it, or the
+    Python loop that takes over would find it empty."""
+    messages = [("s", "id", b"p", ())]
+    assert NATIVE.frame_messages(messages, {"s": b"s"}, {(): b""}, 1024) is not None
+    assert NATIVE.frame_messages(iter(messages), {"s": b"s"}, {(): b""}, 1024) is None
