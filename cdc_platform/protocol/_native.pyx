@@ -636,14 +636,18 @@ cdef Py_ssize_t _put_hex(char* out, unsigned int value) noexcept:
     return count
 
 
+cdef Py_ssize_t _put_lsn(char* out, unsigned long long lsn) noexcept:
+    """``lsn`` as ``format_lsn`` writes it, into ``out`` (17 bytes); returns the length."""
+    cdef Py_ssize_t size = _put_hex(out, <unsigned int>(lsn >> 32))
+    out[size] = 47  # '/'
+    size += 1
+    return size + _put_hex(out + size, <unsigned int>(lsn & 0xFFFFFFFF))
+
+
 def lsn_text(unsigned long long lsn):
     """``lsn.format_lsn`` for a valid LSN: ``0x16B374D848`` -> ``"16/B374D848"``."""
     cdef char text[17]
-    cdef Py_ssize_t size = _put_hex(text, <unsigned int>(lsn >> 32))
-    text[size] = 47  # '/'
-    size += 1
-    size += _put_hex(text + size, <unsigned int>(lsn & 0xFFFFFFFF))
-    return _ascii(text, size)
+    return _ascii(text, _put_lsn(text, lsn))
 
 
 # -- CDC events -----------------------------------------------------------------------------
@@ -669,9 +673,8 @@ def change_message(record, shared_fields, type message_type):
     cdef bytes packed = shared[5]
     cdef object operation = record.operation, old = record.old, ordinal = record.ordinal
     cdef object msg_id, data
-    cdef Py_ssize_t count, commit_size
+    cdef Py_ssize_t count, lsn_size
     cdef Buffer out
-    cdef char digits[24]
     cdef char text[17]
     cdef unsigned long long lsn = record.lsn
     cdef bint truncate = operation == _TRUNCATE
@@ -690,12 +693,9 @@ def change_message(record, shared_fields, type message_type):
         _put_length(&out, count, 0x80, 16, 0, 0xDE, 0xDF)
         _put(&out, PyBytes_AS_STRING(packed), PyBytes_GET_SIZE(packed))
         _put_key(&out, b"lsn", 3)
-        commit_size = _put_hex(text, <unsigned int>(lsn >> 32))
-        text[commit_size] = 47  # '/'
-        commit_size += 1
-        commit_size += _put_hex(text + commit_size, <unsigned int>(lsn & 0xFFFFFFFF))
-        _put_head(&out, 0xA0 | <unsigned char>commit_size, 0, 0)
-        _put(&out, text, commit_size)
+        lsn_size = _put_lsn(text, lsn)
+        _put_head(&out, 0xA0 | <unsigned char>lsn_size, 0, 0)
+        _put(&out, text, lsn_size)
         _put_key(&out, b"ordinal", 7)
         _pack(&out, ordinal, 1)
         _put_key(&out, b"msg_id", 6)

@@ -42,8 +42,7 @@ log = logging.getLogger(__name__)
 # XLogData 'w': "Int64 The starting point of the WAL data in this message. Int64 The current
 # end of WAL on the server." (read without building an XLogData object: hot path)
 _XLOGDATA_POSITIONS = struct.Struct(">QQ").unpack_from
-_TAG_OFFSET = XLOGDATA_HEADER_SIZE  # where an XLogData's pgoutput message tag is
-_ROW_TAGS = frozenset(b"IUD")  # Insert, Update, Delete
+_ROW_TAGS = frozenset(b"IUD")  # pgoutput Insert, Update, Delete
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +150,8 @@ class SlotReader:
             payload = raw[index]
             # A run of row changes (bulk writes, busy tables): one compiled call.
             if take_changes is not None and index != refused and self._in_transaction \
-                    and payload[0] == 0x77 and len(payload) > _TAG_OFFSET \
-                    and payload[_TAG_OFFSET] in _ROW_TAGS:
+                    and payload[0] == 0x77 and len(payload) > XLOGDATA_HEADER_SIZE \
+                    and payload[XLOGDATA_HEADER_SIZE] in _ROW_TAGS:  # the message's tag
                 taken, wal_end = take_changes(raw, index, events)
                 refused = taken
                 if taken > index:

@@ -24,11 +24,12 @@ from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from cdc_platform.jetstream.provision import dictionary_bucket_config
+from cdc_platform.settings import DictionaryBucketSettings
 from cdc_platform.wire import Format, encoder
 
 log = logging.getLogger(__name__)
 
-DICTIONARY_BUCKET = "zstd_dictionaries"  # the default of settings.topology.dictionaries
+DICTIONARY_BUCKET: str = DictionaryBucketSettings.model_fields["bucket"].default
 DEFAULT_DICTIONARY_BYTES = 64 * 1024
 DEFAULT_SAMPLE_ROWS = 20_000
 # zstd's trainer wants many samples and much more sample data than dictionary.
