@@ -97,7 +97,8 @@ class TableSchema:
             "columns": [
                 {"name": c.name, "position": c.position, "data_type": c.data_type,
                  "is_nullable": c.is_nullable, "column_default": c.column_default,
-                 "type_oid": c.type_oid, "is_key": c.is_key}
+                 "type_oid": c.type_oid, "is_key": c.is_key,
+                 "is_primary_key": c.is_primary_key}
                 for c in self.columns
             ],
             "namespace": self.schema,

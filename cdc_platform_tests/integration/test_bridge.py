@@ -120,6 +120,8 @@ async def test_mixed_workload_arrives_once_in_order_typed(fmt, table, cdc_databa
     assert schema["schema"] == f"public.{table}"
     assert [c["name"] for c in schema["columns"]][:3] == ["id", "item", "qty"]
     assert schema["primary_key"] == ["id"]
+    assert [(c["is_key"], c["is_primary_key"]) for c in schema["columns"]][:2] == [
+        (True, True), (False, False)]
     assert schema["fingerprint"] == first["schema_fingerprint"]
 
 
