@@ -1,0 +1,410 @@
+"""The mirror's local store: SQLite tables shaped from the KV schemas, changes applied one whole
+PostgreSQL transaction at a time, each SQLite commit recording the stream position with the rows.
+
+No NATS here: the follower (bootstrap, stream) hands this store decoded wire maps. Every write
+is one SQLite transaction that also moves the table's position, so a mirror killed at any point
+reopens at a consistent (rows, position) pair: nothing lost, nothing applied twice.
+
+Local tables are named by the wire table name (``users``, ``sales/orders``), columns by their
+PostgreSQL names. Column types follow the wire type mapping (README "Mirrors"):
+
+=====================================  ===========  ===================================
+PostgreSQL                             SQLite type  stored value
+=====================================  ===========  ===================================
+int2, int4, int8, oid, xid, cid        INTEGER      int (xid8 above 2^63-1: its decimal text)
+bool                                   INTEGER      0 / 1
+float4, float8                         REAL         float; NaN as the text ``NaN`` (SQLite
+                                                    stores a NaN real as NULL)
+bytea                                  BLOB         bytes
+every other builtin type               TEXT         the wire string (numeric exact, ISO dates,
+                                                    json/jsonb text, ...)
+arrays                                 TEXT         JSON text of the nested lists (bytes as
+                                                    ``\\x`` hex strings, NaN as ``"NaN"``)
+domains, enums, extension types        (none)       the wire value as it is (no affinity,
+                                                    so nothing is converted)
+=====================================  ===========  ===================================
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from cdc_platform.errors import CdcError
+from cdc_platform.lsn import parse_lsn
+
+STATE_TABLE = "_cdc_mirror_tables"
+
+_INTEGER_OIDS = frozenset({20, 21, 23, 26, 28, 29, 5069, 16})
+_REAL_OIDS = frozenset({700, 701})
+_BLOB_OIDS = frozenset({17})
+# Builtin types whose wire value is always a str (values.py): TEXT affinity keeps it as is.
+_TEXT_OIDS = frozenset({
+    18, 19, 25, 114, 142, 600, 601, 602, 603, 604, 628, 650, 718, 774, 790, 829, 869, 1042,
+    1043, 1082, 1083, 1114, 1184, 1186, 1266, 1560, 1562, 1700, 2950, 3220, 3614, 3615, 3802,
+    4072, 3904, 3906, 3908, 3910, 3912, 3926, 2205, 2206, 24, 27, 1033, 1790,
+})
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+class MirrorError(CdcError):
+    """The mirror cannot go on as it is: a corrupt database, an unmappable schema."""
+
+
+class DivergenceError(MirrorError):
+    """A change does not fit the mirrored rows (a missing row, a duplicate key): the mirror
+    no longer equals the source and must bootstrap that table again."""
+
+
+class SchemaChange(Enum):
+    CREATED = "created"
+    ALTERED = "altered"
+    UNCHANGED = "unchanged"
+    NEEDS_BOOTSTRAP = "needs_bootstrap"  # a change no ALTER can follow (a type change, a key)
+
+
+def sqlite_type(type_oid: int, data_type: str) -> str:
+    """The declared SQLite type of a column (see the module docstring)."""
+    if data_type.endswith("[]"):
+        return "TEXT"
+    if type_oid in _INTEGER_OIDS:
+        return "INTEGER"
+    if type_oid in _REAL_OIDS:
+        return "REAL"
+    if type_oid in _BLOB_OIDS:
+        return "BLOB"
+    if type_oid in _TEXT_OIDS:
+        return "TEXT"
+    return ""  # no affinity: stored exactly as the wire value
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return "\\x" + bytes(value).hex()
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
+    if isinstance(value, float) and math.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, list):
+        return [_json_value(item) for item in value]
+    return value
+
+
+def to_sqlite(value: Any) -> Any:
+    """A wire value -> the value bound to SQLite (see the module docstring)."""
+    if value is None or isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value if _INT64_MIN <= value <= _INT64_MAX else str(value)
+    if isinstance(value, float):
+        return "NaN" if value != value else value
+    if isinstance(value, (list, dict)):
+        return json.dumps(_json_value(value), separators=(",", ":"), ensure_ascii=False)
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise MirrorError(f"no SQLite mapping for a {type(value).__name__} value")
+
+
+def quote(identifier: str) -> str:
+    """An SQLite identifier, quoted (any name PostgreSQL allows)."""
+    return '"' + identifier.replace('"', '""') + '"'
+
+
+@dataclass(frozen=True)
+class MirroredColumn:
+    name: str
+    sqlite_type: str
+    is_primary_key: bool
+
+
+@dataclass(frozen=True)
+class TableShape:
+    """What the store needs of a KV ``schemas`` value."""
+
+    table: str  # wire name
+    fingerprint: str
+    columns: tuple[MirroredColumn, ...]
+
+    @classmethod
+    def from_schema(cls, schema: Mapping[str, Any]) -> TableShape:
+        try:
+            primary_key = set(schema.get("primary_key") or ())
+            columns = tuple(
+                MirroredColumn(c["name"], sqlite_type(int(c["type_oid"]), str(c["data_type"])),
+                               c["name"] in primary_key)
+                for c in schema["columns"])
+            return cls(str(schema["table"]), str(schema["fingerprint"]), columns)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MirrorError(f"schema of {schema.get('table')!r} is not a valid schemas "
+                              f"value: {exc!r}") from exc
+
+    @property
+    def key_columns(self) -> list[str]:
+        return [c.name for c in self.columns if c.is_primary_key]
+
+
+@dataclass
+class TableState:
+    table: str
+    fingerprint: str
+    status: str  # "bootstrapping" | "streaming"
+    snapshot_id: str | None
+    cutover_lsn: int  # apply events with commit_lsn >= this
+    applied_commit_lsn: int  # high-water mark: the last applied (commit_lsn, ordinal)
+    applied_ordinal: int
+
+    def wants(self, commit_lsn: int, ordinal: int) -> bool:
+        """The cutover rule and the high-water mark in one test."""
+        return (commit_lsn >= self.cutover_lsn
+                and (commit_lsn, ordinal) > (self.applied_commit_lsn, self.applied_ordinal))
+
+
+class MirrorStore:
+    """One SQLite database holding mirrored tables and their positions."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None,
+                                       check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            # NORMAL in WAL mode: a power loss may drop the last commits, never split one, and
+            # rows and position travel together, so the mirror re-reads what it lost.
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute(
+                f"CREATE TABLE IF NOT EXISTS {STATE_TABLE} ("
+                " wire_table TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, status TEXT NOT NULL,"
+                " snapshot_id TEXT, cutover_lsn INTEGER NOT NULL,"
+                " applied_commit_lsn INTEGER NOT NULL, applied_ordinal INTEGER NOT NULL,"
+                " stream_seq INTEGER NOT NULL DEFAULT 0, updated_at REAL NOT NULL)")
+        except sqlite3.DatabaseError as exc:
+            raise MirrorError(f"{self.path} is not a usable SQLite database ({exc}): move it "
+                              "away and start the mirror again to rebuild it") from exc
+        self._shapes: dict[str, TableShape] = {}
+        self._statements: dict[tuple, str] = {}
+
+    def close(self) -> None:
+        self._db.close()
+
+    # -- state ----------------------------------------------------------------------------------
+    def state(self, table: str) -> TableState | None:
+        row = self._db.execute(
+            f"SELECT wire_table, fingerprint, status, snapshot_id, cutover_lsn,"
+            f" applied_commit_lsn, applied_ordinal FROM {STATE_TABLE} WHERE wire_table = ?",
+            (table,)).fetchone()
+        return TableState(*row) if row else None
+
+    def stream_seq(self) -> int:
+        """The last `CDC` stream sequence whose transaction this database holds (0: none)."""
+        row = self._db.execute(f"SELECT max(stream_seq) FROM {STATE_TABLE} WHERE "
+                               "status = 'streaming'").fetchone()
+        return int(row[0] or 0)
+
+    def tables(self) -> list[str]:
+        return [row[0] for row in self._db.execute(f"SELECT wire_table FROM {STATE_TABLE}")]
+
+    # -- shape ----------------------------------------------------------------------------------
+    def _existing_columns(self, table: str) -> list[tuple[str, str, bool]]:
+        rows = self._db.execute(f"PRAGMA table_info({quote(table)})").fetchall()
+        return [(name, declared, bool(pk)) for _, name, declared, _, _, pk in rows]
+
+    def _create(self, shape: TableShape) -> None:
+        columns = ", ".join(f"{quote(c.name)} {c.sqlite_type}".rstrip() for c in shape.columns)
+        key = shape.key_columns
+        if key:
+            columns += f", PRIMARY KEY ({', '.join(quote(name) for name in key)})"
+        self._db.execute(f"CREATE TABLE {quote(shape.table)} ({columns})")
+
+    def apply_shape(self, shape: TableShape,
+                    added_values: Mapping[str, Any] | None = None) -> SchemaChange:
+        """Create the table or follow a change of its shape inside the current transaction.
+
+        ``added_values``: what existing rows read for a newly added column (the schema's
+        missing value); a column added without one holds NULL in existing rows.
+        """
+        existing = self._existing_columns(shape.table)
+        self._shapes[shape.table] = shape
+        if not existing:
+            self._create(shape)
+            return SchemaChange.CREATED
+        wanted = [(c.name, c.sqlite_type, c.is_primary_key) for c in shape.columns]
+        if wanted == existing:
+            return SchemaChange.UNCHANGED
+        old = {name: (declared, pk) for name, declared, pk in existing}
+        new = {c.name: (c.sqlite_type, c.is_primary_key) for c in shape.columns}
+        kept_same = all(new[name] == old[name] for name in old if name in new)
+        key_same = ({n for n, (_, pk) in old.items() if pk}
+                    == {n for n, (_, pk) in new.items() if pk})
+        if not kept_same or not key_same:
+            return SchemaChange.NEEDS_BOOTSTRAP
+        for name in old:
+            if name not in new:
+                self._db.execute(f"ALTER TABLE {quote(shape.table)} DROP COLUMN {quote(name)}")
+        for column in shape.columns:
+            if column.name not in old:
+                self._db.execute(f"ALTER TABLE {quote(shape.table)} ADD COLUMN "
+                                 f"{quote(column.name)} {column.sqlite_type}".rstrip())
+                value = (added_values or {}).get(column.name)
+                if value is not None:
+                    self._db.execute(f"UPDATE {quote(shape.table)} SET {quote(column.name)} = ?",
+                                     (to_sqlite(value),))
+        # SQLite appends added columns; a column order that differs from the source's (a
+        # column dropped and added under the same name) is still the same set of values.
+        return SchemaChange.ALTERED
+
+    # -- bootstrap ------------------------------------------------------------------------------
+    def begin_bootstrap(self, shape: TableShape, snapshot_id: str, snapshot_lsn: int) -> None:
+        """Empty the table (recreated in the snapshot's shape) and mark it bootstrapping."""
+        with self._transaction():
+            self._db.execute(f"DROP TABLE IF EXISTS {quote(shape.table)}")
+            self._shapes.pop(shape.table, None)
+            self.apply_shape(shape)
+            self._put_state(TableState(shape.table, shape.fingerprint, "bootstrapping",
+                                       snapshot_id, snapshot_lsn, 0, -1), stream_seq=0)
+
+    def load_rows(self, table: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """One snapshot chunk's rows, in one transaction."""
+        with self._transaction():
+            self._insert_rows(table, rows)
+
+    def finish_bootstrap(self, table: str, stream_seq: int) -> None:
+        """The snapshot is loaded: from now on events at or after its cutover LSN apply."""
+        state = self.state(table)
+        if state is None or state.status != "bootstrapping":
+            raise MirrorError(f"{table}: finish_bootstrap without begin_bootstrap")
+        state.status = "streaming"
+        with self._transaction():
+            self._put_state(state, stream_seq=stream_seq)
+
+    # -- changes --------------------------------------------------------------------------------
+    def apply_transaction(self, events: Iterable[Mapping[str, Any]], stream_seq: int) -> int:
+        """Every event of one transaction (of the mirrored tables), in ordinal order, in one
+        SQLite transaction with the new positions. Returns how many events were applied
+        (events the positions already cover, or before a table's cutover, are skipped)."""
+        applied = 0
+        with self._transaction():
+            states: dict[str, TableState | None] = {}
+            for event in sorted(events, key=lambda e: e["ordinal"]):
+                table = event["table"]
+                if table not in states:
+                    states[table] = self.state(table)
+                state = states[table]
+                commit_lsn = parse_lsn(event["commit_lsn"])
+                if (state is None or state.status != "streaming"
+                        or not state.wants(commit_lsn, event["ordinal"])):
+                    continue
+                self._apply_event(event)
+                state.applied_commit_lsn, state.applied_ordinal = commit_lsn, event["ordinal"]
+                applied += 1
+            for state in states.values():
+                if state is not None and state.status == "streaming":
+                    self._put_state(state, stream_seq=stream_seq)
+        return applied
+
+    def _apply_event(self, event: Mapping[str, Any]) -> None:
+        table, operation = event["table"], event["operation"]
+        shape = self._shape(table)
+        if operation == "INSERT":
+            self._insert_rows(table, [event["data"]])
+        elif operation == "UPDATE":
+            data = event["data"]
+            identity = event.get("old") or {name: data[name] for name in shape.key_columns}
+            rowid = self._find_row(shape, identity, event)
+            names = list(data)
+            if names:
+                sets = ", ".join(f"{quote(name)} = ?" for name in names)
+                self._db.execute(f"UPDATE {quote(table)} SET {sets} WHERE rowid = ?",
+                                 [to_sqlite(data[name]) for name in names] + [rowid])
+        elif operation == "DELETE":
+            identity = event.get("old") or event["data"]
+            rowid = self._find_row(shape, identity, event)
+            self._db.execute(f"DELETE FROM {quote(table)} WHERE rowid = ?", (rowid,))
+        elif operation == "TRUNCATE":
+            self._db.execute(f"DELETE FROM {quote(table)}")
+        else:
+            raise MirrorError(f"{table}: unknown operation {operation!r} in {event.get('msg_id')}")
+
+    def _find_row(self, shape: TableShape, identity: Mapping[str, Any],
+                  event: Mapping[str, Any]) -> int:
+        """The rowid of the row ``identity`` names: by primary key when the table has one,
+        else by every column ``identity`` holds (a REPLICA IDENTITY FULL old row; one of
+        identical rows is as good as another)."""
+        names = shape.key_columns or list(identity)
+        try:
+            where = " AND ".join(f"{quote(name)} IS ?" for name in names)
+            params = [to_sqlite(identity[name]) for name in names]
+        except KeyError as exc:
+            raise DivergenceError(f"{shape.table}: {event.get('msg_id')} does not carry key "
+                                  f"column {exc.args[0]!r}") from exc
+        row = self._db.execute(f"SELECT rowid FROM {quote(shape.table)} WHERE {where} LIMIT 1",
+                               params).fetchone()
+        if row is None:
+            raise DivergenceError(f"{shape.table}: {event['operation']} {event.get('msg_id')} "
+                                  f"names a row the mirror does not hold: "
+                                  f"{dict(zip(names, params, strict=True))}")
+        return int(row[0])
+
+    def _insert_rows(self, table: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        if not rows:
+            return
+        names = tuple(rows[0])
+        statement = self._statements.get((table, names))
+        if statement is None:
+            statement = self._statements[(table, names)] = (
+                f"INSERT INTO {quote(table)} ({', '.join(quote(n) for n in names)}) "
+                f"VALUES ({', '.join('?' * len(names))})")
+        try:
+            if all(tuple(row) == names for row in rows):
+                self._db.executemany(statement, (
+                    [to_sqlite(value) for value in row.values()] for row in rows))
+            else:
+                for row in rows:
+                    self._insert_rows(table, [row])
+        except sqlite3.IntegrityError as exc:
+            raise DivergenceError(f"{table}: an inserted row is already mirrored ({exc})") \
+                from exc
+
+    def _shape(self, table: str) -> TableShape:
+        shape = self._shapes.get(table)
+        if shape is None:
+            raise MirrorError(f"{table}: no schema applied in this session")
+        return shape
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _put_state(self, state: TableState, *, stream_seq: int) -> None:
+        self._db.execute(
+            f"INSERT OR REPLACE INTO {STATE_TABLE} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (state.table, state.fingerprint, state.status, state.snapshot_id,
+             state.cutover_lsn, state.applied_commit_lsn, state.applied_ordinal, stream_seq,
+             time.time()))
+
+    def _transaction(self) -> _Transaction:
+        return _Transaction(self._db)
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on any error; nested uses join the outer one."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+        self._outer = False
+
+    def __enter__(self) -> None:
+        self._outer = not self._db.in_transaction
+        if self._outer:
+            self._db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if not self._outer:
+            return
+        self._db.execute("COMMIT" if kind is None else "ROLLBACK")
+

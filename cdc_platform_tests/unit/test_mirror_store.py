@@ -1,0 +1,211 @@
+"""The mirror's SQLite store on a real SQLite database: shapes, bootstrap, whole-transaction
+apply with the position in the same commit, the cutover rule and the high-water mark."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+
+import pytest
+
+from cdc_platform.mirror.store import (
+    DivergenceError,
+    MirrorError,
+    MirrorStore,
+    SchemaChange,
+    TableShape,
+    sqlite_type,
+    to_sqlite,
+)
+
+
+def schema(table="users", columns=(("id", 23, "integer", True), ("name", 25, "text", False)),
+           fingerprint="f1"):
+    return {"table": table, "fingerprint": fingerprint,
+            "primary_key": [name for name, _, _, pk in columns if pk],
+            "columns": [{"name": name, "type_oid": oid, "data_type": data_type}
+                        for name, oid, data_type, _ in columns]}
+
+
+def event(operation, commit_lsn, ordinal, data=None, old=None, table="users", **extra):
+    message = {"table": table, "operation": operation, "commit_lsn": commit_lsn,
+               "ordinal": ordinal, "msg_id": f"{commit_lsn}:{ordinal}", "data": data, **extra}
+    if old is not None:
+        message["old"] = old
+    return message
+
+
+@pytest.fixture
+def store(tmp_path):
+    opened = MirrorStore(tmp_path / "mirror.db")
+    yield opened
+    opened.close()
+
+
+def rows(store, table="users"):
+    return store._db.execute(f'SELECT * FROM "{table}" ORDER BY 1').fetchall()
+
+
+def bootstrapped(store, shape_schema=None, lsn=0x100, loaded=()):
+    shape = TableShape.from_schema(shape_schema or schema())
+    store.begin_bootstrap(shape, "snap1", lsn)
+    store.load_rows(shape.table, list(loaded))
+    store.finish_bootstrap(shape.table, stream_seq=7)
+    return shape
+
+
+def test_types_follow_the_wire_type_mapping():
+    assert [sqlite_type(oid, name) for oid, name in [
+        (23, "integer"), (16, "boolean"), (701, "double precision"), (17, "bytea"),
+        (1700, "numeric(10,2)"), (3802, "jsonb"), (1007, "integer[]"), (98765, "mood")]] == [
+        "INTEGER", "INTEGER", "REAL", "BLOB", "TEXT", "TEXT", "TEXT", ""]
+    assert to_sqlite(True) == 1 and to_sqlite(None) is None
+    assert to_sqlite(float("nan")) == "NaN" and to_sqlite(float("inf")) == math.inf
+    assert to_sqlite(2**64 - 1) == str(2**64 - 1) and to_sqlite(-(2**63)) == -(2**63)
+    assert to_sqlite([1, None, [b"\x01", float("nan")]]) == '[1,null,["\\\\x01","NaN"]]'
+
+
+def test_values_keep_their_type_in_sqlite(store):
+    shape = bootstrapped(store, schema("t", (
+        ("id", 23, "integer", True), ("price", 1700, "numeric(10,2)", False),
+        ("f", 701, "double precision", False), ("mood", 98765, "mood", False),
+        ("doc", 3802, "jsonb", False), ("raw", 17, "bytea", False))))
+    store.apply_transaction([event("INSERT", "0/200", 0, table="t", data={
+        "id": 1, "price": "12.50", "f": float("nan"), "mood": "42", "doc": "123",
+        "raw": b"\x00\xff"})], stream_seq=8)
+    assert rows(store, shape.table) == [(1, "12.50", "NaN", "42", "123", b"\x00\xff")]
+    types = store._db.execute("SELECT typeof(price), typeof(mood), typeof(doc) FROM t").fetchone()
+    assert types == ("text", "text", "text")  # no affinity turned "12.50" or "42" into numbers
+
+
+def test_transaction_applies_whole_with_its_position(store):
+    bootstrapped(store, loaded=[{"id": 1, "name": "a"}])
+    applied = store.apply_transaction([
+        event("UPDATE", "0/200", 1, data={"id": 1, "name": "b"}),
+        event("INSERT", "0/200", 0, data={"id": 2, "name": "x"}),
+    ], stream_seq=9)
+    assert applied == 2
+    assert rows(store) == [(1, "b"), (2, "x")]
+    state = store.state("users")
+    assert (state.applied_commit_lsn, state.applied_ordinal) == (0x200, 1)
+    assert store.stream_seq() == 9
+    # the same transaction again (a redelivery): nothing applied twice
+    assert store.apply_transaction([event("INSERT", "0/200", 0, data={"id": 2, "name": "x"})],
+                                   stream_seq=9) == 0
+    assert rows(store) == [(1, "b"), (2, "x")]
+
+
+def test_cutover_skips_what_the_snapshot_holds(store):
+    bootstrapped(store, lsn=0x300, loaded=[{"id": 1, "name": "a"}])
+    assert store.apply_transaction([event("INSERT", "0/2FF", 0, data={"id": 1, "name": "a"})],
+                                   stream_seq=3) == 0
+    assert store.apply_transaction([event("INSERT", "0/300", 0, data={"id": 2, "name": "b"})],
+                                   stream_seq=4) == 1
+    assert rows(store) == [(1, "a"), (2, "b")]
+
+
+def test_a_diverging_change_rolls_back_the_whole_transaction(store):
+    bootstrapped(store, loaded=[{"id": 1, "name": "a"}])
+    with pytest.raises(DivergenceError, match="does not hold"):
+        store.apply_transaction([
+            event("INSERT", "0/200", 0, data={"id": 2, "name": "x"}),
+            event("DELETE", "0/200", 1, data={"id": 99}, old={"id": 99}),
+        ], stream_seq=5)
+    assert rows(store) == [(1, "a")]
+    assert store.state("users").applied_commit_lsn == 0
+    with pytest.raises(DivergenceError, match="already mirrored"):
+        store.apply_transaction([event("INSERT", "0/200", 0, data={"id": 1, "name": "x"})],
+                                stream_seq=5)
+
+
+def test_unchanged_toast_kept_and_key_changes_followed(store):
+    bootstrapped(store, loaded=[{"id": 1, "name": "big"}])
+    store.apply_transaction([
+        event("UPDATE", "0/200", 0, data={"id": 1}, unchanged_toast=["name"]),
+        event("UPDATE", "0/200", 1, data={"id": 5, "name": "big2"}, old={"id": 1},
+              old_kind="K"),
+    ], stream_seq=2)
+    assert rows(store) == [(5, "big2")]
+    store.apply_transaction([event("DELETE", "0/300", 0, data={"id": 5}, old={"id": 5}),
+                             event("INSERT", "0/300", 1, data={"id": 6, "name": None})],
+                            stream_seq=3)
+    assert rows(store) == [(6, None)]
+    store.apply_transaction([event("TRUNCATE", "0/400", 0)], stream_seq=4)
+    assert rows(store) == []
+
+
+def test_table_without_key_matches_the_whole_old_row(store):
+    keyless = schema("log", (("a", 23, "integer", False), ("b", 25, "text", False)))
+    bootstrapped(store, keyless, loaded=[{"a": 1, "b": None}, {"a": 1, "b": None},
+                                         {"a": 2, "b": "x"}])
+    store.apply_transaction([
+        event("DELETE", "0/200", 0, table="log", data={"a": 1, "b": None},
+              old={"a": 1, "b": None}),
+        event("UPDATE", "0/200", 1, table="log", data={"a": 3, "b": "y"},
+              old={"a": 2, "b": "x"}),
+    ], stream_seq=2)
+    assert sorted(rows(store, "log"), key=repr) == [(1, None), (3, "y")]
+
+
+def test_names_that_need_quoting(store):
+    odd = schema("sales/Order=20Lines", (("we\"ird id", 23, "integer", True),
+                                          ("select", 25, "text", False)))
+    bootstrapped(store, odd, loaded=[{"we\"ird id": 1, "select": "x"}])
+    store.apply_transaction([event("UPDATE", "0/200", 0, table="sales/Order=20Lines",
+                                   data={"we\"ird id": 1, "select": "y"})], stream_seq=2)
+    assert rows(store, 'sales/Order=20Lines') == [(1, "y")]
+
+
+def test_shape_changes(store):
+    bootstrapped(store, loaded=[{"id": 1, "name": "a"}])
+    added = schema(columns=(("id", 23, "integer", True), ("name", 25, "text", False),
+                            ("flag", 23, "integer", False)), fingerprint="f2")
+    with store._transaction():
+        assert store.apply_shape(TableShape.from_schema(added), {"flag": 7}) is \
+            SchemaChange.ALTERED
+    assert rows(store) == [(1, "a", 7)]
+    dropped = schema(columns=(("id", 23, "integer", True), ("flag", 23, "integer", False)))
+    with store._transaction():
+        assert store.apply_shape(TableShape.from_schema(dropped)) is SchemaChange.ALTERED
+    assert rows(store) == [(1, 7)]
+    retyped = schema(columns=(("id", 23, "integer", True), ("flag", 25, "text", False)))
+    assert store.apply_shape(TableShape.from_schema(retyped)) is SchemaChange.NEEDS_BOOTSTRAP
+    assert store.apply_shape(TableShape.from_schema(dropped)) is SchemaChange.UNCHANGED
+
+
+def test_positions_survive_reopening(tmp_path):
+    store = MirrorStore(tmp_path / "m.db")
+    bootstrapped(store, loaded=[{"id": 1, "name": "a"}])
+    store.apply_transaction([event("INSERT", "1/0", 0, data={"id": 2, "name": "b"})],
+                            stream_seq=11)
+    store.close()
+    again = MirrorStore(tmp_path / "m.db")
+    state = again.state("users")
+    assert (state.status, state.applied_commit_lsn, again.stream_seq()) == (
+        "streaming", 1 << 32, 11)
+    assert not state.wants(1 << 32, 0) and state.wants(1 << 32, 1)
+    again.close()
+
+
+def test_a_corrupt_database_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.db"
+    path.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(MirrorError, match="not a usable SQLite database"):
+        MirrorStore(path)
+
+
+def test_an_invalid_schema_value_is_a_clear_error():
+    with pytest.raises(MirrorError, match="not a valid schemas value"):
+        TableShape.from_schema({"table": "users", "columns": [{"name": "id"}]})
+
+
+def test_interrupted_bootstrap_leaves_the_table_bootstrapping(store):
+    shape = TableShape.from_schema(schema())
+    store.begin_bootstrap(shape, "snap1", 0x100)
+    store.load_rows("users", [{"id": 1, "name": "a"}])
+    state = store.state("users")
+    assert state.status == "bootstrapping"
+    # a change of a table still bootstrapping is never applied
+    assert store.apply_transaction([event("INSERT", "0/200", 0, data={"id": 2, "name": "b"})],
+                                   stream_seq=3) == 0
+    assert isinstance(store._db, sqlite3.Connection)
