@@ -106,7 +106,7 @@ def to_sqlite(value: Any) -> Any:
     if isinstance(value, int):
         return value if _INT64_MIN <= value <= _INT64_MAX else str(value)
     if isinstance(value, float):
-        return "NaN" if value != value else value
+        return "NaN" if math.isnan(value) else value
     if isinstance(value, (list, dict)):
         return json.dumps(_json_value(value), separators=(",", ":"), ensure_ascii=False)
     if isinstance(value, (bytearray, memoryview)):
