@@ -13,8 +13,9 @@ PostgreSQL                             SQLite type  stored value
 =====================================  ===========  ===================================
 int2, int4, int8, oid, xid, cid        INTEGER      int (xid8 above 2^63-1: its decimal text)
 bool                                   INTEGER      0 / 1
-float4, float8                         REAL         float; NaN as the text ``NaN`` (SQLite
-                                                    stores a NaN real as NULL)
+float4, float8                         (none)       float, -0.0 included (REAL affinity would
+                                                    store -0.0 as 0); NaN as the text ``NaN``
+                                                    (SQLite stores a NaN real as NULL)
 bytea                                  BLOB         bytes
 every other builtin type               TEXT         the wire string (numeric exact, ISO dates,
                                                     json/jsonb text, ...)
@@ -27,6 +28,7 @@ domains, enums, extension types        (none)       the wire value as it is (no 
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import sqlite3
@@ -77,7 +79,7 @@ def sqlite_type(type_oid: int, data_type: str) -> str:
     if type_oid in _INTEGER_OIDS:
         return "INTEGER"
     if type_oid in _REAL_OIDS:
-        return "REAL"
+        return ""  # REAL affinity stores -0.0 as the integer 0: its sign would be lost
     if type_oid in _BLOB_OIDS:
         return "BLOB"
     if type_oid in _TEXT_OIDS:
@@ -119,11 +121,31 @@ def quote(identifier: str) -> str:
     return '"' + identifier.replace('"', '""') + '"'
 
 
+# JSON payloads carry bytea as base64 and non-finite floats as strings (README "Payload
+# encoding"): the columns whose values a JSON consumer must turn back, by type oid.
+_JSON_BYTES_OIDS = frozenset({17, 1001})  # bytea, bytea[]
+_JSON_FLOAT_OIDS = frozenset({700, 701, 1021, 1022})  # float4/8 and their arrays
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _from_base64(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_from_base64(item) for item in value]
+    return base64.b64decode(value) if isinstance(value, str) else value
+
+
+def _from_json_float(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_from_json_float(item) for item in value]
+    return _NON_FINITE[value] if isinstance(value, str) else value
+
+
 @dataclass(frozen=True)
 class MirroredColumn:
     name: str
     sqlite_type: str
     is_primary_key: bool
+    type_oid: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,7 +162,7 @@ class TableShape:
             primary_key = set(schema.get("primary_key") or ())
             columns = tuple(
                 MirroredColumn(c["name"], sqlite_type(int(c["type_oid"]), str(c["data_type"])),
-                               c["name"] in primary_key)
+                               c["name"] in primary_key, int(c["type_oid"]))
                 for c in schema["columns"])
             return cls(str(schema["table"]), str(schema["fingerprint"]), columns)
         except (KeyError, TypeError, ValueError) as exc:
@@ -150,6 +172,22 @@ class TableShape:
     @property
     def key_columns(self) -> list[str]:
         return [c.name for c in self.columns if c.is_primary_key]
+
+    def from_json(self, row: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """A row map of a JSON payload with its bytea and non-finite float values restored
+        (a msgpack payload carries them natively)."""
+        if row is None:
+            return None
+        restored = dict(row)
+        for column in self.columns:
+            value = restored.get(column.name)
+            if value is None:
+                continue
+            if column.type_oid in _JSON_BYTES_OIDS:
+                restored[column.name] = _from_base64(value)
+            elif column.type_oid in _JSON_FLOAT_OIDS:
+                restored[column.name] = _from_json_float(value)
+        return restored
 
 
 @dataclass
@@ -312,7 +350,7 @@ class MirrorStore:
 
     def _apply_event(self, event: Mapping[str, Any]) -> None:
         table, operation = event["table"], event["operation"]
-        shape = self._shape(table)
+        shape = self.shape(table)
         if operation == "INSERT":
             self._insert_rows(table, [event["data"]])
         elif operation == "UPDATE":
@@ -373,7 +411,7 @@ class MirrorStore:
             raise DivergenceError(f"{table}: an inserted row is already mirrored ({exc})") \
                 from exc
 
-    def _shape(self, table: str) -> TableShape:
+    def shape(self, table: str) -> TableShape:
         shape = self._shapes.get(table)
         if shape is None:
             raise MirrorError(f"{table}: no schema applied in this session")

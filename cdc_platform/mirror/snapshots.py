@@ -1,0 +1,185 @@
+"""Reading an INIT snapshot as a consumer: its meta, whether its cutover point is still in the
+`CDC` stream, and its chunks decoded (zstd with the table's dictionary) in chunk order.
+
+Only the wire contract is used (README "Snapshots (stream INIT)" and "The cutover rule"), as a
+consumer in another language would.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zstandard
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from cdc_platform.errors import CdcError
+from cdc_platform.lsn import parse_lsn
+from cdc_platform.snapshot.dictionary import decompressor, dictionary_key
+from cdc_platform.wire import decode_payload, snapshot_meta_subject
+
+log = logging.getLogger(__name__)
+
+# A chunk is up to max_payload bytes: fetch a few at a time (the client's pending limits).
+_FETCH_BATCH = 16
+
+
+class SnapshotUnusable(CdcError):
+    """The snapshot cannot bootstrap a mirror (incomplete, aged out of `INIT`, or its cutover
+    point is no longer in `CDC`)."""
+
+
+@dataclass(frozen=True)
+class SnapshotMeta:
+    """The fields of a meta message a consumer acts on (the rest stays in ``raw``)."""
+
+    table: str
+    snapshot_id: str
+    lsn: int
+    batch_count: int
+    row_count: int
+    cdc_stream: str
+    cdc_start_seq: int | None
+    watermark_subject: str
+    chunk_subject_prefix: str
+    schema_fingerprint: str
+    format: str
+    timestamp: float
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_wire(cls, meta: dict[str, Any]) -> SnapshotMeta:
+        try:
+            return cls(
+                table=meta["table"], snapshot_id=meta["snapshot_id"],
+                lsn=parse_lsn(meta["lsn"]), batch_count=int(meta["batch_count"]),
+                row_count=int(meta["row_count"]), cdc_stream=meta["cdc_stream"],
+                cdc_start_seq=meta.get("cdc_start_seq"),
+                watermark_subject=meta["watermark_subject"],
+                chunk_subject_prefix=meta["chunk_subject_prefix"],
+                schema_fingerprint=meta["schema_fingerprint"], format=meta["format"],
+                timestamp=float(meta["timestamp"]), raw=meta)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SnapshotUnusable(f"malformed snapshot meta ({exc!r})") from exc
+
+
+def _decode(data: bytes) -> Any:
+    """Format by the first byte (README "Payload encoding"): JSON starts with ``{``/``[``."""
+    return decode_payload(data, "json" if data[:1] in (b"{", b"[") else "msgpack")
+
+
+async def latest_meta(js: JetStreamContext, table: str,
+                      stream: str = "INIT") -> SnapshotMeta | None:
+    """The newest meta of ``table`` still in the `INIT` stream, or None."""
+    try:
+        message = await js.get_last_msg(stream, snapshot_meta_subject(table))
+    except NotFoundError:
+        return None
+    return SnapshotMeta.from_wire(_decode(message.data))
+
+
+async def cutover_start_seq(js: JetStreamContext, meta: SnapshotMeta) -> int:
+    """The `CDC` stream sequence to read from (the cutover rule, step 2), checked to be still
+    held by the stream; :class:`SnapshotUnusable` when retention dropped it."""
+    start = meta.cdc_start_seq
+    if start is None:
+        try:
+            marker = await js.get_last_msg(meta.cdc_stream, meta.watermark_subject)
+        except NotFoundError:
+            raise SnapshotUnusable(
+                f"snapshot {meta.snapshot_id} of {meta.table}: its watermark marker "
+                f"{meta.watermark_subject} is not in {meta.cdc_stream}") from None
+        start = marker.seq
+    info = await js.stream_info(meta.cdc_stream)
+    if start < info.state.first_seq:
+        raise SnapshotUnusable(
+            f"snapshot {meta.snapshot_id} of {meta.table}: its cutover point (sequence "
+            f"{start}) is older than the first message {meta.cdc_stream} still holds "
+            f"({info.state.first_seq}); a newer snapshot is needed")
+    return start
+
+
+Progress = Callable[[int, int], None]  # (rows so far, chunks so far)
+
+
+async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str = "INIT",
+                      dictionary_bucket: str | None = None,
+                      progress: Progress | None = None) -> AsyncIterator[list[dict[str, Any]]]:
+    """Each chunk's rows, every chunk exactly once; :class:`SnapshotUnusable` when the stream
+    no longer holds all ``batch_count`` chunks."""
+    bucket = dictionary_bucket or meta.raw.get("dictionary_bucket") or "zstd_dictionaries"
+    decompressors: dict[str | None, zstandard.ZstdDecompressor] = {}
+    subscription = await js.pull_subscribe(
+        f"{meta.chunk_subject_prefix}>", stream=stream,
+        config=ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
+                              inactive_threshold=60.0))
+    seen: set[int] = set()
+    rows = 0
+    try:
+        info = await subscription.consumer_info()
+        if info.num_pending < meta.batch_count:
+            raise SnapshotUnusable(
+                f"snapshot {meta.snapshot_id} of {meta.table}: {stream} holds "
+                f"{info.num_pending} of its {meta.batch_count} chunks")
+        while len(seen) < meta.batch_count:
+            for message in await subscription.fetch(_FETCH_BATCH, timeout=10.0):
+                headers = message.headers or {}
+                data = message.data
+                if headers.get("Content-Encoding") == "zstd":
+                    dict_id = headers.get("Cdc-Zstd-Dict")
+                    if dict_id not in decompressors:
+                        decompressors[dict_id] = decompressor(
+                            None if dict_id is None
+                            else await _dictionary(js, bucket, meta.table, int(dict_id)))
+                    data = decompressors[dict_id].decompress(data)
+                chunk = _decode(data)
+                number = chunk["chunk"]
+                if number in seen:  # a retried task's chunk stored twice past the dedupe window
+                    continue
+                seen.add(number)
+                rows += len(chunk["data"])
+                yield chunk["data"]
+                if progress is not None:
+                    progress(rows, len(seen))
+    finally:
+        await subscription.unsubscribe()
+    if rows != meta.row_count:
+        raise SnapshotUnusable(f"snapshot {meta.snapshot_id} of {meta.table}: read {rows} rows, "
+                               f"the meta says {meta.row_count}")
+
+
+async def _dictionary(js: JetStreamContext, bucket: str, table: str, dictionary_id: int) -> bytes:
+    kv = await js.key_value(bucket)
+    return (await kv.get(dictionary_key(table, dictionary_id))).value
+
+
+@dataclass
+class BootstrapProgress:
+    """Rows, chunks, rate and ETA of one bootstrap, for the progress line."""
+
+    table: str
+    total_rows: int
+    total_chunks: int
+    started: float
+    rows: int = 0
+    chunks: int = 0
+
+    def update(self, rows: int, chunks: int) -> None:
+        self.rows, self.chunks = rows, chunks
+
+    @property
+    def rate(self) -> float:
+        elapsed = time.monotonic() - self.started
+        return self.rows / elapsed if elapsed > 0 else 0.0
+
+    def line(self) -> str:
+        rate = self.rate
+        eta = (self.total_rows - self.rows) / rate if rate > 0 else float("inf")
+        eta_text = f"{eta:.0f}s" if eta != float("inf") else "?"
+        return (f"bootstrap {self.table}: {self.rows}/{self.total_rows} rows, "
+                f"{self.chunks}/{self.total_chunks} chunks, {rate:,.0f} rows/s, ETA {eta_text}")
