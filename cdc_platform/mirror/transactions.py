@@ -1,0 +1,103 @@
+"""Whole transactions out of the `CDC` events of the tables a consumer follows. Pure: no I/O.
+
+The contract (README "Transactions"): the last event of each table in a transaction carries
+``tx_tables``, a map of every table the transaction changed to its number of change events.
+So a consumer that follows any subset of tables knows, from the events it receives alone and
+without waiting for the next transaction, when it holds every change of one: for each followed
+table the map names, its last event has arrived and it has that many distinct events.
+Schema events (``operation`` ``SCHEMA``) belong to the transaction they arrived in and are
+not counted.
+
+Redeliveries are expected (a bridge that crashed mid-transaction republishes the whole
+transaction, and past the stream's duplicate window both copies are stored): events are
+keyed by ``(ordinal, operation == SCHEMA)`` within their transaction, so a copy adds nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cdc_platform.errors import CdcError
+from cdc_platform.lsn import format_lsn, parse_lsn
+
+SCHEMA_OPERATION = "SCHEMA"
+
+
+class StreamGap(CdcError):
+    """A transaction's events are missing from the stream (a later transaction began before
+    it was complete): the consumer cannot be exact from here and must bootstrap again."""
+
+
+@dataclass
+class Transaction:
+    commit_lsn: int
+    events: dict[tuple[int, bool], dict[str, Any]] = field(default_factory=dict)
+    counts: dict[str, set[int]] = field(default_factory=dict)  # table -> change ordinals
+    tables: dict[str, int] | None = None  # the tx_tables map, once one arrived
+    ended: set[str] = field(default_factory=set)  # tables whose last event arrived
+    last_seq: int = 0  # the highest stream sequence of its events
+
+    def add(self, event: dict[str, Any], seq: int) -> None:
+        is_schema = event["operation"] == SCHEMA_OPERATION
+        key = (int(event["ordinal"]), not is_schema)  # a schema event sorts before its change
+        self.last_seq = max(self.last_seq, seq)
+        if key in self.events:
+            return
+        self.events[key] = event
+        if is_schema:
+            return
+        table = event["table"]
+        self.counts.setdefault(table, set()).add(key[0])
+        tx_tables = event.get("tx_tables")
+        if tx_tables is not None:
+            self.tables = dict(tx_tables)
+            self.ended.add(table)
+
+    def complete_for(self, followed: set[str]) -> bool:
+        if self.tables is None:
+            return False
+        for table, count in self.tables.items():
+            if table in followed and (table not in self.ended
+                                      or len(self.counts.get(table, ())) != count):
+                return False
+        return True
+
+    def ordered(self) -> list[dict[str, Any]]:
+        return [self.events[key] for key in sorted(self.events)]
+
+
+class TransactionCollector:
+    """Feed events in stream order; get back whole transactions, oldest first."""
+
+    def __init__(self, followed: Iterable[str]) -> None:
+        self.followed = set(followed)
+        self._open: Transaction | None = None
+        self._last_complete = -1
+
+    def add(self, event: Mapping[str, Any], seq: int) -> Transaction | None:
+        """The transaction ``event`` completed, if it did."""
+        commit_lsn = parse_lsn(event["commit_lsn"])
+        if commit_lsn <= self._last_complete:
+            return None  # a redelivered copy of a transaction already handed out
+        current = self._open
+        if current is not None and current.commit_lsn != commit_lsn:
+            raise StreamGap(
+                f"transaction {event['commit_lsn']} began before transaction "
+                f"{format_lsn(current.commit_lsn)} was complete (have "
+                f"{ {t: len(o) for t, o in current.counts.items()} }, expected "
+                f"{current.tables}): events are missing from the stream")
+        if current is None:
+            current = self._open = Transaction(commit_lsn)
+        current.add(dict(event), seq)
+        if current.complete_for(self.followed):
+            self._open = None
+            self._last_complete = commit_lsn
+            return current
+        return None
+
+    @property
+    def pending(self) -> Transaction | None:
+        return self._open
+
