@@ -131,7 +131,8 @@ cdef class RowBuilder:
 
     A ``str`` value goes through its column's converter (none for ``passthrough`` ones,
     ``int`` and ``float`` parsed directly); None and bytes pass as they are; anything else
-    (UNCHANGED_TOAST) raises ``slow``, the caller's cue for its general loop."""
+    (UNCHANGED_TOAST) raises ``slow`` (an exception class: a new instance per raise, so no
+    traceback accumulates), the caller's cue for its general loop."""
 
     cdef tuple names
     cdef tuple converters

@@ -159,10 +159,12 @@ def relation_shape(relation: Relation) -> tuple:
 
 
 class _SlowPath(Exception):
-    """A value the generated row builders do not handle (UNCHANGED_TOAST)."""
+    """A value the generated row builders do not handle (UNCHANGED_TOAST).
 
+    Always raised as the class, so each raise makes a new instance that dies with its
+    handler: re-raising one shared instance kept appending frames to its ``__traceback__``,
+    and through them kept every read batch alive (memory grew on each such update)."""
 
-_SLOW_PATH = _SlowPath()
 _take_changes = NATIVE.take_changes if NATIVE is not None else None
 
 
@@ -170,7 +172,7 @@ def _not_text(value: Any) -> Any:
     """Generated builders call this for a value that is neither str nor None."""
     if value.__class__ is bytes:  # 'b': binary format, passed through
         return value
-    raise _SLOW_PATH
+    raise _SlowPath
 
 
 _BUILDERS: dict[tuple, Callable[[TupleData], dict[str, Any]]] = {}
@@ -194,7 +196,7 @@ def _row_builder(names: tuple[str, ...], converters: tuple[Callable[[str], Any],
     except TypeError:  # an unhashable converter: build without caching
         key, builder = None, None
     if builder is None and native is not None:
-        builder = native.RowBuilder(names, converters, indexes, TEXT_CONVERTERS, _SLOW_PATH)
+        builder = native.RowBuilder(names, converters, indexes, TEXT_CONVERTERS, _SlowPath)
         if key is not None:
             _BUILDERS[key] = builder
     if builder is None:

@@ -14,8 +14,10 @@ numeric                                 str, exact as printed ("12.50", "NaN", "
 bool                                    bool
 text, varchar, bpchar, char, name,      str (bpchar keeps its padding)
 citext, uuid, enums
-json, jsonb                             parsed: dict / list / str / int / float / bool / None
-                                        (integers stay exact; duplicate json keys: last wins)
+json, jsonb                             str: the JSON text exactly as printed (numbers of any
+                                        size or precision, json's whitespace, key order and
+                                        duplicate keys kept; jsonb 'null' is "null", SQL
+                                        NULL is None)
 arrays of any element type              nested lists; NULL elements -> None; lower bounds dropped
 date                                    "2025-12-08"
 timestamp                               "2025-12-08T13:45:21.719719"
@@ -23,8 +25,10 @@ timestamptz                             "2025-12-08T13:45:21.719719Z" (UTC)
 time                                    "13:45:21.719719"
 timetz                                  "13:45:21.719719+02:00"
   infinity / -infinity                  "infinity" / "-infinity"
-  BC dates                              ISO-8601 expanded years, astronomical numbering:
-                                        4713-11-24 BC -> "-4712-11-24"
+  BC dates                              ISO-8601 astronomical numbering: 1 BC is year 0
+                                        (0001-12-31 BC -> "0000-12-31"), 4713-11-24 BC ->
+                                        "-4712-11-24"; years after 9999 as printed
+                                        ("294276-12-31"), without a sign
 interval                                ISO-8601 duration as printed: "P1Y2M3DT4H5M6.5S"
 bytea                                   bytes (JSON wire: base64 string)
 inet, cidr, macaddr, macaddr8, money,   str, as printed
@@ -37,7 +41,6 @@ unknown / extension types (hstore...)   str, as printed: never an error
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,9 +79,12 @@ def _bytea(text: str) -> bytes:
 
 
 def _bc_year(date_part: str) -> str:
-    """``0044-03-15`` of a BC date -> ``-0043-03-15`` (year 1 BC is year 0)."""
+    """``0044-03-15`` of a BC date -> ``-0043-03-15``; ``0001-12-31`` -> ``0000-12-31``:
+    astronomical numbering, in which 1 BC is year 0 (ISO 8601 has no ``-0000``)."""
     year, rest = date_part.split("-", 1)
-    return f"-{int(year) - 1:04d}-{rest}"
+    astronomical = 1 - int(year)
+    sign = "-" if astronomical < 0 else ""
+    return f"{sign}{abs(astronomical):04d}-{rest}"
 
 
 def _date(text: str) -> str:
@@ -144,7 +150,9 @@ _SCALARS: dict[int, Converter] = {
     20: int, 21: int, 23: int, 26: int, 28: int, 29: int, 5069: int,  # int8/2/4, oid, xid, cid
     700: float, 701: float,
     1700: identity,  # numeric: exact text
-    114: json.loads, 3802: json.loads,
+    # json/jsonb: the exact text; parsing could not be lossless (numbers beyond 64 bits or
+    # float64, json's duplicate keys) and msgpack has no integer above 64 bits
+    114: identity, 3802: identity,
     1082: _date, 1083: identity,
     # the compiled twins when built (same results; see native.py)
     1114: NATIVE.timestamp if NATIVE else _timestamp,

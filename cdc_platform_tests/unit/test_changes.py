@@ -359,3 +359,38 @@ def test_with_the_real_value_converters():
     assert second.new["name"] == "" and second.new["qty"] is None
     rows = records(assemble("copy_multi_insert", converters=values.TypeRegistry()))
     assert [r.new["id"] for r in rows] == list(range(1, 101))
+
+
+@pytest.mark.parametrize("implementation", ["compiled", "python"])
+def test_unchanged_toast_updates_keep_no_memory(implementation, monkeypatch):
+    """Each UNCHANGED_TOAST value sends the row builder to the general loop by an exception;
+    one shared exception instance grew its traceback on every raise and kept the frames (and
+    every batch they referenced) alive."""
+    from cdc_platform.protocol import changes
+    from cdc_platform.protocol.native import NATIVE
+
+    if implementation == "python":
+        monkeypatch.setitem(changes._row_builder.__kwdefaults__, "native", None)
+    elif NATIVE is None:
+        pytest.fail("the compiled accelerator is not built")
+    assembler = TransactionAssembler(StandIn())
+    assembler.feed(1, REL)
+    assembler.feed(1, Begin(10, 0, 1))
+    update = Update(7, None, None, ("1", UNCHANGED_TOAST))
+
+    def run(count):
+        for _ in range(count):
+            (record,) = assembler.feed(2, update)
+            assert record.unchanged_toast == ("v",)
+
+    run(100)  # warm caches
+    gc.collect()
+    tracemalloc.start()
+    try:
+        baseline = tracemalloc.get_traced_memory()[0]
+        run(20_000)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - baseline
+    finally:
+        tracemalloc.stop()
+    assert grown < 64 * 1024, f"{grown} bytes kept after 20,000 unchanged-TOAST updates"

@@ -125,7 +125,7 @@ def test_values_are_typed_like_cdc_and_fields_are_the_seeds():
         "chunk": 2 * CHUNK_NUMBER_STRIDE, "lsn": "1/ABCDEF00", "partition": 2,
         "schema_fingerprint": "f1"}
     rows = payload["data"]
-    assert rows[0] == {"id": 0, "name": "plain", "score": 1.5, "doc": {"a": [1, 2], "k": 0},
+    assert rows[0] == {"id": 0, "name": "plain", "score": 1.5, "doc": '{"a": [1, 2], "k": 0}',
                        "tags": ["a", "b c", None, 'q"x'], "blob": None, "ok": None}
     assert rows[1]["name"] == "" and rows[1]["blob"] == b"\x00\xff" and rows[1]["ok"] is True
     assert rows[2]["name"] == "tab\there" and rows[2]["score"] == float("-inf")
