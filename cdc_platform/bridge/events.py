@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
@@ -59,6 +61,7 @@ class _RelationInfo:
     wire_name: str
     fingerprint: str
     headers: tuple[tuple[str, str], ...] = ()
+    key_columns: tuple[str, ...] = ()  # the replica identity: named in error lines
 
     def __post_init__(self) -> None:
         self.headers = ((HEADER_SCHEMA_FINGERPRINT, self.fingerprint),)
@@ -117,11 +120,13 @@ class MessageBuilder:
         self._pack_map = compiled.pack_map if compiled is not None else None
         self._change_message = compiled.change_message if compiled is not None else None
         self._shared: dict[tuple[int, str, int], _Shared] = {}
+        self._raw_reported: dict[tuple[int, tuple[str, ...]], float] = {}
 
     # -- relation bookkeeping ----------------------------------------------------------------
     def register(self, relation: Relation) -> None:
         self._relations[relation.relation_id] = _RelationInfo(
-            wire_name(relation.namespace, relation.name), relation_fingerprint(relation))
+            wire_name(relation.namespace, relation.name), relation_fingerprint(relation),
+            key_columns=tuple(c.name for c in relation.columns if c.is_key))
         # A table altered (or renamed) mid-transaction: later changes carry the new name and
         # fingerprint, so nothing packed for the old shape may be reused.
         self._shared.clear()
@@ -179,7 +184,27 @@ class MessageBuilder:
             fields += ("old", record.old, "old_kind", record.old_kind)
         if operation == "TRUNCATE":
             fields += ("cascade", record.cascade, "restart_identity", record.restart_identity)
+        if record.raw_columns:
+            fields += ("raw_columns", list(record.raw_columns))
+            self._report_raw(record)
         return fields
+
+    def _report_raw(self, record: ChangeRecord) -> None:
+        """One error line per table and columns a minute: the value went out as text."""
+        key = (record.relation_id, record.raw_columns)
+        now = time.monotonic()
+        if now - self._raw_reported.get(key, -math.inf) < 60.0:
+            return
+        self._raw_reported[key] = now
+        row = record.old if record.operation == "DELETE" else record.new
+        info = self._relations.get(record.relation_id)
+        key_columns = info.key_columns if info is not None else ()
+        shown_key = {name: (row or {}).get(name) for name in key_columns}
+        log.error("%s.%s: no converter accepts the value of column(s) %s in the %s at "
+                  "commit %s with key %s: sent as the text PostgreSQL printed, listed in "
+                  "the event's raw_columns", record.schema, record.table,
+                  ", ".join(record.raw_columns), record.operation,
+                  self._commit_lsn_text(record.commit_lsn), shown_key)
 
     def event_map(self, record: ChangeRecord, info: _RelationInfo, subject: str,
                   msg_id: str, commit_lsn_text: str) -> dict[str, Any]:
@@ -274,7 +299,8 @@ class MessageBuilder:
         shared = self._shared.get((record.relation_id, record.operation, record.commit_lsn))
         if shared is None:
             shared = self._shared_of(record)
-        if self._change_message is not None:  # what follows, compiled
+        # what follows, compiled (a record with raw columns takes the Python writer)
+        if self._change_message is not None and not record.raw_columns:
             return self._change_message(record, shared, OutgoingMessage)
         msg_id = f"{shared.commit_lsn_text}:{record.ordinal}"  # = wire.change_msg_id, inlined
         if self._pack_map is None:

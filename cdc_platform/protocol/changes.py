@@ -111,6 +111,9 @@ class ChangeRecord:
     unchanged_toast: tuple[str, ...]  # UPDATE: columns whose value was not sent ('u')
     cascade: bool = False  # TRUNCATE ... CASCADE
     restart_identity: bool = False  # TRUNCATE ... RESTART IDENTITY
+    # Columns whose text no converter accepted: their value is the text as PostgreSQL
+    # printed it (README "Type mapping"), so one odd value never stops the stream.
+    raw_columns: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,80 +420,65 @@ class TransactionAssembler:
 
     # -- rows ----------------------------------------------------------------------------------
     def _row(self, table: _Table, values: TupleData, lsn: int,
-             unchanged: list[str] | None) -> dict[str, Any]:
+             unchanged: list[str] | None, raw: list[str]) -> dict[str, Any]:
         """column -> typed value, the general loop; 'u' columns are left out (and named in
-        ``unchanged``). The generated ``table.build`` is the fast equivalent."""
+        ``unchanged``); a text no converter accepts stays text (named in ``raw``). The
+        generated ``table.build`` is the fast equivalent of the usual case."""
         names = table.names
         if len(values) != len(names):
             raise self._width_error(table, values)
         row: dict[str, Any] = {}
-        try:
-            for name, convert, value in zip(names, table.converters, values):
-                if value.__class__ is str:
+        for name, convert, value in zip(names, table.converters, values):
+            if value.__class__ is str:
+                try:
                     row[name] = convert(value)
-                elif value is None:
-                    row[name] = None
-                elif value is UNCHANGED_TOAST:
-                    if unchanged is not None:
-                        unchanged.append(name)
-                else:  # bytes: binary format, passed through
+                except (ValueError, TypeError, ArithmeticError, ConversionError):
                     row[name] = value
-        except (ValueError, TypeError, ArithmeticError, ConversionError) as exc:
-            raise self._conversion_error(table, values, lsn) from exc
+                    raw.append(name)
+            elif value is None:
+                row[name] = None
+            elif value is UNCHANGED_TOAST:
+                if unchanged is not None:
+                    unchanged.append(name)
+            else:  # bytes: binary format, passed through
+                row[name] = value
         return row
 
     def _build(self, table: _Table, values: TupleData, lsn: int,
-               unchanged: list[str] | None) -> dict[str, Any]:
+               unchanged: list[str] | None, raw: list[str]) -> dict[str, Any]:
         """Every column: the generated builder, else the loop."""
         if len(values) != table.count:
             raise self._width_error(table, values)
         try:
             return table.build(values)
-        except _SlowPath:
-            return self._row(table, values, lsn, unchanged)
-        except (ValueError, TypeError, ArithmeticError, ConversionError) as exc:
-            raise self._conversion_error(table, values, lsn) from exc
+        except (_SlowPath, ValueError, TypeError, ArithmeticError, ConversionError):
+            return self._row(table, values, lsn, unchanged, raw)
 
-    def _build_key(self, table: _Table, values: TupleData, lsn: int) -> dict[str, Any]:
+    def _build_key(self, table: _Table, values: TupleData, lsn: int,
+                   raw: list[str]) -> dict[str, Any]:
         """The 'K' tuple: only the replica identity columns (the others are sent as NULL)."""
         if len(values) != table.count:
             raise self._width_error(table, values)
         try:
             return table.build_key(values)
-        except _SlowPath:  # 'u' in a key: not sent by PostgreSQL; leave the column out
-            row = self._row(table, values, lsn, None)
+        except (_SlowPath, ValueError, TypeError, ArithmeticError, ConversionError):
+            # 'u' in a key is not sent by PostgreSQL; if it were, the column is left out
+            row = self._row(table, values, lsn, None, raw)
             return {table.names[i]: row[table.names[i]] for i in table.key_indexes
                     if table.names[i] in row}
-        except (ValueError, TypeError, ArithmeticError, ConversionError) as exc:
-            raise self._conversion_error(table, values, lsn) from exc
 
     def _build_old(self, table: _Table, old_kind: str, values: TupleData,
-                   lsn: int) -> dict[str, Any]:
+                   lsn: int, raw: list[str]) -> dict[str, Any]:
         """The old part of an Update/Delete: 'K' the key columns, 'O' the whole row."""
         if old_kind == "K":
-            return self._build_key(table, values, lsn)
-        return self._build(table, values, lsn, None)
+            return self._build_key(table, values, lsn, raw)
+        return self._build(table, values, lsn, None, raw)
 
     @staticmethod
     def _width_error(table: _Table, values: TupleData) -> ProtocolError:
         return ProtocolError(
             f"tuple of {len(values)} columns for {table.schema}.{table.table}, whose "
             f"Relation message has {table.count}")
-
-    @staticmethod
-    def _conversion_error(table: _Table, values: TupleData, lsn: int) -> ConversionError:
-        for name, column, convert, value in zip(table.names, table.relation.columns,
-                                                table.converters, values):
-            if value.__class__ is str:
-                try:
-                    convert(value)
-                except Exception as exc:  # noqa: BLE001 - locating the failing column
-                    shown = value if len(value) <= 60 else value[:60] + "..."
-                    return ConversionError(
-                        f"cannot convert {table.schema}.{table.table}.{name} (type oid "
-                        f"{column.type_oid}) value {shown!r} at LSN {format_lsn(lsn)}: {exc}")
-        return ConversionError(
-            f"cannot convert a row of {table.schema}.{table.table} at LSN {format_lsn(lsn)}")
 
     def _on_insert(self, lsn: int, message: Insert) -> Sequence[Event]:
         # The hot path: _table() and _build() inlined.
@@ -501,40 +489,46 @@ class TransactionAssembler:
         if len(values) != table.count:
             raise self._width_error(table, values)
         unchanged: tuple[str, ...] = ()
+        raw: list[str] = []
         try:
             new = table.build(values)
-        except _SlowPath:  # PostgreSQL sends no 'u' in an Insert; if it did, name them
+        except (_SlowPath, ValueError, TypeError, ArithmeticError, ConversionError):
+            # PostgreSQL sends no 'u' in an Insert; if it did, they are named
             names: list[str] = []
-            new = self._row(table, values, lsn, names)
+            new = self._row(table, values, lsn, names, raw)
             unchanged = tuple(names)
-        except (ValueError, TypeError, ArithmeticError, ConversionError) as exc:
-            raise self._conversion_error(table, values, lsn) from exc
         ordinal = self._ordinal
         self._ordinal = ordinal + 1
         return (ChangeRecord(
             table.table, table.schema, "INSERT", message.relation_id, lsn, self._commit_lsn,
-            self._xid, self._commit_ts, ordinal, new, None, None, unchanged),)
+            self._xid, self._commit_ts, ordinal, new, None, None, unchanged,
+            raw_columns=tuple(raw)),)
 
     def _on_update(self, lsn: int, message: Update) -> Sequence[Event]:
         table = self._table(message.relation_id, "Update")
         unchanged: list[str] = []
-        new = self._build(table, message.new, lsn, unchanged)
+        raw: list[str] = []
+        new = self._build(table, message.new, lsn, unchanged, raw)
         old_kind = message.old_kind
-        old = None if old_kind is None else self._build_old(table, old_kind, message.old, lsn)
+        old = (None if old_kind is None
+               else self._build_old(table, old_kind, message.old, lsn, raw))
         ordinal = self._ordinal
         self._ordinal = ordinal + 1
         return (ChangeRecord(
             table.table, table.schema, "UPDATE", message.relation_id, lsn, self._commit_lsn,
-            self._xid, self._commit_ts, ordinal, new, old, old_kind, tuple(unchanged)),)
+            self._xid, self._commit_ts, ordinal, new, old, old_kind, tuple(unchanged),
+            raw_columns=tuple(dict.fromkeys(raw))),)
 
     def _on_delete(self, lsn: int, message: Delete) -> Sequence[Event]:
         table = self._table(message.relation_id, "Delete")
-        old = self._build_old(table, message.old_kind, message.old, lsn)
+        raw: list[str] = []
+        old = self._build_old(table, message.old_kind, message.old, lsn, raw)
         ordinal = self._ordinal
         self._ordinal = ordinal + 1
         return (ChangeRecord(
             table.table, table.schema, "DELETE", message.relation_id, lsn, self._commit_lsn,
-            self._xid, self._commit_ts, ordinal, None, old, message.old_kind, ()),)
+            self._xid, self._commit_ts, ordinal, None, old, message.old_kind, (),
+            raw_columns=tuple(raw)),)
 
     def _on_truncate(self, lsn: int, message: Truncate) -> Sequence[Event]:
         tables = [self._table(rid, "Truncate") for rid in message.relation_ids]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ from cdc_platform.wire import (
     encoder,
     snapshot_chunk_subject,
 )
+
+log = logging.getLogger(__name__)
 
 CHUNK_NUMBER_STRIDE = 1_000_000
 OPERATION = "snapshot"
@@ -265,23 +268,25 @@ class Chunker:
     def rows(self, block: bytes | bytearray | str) -> list[dict[str, Any]]:
         """Typed row maps of a block, without chunking (dictionary samples)."""
         lines, fields, escapes = self.parse(block)
-        return self.rows_of(fields, len(lines), escapes)[0] if lines else []
+        return self.rows_of(fields, len(lines), escapes, {})[0] if lines else []
 
-    def rows_of(self, fields: list[str], count: int,
-                escapes: bool = True) -> tuple[list[dict[str, Any]], Sequence[str] | None]:
+    def rows_of(self, fields: list[str], count: int, escapes: bool = True,
+                raw: dict[int, list[str]] | None = None,
+                ) -> tuple[list[dict[str, Any]], Sequence[str] | None]:
         """``count`` rows of flat ``fields`` -> typed row maps (and the ctids, for tables
         without a primary key).
 
         Column by column, one converter call per value (``map`` when the column has neither
         escapes nor NULLs). Per field this is ``copy_text.parse_line``: NULL iff the field
-        is ``\\N``, else ``unescape(field)``; then the column's converter.
+        is ``\\N``, else ``unescape(field)``; then the column's converter. A text no
+        converter accepts stays text: ``raw`` gets ``{row index: [column, ...]}`` (README
+        "Type mapping"), so one odd value never stops a snapshot.
         """
         width = self._width
         columns: list[Any] = [fields[i::width] for i in range(width)]
-        index = 0
-        try:
-            for index, convert in enumerate(self._converters):
-                column = columns[index]
+        for index, convert in enumerate(self._converters):
+            column = columns[index]
+            try:
                 if escapes and "\\" in "".join(column):
                     if convert in values.TEXT_CONVERTERS:
                         columns[index] = [None if f == "\\N" else unescape(f) for f in column]
@@ -290,16 +295,31 @@ class Chunker:
                                           for f in column]
                 elif convert not in values.TEXT_CONVERTERS:
                     columns[index] = list(map(convert, column))
-        except ConversionError:
-            raise
-        except (ValueError, TypeError) as exc:
-            raise ConversionError(f"{self.layout.table}.{self._names[index]}: cannot convert "
-                                  f"a value: {exc}") from exc
+            except (ValueError, TypeError, ArithmeticError, ConversionError):
+                if raw is None:
+                    raise
+                columns[index] = self._convert_leniently(index, column, convert, raw)
         if self._names:
             data = list(map(self._make_row, *columns[:len(self._names)]))
         else:
             data = [{} for _ in range(count)]
         return data, (columns[-1] if self.layout.with_ctid else None)
+
+    def _convert_leniently(self, index: int, column: list[str], convert: Any,
+                           raw: dict[int, list[str]]) -> list[Any]:
+        """One column value by value: what a converter refuses stays text, named in ``raw``."""
+        out: list[Any] = []
+        for row_index, copy_field in enumerate(column):
+            if copy_field == "\\N":
+                out.append(None)
+                continue
+            text = unescape(copy_field) if "\\" in copy_field else copy_field
+            try:
+                out.append(convert(text))
+            except (ValueError, TypeError, ArithmeticError, ConversionError):
+                out.append(text)
+                raw.setdefault(row_index, []).append(self._names[index])
+        return out
 
     # -- cutting ------------------------------------------------------------------------------
     def _raw_limit(self) -> float:
@@ -357,12 +377,13 @@ class Chunker:
                                             self._native_kinds, self._converters,
                                             unescape)
                 except (ValueError, TypeError, ArithmeticError, ConversionError):
-                    self.rows_of(fields, count, escapes)  # raises the worded error
-                    raise
-                self._encode_packed(rows, 0, fields, out)
-                return out
-            data, ctids = self.rows_of(fields, count, escapes)
-            self._encode_fitting(data, 0, ctids, out)
+                    pass  # a value the converters refuse: the general path keeps it as text
+                else:
+                    self._encode_packed(rows, 0, fields, out)
+                    return out
+            raw: dict[int, list[str]] = {}
+            data, ctids = self.rows_of(fields, count, escapes, raw)
+            self._encode_fitting(data, 0, ctids, out, raw)
         return out
 
     def _encode_packed(self, rows: list[bytes], offset: int, fields: list[str],
@@ -377,7 +398,8 @@ class Chunker:
         if len(payload) > self._budget:
             if count == 1:
                 width = self._width
-                data, ctids = self.rows_of(fields[offset * width:(offset + 1) * width], 1)
+                data, ctids = self.rows_of(fields[offset * width:(offset + 1) * width], 1,
+                                           raw={})
                 raise self._row_too_large(data[0], ctids, 0, len(payload))
             self.stats.splits += 1
             half = count // 2
@@ -387,14 +409,25 @@ class Chunker:
         self._finish_chunk(number, count, raw, payload, out)
 
     def _encode_fitting(self, data: list[dict[str, Any]], offset: int,
-                        ctids: Sequence[str] | None, out: list[Chunk]) -> None:
-        """Encode ``data`` as one chunk, or split it in halves until every part fits."""
+                        ctids: Sequence[str] | None, out: list[Chunk],
+                        raw: dict[int, list[str]] | None = None) -> None:
+        """Encode ``data`` as one chunk, or split it in halves until every part fits.
+        ``raw``: the unconverted cells of the whole batch, by row index (``offset`` is
+        ``data[0]``'s)."""
         layout = self.layout
         number = chunk_number(self.partition, self._next)
-        payload_map = {"table": layout.table, "operation": OPERATION,
-                       "snapshot_id": layout.snapshot_id, "chunk": number, "lsn": layout.lsn,
-                       "data": data, "partition": self.partition,
-                       "schema_fingerprint": layout.schema_fingerprint}
+        payload_map: dict[str, Any] = {
+            "table": layout.table, "operation": OPERATION, "snapshot_id": layout.snapshot_id,
+            "chunk": number, "lsn": layout.lsn, "data": data, "partition": self.partition,
+            "schema_fingerprint": layout.schema_fingerprint}
+        cells = [[row_index - offset, column] for row_index, columns in sorted((raw or {}).items())
+                 if offset <= row_index < offset + len(data) for column in columns]
+        if cells:
+            payload_map["raw_cells"] = cells
+            log.error("%s: no converter accepts %d value(s) of snapshot %s, first %s of row %s: "
+                      "sent as the text PostgreSQL printed, listed in the chunk's raw_cells",
+                      layout.table, len(cells), layout.snapshot_id, cells[0][1],
+                      self._describe_key(data[cells[0][0]], ctids, offset + cells[0][0]))
         raw = self._encode(payload_map)
         payload = self._compress(raw) if self._compress is not None else raw
         if len(payload) > self._budget:
@@ -402,8 +435,8 @@ class Chunker:
                 raise self._row_too_large(data[0], ctids, offset, len(payload))
             self.stats.splits += 1
             half = len(data) // 2
-            self._encode_fitting(data[:half], offset, ctids, out)
-            self._encode_fitting(data[half:], offset + half, ctids, out)
+            self._encode_fitting(data[:half], offset, ctids, out, raw)
+            self._encode_fitting(data[half:], offset + half, ctids, out, raw)
             return
         self._finish_chunk(number, len(data), raw, payload, out)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cdc_platform.errors import ConversionError, ProtocolError
+from cdc_platform.errors import ProtocolError
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.protocol.changes import (
     ChangeRecord,
@@ -287,11 +287,17 @@ def test_tuple_length_must_match_relation():
         fed((1, REL), (1, Begin(10, 0, 1)), (2, Insert(7, ("1", "a", "b"))))
 
 
-def test_conversion_error_names_the_column():
-    with pytest.raises(ConversionError, match=r"public\.t\.id \(type oid 23\) value 'x1' "
-                                              r"at LSN 0/2") as info:
-        fed((1, REL), (1, Begin(10, 0, 1)), (2, Insert(7, ("x1", "a"))))
-    assert isinstance(info.value.__cause__, ValueError)
+def test_a_value_no_converter_accepts_stays_text_and_is_named():
+    """No single value may stop the stream: the text as PostgreSQL printed it, and the
+    column named in raw_columns (in the new row, the old key and the old row alike)."""
+    _, (record,) = fed((1, REL), (1, Begin(10, 0, 1)), (2, Insert(7, ("x1", "a"))))
+    assert record.new == {"id": "x1", "v": "a"} and record.raw_columns == ("id",)
+    _, (record,) = fed((1, REL), (1, Begin(10, 0, 1)),
+                       (2, Update(7, "K", ("x2", None), ("x3", "b"))))
+    assert record.old == {"id": "x2"} and record.new["id"] == "x3"
+    assert record.raw_columns == ("id",)
+    _, (record,) = fed((1, REL), (1, Begin(10, 0, 1)), (2, Delete(7, "O", ("1", "c"))))
+    assert record.raw_columns == () and record.old == {"id": 1, "v": "c"}
 
 
 def test_not_a_message():

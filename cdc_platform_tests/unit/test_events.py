@@ -77,3 +77,26 @@ def test_changes_after_an_alter_in_the_same_transaction_carry_the_new_fingerprin
     assert [dict(message.headers)["Cdc-Schema-Fingerprint"] for message in built.messages] \
         == [relation_fingerprint(before), relation_fingerprint(after)]
     assert built.counts == {("users", "INSERT"): 2}
+
+
+@pytest.mark.parametrize("native", ["compiled", "python"])
+@pytest.mark.parametrize("mode", ["per-change", "batched"])
+def test_raw_columns_are_named_in_the_event_and_logged_once(native, mode, caplog):
+    """A value no converter accepted travels as its text; the event says which columns."""
+    from cdc_platform.protocol.native import NATIVE
+
+    builder = MessageBuilder("msgpack", mode, native=NATIVE if native == "compiled" else None)
+    relation = _relation("id", "score")
+    raw = [_insert(0, {"id": 1, "score": "x1"}), _insert(1, {"id": 2, "score": "x2"})]
+    for record in raw:
+        record.raw_columns = ("score",)
+    built = builder.build([
+        RelationChanged(relation, None), *raw, _insert(2, {"id": 3, "score": 4}),
+        TransactionCommitted(0x1_0000_0900, 0x1_0000_0930, "2026-11-22T10:00:00Z", 77, 3)])
+    events = [event for message in built.messages
+              for event in (msgpack.unpackb(message.payload) if mode == "batched"
+                            else [msgpack.unpackb(message.payload)])]
+    assert [event.get("raw_columns") for event in events] == [["score"], ["score"], None]
+    assert events[0]["data"] == {"id": 1, "score": "x1"}
+    assert caplog.text.count("no converter accepts") == 1
+    assert "public.users" in caplog.text and "{'id': 1}" in caplog.text

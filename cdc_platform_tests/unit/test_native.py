@@ -383,7 +383,7 @@ def _delete(relation_id: int, old_kind: bytes, old: list) -> bytes:
 
 @native
 @pytest.mark.parametrize("bad", [
-    ["x", "ok"],               # int8 that is not a number: ConversionError
+    ["x", "ok"],               # int8 that is not a number: kept as text, named raw
     [b"\xff\xfe", "ok"],        # invalid UTF-8 in the id column
     ["1", b"u"],               # unchanged TOAST in an Insert (PostgreSQL sends none)
     ["1"],                     # fewer columns than the Relation message
@@ -401,7 +401,10 @@ def test_take_changes_leaves_what_it_cannot_take_to_the_general_path(bad):
     want_events, want_errors = _fed(raw)
     got_events, got_errors, _ = _taken(raw)
     assert (repr(got_events), got_errors) == (repr(want_events), want_errors)
-    if bad != ["1", b"u"]:
+    if bad == ["x", "ok"]:  # no single value stops the stream: the text, named
+        forged_record = [e for e in got_events if isinstance(e, changes.ChangeRecord)][1]
+        assert forged_record.raw_columns == ("id",) and forged_record.new["id"] == "x"
+    elif bad != ["1", b"u"]:
         assert got_errors, "the forged Insert must fail in the general path"
 
 
@@ -507,18 +510,29 @@ def test_snapshot_chunks_same_bytes_with_zstd_splits_and_ctid(overrides):
 
 
 @native
-def test_snapshot_row_too_large_and_bad_values_raise_the_python_errors():
-    from cdc_platform.errors import ConversionError, PayloadTooLarge
+def test_snapshot_row_too_large_raises_the_python_error():
+    from cdc_platform.errors import PayloadTooLarge
 
     columns = SNAPSHOT_COLUMNS[:3]
-    for text, error in ((b"1\t2\t" + b"y" * 2000 + b"\n", PayloadTooLarge),
-                        (b"1\tnot-a-number\tx\n", ConversionError)):
-        messages = []
-        for chunker in _chunkers(columns, max_payload=700):
-            with pytest.raises(error) as raised:
-                _chunk_everything(chunker, text)
-            messages.append(str(raised.value))
-        assert messages[0] == messages[1]
+    messages = []
+    for chunker in _chunkers(columns, max_payload=700):
+        with pytest.raises(PayloadTooLarge) as raised:
+            _chunk_everything(chunker, b"1\t2\t" + b"y" * 2000 + b"\n")
+        messages.append(str(raised.value))
+    assert messages[0] == messages[1]
+
+
+@native
+def test_snapshot_values_no_converter_accepts_stay_text_in_both():
+    """No single value stops a snapshot: the text, and the chunk's raw_cells name it."""
+    columns = SNAPSHOT_COLUMNS[:3]
+    text = b"1\t2\tx\n2\tnot-a-number\ty\n3\t4\\\\5\tz\n"
+    compiled, python = _chunkers(columns)
+    got, want = _chunk_everything(compiled, text), _chunk_everything(python, text)
+    assert got == want
+    (chunk,) = [msgpack.unpackb(payload) for _, _, payload, _ in got]
+    assert [row["qty"] for row in chunk["data"]] == [2, "not-a-number", "4\\5"]
+    assert chunk["raw_cells"] == [[1, "qty"], [2, "qty"]]
 
 
 # -- NATS framing -----------------------------------------------------------------------------
@@ -650,7 +664,7 @@ def test_take_changes_updates_and_deletes_equal_the_general_path(message):
     got_events, got_errors, taken = _taken(raw)
     assert (repr(got_events), got_errors) == (repr(want_events), want_errors)
     records = [e for e in want_events if isinstance(e, changes.ChangeRecord)]
-    if not want_errors and not any(r.unchanged_toast for r in records):
+    if not want_errors and not any(r.unchanged_toast or r.raw_columns for r in records):
         assert len(records) == 3 and taken == 3  # the good Inserts and the change itself
 
 
