@@ -25,12 +25,25 @@ class ReplicationError(CdcError):
     """The replication connection or slot failed or is unusable."""
 
 
+class ReplicationConfigError(ReplicationError):
+    """PostgreSQL refused us for a reason retrying cannot fix: wrong password, no such role,
+    database or publication, missing privileges. Fatal, with what to do."""
+
+
 class SlotLostError(ReplicationError):
     """The replication slot is missing or was invalidated (WAL removed)."""
 
 
 class ProvisioningError(CdcError):
     """NATS streams / KV buckets could not be created, or exist with a conflicting config."""
+
+
+class NatsUnreachable(CdcError):
+    """No NATS server of the configured URL answered (retried with backoff by the bridge)."""
+
+
+class NatsAuthError(CdcError):
+    """NATS refused our credentials: fatal, retrying cannot fix it."""
 
 
 class PublishError(CdcError):

@@ -90,6 +90,7 @@ class BuiltBatch:
     changes: int
     counts: dict[tuple[str, str], int]  # (table wire name, op) -> changes, for metrics
     last_commit_ts: str | None  # of the transaction ``position`` ends
+    transactions: int = 0  # transactions whose commit this batch holds
 
 
 class MessageBuilder:
@@ -255,6 +256,7 @@ class MessageBuilder:
         runs: list[tuple[int, str, int]] = []   # (relation id, operation, changes before)
         run_relation, run_operation = -1, ""
         last_commit_ts = None
+        transactions = 0
         per_change = self.mode == "per-change"
         single, append = self._single, messages.append
         for event in events:
@@ -273,6 +275,7 @@ class MessageBuilder:
                     self._close_batch(messages)
                 position = event.end_lsn
                 last_commit_ts = event.commit_ts
+                transactions += 1
             elif kind is RelationChanged:
                 if not per_change:
                     self._close_batch(messages)  # a batch has one shape (fingerprint header)
@@ -293,7 +296,7 @@ class MessageBuilder:
             key = (info.wire_name if info is not None else str(relation_id), operation)
             counts[key] = counts.get(key, 0) + after - before
         return BuiltBatch(messages, position, changed, watermarks, changes, counts,
-                          last_commit_ts)
+                          last_commit_ts, transactions)
 
     def _single(self, record: ChangeRecord) -> OutgoingMessage:
         shared = self._shared.get((record.relation_id, record.operation, record.commit_lsn))

@@ -25,7 +25,13 @@ import psycopg
 from nats.js.errors import NotFoundError
 
 from cdc_platform.bridge.events import MessageBuilder
-from cdc_platform.errors import CdcError, ReplicationError, SlotLostError
+from cdc_platform.errors import (
+    CdcError,
+    NatsUnreachable,
+    ReplicationConfigError,
+    ReplicationError,
+    SlotLostError,
+)
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.lsn import format_lsn
 from cdc_platform.postgres.catalog import (
@@ -58,6 +64,7 @@ class CdcBridge:
                                       self.options.batch_max_events)
         self.encode = encoder(settings.encoding.format)
         self.stop_requested = asyncio.Event()
+        self._stop_deadline = float("inf")  # monotonic: CDC_SHUTDOWN_TIMEOUT after the stop
         self.fatal: BaseException | None = None
         self.reader: SlotReader | None = None
         self.publisher: JetStreamPublisher | None = None
@@ -68,15 +75,44 @@ class CdcBridge:
         self.telemetry: TelemetryServer | None = None
 
     def request_stop(self) -> None:
-        """Graceful stop from any thread-free context (signal handler, HTTP admin, Dagster)."""
+        """Graceful stop from any thread-free context (signal handler, HTTP admin, Dagster):
+        everything after it (drain, final ack, closing) fits in CDC_SHUTDOWN_TIMEOUT."""
+        if not self.stop_requested.is_set():
+            self._stop_deadline = time.monotonic() + self.options.shutdown_timeout_seconds
         self.stop_requested.set()
+
+    def _shutdown_left(self, at_most: float = float("inf")) -> float:
+        """Seconds left of the shutdown budget (all of ``at_most`` before a stop)."""
+        return max(0.1, min(at_most, self._stop_deadline - time.monotonic()))
+
+    async def _stoppable_sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stop_requested.wait(), seconds)
+
+    async def _connect_nats(self):
+        """The NATS connection, waiting for NATS with backoff (one line per attempt) until a
+        stop is requested (None then); refused credentials are fatal at once."""
+        delay = self.options.reconnect_min_seconds
+        while True:
+            try:
+                return await connect_nats(self.settings.nats, name="cdc-platform-bridge",
+                                          reconnect_forever=True)
+            except NatsUnreachable as exc:
+                if self.stop_requested.is_set():
+                    return None
+                log.warning("%s; retrying in %.0fs", exc, delay)
+            await self._stoppable_sleep(delay)
+            if self.stop_requested.is_set():
+                return None
+            delay = min(delay * 2, self.options.reconnect_max_seconds)
 
     # -- top level -------------------------------------------------------------------------
     async def run(self) -> None:
         """Stream until :meth:`request_stop`; raises on a fatal error (bad config, lost slot)."""
-        pg = self.settings.postgres
-        nc = await connect_nats(self.settings.nats, name="cdc-platform-bridge",
-                                reconnect_forever=True)
+        nc = await self._connect_nats()
+        if nc is None:
+            log.info("bridge stopped before NATS could be reached")
+            return
         self.metrics.nats_connected.set(1)
         loop = asyncio.get_running_loop()
         if self.options.http_port:
@@ -121,9 +157,9 @@ class CdcBridge:
                     await task
             if self.publisher is not None:
                 with contextlib.suppress(Exception):
-                    await self.publisher.close(timeout=5)
+                    await self.publisher.close(timeout=self._shutdown_left(5.0))
             with contextlib.suppress(Exception):
-                await nc.close()
+                await asyncio.wait_for(nc.close(), self._shutdown_left(2.0))
             if self.telemetry is not None:
                 self.telemetry.stop()
         if self.fatal is not None:
@@ -166,22 +202,22 @@ class CdcBridge:
                 self.metrics.slot_active.set(1)
                 await self._publish_all_schemas(reader)
                 await self._stream(reader)
-            except SlotLostError:
-                raise
+            except (SlotLostError, ReplicationConfigError):
+                raise  # retrying cannot fix these: say what to do
             except (ReplicationError, psycopg.OperationalError, OSError) as exc:
-                if not ever_streamed:
-                    raise  # wrong credentials, no such publication...: say so, do not loop
-                self.metrics.reconnects.inc()
-                log.warning("PostgreSQL connection lost (%s); reconnecting in %.1fs", exc, delay)
+                if ever_streamed:
+                    self.metrics.reconnects.inc()
+                log.warning("PostgreSQL %s (%s); %s in %.1fs",
+                            "connection lost" if ever_streamed else "unreachable",
+                            str(exc).strip() or type(exc).__name__,
+                            "reconnecting" if ever_streamed else "retrying", delay)
             finally:
                 self.metrics.connected.set(0)
                 self.metrics.slot_active.set(0)
                 await self._close_reader(reader)
                 self.reader = None
             if not self.stop_requested.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop_requested.wait(),
-                                           delay * (0.8 + 0.4 * random.random()))
+                await self._stoppable_sleep(delay * (0.8 + 0.4 * random.random()))
                 delay = min(delay * 2, self.options.reconnect_max_seconds)
 
     async def _close_reader(self, reader: SlotReader) -> None:
@@ -191,7 +227,7 @@ class CdcBridge:
         self.metrics.confirmed_lsn = reader.confirmed_lsn
         self.metrics.last_ack_lsn.set(reader.confirmed_lsn)
         with contextlib.suppress(Exception):
-            await reader.close()
+            await asyncio.wait_for(reader.close(), self._shutdown_left(10.0))
 
     # -- the hot loop ------------------------------------------------------------------------
     async def _stream(self, reader: SlotReader) -> None:
@@ -218,7 +254,7 @@ class CdcBridge:
                     (perf_counter() - started) * 1e6 / batch.wal_messages)
                 if built.position is not None and built.last_commit_ts is not None:
                     self._timings.append((built.position, time.monotonic(),
-                                          _epoch(built.last_commit_ts)))
+                                          _epoch(built.last_commit_ts), built.transactions))
                 await self._publish(reader, built.messages, built.position)
                 metrics.events_published.inc(built.changes)
                 for (table, operation), count in built.counts.items():
@@ -227,7 +263,7 @@ class CdcBridge:
             metrics.current_lsn = reader.received_lsn
         # graceful stop: drain what is in flight (bounded), then the final ack in finally
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(publisher.flush(), self.options.shutdown_timeout_seconds)
+            await asyncio.wait_for(publisher.flush(), self._shutdown_left())
         self._confirm_stored(reader)
 
     async def _publish(self, reader: SlotReader, messages, position) -> None:
@@ -242,6 +278,13 @@ class CdcBridge:
                 return
             self._confirm_stored(reader)
             await reader.send_status()
+            if self.stop_requested.is_set() and time.monotonic() >= self._stop_deadline:
+                # NATS held us past the shutdown budget: what was not stored is not
+                # confirmed, so the next start sends it again
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                return
 
     def _confirm_stored(self, reader: SlotReader) -> None:
         assert self.publisher is not None
@@ -252,9 +295,10 @@ class CdcBridge:
             if timings and timings[0][0] <= stored:
                 now_monotonic, now = time.monotonic(), time.time()
                 while timings and timings[0][0] <= stored:
-                    _, published_at, committed_at = timings.popleft()
+                    _, published_at, committed_at, transactions = timings.popleft()
                     self.metrics.publish_latency.observe(now_monotonic - published_at)
                     self.metrics.commit_to_stored.observe(max(0.0, now - committed_at))
+                    self.metrics.transactions.inc(transactions)
         self.metrics.confirmed_lsn = reader.confirmed_lsn
         self.metrics.last_ack_lsn.set(reader.confirmed_lsn)
         self.metrics.in_flight.set(self.publisher.in_flight_messages)

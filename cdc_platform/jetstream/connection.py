@@ -6,10 +6,10 @@ import logging
 
 import nats
 from nats.aio.client import Client as NatsClient
+from nats.errors import AuthorizationError, NoServersError
 from nats.errors import Error as NatsError
-from nats.errors import NoServersError
 
-from cdc_platform.errors import CdcError
+from cdc_platform.errors import CdcError, NatsAuthError, NatsUnreachable
 from cdc_platform.settings import NatsSettings
 
 log = logging.getLogger(__name__)
@@ -17,18 +17,25 @@ log = logging.getLogger(__name__)
 
 async def connect_nats(settings: NatsSettings, *, name: str = "cdc_platform",
                        reconnect_forever: bool = False) -> NatsClient:
-    """Connect, failing fast and clearly at start; after that nats-py reconnects itself.
+    """Connect, failing fast and clearly at start (:class:`NatsUnreachable`,
+    :class:`NatsAuthError`); once connected, nats-py reconnects by itself.
 
     ``reconnect_forever`` is for long-running publishers (the CDC bridge): NATS going away
-    mid-stream must never end the process, only pause it.
+    mid-stream must never end the process, only pause it. At start every server is tried
+    twice: a caller that wants to wait for NATS retries (the bridge does, stoppably).
     """
     options = settings.connect_options()
     options["name"] = name
-    options["max_reconnect_attempts"] = -1 if reconnect_forever else 60
+    # Applies to the first connection too: -1 would retry there forever, unstoppable and
+    # silent (a refused password looks like any other failed attempt).
+    options["max_reconnect_attempts"] = 1
     options["reconnect_time_wait"] = 1.0
+    errors_seen: list[Exception] = []
 
     async def _on_error(exc: Exception) -> None:
-        log.warning("NATS: %s", exc)
+        errors_seen.append(exc)
+        if client_ref:  # after the first connection: an outage, nats-py reconnects
+            log.warning("NATS: %s", exc or type(exc).__name__)
 
     client_ref: list[NatsClient] = []
 
@@ -46,16 +53,21 @@ async def connect_nats(settings: NatsSettings, *, name: str = "cdc_platform",
             reconnected_cb=_on_reconnect, **options,
         )
         client_ref.append(client)
+        client.options["max_reconnect_attempts"] = -1 if reconnect_forever else 60
         return client
-    except NoServersError as exc:
-        raise CdcError(f"cannot reach NATS at {settings.describe()}: {exc}") from None
-    except NatsError as exc:
-        text = str(exc).lower()
-        if "authorization" in text or "authentication" in text or "auth" in text:
-            raise CdcError(
+    except (NoServersError, NatsError, OSError, TimeoutError) as exc:
+        if any(_is_auth_error(e) for e in [*errors_seen, exc]):
+            raise NatsAuthError(
                 f"NATS at {settings.describe()} refused our credentials (check "
-                "CDC_NATS_USER/NATS_BRIDGE_USER and its password or token)"
-            ) from None
-        raise CdcError(f"NATS connection to {settings.describe()} failed: {exc}") from None
-    except OSError as exc:
-        raise CdcError(f"cannot reach NATS at {settings.describe()}: {exc}") from None
+                "CDC_NATS_USER/NATS_BRIDGE_USER and its password, CDC_NATS_TOKEN or "
+                "CDC_NATS_CREDS)") from None
+        cause = next((e for e in reversed(errors_seen) if str(e)), exc)
+        raise NatsUnreachable(f"cannot reach NATS at {settings.describe()}: "
+                              f"{cause or type(cause).__name__}") from None
+
+
+def _is_auth_error(exc: BaseException) -> bool:
+    if isinstance(exc, AuthorizationError):
+        return True
+    text = str(exc).lower()
+    return "authorization" in text or "authentication" in text

@@ -21,7 +21,7 @@ from psycopg import pq
 from psycopg.conninfo import make_conninfo
 from psycopg.pq import ExecStatus
 
-from cdc_platform.errors import ReplicationError
+from cdc_platform.errors import ReplicationConfigError, ReplicationError
 from cdc_platform.lsn import format_lsn, parse_lsn
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,28 @@ SESSION_OPTIONS = (
     "-c DateStyle=ISO,YMD -c TimeZone=UTC -c IntervalStyle=iso_8601 "
     "-c extra_float_digits=3 -c bytea_output=hex -c client_encoding=UTF8"
 )
+
+
+# SQLSTATE classes and codes retrying cannot fix: invalid authorization (28), invalid
+# catalog name: no such database (3D), insufficient privilege (42501), undefined object: no
+# such publication (42704).
+_FATAL_SQLSTATES = ("28", "3D", "42501", "42704")
+# What libpq says when refusing a connection for the same reasons (no SQLSTATE then).
+_FATAL_CONNECT_TEXTS = ("password authentication failed", "does not exist",
+                        "no pg_hba.conf entry", "permission denied", "must be superuser",
+                        "must have replication", "password is required",
+                        "authentication failed")
+
+
+def is_config_error(exc: BaseException) -> bool:
+    """Whether a PostgreSQL error is one retrying cannot fix (see ``_FATAL_SQLSTATES``)."""
+    if isinstance(exc, ReplicationConfigError):
+        return True
+    sqlstate = getattr(exc, "sqlstate", None)
+    if sqlstate:
+        return sqlstate.startswith(_FATAL_SQLSTATES)
+    text = str(exc).lower()
+    return any(marker in text for marker in _FATAL_CONNECT_TEXTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +84,8 @@ class ReplicationConnection:
         self._description = description
         self._streaming = False
         self._loop = asyncio.get_running_loop()
+        # Why the server ended COPY BOTH, once it did (raised on every later read).
+        self._ended: ReplicationError | None = None
 
     # -- connecting ----------------------------------------------------------------
     @classmethod
@@ -71,10 +95,13 @@ class ReplicationConnection:
         conninfo = make_conninfo(conninfo, options=SESSION_OPTIONS)
         pgconn = await asyncio.to_thread(pq.PGconn.connect, conninfo.encode())
         if pgconn.status != pq.ConnStatus.OK:
-            message = pgconn.get_error_message()
+            message = pgconn.get_error_message().strip()
             pgconn.finish()
-            raise ReplicationError(
-                f"replication connection to {description} failed: {message.strip()}")
+            error = ReplicationError(
+                f"replication connection to {description} failed: {message}")
+            if is_config_error(error):
+                raise ReplicationConfigError(str(error))
+            raise error
         pgconn.nonblocking = 1
         return cls(pgconn, description)
 
@@ -147,8 +174,7 @@ class ReplicationConnection:
         rows: list[tuple[str | None, ...]] = []
         for result in results:
             if result.status == ExecStatus.FATAL_ERROR:
-                message = (result.error_message or b"").decode(errors="replace").strip()
-                raise ReplicationError(f"{command.split('(')[0].strip()} failed: {message}")
+                raise _result_error(f"{command.split('(')[0].strip()} failed", result)
             for row in range(result.ntuples):
                 rows.append(tuple(
                     None if result.get_value(row, col) is None
@@ -192,6 +218,8 @@ class ReplicationConnection:
     # -- streaming -----------------------------------------------------------------------
     def take_available(self, limit: int) -> list[bytes]:
         """Complete CopyData messages already received, without waiting (up to ``limit``)."""
+        if self._ended is not None:
+            raise self._ended
         messages: list[bytes] = []
         get_copy_data = self._pgconn.get_copy_data
         with self._errors("reading the replication stream"):
@@ -203,11 +231,22 @@ class ReplicationConnection:
                     break
                 else:  # -1: the server ended the COPY
                     self._streaming = False
+                    self._ended = self._why_ended()
                     if messages:
                         break
-                    raise CopyBothEnded(f"the server ended the replication stream on "
-                                        f"{self._description}")
+                    raise self._ended
         return messages
+
+    def _why_ended(self) -> ReplicationError:
+        """The server's own error when it ended the stream (e.g. ``publication "x" does not
+        exist``, sent only once decoding starts), not libpq's later "no COPY in progress"."""
+        result = self._pgconn.get_result()
+        while result is not None:
+            if result.status == ExecStatus.FATAL_ERROR:
+                return _result_error(
+                    f"PostgreSQL ended the replication stream on {self._description}", result)
+            result = self._pgconn.get_result()
+        return CopyBothEnded(f"the server ended the replication stream on {self._description}")
 
     async def read(self, timeout: float, limit: int = 4096) -> list[bytes]:
         """Up to ``limit`` CopyData payloads; [] if nothing arrived within ``timeout``."""
@@ -257,3 +296,13 @@ class ReplicationConnection:
                     self._pgconn.consume_input()
             if self._pgconn.get_result() is None:
                 break
+
+
+def _result_error(what: str, result: pq.PGresult) -> ReplicationError:
+    """A FATAL_ERROR result as a ReplicationError (ReplicationConfigError when retrying cannot
+    fix it), with the server's message and SQLSTATE."""
+    message = (result.error_message or b"").decode(errors="replace").strip()
+    sqlstate = (result.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
+    if sqlstate.startswith(_FATAL_SQLSTATES):
+        return ReplicationConfigError(f"{what}: {message}")
+    return ReplicationError(f"{what}: {message}")

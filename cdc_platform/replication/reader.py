@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import psycopg
 
-from cdc_platform.errors import ReplicationError
+from cdc_platform.errors import ReplicationConfigError, ReplicationError
 from cdc_platform.lsn import format_lsn
 from cdc_platform.protocol.changes import TransactionAssembler, TransactionCommitted
 from cdc_platform.protocol.pgoutput import Begin, Relation, decode_message
@@ -33,7 +33,11 @@ from cdc_platform.protocol.streaming import (
     standby_status_update,
 )
 from cdc_platform.protocol.values import TYPE_CATALOG_QUERY, TypeRegistry
-from cdc_platform.replication.connection import SESSION_OPTIONS, ReplicationConnection
+from cdc_platform.replication.connection import (
+    SESSION_OPTIONS,
+    ReplicationConnection,
+    is_config_error,
+)
 from cdc_platform.replication.slots import SlotState, check_slot_usable, read_slot_async
 from cdc_platform.settings import PostgresSettings
 
@@ -81,11 +85,28 @@ class SlotReader:
 
     # -- lifecycle -----------------------------------------------------------------------
     async def open(self) -> SlotState:
-        """Connect, check or create the slot, and start streaming from its confirmed LSN."""
-        self.catalog = await psycopg.AsyncConnection.connect(
-            self.settings.conninfo(application_name="cdc_platform_catalog",
-                                   options=SESSION_OPTIONS),
-            autocommit=True)
+        """Connect, check or create the slot, and start streaming from its confirmed LSN.
+
+        Raises :class:`ReplicationConfigError` for what retrying cannot fix (credentials, no
+        such database or publication), :class:`ReplicationError` for the rest."""
+        try:
+            self.catalog = await psycopg.AsyncConnection.connect(
+                self.settings.conninfo(application_name="cdc_platform_catalog",
+                                       options=SESSION_OPTIONS),
+                autocommit=True)
+        except psycopg.OperationalError as exc:
+            kind = ReplicationConfigError if is_config_error(exc) else ReplicationError
+            raise kind(f"connection to {self.settings.describe()} failed: "
+                       f"{str(exc).strip()}") from None
+        cursor = await self.catalog.execute(
+            "SELECT name FROM unnest(%s::text[]) AS name "
+            "WHERE name NOT IN (SELECT pubname FROM pg_publication)", (self.publications,))
+        missing = [row[0] for row in await cursor.fetchall()]
+        if missing:
+            raise ReplicationConfigError(
+                f"publication {', '.join(missing)} does not exist in "
+                f"{self.settings.describe()}: create it (sql/10_publication.sql, or "
+                "`cdc-platform setup-db`) or set CDC_PUBLICATION")
         state = await read_slot_async(self.catalog, self.slot)
         self.replication = await ReplicationConnection.connect(
             self.settings.conninfo(replication=True, application_name="cdc_platform_bridge"),

@@ -1,0 +1,175 @@
+"""The bridge at start and stop under faults, against real servers: NATS unreachable or refusing
+our credentials, PostgreSQL unreachable, a wrong password, a missing publication, a stop while
+NATS is down; each ends promptly with one clear line, or waits with backoff and stays
+stoppable."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+from pydantic import SecretStr
+
+from cdc_platform.bridge.runner import CdcBridge
+from cdc_platform.dev.servers import LocalNatsServer, free_port
+from cdc_platform.errors import NatsAuthError, ReplicationConfigError
+from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.jetstream.provision import provision
+from cdc_platform.settings import NatsSettings, NatsTopology
+from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
+from cdc_platform_tests.integration.test_bridge import running_bridge, slot_confirmed, wait_for
+
+
+async def _run_then_stop(bridge: CdcBridge, after: float) -> float:
+    """Seconds from the stop request to the end of ``run()``."""
+    task = asyncio.create_task(bridge.run())
+    await asyncio.sleep(after)
+    assert not task.done(), task.exception() if task.done() else None
+    stopped_at = time.monotonic()
+    bridge.request_stop()
+    await asyncio.wait_for(task, 30)
+    return time.monotonic() - stopped_at
+
+
+async def test_unreachable_nats_is_retried_and_the_bridge_stays_stoppable(
+        cdc_database, caplog):
+    settings = platform_settings(cdc_database, f"nats://127.0.0.1:{free_port()}")
+    caplog.set_level(logging.WARNING)
+    took = await _run_then_stop(CdcBridge(settings), after=2.5)
+    assert took < 2.0
+    assert caplog.text.count("cannot reach NATS at nats://127.0.0.1") >= 2  # one per attempt
+    assert "retrying in" in caplog.text
+
+
+async def test_refused_nats_credentials_are_fatal_at_once(cdc_database, tmp_path):
+    server = LocalNatsServer(tmp_path / "nats", user="bridge", password="right-secret")
+    server.start()
+    try:
+        settings = platform_settings(cdc_database, server.url)
+        settings = settings.model_copy(update={"nats": NatsSettings(
+            url=server.url, user="bridge", password="wrong-secret")})
+        started = time.monotonic()
+        with pytest.raises(NatsAuthError, match="refused our credentials") as raised:
+            await asyncio.wait_for(CdcBridge(settings).run(), 20)
+        assert time.monotonic() - started < 10
+        assert "wrong-secret" not in str(raised.value)
+    finally:
+        server.stop()
+
+
+async def test_unreachable_postgres_at_start_is_retried_and_stoppable(
+        cdc_database, provisioned_nats, caplog):
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    settings = settings.model_copy(update={"postgres": settings.postgres.model_copy(
+        update={"port": free_port()})})
+    caplog.set_level(logging.WARNING)
+    took = await _run_then_stop(CdcBridge(settings), after=2.0)
+    assert took < 3.0
+    assert caplog.text.count("PostgreSQL unreachable") >= 2
+
+
+async def test_wrong_password_is_one_fatal_line(cdc_database, provisioned_nats):
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    settings = settings.model_copy(update={"postgres": settings.postgres.model_copy(
+        update={"password": SecretStr("not-the-password")})})
+    with pytest.raises(ReplicationConfigError, match="password authentication failed") as raised:
+        await asyncio.wait_for(CdcBridge(settings).run(), 20)
+    assert "not-the-password" not in str(raised.value)
+
+
+async def test_missing_publication_names_it(cdc_database, provisioned_nats):
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    settings = settings.model_copy(update={"postgres": settings.postgres.model_copy(
+        update={"publication": "no_such_pub"})})
+    with pytest.raises(ReplicationConfigError,
+                       match="publication no_such_pub does not exist"):
+        await asyncio.wait_for(CdcBridge(settings).run(), 20)
+
+
+async def test_publication_dropped_while_streaming_surfaces_the_server_error(
+        cdc_database, pg_admin, provisioned_nats):
+    """PostgreSQL reports a missing publication only once it decodes a change; its message
+    (not libpq's later "no COPY in progress") ends the bridge."""
+    table = random_name("dropped")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    bridge = CdcBridge(settings)
+    task = asyncio.create_task(bridge.run())
+    await wait_for(lambda: slot_confirmed(pg_admin, cdc_database.slot) > 0,
+                   what="the bridge to stream")
+    pg_admin.execute(f"DROP PUBLICATION {cdc_database.publication}")
+    pg_admin.execute(f"INSERT INTO {table} VALUES (1)")
+    with pytest.raises(ReplicationConfigError, match="does not exist"):
+        await asyncio.wait_for(task, 30)
+
+
+async def test_stop_while_nats_is_down_honours_the_shutdown_timeout(
+        cdc_database, pg_admin, tmp_path, caplog):
+    nats_server = LocalNatsServer(tmp_path / "nats")
+    nats_server.start()
+    table = random_name("held")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    cdc_database.add_tables(pg_admin, table)
+    try:
+        setup = await connect_nats(NatsSettings(url=nats_server.url))
+        await provision(setup.jetstream(), NatsTopology())
+        await setup.close()
+        settings = platform_settings(cdc_database, nats_server.url, shutdown_timeout_seconds=3.0)
+        bridge = CdcBridge(settings)
+        task = asyncio.create_task(bridge.run())
+        await wait_for(lambda: slot_confirmed(pg_admin, cdc_database.slot) > 0,
+                       what="the bridge to stream")
+        nats_server.stop()
+        pg_admin.execute(f"INSERT INTO {table} SELECT generate_series(1, 100)")
+        await asyncio.sleep(1.0)
+        stopped_at = time.monotonic()
+        bridge.request_stop()
+        await asyncio.wait_for(task, 30)
+        took = time.monotonic() - stopped_at
+        assert took < 3.0 + 1.5, f"stop took {took:.1f}s with a 3s shutdown timeout"
+        # nothing unstored was confirmed: the rows come after a restart
+        nats_server.start()
+        async with running_bridge(settings):
+            client = await connect_nats(NatsSettings(url=nats_server.url))
+            try:
+                stored = await read_subjects(client, "CDC", f"cdc.{table}.insert", expect=100)
+                assert len(stored) == 100
+            finally:
+                await client.close()
+    finally:
+        nats_server.stop()
+
+
+async def test_transactions_are_counted(cdc_database, pg_admin, provisioned_nats):
+    table = random_name("counted")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    async with running_bridge(settings) as bridge:
+        await wait_for(lambda: slot_confirmed(pg_admin, cdc_database.slot) > 0)
+        before = bridge.metrics.value(bridge.metrics.transactions)
+        for i in range(5):
+            pg_admin.execute(f"INSERT INTO {table} VALUES ({i})")
+        await wait_for(lambda: bridge.metrics.value(bridge.metrics.transactions) >= before + 5,
+                       what="5 more transactions counted")
+
+
+def test_cli_start_error_is_one_line(cdc_database, provisioned_nats):
+    """`cdc-platform bridge` with a wrong password: exit 2 and one line, no traceback."""
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    pg = settings.postgres
+    env = {"CDC_PG_HOST": pg.host, "CDC_PG_PORT": str(pg.port), "CDC_PG_DB": pg.database,
+           "CDC_PG_USER": pg.user, "CDC_PG_PASSWORD": "not-the-password",
+           "CDC_PUBLICATION": pg.publication, "CDC_SLOT": pg.slot,
+           "CDC_NATS_URL": provisioned_nats.url, "CDC_HTTP_PORT": "0", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([sys.executable, "-m", "cdc_platform.cli", "bridge"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert errors and "password authentication failed" in errors[-1]
+    assert "Traceback" not in result.stderr and "not-the-password" not in result.stderr
