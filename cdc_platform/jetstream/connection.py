@@ -9,7 +9,7 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import AuthorizationError, NoServersError
 from nats.errors import Error as NatsError
 
-from cdc_platform.errors import CdcError, NatsAuthError, NatsUnreachable
+from cdc_platform.errors import NatsAuthError, NatsUnreachable
 from cdc_platform.settings import NatsSettings
 
 log = logging.getLogger(__name__)
