@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import nats
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.errors import AuthorizationError, NoServersError
 from nats.errors import Error as NatsError
 
@@ -71,3 +73,16 @@ def _is_auth_error(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return "authorization" in text or "authentication" in text
+
+
+async def fetch_available(subscription: Any, limit: int, timeout: float) -> list[Msg]:
+    """Up to ``limit`` messages of a pull subscription, or [] when none came in ``timeout``.
+
+    nats-py raises its own ``TimeoutError`` when nothing is pending, but asyncio's when the
+    deadline passes inside its wait (a slow server, a loaded machine); both are the builtin
+    ``TimeoutError``, which is what is caught here.
+    """
+    try:
+        return await subscription.fetch(limit, timeout=timeout)
+    except TimeoutError:
+        return []

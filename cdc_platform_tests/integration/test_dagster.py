@@ -220,3 +220,22 @@ async def test_init_snapshot_materialization_records_the_cutover(
     # the CDC start point is the watermark marker's stream sequence
     marker = await nats_client.jetstream().get_last_msg("CDC", metadata["watermark_subject"])
     assert metadata["cdc_start_seq"] == marker.seq
+
+
+async def test_refused_requests_say_why_in_the_tick(dagster_env, nats_client):
+    from cdc_platform.definitions import build_definitions
+
+    defs = build_definitions()
+    sensor = defs.resolve_sensor_def("snapshot_request_sensor")
+    await nats_client.publish("snapshot.request.no_such_table", b"")
+    await nats_client.flush()
+    with dg.instance_for_test() as instance:
+        def evaluate(cursor):
+            return sensor(dg.build_sensor_context(instance=instance, cursor=cursor,
+                                                  resources=resources(dagster_env),
+                                                  definitions=defs))
+
+        result = await asyncio.to_thread(evaluate, None)
+        assert result.run_requests == [] or result.run_requests is None
+        assert "no_such_table" in result.skip_reason.skip_message
+        assert "not tables of publication" in result.skip_reason.skip_message

@@ -13,11 +13,11 @@
 import asyncio
 
 import dagster as dg
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from cdc_platform.defs.resources import NatsResource, PostgresResource
 from cdc_platform.defs.snapshots.partitions import published_tables_partitions
+from cdc_platform.jetstream.connection import fetch_available
 from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import published_tables
 from cdc_platform.settings import NatsTopology, load_settings
@@ -65,13 +65,20 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
         known = set(context.instance.get_dynamic_partitions(published_tables_partitions.name))
         highest = max(seq for seq, _ in requests)
         by_table: dict[str, int] = {}
+        refused: list[str] = []
         for seq, table in requests:
             if table not in published:
+                refused.append(f"{table!r} (stream seq {seq})")
                 context.log.warning(
                     f"skipping snapshot request for {table!r} (stream seq {seq}): not a table "
                     f"of publication {postgres.settings().publication}")
                 continue
             by_table[table] = seq  # repeated requests for one table coalesce into one run
+        if not by_table:  # say why in the tick itself, not only in its logs
+            return dg.SensorResult(
+                cursor=str(highest),
+                skip_reason=f"refused snapshot request(s) for {', '.join(refused)}: not tables "
+                            f"of publication {postgres.settings().publication}")
         run_requests = [dg.RunRequest(run_key=f"snapshot-request-{table}-{seq}",
                                       partition_key=table,
                                       tags={"cdc_platform/request_seq": str(seq)})
@@ -97,10 +104,7 @@ async def _fetch_requests(nats: NatsResource, recorded_through: int) -> list[tup
             f"{SNAPSHOT_REQUEST_PREFIX}.>", durable=DURABLE, stream=topology.requests.name,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=60,
                                   max_ack_pending=FETCH_LIMIT * 4))
-        try:
-            messages = await subscription.fetch(FETCH_LIMIT, timeout=1.0)
-        except NatsTimeoutError:
-            messages = []
+        messages = await fetch_available(subscription, FETCH_LIMIT, 1.0)
         fresh = []
         for message in messages:
             seq = message.metadata.sequence.stream
