@@ -26,7 +26,8 @@ def _cmd_dev(args: argparse.Namespace) -> int:
     options = DevOptions(
         state_dir=Path(args.state_dir), ui_port=args.ui_port, pg_port=args.pg_port,
         nats_port=args.nats_port, nats_monitor_port=args.nats_monitor_port,
-        dagster=not args.no_dagster, demo_writes_per_second=args.demo_rate, smoke=args.smoke,
+        telemetry_port=args.telemetry_port, dagster=not args.no_dagster,
+        demo_writes_per_second=args.demo_rate, smoke=args.smoke,
     )
     return DevStack(options).run()
 
@@ -120,11 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     dev = commands.add_parser("dev", help="start PostgreSQL, NATS and Dagster locally")
-    dev.add_argument("--state-dir", default=".cdc-dev")
-    dev.add_argument("--ui-port", type=int, default=3000)
-    dev.add_argument("--pg-port", type=int, default=54329)
-    dev.add_argument("--nats-port", type=int, default=4222)
-    dev.add_argument("--nats-monitor-port", type=int, default=8222)
+    dev.add_argument("--state-dir", default=".cdc-dev",
+                     help="where the servers keep their data, logs and secrets (.cdc-dev)")
+    taken = "; when not given and the default is taken, a free port is chosen and printed"
+    dev.add_argument("--ui-port", type=int, help="Dagster UI port (3000" + taken + ")")
+    dev.add_argument("--pg-port", type=int, help="local PostgreSQL port (54329" + taken + ")")
+    dev.add_argument("--nats-port", type=int, help="local nats-server port (4222" + taken + ")")
+    dev.add_argument("--nats-monitor-port", type=int,
+                     help="nats-server monitoring port (8222" + taken + ")")
+    dev.add_argument("--telemetry-port", type=int,
+                     help="the CDC bridge's /metrics port (a free port unless given)")
     dev.add_argument("--demo-rate", type=float, default=2.0, help="demo writes per second")
     dev.add_argument("--no-dagster", action="store_true", help="servers only")
     dev.add_argument("--smoke", action="store_true", help="start, verify, stop (for CI)")

@@ -33,7 +33,8 @@ def build_definitions() -> dg.Definitions:
     return dg.Definitions(
         assets=[jetstream_topology, schemas, init_snapshot, cdc_stream],
         jobs=[cdc_job, snapshot_job],
-        sensors=[build_cdc_sensor(cdc_job, orchestration.cdc_relaunch_backoff_seconds),
+        sensors=[build_cdc_sensor(cdc_job, orchestration.cdc_relaunch_backoff_seconds,
+                                 orchestration.cdc_liveness_timeout_seconds),
                  build_snapshot_request_sensor(snapshot_job), publication_sync_sensor],
         schedules=[build_snapshot_refresh_schedule(
             snapshot_job, orchestration.snapshot_cron, orchestration.snapshot_timezone)],

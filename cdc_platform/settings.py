@@ -290,6 +290,12 @@ class BridgeSettings(_Settings):
         30.0, gt=0, validation_alias=_env("CDC_LAG_CHECK_INTERVAL"))
     lag_warn_bytes: Bytes = Field(512 * 1024**2, validation_alias=_env("CDC_LAG_WARN"))
     lag_critical_bytes: Bytes = Field(1024**3, validation_alias=_env("CDC_LAG_CRITICAL"))
+    # a table added to the publication gets its schema in KV within this
+    publication_poll_seconds: Seconds = Field(
+        5.0, gt=0, validation_alias=_env("CDC_PUBLICATION_POLL_INTERVAL"))
+    # warn when safe_wal_size (WAL left before max_slot_wal_keep_size) drops below this;
+    # critical below a quarter of it
+    safe_wal_warn_bytes: Bytes = Field(2 * 1024**3, validation_alias=_env("CDC_SAFE_WAL_WARN"))
     max_in_flight_messages: int = Field(20_000, ge=100,
                                         validation_alias=_env("CDC_MAX_IN_FLIGHT"))
     max_in_flight_bytes: Bytes = Field(64 * 1024**2,
@@ -312,6 +318,12 @@ class OrchestrationSettings(_Settings):
         30.0, gt=0, validation_alias=_env("CDC_OBSERVE_INTERVAL"))
     cdc_relaunch_backoff_seconds: Seconds = Field(
         30.0, gt=0, validation_alias=_env("CDC_RELAUNCH_BACKOFF"))
+    # A cdc_job run whose worker wrote no liveness tag for this long is dead (killed, its
+    # host gone): cdc_sensor marks it failed and launches a new one.
+    cdc_liveness_timeout_seconds: Seconds = Field(
+        90.0, ge=10, validation_alias=_env("CDC_RUN_LIVENESS_TIMEOUT"))
+    cdc_liveness_interval_seconds: Seconds = Field(
+        10.0, gt=0, validation_alias=_env("CDC_RUN_LIVENESS_INTERVAL"))
 
 
 class NatsTopology(_Settings):

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from cdc_platform.errors import CdcError
 from cdc_platform.lsn import format_lsn
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,12 @@ class BridgeMetrics:
                                    "WAL not yet confirmed by the slot (bytes)", registry=r)
         self.retained_wal_bytes = Gauge("bridge_retained_wal_bytes",
                                         "WAL pinned by the slot (bytes)", registry=r)
+        self.slot_wal_status = Gauge(
+            "bridge_slot_wal_status", "pg_replication_slots.wal_status: 0 reserved, "
+            "1 extended, 2 unreserved (invalidated at the next checkpoint), 3 lost", registry=r)
+        self.slot_safe_wal_bytes = Gauge(
+            "bridge_slot_safe_wal_bytes", "WAL that can still be written before the slot is "
+            "invalidated (safe_wal_size; -1: unlimited)", registry=r)
         self.heartbeats = Counter("bridge_heartbeats", "Heartbeat messages emitted", registry=r)
         self.schema_changes = Counter("bridge_schema_changes",
                                       "Schemas (re)published to KV", registry=r)
@@ -157,7 +164,11 @@ class TelemetryServer:
                     self._json(202, {"status": "shutting down"})
                     on_shutdown()
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as exc:
+            raise CdcError(f"cannot serve telemetry on {host}:{port} ({exc.strerror}): set "
+                           "CDC_HTTP_PORT to a free port (0: any free port)") from None
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="telemetry-http", daemon=True)

@@ -34,6 +34,7 @@ from cdc_platform.errors import (
 )
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.lsn import format_lsn
+from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import (
     TableSchema,
     published_tables_async,
@@ -42,7 +43,7 @@ from cdc_platform.postgres.catalog import (
 from cdc_platform.protocol.pgoutput import Relation
 from cdc_platform.publishing.jetstream import JetStreamPublisher
 from cdc_platform.replication.reader import SlotReader
-from cdc_platform.replication.slots import read_slot_async
+from cdc_platform.replication.slots import WAL_STATUS_LEVELS, read_slot_async, slot_alerts
 from cdc_platform.settings import PlatformSettings
 from cdc_platform.telemetry import BridgeMetrics, TelemetryServer
 from cdc_platform.wire import CONTROL_EOB_SUBJECT, HEARTBEAT_PREFIX, encoder
@@ -146,6 +147,7 @@ class CdcBridge:
                 ("heartbeat", self._heartbeat_loop()),
                 ("lag-monitor", self._lag_loop()),
                 ("metrics-log", self._metrics_log_loop()),
+                ("publication-watch", self._publication_watch_loop()),
             )]
             await self._replicate_with_reconnects()
             log.info("bridge stopped; confirmed LSN %s", format_lsn(self.metrics.confirmed_lsn))
@@ -419,16 +421,38 @@ class CdcBridge:
             raise SlotLostError(
                 f"slot {state.slot_name} was invalidated (its WAL was removed): changes are "
                 "lost. Drop the slot, restart the bridge, and re-snapshot the tables")
-        lag = state.lag_bytes or 0
-        self.metrics.wal_lag_bytes.set(lag)
+        self.metrics.wal_lag_bytes.set(state.lag_bytes or 0)
         self.metrics.retained_wal_bytes.set(state.retained_wal_bytes or 0)
-        if lag >= self.options.lag_critical_bytes:
-            log.error("CRITICAL: slot %s lags %d MB behind (wal_status=%s): NATS or the bridge "
-                      "is not keeping up; past max_slot_wal_keep_size the slot is invalidated",
-                      state.slot_name, lag // 2**20, state.wal_status)
-        elif lag >= self.options.lag_warn_bytes:
-            log.warning("slot %s lags %d MB behind (wal_status=%s)", state.slot_name,
-                        lag // 2**20, state.wal_status)
+        self.metrics.slot_wal_status.set(WAL_STATUS_LEVELS.get(state.wal_status or "", -1))
+        self.metrics.slot_safe_wal_bytes.set(
+            -1 if state.safe_wal_size is None else state.safe_wal_size)
+        for level, message in slot_alerts(state, lag_warn=self.options.lag_warn_bytes,
+                                          lag_critical=self.options.lag_critical_bytes,
+                                          safe_wal_warn=self.options.safe_wal_warn_bytes):
+            if level == "critical":
+                log.error("CRITICAL: %s", message)
+            else:
+                log.warning("%s", message)
+
+    async def _publication_watch_loop(self) -> None:
+        """A table added to the publication gets its schema in KV within seconds, before
+        its first change (consumers read the schema to create their tables)."""
+        conn = None
+        publication = self.settings.postgres.publication
+        while True:
+            await asyncio.sleep(self.options.publication_poll_seconds)
+            try:
+                if conn is None or conn.closed:
+                    conn = await self._sql_connection()
+                for schema, table in await published_tables_async(conn, publication):
+                    if wire_name(schema, table) in self._published_fingerprints:
+                        continue
+                    found = await table_schema_async(conn, publication, schema, table)
+                    if found is not None:
+                        await self._put_schema(found)
+            except psycopg.Error as exc:
+                log.warning("publication check failed: %s", exc)
+                conn = None
 
     async def _metrics_log_loop(self) -> None:
         while True:

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -28,9 +29,11 @@ from pathlib import Path
 import psycopg
 
 from cdc_platform.dev.demo import DEMO_TABLES, DemoWorkload, create_demo_tables
+from cdc_platform.dev.runs import cancel_runs, failed_runs
 from cdc_platform.dev.servers import (
     LocalNatsServer,
     LocalPostgres,
+    free_port,
     port_is_open,
     start_logical_postgres,
 )
@@ -47,13 +50,22 @@ EXTERNAL_PG_VARS = ("CDC_PG_HOST", "PG_HOST", "CDC_PG_DSN")
 EXTERNAL_NATS_VARS = ("CDC_NATS_URL", "NATS_URL", "CDC_NATS_HOST", "NATS_HOST")
 
 
+# Ports used when free; a port not given and taken by something else is replaced by a free
+# one (printed in the banner): a developer's machine often runs PostgreSQL, NATS, Grafana...
+DEFAULT_PORTS = {"ui_port": 3000, "pg_port": 54329, "nats_port": 4222,
+                 "nats_monitor_port": 8222}
+# How long a stop waits for the runs it cancels (the bridge's own shutdown bound is 30 s).
+RUN_CANCEL_SECONDS = 45.0
+
+
 @dataclass
 class DevOptions:
     state_dir: Path
-    ui_port: int = 3000
-    pg_port: int = 54329
-    nats_port: int = 4222
-    nats_monitor_port: int = 8222
+    ui_port: int | None = None  # None: DEFAULT_PORTS, or a free port when that is taken
+    pg_port: int | None = None
+    nats_port: int | None = None
+    nats_monitor_port: int | None = None
+    telemetry_port: int | None = None  # None: a free port
     dagster: bool = True
     demo_writes_per_second: float = 2.0
     smoke: bool = False  # start, verify, stop: what the tests and CI run
@@ -92,6 +104,26 @@ class DevStack:
         self.child_env: dict[str, str] = {}
         self.pg_settings: PostgresSettings | None = None
         self.nats_settings: NatsSettings | None = None
+        self.ports = {name: self._choose_port(name, getattr(options, name))
+                      for name in DEFAULT_PORTS}
+        self.telemetry_port = options.telemetry_port or free_port()
+        self.dagster_home = self.state_dir / "dagster_home"
+        self._reported_failures: set[str] = set()
+
+    @staticmethod
+    def _choose_port(name: str, given: int | None) -> int:
+        flag = "--" + name.replace("_", "-")
+        if given is not None:
+            if port_is_open("127.0.0.1", given):
+                raise CdcError(f"port {given} ({flag}) is taken: stop what listens there or "
+                               "choose another")
+            return given
+        preferred = DEFAULT_PORTS[name]
+        if not port_is_open("127.0.0.1", preferred):
+            return preferred
+        chosen = free_port()
+        log.info("port %d is taken: using %d for %s", preferred, chosen, flag)
+        return chosen
 
     # -- bring up ----------------------------------------------------------------------
     def run(self) -> int:
@@ -103,8 +135,9 @@ class DevStack:
                 self.verify()
                 print("smoke check passed: PostgreSQL, NATS and Dagster are up", flush=True)
                 return 0
-            while not self.stop_requested.wait(1.0):
+            while not self.stop_requested.wait(2.0):
                 self._check_children()
+                self._report_failed_runs()
             return 0
         finally:
             self.stop()
@@ -125,6 +158,10 @@ class DevStack:
         self.child_env = self._platform_env(pg_settings, nats_settings)
         if self.options.dagster:
             self._start_dagster()
+            with contextlib.suppress(Exception), self._instance() as instance:
+                # failures of earlier sessions were reported then
+                self._reported_failures = {run_id for run_id, _, _ in
+                                           failed_runs(instance, since_run_ids=set())}
         self._print_banner(pg_settings, nats_settings)
 
     def _start_postgres(self, secrets_file: _Secrets) -> PostgresSettings:
@@ -134,11 +171,8 @@ class DevStack:
             with psycopg.connect(settings.conninfo(), autocommit=True):
                 pass  # fail now, clearly, if it is unreachable or refuses us
             return settings
-        if port_is_open("127.0.0.1", self.options.pg_port):
-            raise CdcError(f"port {self.options.pg_port} is taken: stop what listens there or "
-                           "pass --pg-port")
         self.postgres = start_logical_postgres(
-            self.state_dir / "postgres", port=self.options.pg_port,
+            self.state_dir / "postgres", port=self.ports["pg_port"],
             superuser_password=secrets_file.values["PG_SUPERUSER_PASSWORD"],
         )
         settings = PostgresSettings(
@@ -161,12 +195,8 @@ class DevStack:
             settings = load_settings(NatsSettings)
             log.info("using the NATS given by the environment: %s", settings.describe())
             return settings
-        for port, flag in ((self.options.nats_port, "--nats-port"),
-                           (self.options.nats_monitor_port, "--nats-monitor-port")):
-            if port_is_open("127.0.0.1", port):
-                raise CdcError(f"port {port} is taken: stop what listens there or pass {flag}")
-        self.nats = LocalNatsServer(self.state_dir / "nats", port=self.options.nats_port,
-                                    monitor_port=self.options.nats_monitor_port)
+        self.nats = LocalNatsServer(self.state_dir / "nats", port=self.ports["nats_port"],
+                                    monitor_port=self.ports["nats_monitor_port"])
         self.nats.start()
         return NatsSettings(url=self.nats.url)
 
@@ -185,6 +215,7 @@ class DevStack:
             "CDC_PG_USER": pg.user, "CDC_PG_SSLMODE": pg.sslmode,
             "CDC_PUBLICATION": pg.publication, "CDC_SLOT": pg.slot,
             "CDC_NATS_URL": ",".join(nats.servers()),
+            "CDC_HTTP_PORT": str(self.telemetry_port),
         }
         if pg.password is not None:
             env["CDC_PG_PASSWORD"] = pg.password.get_secret_value()
@@ -196,12 +227,11 @@ class DevStack:
         return env
 
     def _start_dagster(self) -> None:
-        dagster_home = self.state_dir / "dagster_home"
+        dagster_home = self.dagster_home
         dagster_home.mkdir(exist_ok=True)
         shutil.copy(REPO_ROOT / "dagster.yaml", dagster_home / "dagster.yaml")
         env = {**os.environ, **self.child_env, "DAGSTER_HOME": str(dagster_home)}
-        if port_is_open("127.0.0.1", self.options.ui_port):
-            raise CdcError(f"port {self.options.ui_port} is taken: pass --ui-port")
+        self._write_env_file({**self.child_env, "DAGSTER_HOME": str(dagster_home)})
         bin_dir = Path(sys.executable).parent
         workspace = str(REPO_ROOT / "workspace.yaml")
         logs = self.state_dir / "logs"
@@ -214,7 +244,7 @@ class DevStack:
             raise CdcError(f"dagster instance migrate failed: {migrated.stderr.strip()[-500:]}")
         for name, command in (
             ("dagster-webserver", [str(bin_dir / "dagster-webserver"), "-h", "127.0.0.1",
-                                   "-p", str(self.options.ui_port), "-w", workspace]),
+                                   "-p", str(self.ports["ui_port"]), "-w", workspace]),
             ("dagster-daemon", [str(bin_dir / "dagster-daemon"), "run", "-w", workspace]),
         ):
             with open(logs / f"{name}.log", "ab") as out:
@@ -224,7 +254,7 @@ class DevStack:
         self._wait_for_ui(timeout=180)
 
     def _wait_for_ui(self, timeout: float) -> None:
-        url = f"http://127.0.0.1:{self.options.ui_port}/server_info"
+        url = f"http://127.0.0.1:{self.ports['ui_port']}/server_info"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self.stop_requested.is_set():
             self._check_children()
@@ -249,10 +279,15 @@ class DevStack:
                  f"slot={pg.slot}  (passwords in {self.state_dir / 'secrets.env'})",
                  f"  NATS        {nats.describe()}"]
         if self.options.dagster:
-            lines.append(f"  Dagster UI  http://127.0.0.1:{self.options.ui_port}")
+            lines.append(f"  Dagster UI  http://127.0.0.1:{self.ports['ui_port']}")
+            lines.append(f"  CDC bridge  http://127.0.0.1:{self.telemetry_port}/metrics "
+                         "(once cdc_job runs)")
         if self.workload is not None:
             lines.append(f"  demo tables {', '.join(DEMO_TABLES)} "
                          f"(~{self.options.demo_writes_per_second:g} writes/s)")
+        if self.options.dagster:
+            lines.append(f"For the dagster and cdc-platform commands of the README, first: "
+                         f"source {self.env_file}")
         lines.append("Press Ctrl-C to stop everything.")
         print("\n".join(lines), flush=True)
 
@@ -295,8 +330,55 @@ class DevStack:
         raise CdcError(f"no CDC events on {subject} within {timeout:.0f}s: is the "
                        f"cdc_sensor running? (see {self.state_dir / 'logs'})")
 
+    # -- Dagster runs ------------------------------------------------------------------
+    @property
+    def env_file(self) -> Path:
+        return self.state_dir / "dev.env"
+
+    def _write_env_file(self, env: dict[str, str]) -> None:
+        """What a shell needs for `dagster job launch` and friends (holds the password:
+        0600, like secrets.env)."""
+        self.env_file.touch(mode=0o600)
+        self.env_file.chmod(0o600)
+        self.env_file.write_text("".join(f"export {key}={shlex.quote(value)}\n"
+                                         for key, value in sorted(env.items())))
+
+    def _instance(self):
+        if not self.options.dagster or not (self.dagster_home / "dagster.yaml").exists():
+            return None
+        from dagster import DagsterInstance
+
+        return DagsterInstance.from_config(str(self.dagster_home))
+
+    def _report_failed_runs(self) -> None:
+        """A failed run (cdc_job above all) shows in this terminal, not only in the UI."""
+        with contextlib.suppress(Exception):  # the UI is where the details are anyway
+            instance = self._instance()
+            if instance is None:
+                return
+            with instance:
+                for failure in failed_runs(instance, since_run_ids=self._reported_failures):
+                    self._reported_failures.add(failure[0])
+                    print(f"Dagster run {failure[0]} of {failure[1]} failed: {failure[2]}",
+                          file=sys.stderr, flush=True)
+
+    def _cancel_runs(self) -> None:
+        """Ends the runs in progress as CANCELED (the bridge stops gracefully, with its final
+        ack) while the processes that can stop them are still up."""
+        try:
+            instance = self._instance()
+        except Exception as exc:  # noqa: BLE001 - stopping must go on
+            log.warning("could not open the Dagster instance to cancel runs: %s", exc)
+            return
+        if instance is None:
+            return
+        with instance:
+            cancel_runs(instance, timeout=RUN_CANCEL_SECONDS)
+
     # -- tear down ---------------------------------------------------------------------
     def stop(self) -> None:
+        if self.processes:
+            self._cancel_runs()
         for name, process in reversed(self.processes):
             # Each child leads its own process group: signal the group so that the code
             # servers Dagster spawns go too.

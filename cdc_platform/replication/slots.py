@@ -14,7 +14,8 @@ SELECT slot_name, plugin, slot_type, database, active, active_pid,
        restart_lsn::text, confirmed_flush_lsn::text, wal_status,
        pg_current_wal_lsn()::text,
        pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint,
-       pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint
+       pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint,
+       safe_wal_size
 FROM pg_replication_slots WHERE slot_name = %s
 """
 
@@ -33,6 +34,9 @@ class SlotState:
     current_wal_lsn: int
     retained_wal_bytes: int | None  # WAL the slot pins (current - restart_lsn)
     lag_bytes: int | None  # WAL not yet confirmed (current - confirmed_flush_lsn)
+    # WAL that can still be written before the slot is in danger of losing what it needs
+    # (max_slot_wal_keep_size); None when that is unlimited (-1) or the slot is lost
+    safe_wal_size: int | None = None
 
     @property
     def lost(self) -> bool:
@@ -57,9 +61,50 @@ def _to_state(row) -> SlotState | None:
     if row is None:
         return None
     (name, plugin, slot_type, database, active, active_pid, restart, confirmed, wal_status,
-     current, retained, lag) = row
+     current, retained, lag, safe_wal_size) = row
     return SlotState(name, plugin, slot_type, database, active, active_pid, _lsn(restart),
-                     _lsn(confirmed), wal_status, parse_lsn(current), retained, lag)
+                     _lsn(confirmed), wal_status, parse_lsn(current), retained, lag,
+                     safe_wal_size)
+
+
+#: wal_status as a gauge value (bridge_slot_wal_status)
+WAL_STATUS_LEVELS = {"reserved": 0, "extended": 1, "unreserved": 2, "lost": 3}
+
+
+def slot_alerts(state: SlotState, *, lag_warn: int, lag_critical: int,
+                safe_wal_warn: int) -> list[tuple[str, str]]:
+    """``(level, message)`` for everything about the slot worth a person's attention, most
+    urgent first; level is ``critical`` or ``warning``.
+
+    PostgreSQL says how close a slot is to being invalidated before it happens: wal_status
+    ``extended`` (WAL kept past max_wal_size for the slot), ``unreserved`` (past
+    max_slot_wal_keep_size: the next checkpoint removes it) and ``safe_wal_size`` (WAL that can
+    still be written before that). Lag alone says nothing of that limit.
+    """
+    alerts: list[tuple[str, str]] = []
+    name = state.slot_name
+    if state.wal_status == "unreserved":
+        alerts.append(("critical", (
+            f"slot {name}: wal_status=unreserved, the WAL it needs is past "
+            "max_slot_wal_keep_size and the next checkpoint will invalidate the slot unless "
+            "the bridge catches up now")))
+    elif state.wal_status == "extended":
+        alerts.append(("warning", (
+            f"slot {name}: wal_status=extended, PostgreSQL keeps WAL past max_wal_size for "
+            "this slot")))
+    if state.safe_wal_size is not None and state.safe_wal_size < safe_wal_warn:
+        level = "critical" if state.safe_wal_size < safe_wal_warn // 4 else "warning"
+        alerts.append((level, (
+            f"slot {name}: only {max(state.safe_wal_size, 0) // 2**20} MB of WAL can still be "
+            "written before the slot is invalidated (safe_wal_size; raise "
+            "max_slot_wal_keep_size or catch up)")))
+    lag = state.lag_bytes or 0
+    behind = f"slot {name} lags {lag // 2**20} MB behind (wal_status={state.wal_status})"
+    if lag >= lag_critical:
+        alerts.append(("critical", f"{behind}: NATS or the bridge is not keeping up"))
+    elif lag >= lag_warn:
+        alerts.append(("warning", behind))
+    return sorted(alerts, key=lambda alert: alert[0] != "critical")
 
 
 def check_slot_usable(state: SlotState, *, database: str, reader_pid: int | None = None) -> None:

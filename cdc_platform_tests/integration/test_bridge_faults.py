@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import msgpack
 import pytest
 from pydantic import SecretStr
 
@@ -173,3 +174,26 @@ def test_cli_start_error_is_one_line(cdc_database, provisioned_nats):
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
     assert errors and "password authentication failed" in errors[-1]
     assert "Traceback" not in result.stderr and "not-the-password" not in result.stderr
+
+
+async def test_a_newly_published_table_gets_its_schema_before_any_change(
+        cdc_database, pg_admin, provisioned_nats, nats_client):
+    settings = platform_settings(cdc_database, provisioned_nats.url,
+                                 publication_poll_seconds=0.5)
+    table = random_name("late")
+    async with running_bridge(settings):
+        await wait_for(lambda: slot_confirmed(pg_admin, cdc_database.slot) > 0)
+        pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, note text)")
+        cdc_database.add_tables(pg_admin, table)  # no write to it
+        kv = await nats_client.jetstream().key_value("schemas")
+
+        async def published() -> bool:
+            try:
+                await kv.get(table)
+                return True
+            except Exception:  # noqa: BLE001 - not there yet
+                return False
+
+        await wait_for(published, timeout=15, what=f"the schema of {table} in KV")
+    schema = msgpack.unpackb((await kv.get(table)).value)
+    assert [c["name"] for c in schema["columns"]] == ["id", "note"]

@@ -1,6 +1,11 @@
 """The README's first command, end to end, in smoke mode (start, verify, stop)."""
 
+import asyncio
+import contextlib
+import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -10,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from cdc_platform.dev.servers import free_port
+from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.settings import NatsSettings
 
 
 @pytest.fixture
@@ -50,3 +57,118 @@ def test_dev_stack_comes_up_and_stops_cleanly(state_root):
             break
         time.sleep(0.2)
     assert left.returncode == 1, left.stdout + output[-3000:]
+
+
+def _listen(port: int) -> socket.socket | None:
+    """Hold ``port`` like another program would (None when something already does)."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    sock.listen()
+    return sock
+
+
+def _cdc_events(state_dir: Path) -> int:
+    """How many CDC events of the demo table the stack's nats-server stores."""
+    env_text = (state_dir / "dev.env").read_text()
+    url = env_text.split("CDC_NATS_URL=")[1].splitlines()[0].strip("'")
+
+    async def count() -> int:
+        client = await connect_nats(NatsSettings(url=url))
+        try:
+            info = await client.jetstream().stream_info("CDC", subjects_filter="cdc.users.>")
+            return sum((info.state.subjects or {}).values())
+        finally:
+            await client.close()
+
+    return asyncio.run(count())
+
+
+def _wait_for_more_events(state_dir: Path, than: int, timeout: float, what: str) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            now = _cdc_events(state_dir)
+            if now > than:
+                return now
+        time.sleep(2)
+    raise AssertionError(f"no new CDC events within {timeout:.0f}s {what}")
+
+
+def _start_stack(state_dir: Path, log_path: Path) -> subprocess.Popen:
+    cli = Path(sys.executable).parent / "cdc-platform"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CDC_", "PG_", "NATS_", "POSTGRES_"))}
+    env.update(CDC_RUN_LIVENESS_TIMEOUT="20", CDC_RUN_LIVENESS_INTERVAL="2",
+               CDC_RELAUNCH_BACKOFF="1")
+    with open(log_path, "ab") as out:
+        return subprocess.Popen([str(cli), "dev", "--state-dir", str(state_dir)], env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop_stack(process: subprocess.Popen, log_path: Path) -> None:
+    process.send_signal(signal.SIGINT)  # Ctrl-C
+    try:
+        process.wait(120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError("the dev stack did not stop within 120s: "
+                             + log_path.read_text()[-3000:]) from None
+
+
+def _cdc_runs(state_dir: Path) -> list:
+    import dagster as dg
+
+    with dg.DagsterInstance.from_config(str(state_dir / "dagster_home")) as instance:
+        return [(run.run_id, run.status) for run in
+                instance.get_runs(dg.RunsFilter(job_name="cdc_job"))]
+
+
+def test_cdc_comes_back_after_restarts_and_a_killed_run_worker(state_root):
+    """With the usual ports taken: stop and start twice, CDC streams again each time and the
+    stopped runs end CANCELED; a SIGKILLed run worker is replaced within the liveness bound."""
+    import dagster as dg
+
+    held = [sock for sock in map(_listen, (9090, 3000, 4222)) if sock is not None]
+    state_dir, log_path = state_root / "state", state_root / "dev.log"
+    try:
+        events = 0
+        for cycle in range(2):
+            stack = _start_stack(state_dir, log_path)
+            try:
+                events = _wait_for_more_events(state_dir, events, 240,
+                                               f"after start {cycle + 1}")
+                if cycle == 0:
+                    # the run worker and its step process: multiprocessing children of the
+                    # daemon's code server (no other Dagster runs here)
+                    workers = subprocess.run(["pgrep", "-f", "multiprocessing.spawn import"],
+                                             capture_output=True, text=True, check=False)
+                    pids = [int(pid) for pid in workers.stdout.split()]
+                    assert pids, "no cdc_job run worker found"
+                    for pid in pids:
+                        os.kill(pid, signal.SIGKILL)
+                    killed_at = time.monotonic()
+                    time.sleep(5)
+                    settled = _cdc_events(state_dir)
+                    events = _wait_for_more_events(state_dir, settled, 150,
+                                                   "after the run worker was killed")
+                    assert time.monotonic() - killed_at < 150
+            finally:
+                _stop_stack(stack, log_path)
+            output = log_path.read_text()
+            assert "dev stack stopped" in output
+            runs = _cdc_runs(state_dir)
+            assert runs and all(status in (dg.DagsterRunStatus.CANCELED,
+                                           dg.DagsterRunStatus.FAILURE)
+                                for _, status in runs), runs
+            assert runs[0][1] == dg.DagsterRunStatus.CANCELED, runs  # the latest: stopped
+        output = log_path.read_text()
+        assert "source " in output and "dev.env" in output
+        assert oct((state_dir / "dev.env").stat().st_mode & 0o777) == "0o600"
+        assert "/metrics" in output
+    finally:
+        for sock in held:
+            sock.close()

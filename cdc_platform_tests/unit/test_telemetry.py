@@ -72,3 +72,12 @@ def test_shutdown_disabled_without_token():
         assert post(telemetry, "/shutdown", token="anything") == 403
     finally:
         telemetry.stop()
+
+
+def test_a_taken_port_is_one_line_naming_it(server):
+    from cdc_platform.errors import CdcError
+
+    _, telemetry, _ = server
+    with pytest.raises(CdcError, match=rf"cannot serve telemetry on 127\.0\.0\.1:{telemetry.port} "
+                                       r"\(Address already in use\): set CDC_HTTP_PORT"):
+        TelemetryServer(BridgeMetrics(), port=telemetry.port)

@@ -13,13 +13,16 @@ from cdc_platform.defs.resources import CdcResource, NatsResource, PostgresResou
 from cdc_platform.settings import OrchestrationSettings, load_settings
 
 SLOT_TAG = "cdc_platform/slot"
+# Unix time of the run worker's last sign of life (written every few seconds by the op).
+LIVENESS_TAG = "cdc_platform/alive_at"
 
 
 @dg.op(description="Stream the replication slot into JetStream until the run is cancelled.")
 def run_cdc_bridge(context: dg.OpExecutionContext, postgres: PostgresResource,
                    nats: NatsResource, cdc: CdcResource) -> None:
     settings = cdc.platform_settings(postgres, nats)
-    observe_every = load_settings(OrchestrationSettings).cdc_observe_interval_seconds
+    orchestration = load_settings(OrchestrationSettings)
+    observe_every = orchestration.cdc_observe_interval_seconds
     observations: queue.Queue = queue.Queue()
     bridge_box: dict = {}
     failure: list[BaseException] = []
@@ -48,10 +51,15 @@ def run_cdc_bridge(context: dg.OpExecutionContext, postgres: PostgresResource,
     context.log.info(f"CDC bridge started: slot {settings.postgres.slot}, publication "
                      f"{settings.postgres.publication}, {settings.postgres.describe()} -> "
                      f"{settings.nats.describe()}")
+    next_liveness = 0.0
     try:
         while thread.is_alive():
             thread.join(1.0)
             _report(context, observations)
+            if time.monotonic() >= next_liveness:  # cdc_sensor's proof that we are alive
+                context.instance.add_run_tags(context.run_id,
+                                              {LIVENESS_TAG: str(int(time.time()))})
+                next_liveness = time.monotonic() + orchestration.cdc_liveness_interval_seconds
     except BaseException:
         context.log.info("run cancelled: stopping the CDC bridge gracefully (final ack)")
         ready.wait(10)
