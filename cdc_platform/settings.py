@@ -258,6 +258,14 @@ class DictionaryBucketSettings(_Settings):
     replicas: int = Field(1, ge=1, le=5, validation_alias=_env("CDC_DICTIONARY_REPLICAS"))
 
 
+class LargeBucketSettings(_Settings):
+    """The Object Store bucket of payloads over max_payload (claim checks); its objects live
+    as long as the CDC stream keeps events (the CDC stream's max age)."""
+
+    bucket: str = Field("cdc_large", validation_alias=_env("CDC_LARGE_BUCKET"))
+    replicas: int = Field(1, ge=1, le=5, validation_alias=_env("CDC_LARGE_REPLICAS"))
+
+
 class EncodingSettings(_Settings):
     """Payload encoding and snapshot compression."""
 
@@ -334,6 +342,7 @@ class NatsTopology(_Settings):
     requests: RequestStreamSettings = Field(default_factory=RequestStreamSettings)
     schemas: SchemaBucketSettings = Field(default_factory=SchemaBucketSettings)
     dictionaries: DictionaryBucketSettings = Field(default_factory=DictionaryBucketSettings)
+    large: LargeBucketSettings = Field(default_factory=LargeBucketSettings)
 
 
 class PlatformSettings(_Settings):

@@ -41,6 +41,7 @@ from cdc_platform.postgres.catalog import (
     table_schema_async,
 )
 from cdc_platform.protocol.pgoutput import Relation
+from cdc_platform.publishing.claim_check import ClaimChecks
 from cdc_platform.publishing.jetstream import JetStreamPublisher
 from cdc_platform.replication.reader import SlotReader
 from cdc_platform.replication.slots import WAL_STATUS_LEVELS, read_slot_async, slot_alerts
@@ -70,6 +71,7 @@ class CdcBridge:
         self.reader: SlotReader | None = None
         self.publisher: JetStreamPublisher | None = None
         self._kv = None
+        self._claim_checks: ClaimChecks | None = None
         self._published_fingerprints: dict[str, str] = {}
         # (position, published at (monotonic), committed at (epoch)) per published batch
         self._timings: collections.deque = collections.deque(maxlen=100_000)
@@ -142,6 +144,8 @@ class CdcBridge:
                 max_in_flight_bytes=self.options.max_in_flight_bytes,
                 control_subject=CONTROL_EOB_SUBJECT)
             await self.publisher.start()
+            self._claim_checks = ClaimChecks(js, self.settings.topology.large.bucket,
+                                             self.settings.encoding.format)
             self._watch_nats(nc)
             side_tasks = [asyncio.create_task(coro, name=name) for name, coro in (
                 ("heartbeat", self._heartbeat_loop()),
@@ -272,6 +276,10 @@ class CdcBridge:
         """Publish, but keep answering PostgreSQL while the publisher applies backpressure
         (a NATS outage must not make the walsender time us out)."""
         assert self.publisher is not None
+        max_payload = self.publisher.max_payload
+        if ClaimChecks.oversized(messages, max_payload):  # a rare, large row: not per message
+            assert self._claim_checks is not None
+            messages = await self._claim_checks.replace_oversized(messages, max_payload)
         task = asyncio.ensure_future(self.publisher.publish(messages, position))
         while True:
             done, _ = await asyncio.wait({task}, timeout=self.options.status_interval_seconds)

@@ -109,6 +109,7 @@ class DevStack:
         self.telemetry_port = options.telemetry_port or free_port()
         self.dagster_home = self.state_dir / "dagster_home"
         self._reported_failures: set[str] = set()
+        self._dagster_instance = None
 
     @staticmethod
     def _choose_port(name: str, given: int | None) -> int:
@@ -158,10 +159,9 @@ class DevStack:
         self.child_env = self._platform_env(pg_settings, nats_settings)
         if self.options.dagster:
             self._start_dagster()
-            with contextlib.suppress(Exception), self._instance() as instance:
-                # failures of earlier sessions were reported then
+            with contextlib.suppress(Exception):  # failures of earlier sessions: reported then
                 self._reported_failures = {run_id for run_id, _, _ in
-                                           failed_runs(instance, since_run_ids=set())}
+                                           failed_runs(self._instance(), since_run_ids=set())}
         self._print_banner(pg_settings, nats_settings)
 
     def _start_postgres(self, secrets_file: _Secrets) -> PostgresSettings:
@@ -344,11 +344,14 @@ class DevStack:
                                          for key, value in sorted(env.items())))
 
     def _instance(self):
-        if not self.options.dagster or not (self.dagster_home / "dagster.yaml").exists():
-            return None
-        from dagster import DagsterInstance
+        """The Dagster instance of the stack, opened once (None without Dagster)."""
+        if self._dagster_instance is None and self.options.dagster \
+                and (self.dagster_home / "dagster.yaml").exists():
+            from dagster import DagsterInstance
 
-        return DagsterInstance.from_config(str(self.dagster_home))
+            logging.getLogger("alembic").setLevel(logging.WARNING)
+            self._dagster_instance = DagsterInstance.from_config(str(self.dagster_home))
+        return self._dagster_instance
 
     def _report_failed_runs(self) -> None:
         """A failed run (cdc_job above all) shows in this terminal, not only in the UI."""
@@ -356,11 +359,10 @@ class DevStack:
             instance = self._instance()
             if instance is None:
                 return
-            with instance:
-                for failure in failed_runs(instance, since_run_ids=self._reported_failures):
-                    self._reported_failures.add(failure[0])
-                    print(f"Dagster run {failure[0]} of {failure[1]} failed: {failure[2]}",
-                          file=sys.stderr, flush=True)
+            for failure in failed_runs(instance, since_run_ids=self._reported_failures):
+                self._reported_failures.add(failure[0])
+                print(f"Dagster run {failure[0]} of {failure[1]} failed: {failure[2]}",
+                      file=sys.stderr, flush=True)
 
     def _cancel_runs(self) -> None:
         """Ends the runs in progress as CANCELED (the bridge stops gracefully, with its final
@@ -372,8 +374,7 @@ class DevStack:
             return
         if instance is None:
             return
-        with instance:
-            cancel_runs(instance, timeout=RUN_CANCEL_SECONDS)
+        cancel_runs(instance, timeout=RUN_CANCEL_SECONDS)
 
     # -- tear down ---------------------------------------------------------------------
     def stop(self) -> None:
@@ -392,6 +393,10 @@ class DevStack:
                 os.killpg(process.pid, signal.SIGKILL)  # stragglers in the group
             process.wait()
         self.processes.clear()
+        if self._dagster_instance is not None:
+            with contextlib.suppress(Exception):
+                self._dagster_instance.dispose()
+            self._dagster_instance = None
         if self.workload is not None:
             self.workload.stop()
             self.workload = None

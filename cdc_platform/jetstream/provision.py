@@ -111,6 +111,34 @@ async def _ensure_bucket(js: JetStreamContext, wanted: KeyValueConfig, report: P
         report.unchanged.append(f"kv:{wanted.bucket}")
 
 
+async def _ensure_object_store(js: JetStreamContext, topology: NatsTopology,
+                               report: ProvisionReport, conflicts: list[str],
+                               update: bool) -> None:
+    from cdc_platform.publishing.claim_check import object_store_config
+
+    wanted = object_store_config(topology.large.bucket, topology.cdc.max_age_seconds,
+                                 topology.large.replicas)
+    try:
+        info = await js.stream_info(f"OBJ_{wanted.bucket}")
+    except NotFoundError:
+        await js.create_object_store(wanted.bucket, config=wanted)
+        report.created.append(f"obj:{wanted.bucket}")
+        return
+    differences = {}
+    if _normalized(info.config.max_age or 0.0) != _normalized(wanted.ttl or 0.0):
+        differences["ttl"] = (info.config.max_age, wanted.ttl)
+    if (info.config.num_replicas or 1) != wanted.replicas:
+        differences["replicas"] = (info.config.num_replicas, wanted.replicas)
+    if not differences:
+        report.unchanged.append(f"obj:{wanted.bucket}")
+    elif update and set(differences) == {"ttl"}:  # follows the CDC stream's max age
+        info.config.max_age = wanted.ttl
+        await js.update_stream(info.config)
+        report.updated.append(f"obj:{wanted.bucket} (ttl)")
+    else:
+        conflicts.append(_describe(f"obj:{wanted.bucket}", differences))
+
+
 def _normalized(value):
     if isinstance(value, float):
         return round(value, 3)
@@ -164,6 +192,7 @@ async def provision(js: JetStreamContext, topology: NatsTopology, *,
 
     for wanted_bucket in wanted_buckets(topology):
         await _ensure_bucket(js, wanted_bucket, report, conflicts)
+    await _ensure_object_store(js, topology, report, conflicts, update)
 
     if conflicts:
         raise ProvisioningError(

@@ -908,6 +908,11 @@ class JetStreamPublisher:
         log.info("publishing to JetStream stream %s: %s mode, %s wire", self._stream, mode,
                  wire.name)
 
+    @property
+    def max_payload(self) -> int:
+        """The connected server's limit on headers + payload of one message."""
+        return self._nc.max_payload
+
     async def publish(self, messages: Sequence[OutgoingMessage],
                       position: int | None = None) -> None:
         """Queue ``messages`` in order; ``position`` is reported stored once they all are.

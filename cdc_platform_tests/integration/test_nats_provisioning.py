@@ -16,12 +16,14 @@ def _isolated_topology(suffix: str, **cdc) -> NatsTopology:
         requests={"name": f"REQ_{suffix}", "subjects": [f"{suffix}.req.>"]},
         schemas={"bucket": f"schemas_{suffix}"},
         dictionaries={"bucket": f"dictionaries_{suffix}"},
+        large={"bucket": f"large_{suffix}"},
     )
 
 
 async def _delete(js, topology):
     for name in (topology.cdc.name, topology.init.name, topology.requests.name,
-                 f"KV_{topology.schemas.bucket}", f"KV_{topology.dictionaries.bucket}"):
+                 f"KV_{topology.schemas.bucket}", f"KV_{topology.dictionaries.bucket}",
+                 f"OBJ_{topology.large.bucket}"):
         await js.delete_stream(name)
 
 
@@ -32,7 +34,8 @@ async def test_creates_then_verifies(nats_client):
     second = await provision(js, topology)
     try:
         assert sorted(first.created) == ["CDC_fresh", "INIT_fresh", "REQ_fresh",
-                                         "kv:dictionaries_fresh", "kv:schemas_fresh"]
+                                         "kv:dictionaries_fresh", "kv:schemas_fresh",
+                                         "obj:large_fresh"]
         assert sorted(second.unchanged) == sorted(first.created)
         cdc = (await js.stream_info("CDC_fresh")).config
         assert cdc.subjects == ["fresh.cdc.>"]
@@ -42,6 +45,8 @@ async def test_creates_then_verifies(nats_client):
         assert (await kv.status()).history == 10
         dictionaries = await js.key_value("dictionaries_fresh")
         assert (await dictionaries.status()).history == 1  # an id never names other bytes
+        large = (await js.stream_info("OBJ_large_fresh")).config
+        assert large.max_age == 7 * 86400  # claim checks live as long as CDC events
     finally:
         await _delete(js, topology)
 
@@ -71,7 +76,7 @@ async def test_conflicting_config_is_reported_field_by_field(nats_client):
         with pytest.raises(ProvisioningError, match=r"CDC_conflict\.max_age: existing 3600"):
             await provision(js, wanted)
         report = await provision(js, wanted, update=True)
-        assert report.updated == ["CDC_conflict (max_age)"]
+        assert report.updated == ["CDC_conflict (max_age)", "obj:large_conflict (ttl)"]
         assert (await js.stream_info("CDC_conflict")).config.max_age == 7200
     finally:
         await _delete(js, topology)
