@@ -71,8 +71,10 @@ class ClaimChecks:
                        else await self.check_in(message, max_payload))
         return out
 
-    async def check_in(self, message: OutgoingMessage, max_payload: int) -> OutgoingMessage:
-        """Store ``message``'s payload; the small message that references it."""
+    async def check_in(self, message: OutgoingMessage, max_payload: int,
+                       envelope: dict[str, Any] | None = None) -> OutgoingMessage:
+        """Store ``message``'s payload; the small message that references it. ``envelope``:
+        the reference's fields when the payload cannot be decoded (a compressed chunk)."""
         store = await self._object_store()
         name = message.msg_id
         digest = hashlib.sha256(message.payload).hexdigest()
@@ -85,7 +87,9 @@ class ClaimChecks:
             raise PublishError(f"could not store the {len(message.payload)}-byte payload of "
                                f"{name} ({message.subject}) in object store {self.bucket}: "
                                f"{exc}") from exc
-        reference = {**_envelope(decode_payload(message.payload, self._format)),
+        if envelope is None:
+            envelope = _envelope(decode_payload(message.payload, self._format))
+        reference = {**envelope,
                      "claim_check": {"bucket": self.bucket, "object": name,
                                      "size": len(message.payload), "sha256": digest}}
         log.info("%s on %s is %d bytes, over max_payload: stored in object store %s",

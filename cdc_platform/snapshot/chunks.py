@@ -21,9 +21,9 @@ there are (``batch_count``) and which numbers each partition used (``chunks``).
 
 Size: a chunk is first cut on an estimate (line length plus the per-row key overhead, scaled
 by the compression ratio of the previous chunk), then encoded; if the message is still too
-large it is split in halves until every part fits. A single row that does not fit raises
-:class:`PayloadTooLarge` naming the table and the row's primary key (or ``ctid`` when the
-table has none).
+large it is split in halves until every part fits. A single row that does not fit becomes a
+chunk of its own marked ``oversized``: the publisher sends it as a claim check (README "Large
+values").
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 import msgpack
 import zstandard
 
-from cdc_platform.errors import ConversionError, PayloadTooLarge, SnapshotError
+from cdc_platform.errors import ConversionError, SnapshotError
 from cdc_platform.protocol import values
 from cdc_platform.protocol.copy_text import unescape
 from cdc_platform.protocol.native import NATIVE
@@ -184,6 +184,9 @@ class Chunk:
     payload: bytes
     rows: int
     raw_size: int  # encoded size before compression
+    # one row whose chunk is over max_payload: published as a claim check (README "Large
+    # values"); never set on a chunk of several rows (those are split instead)
+    oversized: bool = False
 
 
 @dataclass(slots=True)
@@ -400,7 +403,9 @@ class Chunker:
                 width = self._width
                 data, ctids = self.rows_of(fields[offset * width:(offset + 1) * width], 1,
                                            raw={})
-                raise self._row_too_large(data[0], ctids, 0, len(payload))
+                self._log_oversized(data[0], ctids, 0, len(payload))
+                self._finish_chunk(number, 1, raw, payload, out, oversized=True)
+                return
             self.stats.splits += 1
             half = count // 2
             self._encode_packed(rows[:half], offset, fields, out)
@@ -432,7 +437,9 @@ class Chunker:
         payload = self._compress(raw) if self._compress is not None else raw
         if len(payload) > self._budget:
             if len(data) == 1:
-                raise self._row_too_large(data[0], ctids, offset, len(payload))
+                self._log_oversized(data[0], ctids, offset, len(payload))
+                self._finish_chunk(number, 1, raw, payload, out, oversized=True)
+                return
             self.stats.splits += 1
             half = len(data) // 2
             self._encode_fitting(data[:half], offset, ctids, out, raw)
@@ -441,7 +448,7 @@ class Chunker:
         self._finish_chunk(number, len(data), raw, payload, out)
 
     def _finish_chunk(self, number: int, rows: int, raw: bytes, payload: bytes,
-                      out: list[Chunk]) -> None:
+                      out: list[Chunk], *, oversized: bool = False) -> None:
         layout = self.layout
         self._next += 1
         self._ratio = len(payload) / len(raw) if raw else 1.0
@@ -452,15 +459,13 @@ class Chunker:
         stats.bytes_raw += len(raw)
         stats.bytes_compressed += len(payload)
         out.append(Chunk(number, snapshot_chunk_subject(layout.table, layout.snapshot_id, number),
-                         layout.headers(number), payload, rows, len(raw)))
+                         layout.headers(number), payload, rows, len(raw), oversized))
 
-    def _row_too_large(self, row: dict[str, Any], ctids: Sequence[str] | None, offset: int,
-                       size: int) -> PayloadTooLarge:
-        layout = self.layout
-        return PayloadTooLarge(
-            f"{layout.table}: row {self._describe_key(row, ctids, offset)} encodes to {size} "
-            f"bytes, over the {self._budget} a chunk may use (NATS max_payload "
-            f"{layout.max_payload}); raise max_payload or leave this table out of snapshots")
+    def _log_oversized(self, row: dict[str, Any], ctids: Sequence[str] | None, offset: int,
+                       size: int) -> None:
+        log.info("%s: row %s encodes to %d bytes, over the %d a chunk may use: sent as a "
+                 "claim check", self.layout.table, self._describe_key(row, ctids, offset), size,
+                 self._budget)
 
     def _describe_key(self, row: dict[str, Any], ctids: Sequence[str] | None,
                       offset: int) -> str:

@@ -380,6 +380,7 @@ async def snapshot_table(spark: Any, settings: PlatformSettings, table: str, *,
                     snapshot_name=created.snapshot_name, select=_select(described.schema),
                     layout=layout, columns=described.schema.columns,
                     type_rows=described.type_rows, stream=init_stream,
+                    large_bucket=settings.topology.large.bucket,
                     publish_window=options.publish_window,
                     publish_timeout=options.publish_timeout, fault=fault)
                 log.info("snapshot %s of %s: lsn %s, %d blocks in %d ranges", snapshot_id,

@@ -44,10 +44,13 @@ from cdc_platform.errors import (
     SnapshotError,
 )
 from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.publishing.claim_check import ClaimChecks
+from cdc_platform.publishing.jetstream import OutgoingMessage
 from cdc_platform.postgres.catalog import ColumnInfo
 from cdc_platform.protocol.values import TypeRegistry
 from cdc_platform.settings import NatsSettings
 from cdc_platform.snapshot.chunks import Chunk, Chunker, ChunkLayout
+from cdc_platform.wire import HEADER_MSG_ID
 from cdc_platform.snapshot.plan import BlockRange
 
 log = logging.getLogger(__name__)
@@ -84,6 +87,7 @@ class TaskSpec:
     columns: tuple[ColumnInfo, ...]
     type_rows: tuple[tuple[Any, ...], ...]
     stream: str
+    large_bucket: str = "cdc_large"  # Object Store of claim checks (README "Large values")
     publish_window: int = DEFAULT_PUBLISH_WINDOW
     publish_timeout: float = 30.0
     fault: TaskFault | None = None
@@ -192,8 +196,11 @@ class ChunkPublisher:
     """Up to ``window`` chunks in flight; a chunk whose PubAck does not come is sent again
     with the same ``Nats-Msg-Id`` (JetStream keeps one)."""
 
-    def __init__(self, js: JetStreamContext, stream: str, window: int, timeout: float) -> None:
+    def __init__(self, js: JetStreamContext, stream: str, window: int, timeout: float,
+                 claim_checks: ClaimChecks | None = None, max_payload: int = 0) -> None:
         self._js = js
+        self._claim_checks = claim_checks
+        self._max_payload = max_payload
         self._stream = stream
         self._window = max(1, window)
         self._timeout = timeout
@@ -211,6 +218,20 @@ class ChunkPublisher:
         # and COPY data is nearly always ready, so nothing else would yield to it.
         await asyncio.sleep(0)
 
+    async def _check_in(self, chunk: Chunk) -> tuple[bytes, dict[str, str]]:
+        """A one-row chunk over max_payload: its payload into the object store, and the
+        reference published in its place (the chunk's headers still describe the object)."""
+        if self._claim_checks is None:
+            raise PublishError(f"chunk {chunk.subject} is over max_payload and no object store "
+                               "is configured for claim checks")
+        msg_id = chunk.headers[HEADER_MSG_ID]
+        envelope = {"table": chunk.subject.split(".")[2], "operation": "snapshot",
+                    "snapshot_id": msg_id.rsplit(":", 1)[0], "chunk": chunk.number}
+        reference = await self._claim_checks.check_in(
+            OutgoingMessage(chunk.subject, msg_id, chunk.payload), self._max_payload,
+            envelope=envelope)
+        return reference.payload, {**chunk.headers, **dict(reference.headers)}
+
     async def flush(self) -> None:
         while self._in_flight:
             await self._in_flight.popleft()
@@ -223,11 +244,14 @@ class ChunkPublisher:
         self._in_flight.clear()
 
     async def _send(self, chunk: Chunk) -> None:
+        payload, headers = chunk.payload, dict(chunk.headers)
+        if chunk.oversized:
+            payload, headers = await self._check_in(chunk)
         delay = 0.2
         for attempt in range(1, _PUBLISH_ATTEMPTS + 1):
             try:
-                ack = await self._js.publish(chunk.subject, chunk.payload,
-                                             timeout=self._timeout, headers=dict(chunk.headers))
+                ack = await self._js.publish(chunk.subject, payload,
+                                             timeout=self._timeout, headers=headers)
             except (nats.errors.TimeoutError, NoStreamResponseError) as exc:
                 if attempt == _PUBLISH_ATTEMPTS:
                     raise PublishError(f"chunk {chunk.subject}: no PubAck after {attempt} "
@@ -274,7 +298,9 @@ async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 
         layout = replace(spec.layout, max_payload=min(spec.layout.max_payload,
                                                       client.max_payload))
         chunker = Chunker(layout, converters_for(spec), block_range.index)
-        publisher = ChunkPublisher(js, spec.stream, spec.publish_window, spec.publish_timeout)
+        publisher = ChunkPublisher(
+            js, spec.stream, spec.publish_window, spec.publish_timeout,
+            ClaimChecks(js, spec.large_bucket, layout.format), client.max_payload)
         fault = spec.fault if (spec.fault and spec.fault.partition == block_range.index
                                and attempt == 0) else None
         # not ``with``: leaving a failed COPY must not try a ROLLBACK on a busy connection

@@ -23,11 +23,12 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from cdc_platform.bridge.runner import CdcBridge
 from cdc_platform.dev.servers import LocalNatsServer
-from cdc_platform.errors import PayloadTooLarge, SnapshotRequestRefused
+from cdc_platform.errors import SnapshotRequestRefused
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.protocol.copy_text import iter_rows
+from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.protocol.values import TYPE_CATALOG_QUERY, TypeRegistry, convert_row
 from cdc_platform.replication.connection import SESSION_OPTIONS
 from cdc_platform.replication.slots import read_slot
@@ -76,7 +77,8 @@ async def decoded_chunks(client, result, fmt="msgpack"):
     dictionaries = {}
     chunks = []
     for message in messages:
-        data = message.data
+        # a claim check first (README "Large values"), then the encoding the headers say
+        data = await resolve_payload(client.jetstream(), message.data, message.headers)
         if message.headers.get("Content-Encoding") == "zstd":
             dict_id = message.headers.get("Cdc-Zstd-Dict")
             if dict_id not in dictionaries:
@@ -379,7 +381,7 @@ def small_nats(tmp_path):
     server.stop()
 
 
-async def test_chunks_fit_max_payload_and_an_oversized_row_fails_by_key(
+async def test_chunks_fit_max_payload_and_an_oversized_row_is_a_claim_check(
         cdc_database, pg_admin, small_nats, spark_session):
     client = await connect_nats(NatsSettings(url=small_nats.url))
     try:
@@ -403,15 +405,20 @@ async def test_chunks_fit_max_payload_and_an_oversized_row_fails_by_key(
         # one random (incompressible) row of 100 KB
         big = "".join(random.choice("abcdefghijklmnopqrstuvwxyz0123456789")
                       for _ in range(100_000))
+        # flows as a claim check (README "Large values"), compressed or not
         pg_admin.execute(f"INSERT INTO {table} VALUES (4242, %s)", (big,))
-        with pytest.raises(PayloadTooLarge, match=rf"{table}: row id=4242 encodes to \d+ bytes"):
-            await snapshot_table(spark_session, settings, table, options=NO_BRIDGE)
         zstd = settings_for(cdc_database, small_nats.url, zstd=True, zstd_dictionary=False)
-        with pytest.raises(PayloadTooLarge, match="id=4242"):  # compressed, still too large
-            await snapshot_table(spark_session, zstd, table, options=NO_BRIDGE)
+        for flavour in (settings, zstd):
+            result = await snapshot_table(spark_session, flavour, table, options=NO_BRIDGE)
+            messages = await chunk_messages(client, result)
+            claimed = [m for m in messages if "Cdc-Claim-Check" in m.headers]
+            assert len(claimed) == 1 and max(len(m.data) for m in messages) <= 64 * 1024
+            rows = {r["id"]: r for r in await snapshot_data(client, result)}
+            assert len(rows) == 3001 and rows[4242]["body"] == big
         pg_admin.execute(f"INSERT INTO {nokey} VALUES ('small'), (%s)", (big,))
-        with pytest.raises(PayloadTooLarge, match=r"row ctid=\(0,2\) \(no primary key\)"):
-            await snapshot_table(spark_session, settings, nokey, options=NO_BRIDGE)
+        result = await snapshot_table(spark_session, settings, nokey, options=NO_BRIDGE)
+        assert sorted(r["body"] for r in await snapshot_data(client, result)) == sorted(
+            ["small", big])
     finally:
         await client.close()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from types import SimpleNamespace
 
 import msgpack
@@ -189,22 +190,28 @@ def test_an_optimistic_estimate_is_split_until_it_fits():
     assert [r["id"] for r in rows_of(chunks)] == list(range(5000))
 
 
-def test_a_row_over_max_payload_names_its_key():
+def test_a_row_over_max_payload_becomes_an_oversized_chunk_of_its_own(caplog):
+    """Published as a claim check (README "Large values"); the log names its key."""
+    caplog.set_level("INFO")
     chunker = Chunker(layout(max_payload=4_000), converters(), 0)
     big = f"7\t{'x' * 5000}\t1\t{{}}\t{{}}\t\\N\tt".encode()
-    with pytest.raises(PayloadTooLarge, match=r"sales/orders: row id=7 encodes to \d+ bytes"):
-        run(chunker, [line(1), line(2), big])
+    chunks = run(chunker, [line(1), line(2), big])
+    assert [c.oversized for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].rows == 1 and rows_of(chunks[-1:])[0]["name"] == "x" * 5000
+    assert [r["id"] for r in rows_of(chunks)] == [1, 2, 7]
+    assert re.search(r"sales/orders: row id=7 encodes to \d+ bytes", caplog.text)
 
 
-def test_without_primary_key_the_ctid_names_the_row_and_is_not_sent():
+def test_without_primary_key_the_ctid_names_the_row_and_is_not_sent(caplog):
+    caplog.set_level("INFO")
     columns = (("a", INT8), ("b", TEXT))
     lay = layout(columns=("a", "b"), key_columns=(), max_payload=4_000)
     chunker = Chunker(lay, converters(columns), 0)
     rows = rows_of(chunker.add(b"1\tx\t(0,1)\n1\tx\t(0,2)\n") + chunker.finish())
     assert rows == [{"a": 1, "b": "x"}, {"a": 1, "b": "x"}]
     chunker = Chunker(lay, converters(columns), 0)
-    with pytest.raises(PayloadTooLarge, match=r"row ctid=\(4,2\) \(no primary key\)"):
-        run(chunker, [b"1\tx\t(4,1)", b"2\t" + b"y" * 5000 + b"\t(4,2)"])
+    chunks = run(chunker, [b"1\tx\t(4,1)", b"2\t" + b"y" * 5000 + b"\t(4,2)"])
+    assert chunks[-1].oversized and "row ctid=(4,2) (no primary key)" in caplog.text
 
 
 def test_a_row_of_the_wrong_width_is_an_error_not_a_silent_truncation():
