@@ -28,8 +28,8 @@ from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.protocol.copy_text import iter_rows
-from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.protocol.values import TYPE_CATALOG_QUERY, TypeRegistry, convert_row
+from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.replication.connection import SESSION_OPTIONS
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import EncodingSettings, NatsSettings, NatsTopology
