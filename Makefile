@@ -2,13 +2,15 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+# Spark uses $JAVA_HOME/bin/java when JAVA_HOME is set, else java on PATH: so do the checks.
+JAVA   := $(if $(JAVA_HOME),$(JAVA_HOME)/bin/java,java)
 
 .PHONY: dev test prereqs bench clean
 
 prereqs:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "cdc_platform needs Python 3.11+ (found " + sys.version.split()[0] + ")")'
-	@command -v java >/dev/null 2>&1 || { echo "cdc_platform needs Java 17+ for Spark snapshots: apt-get install openjdk-17-jre-headless (or set JAVA_HOME)"; exit 1; }
-	@java -version 2>&1 | awk -F'"' '/version/ { split($$2, v, "."); if (v[1] < 17) { print "cdc_platform needs Java 17+ for Spark snapshots, found " $$2; exit 1 } }'
+	@command -v $(JAVA) >/dev/null 2>&1 || { echo "cdc_platform needs Java 17+ for Spark snapshots: apt-get install openjdk-17-jre-headless (or set JAVA_HOME)"; exit 1; }
+	@$(JAVA) -version 2>&1 | awk -F'"' '/version/ { split($$2, v, "."); if (v[1] < 17) { print "cdc_platform needs Java 17+ for Spark snapshots, found " $$2; exit 1 } }'
 
 # The compiled accelerator is rebuilt when its source changes (editable install).
 $(VENV)/.installed: pyproject.toml setup.py cdc_platform/protocol/_native.pyx | prereqs

@@ -11,6 +11,7 @@ environment variable and what is wrong with it.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -356,10 +357,17 @@ class PlatformSettings(_Settings):
 
 
 def _env_name(model: type[BaseSettings], field: str) -> str:
-    info = model.model_fields.get(field)
+    """The variable the bad value came from (the one set, of a setting's several names)."""
+    info = model.model_fields.get(field) or next(
+        (candidate for candidate in model.model_fields.values()
+         if isinstance(candidate.validation_alias, AliasChoices)
+         and field in map(str, candidate.validation_alias.choices)), None)
     alias = info.validation_alias if info else None
     if isinstance(alias, AliasChoices):
-        return " / ".join(str(a) for a in alias.choices)
+        names = [str(a) for a in alias.choices]
+        present = {name.upper() for name in os.environ}
+        given = [name for name in names if name.upper() in present]
+        return given[0] if given else " / ".join(names)
     prefix = model.model_config.get("env_prefix", "")
     return f"{prefix}{field}".upper()
 

@@ -67,7 +67,7 @@ def test_bad_input_is_one_line_naming_the_variable(monkeypatch, variable, value,
     with pytest.raises(ConfigError) as error:
         load_settings()
     message = str(error.value)
-    assert named in message
+    assert message.startswith(f"invalid setting {named}: ")  # the variable set, alone
     assert "\n" not in message
     assert value not in message or value in ("0",)  # input is not echoed back
 
