@@ -1,4 +1,6 @@
-"""``cdc-platform``: the command line (dev stack, DBA/NATS setup, and later the bridge)."""
+"""``cdc-platform``: the command line of cdc_platform (the library's entry points without
+Dagster: dev stack, DBA and NATS setup, the CDC bridge)."""
+
 
 from __future__ import annotations
 
@@ -9,6 +11,11 @@ import sys
 from pathlib import Path
 
 from cdc_platform.errors import CdcError
+
+DESCRIPTION = """\
+Stream PostgreSQL changes into NATS JetStream (run by Dagster; these commands run the
+same library without it). Settings come from CDC_* environment variables: see
+`cdc-platform check-config` and the README's Configuration section."""
 
 
 def _configure_logging(verbose: bool) -> None:
@@ -116,11 +123,15 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cdc-platform", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser = argparse.ArgumentParser(prog="cdc-platform", description=DESCRIPTION)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    dev = commands.add_parser("dev", help="start PostgreSQL, NATS and Dagster locally")
+    dev = commands.add_parser(
+        "dev", help="start PostgreSQL, NATS and Dagster locally (Ctrl-C stops them)",
+        description="Start a local PostgreSQL (logical WAL, a demo table with writes), "
+        "nats-server (JetStream, provisioned) and the Dagster UI and daemon, which keep CDC "
+        "running. Servers given by CDC_PG_*/CDC_NATS_* variables are used instead.")
     dev.add_argument("--state-dir", default=".cdc-dev",
                      help="where the servers keep their data, logs and secrets (.cdc-dev)")
     taken = "; when not given and the default is taken, a free port is chosen and printed"

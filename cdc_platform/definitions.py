@@ -1,7 +1,7 @@
-"""The one Dagster ``Definitions`` object of the platform (loaded by workspace.yaml).
+"""The one Dagster `Definitions` object of the platform (loaded by workspace.yaml).
 
 Only non-secret knobs are read here (slot name for the run tag, cron, Spark master); every
-connection setting is read by the resources at run time, secrets through ``EnvVar``.
+connection setting is read by the resources at run time, secrets through `EnvVar`.
 """
 
 import dagster as dg

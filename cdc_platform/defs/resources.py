@@ -1,7 +1,7 @@
 """Dagster resources: thin, typed handles on the library's settings.
 Every field is optional: a field left unset is read from the environment at run time by the
-library's settings (``CDC_*`` or the seed bridge's names), so one environment configures the
-CLI and Dagster alike. Secrets are wired with ``EnvVar`` in ``definitions.py``.
+library's settings (`CDC_*` or the seed bridge's names), so one environment configures the
+CLI and Dagster alike. Secrets are wired with `EnvVar` in `definitions.py`.
 """
 
 

@@ -1,4 +1,4 @@
-"""``cdc_job``: one long-running op that runs the CDC bridge until the run is cancelled."""
+"""`cdc_job`: one long-running op that runs the CDC bridge until the run is cancelled."""
 
 import asyncio
 import queue

@@ -1,10 +1,10 @@
-"""``cdc_sensor``: keeps exactly one cdc_job run alive, relaunching after failures with backoff.
+"""`cdc_sensor`: keeps exactly one cdc_job run alive, relaunching after failures with backoff.
 
-A run is alive while its worker says so: the op writes the run tag ``LIVENESS_TAG`` every
+A run is alive while its worker says so: the op writes the run tag `LIVENESS_TAG` every
 few seconds. A STARTED run whose tag is older than the liveness timeout lost its worker
 (SIGKILL, a crashed daemon or host): Dagster's DefaultRunLauncher cannot tell (it has no
 worker health check), so the sensor marks the run failed and launches a new one. A run stuck
-in CANCELING is ended by Dagster's run monitoring (``dagster.yaml``).
+in CANCELING is ended by Dagster's run monitoring (`dagster.yaml`).
 """
 
 import json

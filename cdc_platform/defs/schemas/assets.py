@@ -1,4 +1,4 @@
-"""``schemas``: the KV bucket of table schemas; materializing it republishes them all."""
+"""`schemas`: the KV bucket of table schemas; materializing it republishes them all."""
 
 import asyncio
 
@@ -12,7 +12,7 @@ from cdc_platform.wire import encoder
 @dg.asset(group_name="platform", kinds={"nats", "postgres"})
 def schemas(context: dg.AssetExecutionContext, postgres: PostgresResource, nats: NatsResource,
             cdc: CdcResource) -> dg.MaterializeResult:
-    """Every published table's schema in KV ``schemas`` (key = wire table name)."""
+    """Every published table's schema in KV `schemas` (key = wire table name)."""
     settings = cdc.platform_settings(postgres, nats)
     publication = settings.postgres.publication
     with postgres.connect() as conn:

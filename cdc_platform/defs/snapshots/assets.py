@@ -1,4 +1,4 @@
-"""``init_snapshot``, partitioned by table: a Spark snapshot into the INIT stream."""
+"""`init_snapshot`, partitioned by table: a Spark snapshot into the INIT stream."""
 
 import dagster as dg
 from dagster_pyspark import LazyPySparkResource
@@ -20,9 +20,9 @@ SNAPSHOT_KIND_TAG = "cdc_platform/kind"
 def init_snapshot(context: dg.AssetExecutionContext, postgres: PostgresResource,
                   nats: NatsResource, cdc: CdcResource,
                   pyspark: LazyPySparkResource) -> dg.MaterializeResult:
-    """A consistent snapshot of one published table, chunked into ``init.snap.{table}.*``,
-    then ``init.meta.{table}``. The metadata holds the cutover point: apply CDC events with
-    ``commit_lsn >= lsn``, reading the CDC stream from ``cdc_start_seq``."""
+    """A consistent snapshot of one published table, chunked into `init.snap.{table}.*`,
+    then `init.meta.{table}`. The metadata holds the cutover point: apply CDC events with
+    `commit_lsn >= lsn`, reading the CDC stream from `cdc_start_seq`."""
     from cdc_platform.snapshot.job import run_snapshot  # Spark code: only when a run needs it
 
     table = context.partition_key

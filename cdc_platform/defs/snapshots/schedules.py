@@ -1,4 +1,4 @@
-"""``snapshot_refresh_schedule``: refresh every published table's snapshot on a cron."""
+"""`snapshot_refresh_schedule`: refresh every published table's snapshot on a cron."""
 
 import dagster as dg
 

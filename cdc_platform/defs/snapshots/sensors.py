@@ -1,9 +1,9 @@
 """Sensors of the snapshot side.
 
-* ``publication_sync_sensor``: dynamic partitions = the publication's tables, so tables
+* `publication_sync_sensor`: dynamic partitions = the publication's tables, so tables
   added to or dropped from the publication appear/disappear without a redeploy.
-* ``snapshot_request_sensor``: turns ``snapshot.request.{table}`` messages (kept by the
-  SNAPSHOT_REQUESTS stream) into ``init_snapshot`` runs. It reads with a durable JetStream
+* `snapshot_request_sensor`: turns `snapshot.request.{table}` messages (kept by the
+  SNAPSHOT_REQUESTS stream) into `init_snapshot` runs. It reads with a durable JetStream
   consumer and acks a message only on the tick AFTER the one that returned its RunRequest:
   Dagster records the run requests of a tick after the sensor returns, and the cursor (the
   highest stream sequence handled) says what was recorded. Repeated requests for one table
