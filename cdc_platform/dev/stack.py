@@ -101,6 +101,7 @@ class DevStack:
         self.nats: LocalNatsServer | None = None
         self.workload: DemoWorkload | None = None
         self.processes: list[tuple[str, subprocess.Popen]] = []
+        self._helpers: list[subprocess.Popen] = []  # one-off commands, not watched
         self.child_env: dict[str, str] = {}
         self.pg_settings: PostgresSettings | None = None
         self.nats_settings: NatsSettings | None = None
@@ -252,6 +253,13 @@ class DevStack:
                                            stderr=subprocess.STDOUT, start_new_session=True)
             self.processes.append((name, process))
         self._wait_for_ui(timeout=180)
+        # The stack provisioned NATS and the bridge publishes schemas, but the UI should not
+        # say "never materialized": materialize both for real (idempotent), in the background.
+        with open(logs / "materialize-platform.log", "ab") as out:
+            self._helpers.append(subprocess.Popen(
+                [str(bin_dir / "dagster"), "asset", "materialize", "--select",
+                 "jetstream_topology,schemas", "-w", workspace], cwd=REPO_ROOT, env=env,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
 
     def _wait_for_ui(self, timeout: float) -> None:
         url = f"http://127.0.0.1:{self.ports['ui_port']}/server_info"
@@ -378,6 +386,14 @@ class DevStack:
 
     # -- tear down ---------------------------------------------------------------------
     def stop(self) -> None:
+        for helper in self._helpers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(helper.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                helper.wait(10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(helper.pid, signal.SIGKILL)
+        self._helpers.clear()
         if self.processes:
             self._cancel_runs()
         for name, process in reversed(self.processes):

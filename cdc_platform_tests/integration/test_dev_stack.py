@@ -165,6 +165,9 @@ def test_cdc_comes_back_after_restarts_and_a_killed_run_worker(state_root):
                                            dg.DagsterRunStatus.FAILURE)
                                 for _, status in runs), runs
             assert runs[0][1] == dg.DagsterRunStatus.CANCELED, runs  # the latest: stopped
+            with dg.DagsterInstance.from_config(str(state_dir / "dagster_home")) as instance:
+                for asset in ("jetstream_topology", "schemas"):  # not "never materialized"
+                    assert instance.get_latest_materialization_event(dg.AssetKey(asset)), asset
         output = log_path.read_text()
         assert "source " in output and "dev.env" in output
         assert oct((state_dir / "dev.env").stat().st_mode & 0o777) == "0o600"
