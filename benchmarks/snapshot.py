@@ -131,7 +131,8 @@ def snapshot(spark, settings):
     from cdc_platform.snapshot import SnapshotOptions, run_snapshot
 
     return run_snapshot(spark, settings, TABLE,
-                        options=SnapshotOptions(watermark_wait_seconds=0.0))
+                        options=SnapshotOptions(watermark_wait_seconds=0.0,
+                                                        small_table_bytes=0))
 
 
 async def purge_init(nats: LocalNatsServer) -> None:

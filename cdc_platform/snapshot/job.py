@@ -126,6 +126,10 @@ class SnapshotOptions:
     dictionary_bytes: int = dictionaries.DEFAULT_DICTIONARY_BYTES
     dictionary_sample_rows: int = dictionaries.DEFAULT_SAMPLE_ROWS
     parallelism: int | None = None  # None: spark.sparkContext.defaultParallelism
+    # A table up to this size (pg_relation_size) is read by the same range tasks in this
+    # process instead of Spark: no JVM or Spark job to start for a small table (seconds).
+    small_table_bytes: int = 64 * 1024**2
+    local_parallelism: int = 2  # ranges of a small table read at once
 
 
 @dataclass(frozen=True)
@@ -291,6 +295,19 @@ def _run_spark_job(spark: Any, spec: TaskSpec, ranges: list[BlockRange],
     return rdd.mapPartitions(partial(run_partition, spec)).collect()
 
 
+async def _run_here(spec: TaskSpec, ranges: list[BlockRange],
+                    parallelism: int) -> list[dict[str, Any]]:
+    """The Spark tasks' work (``run_partition``) in threads of this process, for small tables:
+    the same ranges of the same exported snapshot, so the result is the same."""
+    limit = asyncio.Semaphore(max(1, parallelism))
+
+    async def one(block_range: BlockRange) -> list[dict[str, Any]]:
+        async with limit:
+            return await asyncio.to_thread(lambda: list(run_partition(spec, [block_range])))
+
+    return [row for rows in await asyncio.gather(*map(one, ranges)) for row in rows]
+
+
 def _spark_failure(exc: Exception) -> str:
     """The useful line of a Py4J/PySpark error (the Python exception raised in the task)."""
     text = str(exc)
@@ -308,6 +325,8 @@ async def snapshot_table(spark: Any, settings: PlatformSettings, table: str, *,
                          fault: TaskFault | None = None) -> SnapshotResult:
     """Snapshot one published table (wire name) into the INIT stream; see the module doc.
 
+    ``spark``: a SparkSession, a zero-argument callable returning one (called only when the
+    table is larger than ``options.small_table_bytes``), or None (always in this process).
     ``fault`` is for tests only (a task attempt that fails on purpose).
     """
     options = options or SnapshotOptions()
@@ -370,7 +389,13 @@ async def snapshot_table(spark: Any, settings: PlatformSettings, table: str, *,
                     raise SnapshotError("CREATE_REPLICATION_SLOT exported no snapshot")
                 lsn = format_lsn(created.consistent_point)
                 layout = _layout(described, settings, snapshot_id, lsn, max_payload, trained)
-                parallelism = options.parallelism or spark.sparkContext.defaultParallelism
+                if described.blocks * described.block_size <= options.small_table_bytes:
+                    spark = None  # the same range tasks, here: no Spark job to start
+                elif callable(spark) and not hasattr(spark, "sparkContext"):
+                    spark = spark()
+                parallelism = options.parallelism or (
+                    spark.sparkContext.defaultParallelism if spark is not None
+                    else options.local_parallelism)
                 count = range_count(described.blocks, described.block_size, parallelism,
                                     range_bytes=options.range_bytes,
                                     ranges_per_core=options.ranges_per_core)
@@ -395,10 +420,14 @@ async def snapshot_table(spark: Any, settings: PlatformSettings, table: str, *,
                 spark_started = time.monotonic()
                 executor = ThreadPoolExecutor(1, thread_name_prefix="cdc-snapshot-spark")
                 try:
-                    rows = await asyncio.get_running_loop().run_in_executor(
-                        executor, _run_spark_job, spark, spec, ranges, group)
+                    if spark is None:
+                        rows = await _run_here(spec, ranges, options.local_parallelism)
+                    else:
+                        rows = await asyncio.get_running_loop().run_in_executor(
+                            executor, _run_spark_job, spark, spec, ranges, group)
                 except asyncio.CancelledError:
-                    spark.sparkContext.cancelJobGroup(group)
+                    if spark is not None:
+                        spark.sparkContext.cancelJobGroup(group)
                     marker.cancel()
                     raise
                 except Exception as exc:  # noqa: BLE001 - Py4J errors: keep the task's line

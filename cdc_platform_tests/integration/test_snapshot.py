@@ -41,8 +41,10 @@ from cdc_platform.wire import decode_payload, encode_json, snapshot_meta_subject
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
 
 pytestmark = pytest.mark.spark
-# No bridge runs in most tests: do not wait for a watermark marker that cannot come.
-NO_BRIDGE = SnapshotOptions(watermark_wait_seconds=0.2)
+# No bridge runs in most tests: do not wait for a watermark marker that cannot come. The
+# tables here are small: small_table_bytes=0 makes them go through Spark all the same.
+NO_BRIDGE = SnapshotOptions(watermark_wait_seconds=0.2, small_table_bytes=0)
+SPARK = SnapshotOptions(small_table_bytes=0)
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -332,7 +334,8 @@ async def test_unpublished_or_missing_table_is_refused_before_any_spark_job(
                           ("bad.name", "not a valid table name")):
         snapshot_id = random_name("refused").replace("_", "-")
         with pytest.raises(SnapshotRequestRefused, match=reason):
-            await snapshot_table(spark_session, settings, table, snapshot_id=snapshot_id)
+            await snapshot_table(spark_session, settings, table, snapshot_id=snapshot_id,
+                                 options=SPARK)
         assert tracker.getJobIdsForGroup(f"{JOB_GROUP_PREFIX}{snapshot_id}") == []
         js = nats_client.jetstream()
         with pytest.raises(Exception):  # no watermark was emitted, nothing was published
@@ -552,7 +555,7 @@ async def test_concurrent_writes_and_the_cutover_rule_rebuild_the_table(
             await asyncio.sleep(0.1)
         writer.start()
         await asyncio.sleep(0.5)  # writes before the watermark too
-        result = await snapshot_table(spark_session, settings, table)
+        result = await snapshot_table(spark_session, settings, table, options=SPARK)
         await asyncio.sleep(0.5)  # and after the snapshot
         writer.stop.set()
         await asyncio.to_thread(writer.join, 10)
@@ -584,3 +587,22 @@ async def test_concurrent_writes_and_the_cutover_rule_rebuild_the_table(
     assert end_lsn > parse_lsn(result.lsn)
     print(f"cutover: {writer.transactions} writer transactions, {len(events)} events from the "
           f"marker on: {applied} applied, {skipped} skipped (already in the snapshot)")
+
+
+async def test_a_small_table_is_read_without_spark_and_equals_the_spark_read(
+        small_types_table, cdc_database, pg_admin, provisioned_nats, nats_client):
+    """Below small_table_bytes the same range tasks run in this process: no Spark session is
+    created (the factory is never called) and the rows are the same."""
+    cdc_database.add_tables(pg_admin, small_types_table)
+    settings = settings_for(cdc_database, provisioned_nats.url)
+
+    def no_spark():
+        raise AssertionError("a small table must not start Spark")
+
+    options = SnapshotOptions(watermark_wait_seconds=0.2)  # the default small_table_bytes
+    result = await snapshot_table(no_spark, settings, small_types_table, options=options)
+    assert result.row_count == 20_000
+    rows = await snapshot_data(nats_client, result)
+    direct = direct_rows(cdc_database.server.superuser_conninfo(), small_types_table,
+                         TYPES_COLUMNS)
+    assert by_key(rows) == by_key(direct)

@@ -1,0 +1,134 @@
+"""Snapshot requests and their replies (README "Snapshot requests"). No Dagster here: the
+sensor and the snapshot asset call these.
+
+A consumer publishes on ``snapshot.request.{table}``; the body is empty or a JSON object:
+``request_id`` (str, echoed back), ``reply_to`` (a NATS subject; replies are core-NATS
+publishes there), ``max_age_seconds`` (reuse a snapshot of the table at most this old whose
+cutover point the CDC stream still holds; default ``CDC_SNAPSHOT_REUSE_SECONDS``; 0: always a
+new one). Replies are JSON objects: ``request_id``, ``table``, ``status`` (``accepted``,
+``refused``, ``done``, ``failed``) and per status ``reason`` (refused, failed), ``run_key``
+(accepted), ``snapshot_id``, ``lsn``, ``cdc_stream``, ``cdc_start_seq``, ``meta_subject``,
+``meta_seq``, ``reused`` (done).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+
+from cdc_platform.mirror.snapshots import SnapshotUnusable, cutover_start_seq, latest_meta
+from cdc_platform.naming import parse_wire_name
+from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX, snapshot_meta_subject
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4096
+_SUBJECT = re.compile(r"[A-Za-z0-9_$=/-]+(\.[A-Za-z0-9_$=/-]+)*")
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+@dataclass(frozen=True)
+class SnapshotRequest:
+    table: str
+    seq: int  # stream sequence in SNAPSHOT_REQUESTS
+    request_id: str | None = None
+    reply_to: str | None = None
+    max_age_seconds: float | None = None
+    refused: str | None = None  # why, when the request itself is unusable
+
+    @property
+    def requester(self) -> list[str | None] | None:
+        """What a run needs to answer this request later (None: nobody to answer)."""
+        return [self.request_id, self.reply_to] if self.reply_to else None
+
+
+def parse_request(subject: str, data: bytes, seq: int) -> SnapshotRequest:
+    """A request from its message; ``refused`` says what is wrong with a malformed one (the
+    reply fields are kept when they could be read, so the refusal can be answered)."""
+    table = subject[len(SNAPSHOT_REQUEST_PREFIX) + 1:]
+    try:
+        parse_wire_name(table)
+    except ValueError:
+        return SnapshotRequest(table, seq, refused=f"{table!r} is not a wire table name")
+    if not data.strip():
+        return SnapshotRequest(table, seq)
+    if len(data) > MAX_BODY_BYTES:
+        return SnapshotRequest(table, seq, refused=f"request body over {MAX_BODY_BYTES} bytes")
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return SnapshotRequest(table, seq, refused="request body is not JSON")
+    if not isinstance(body, dict):
+        return SnapshotRequest(table, seq, refused="request body is not a JSON object")
+    request_id, reply_to = body.get("request_id"), body.get("reply_to")
+    request_id = request_id if isinstance(request_id, str) and _REQUEST_ID.fullmatch(
+        request_id) else None
+    reply_to = reply_to if isinstance(reply_to, str) and _SUBJECT.fullmatch(reply_to) else None
+    max_age = body.get("max_age_seconds")
+    problems = []
+    if body.get("request_id") is not None and request_id is None:
+        problems.append("request_id must be 1-128 printable ASCII characters")
+    if body.get("reply_to") is not None and reply_to is None:
+        problems.append("reply_to must be a NATS subject without wildcards")
+    if max_age is not None and (isinstance(max_age, bool)
+                                or not isinstance(max_age, (int, float)) or max_age < 0):
+        problems.append("max_age_seconds must be a number >= 0")
+        max_age = None
+    return SnapshotRequest(table, seq, request_id, reply_to,
+                           None if max_age is None else float(max_age),
+                           "; ".join(problems) or None)
+
+
+@dataclass
+class Reply:
+    status: str
+    table: str
+    request_id: str | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def payload(self) -> bytes:
+        return json.dumps({"request_id": self.request_id, "table": self.table,
+                           "status": self.status, **self.fields}).encode()
+
+
+async def send_replies(client: NatsClient, replies: list[tuple[str | None, Reply]]) -> None:
+    """Core-NATS publishes; a requester that is gone is not an error."""
+    for reply_to, reply in replies:
+        if reply_to:
+            await client.publish(reply_to, reply.payload())
+    await client.flush()
+
+
+async def reusable_snapshot(js: JetStreamContext, table: str, max_age_seconds: float,
+                            init_stream: str = "INIT") -> dict[str, Any] | None:
+    """The ``done`` fields of the newest snapshot of ``table`` at most ``max_age_seconds``
+    old whose cutover point the CDC stream still holds (None: a new one is needed). So a
+    hundred mirrors asking for one table within minutes share one snapshot."""
+    if max_age_seconds <= 0:
+        return None
+    meta = await latest_meta(js, table, init_stream)
+    if meta is None or time.time() - meta.timestamp > max_age_seconds:
+        return None
+    try:
+        start_seq = await cutover_start_seq(js, meta)
+    except SnapshotUnusable:
+        return None
+    message = await js.get_last_msg(init_stream, snapshot_meta_subject(table))
+    return {"snapshot_id": meta.snapshot_id, "lsn": meta.raw["lsn"],
+            "cdc_stream": meta.cdc_stream, "cdc_start_seq": start_seq,
+            "meta_subject": snapshot_meta_subject(table), "meta_seq": message.seq,
+            "reused": True}
+
+
+def done_fields(result: Any) -> dict[str, Any]:
+    """The ``done`` reply of a snapshot just taken (a ``SnapshotResult``)."""
+    return {"snapshot_id": result.snapshot_id, "lsn": result.lsn,
+            "cdc_stream": result.cdc_stream, "cdc_start_seq": result.cdc_start_seq,
+            "meta_subject": result.meta_subject, "meta_seq": result.meta_seq, "reused": False}
