@@ -325,6 +325,12 @@ class OrchestrationSettings(_Settings):
     snapshot_timezone: str = Field("UTC", validation_alias=_env("CDC_SNAPSHOT_TIMEZONE"))
     cdc_observe_interval_seconds: Seconds = Field(
         30.0, gt=0, validation_alias=_env("CDC_OBSERVE_INTERVAL"))
+    # snapshots of tables up to this size run without Spark (see SnapshotOptions)
+    snapshot_local_max_bytes: Bytes = Field(
+        64 * 1024**2, validation_alias=_env("CDC_SNAPSHOT_LOCAL_MAX_BYTES"))
+    # a request is answered with a snapshot of the table at most this old (0: always new)
+    snapshot_reuse_seconds: Seconds = Field(
+        300.0, ge=0, validation_alias=_env("CDC_SNAPSHOT_REUSE_SECONDS"))
     cdc_relaunch_backoff_seconds: Seconds = Field(
         30.0, gt=0, validation_alias=_env("CDC_RELAUNCH_BACKOFF"))
     # A cdc_job run whose worker wrote no liveness tag for this long is dead (killed, its

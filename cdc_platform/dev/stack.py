@@ -258,7 +258,8 @@ class DevStack:
         with open(logs / "materialize-platform.log", "ab") as out:
             self._helpers.append(subprocess.Popen(
                 [str(bin_dir / "dagster"), "asset", "materialize", "--select",
-                 "jetstream_topology,schemas", "-w", workspace], cwd=REPO_ROOT, env=env,
+                 "jetstream_topology,schemas", "-m", "cdc_platform.definitions", "-a", "defs"],
+                cwd=REPO_ROOT, env=env,
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
 
     def _wait_for_ui(self, timeout: float) -> None:

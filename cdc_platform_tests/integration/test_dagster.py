@@ -66,6 +66,21 @@ def test_instance_config_limits_one_cdc_run_per_slot():
     limits = config["run_coordinator"]["config"]["tag_concurrency_limits"]
     assert {"key": "cdc_platform/slot", "value": {"applyLimitPerUniqueValue": True},
             "limit": 1} in limits
+    # snapshots of different tables run concurrently, never two of one table
+    assert {"key": "cdc_platform/kind", "value": "snapshot", "limit": 2} in limits
+    assert {"key": "dagster/partition", "value": {"applyLimitPerUniqueValue": True},
+            "limit": 1} in limits
+
+
+def test_instance_config_loads_as_dagster_reads_it(tmp_path):
+    import shutil
+
+    shutil.copy(REPO / "dagster.yaml", tmp_path / "dagster.yaml")
+    with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
+        coordinator = instance.run_coordinator
+        assert type(coordinator).__name__ == "QueuedRunCoordinator"
+        assert coordinator.get_run_queue_config().max_concurrent_runs == 4
+        assert instance.run_monitoring_enabled
 
 
 def test_publication_sync_sensor_tracks_the_publication(dagster_env, cdc_database, pg_admin):
@@ -174,7 +189,7 @@ async def test_cdc_job_streams_observes_and_stops_with_final_ack(dagster_env, cd
 
 @pytest.mark.spark
 async def test_init_snapshot_materialization_records_the_cutover(
-        dagster_env, cdc_database, pg_admin, nats_client, spark_session):
+        dagster_env, cdc_database, pg_admin, nats_client, spark_session, monkeypatch):
     from dagster_pyspark import LazyPySparkResource
 
     from cdc_platform.bridge.runner import CdcBridge
@@ -182,6 +197,7 @@ async def test_init_snapshot_materialization_records_the_cutover(
     from cdc_platform.settings import load_settings
     from cdc_platform.spark import default_spark_config
 
+    monkeypatch.setenv("CDC_SNAPSHOT_LOCAL_MAX_BYTES", "0")  # through Spark, however small
     table = random_name("dag_snap")
     pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
     pg_admin.execute(f"INSERT INTO {table} SELECT i, 'v' || i FROM generate_series(1, 2500) i")
@@ -238,4 +254,100 @@ async def test_refused_requests_say_why_in_the_tick(dagster_env, nats_client):
         result = await asyncio.to_thread(evaluate, None)
         assert result.run_requests == [] or result.run_requests is None
         assert "no_such_table" in result.skip_reason.skip_message
-        assert "not tables of publication" in result.skip_reason.skip_message
+        assert "is not a table of publication" in result.skip_reason.skip_message
+
+
+async def test_snapshot_requests_get_replies(dagster_env, cdc_database, pg_admin, nats_client):
+    """accepted then done; refused with a reason; failed with a reason; and a request
+    within the reuse window answered at once with the snapshot just taken."""
+    import json as jsonlib
+
+    from dagster_pyspark import LazyPySparkResource
+
+    from cdc_platform.bridge.runner import CdcBridge
+    from cdc_platform.definitions import build_definitions
+    from cdc_platform.defs.snapshots.assets import REPLIES_TAG, init_snapshot
+    from cdc_platform.settings import load_settings
+
+    table, doomed = random_name("asked"), random_name("doomed")
+    for name in (table, doomed):
+        pg_admin.execute(f"CREATE TABLE {name} (id int PRIMARY KEY)")
+        pg_admin.execute(f"INSERT INTO {name} SELECT generate_series(1, 100)")
+    cdc_database.add_tables(pg_admin, table, doomed)
+    inbox = f"replies.{random_name('r')}"
+    replies: list[dict] = []
+
+    async def collect(message):
+        replies.append(jsonlib.loads(message.data))
+
+    await nats_client.subscribe(inbox, cb=collect)
+
+    async def ask(subject_table, **body):
+        await nats_client.publish(f"snapshot.request.{subject_table}",
+                                  jsonlib.dumps({"reply_to": inbox, **body}).encode())
+        await nats_client.flush()
+
+    async def wait_replies(count):
+        deadline = time.monotonic() + 30
+        while len(replies) < count:
+            assert time.monotonic() < deadline, replies
+            await asyncio.sleep(0.1)
+
+    defs = build_definitions()
+    sensor = defs.resolve_sensor_def("snapshot_request_sensor")
+    bridge = CdcBridge(load_settings())  # the watermark marker: a cutover point to reuse
+    bridge_task = asyncio.create_task(bridge.run())
+    try:
+        with dg.instance_for_test() as instance:
+            instance.add_dynamic_partitions("published_tables", [table, doomed])
+
+            def evaluate(cursor):
+                return sensor(dg.build_sensor_context(instance=instance, cursor=cursor,
+                                                      resources=resources(dagster_env),
+                                                      definitions=defs))
+
+            def run(run_request):
+                return dg.materialize([init_snapshot], partition_key=run_request.partition_key,
+                                      instance=instance, tags=run_request.tags,
+                                      resources={**resources(dagster_env),
+                                                 "pyspark": LazyPySparkResource(spark_config={})},
+                                      raise_on_error=False)  # small: Spark never starts
+
+            await ask(table, request_id="r1", max_age_seconds=0)
+            await ask("no_such_table", request_id="r2")
+            await ask(doomed, request_id="r3", max_age_seconds=0)
+            await nats_client.publish(f"snapshot.request.{table}", b"\xff garbage")
+            result = await asyncio.to_thread(evaluate, None)
+            await wait_replies(3)
+            by_id = {r["request_id"]: r for r in replies}
+            assert by_id["r1"]["status"] == "accepted" and by_id["r3"]["status"] == "accepted"
+            assert by_id["r2"]["status"] == "refused"
+            assert "is not a table of publication" in by_id["r2"]["reason"]
+            runs = {r.partition_key: r for r in result.run_requests}
+            assert set(runs) == {table, doomed}
+            assert jsonlib.loads(runs[table].tags[REPLIES_TAG]) == [["r1", inbox]]
+
+            assert (await asyncio.to_thread(run, runs[table])).success
+            pg_admin.execute(f"ALTER PUBLICATION {cdc_database.publication} "
+                             f"DROP TABLE {doomed}")
+            assert not (await asyncio.to_thread(run, runs[doomed])).success
+            await wait_replies(5)
+            done = [r for r in replies if r["status"] == "done"]
+            failed = [r for r in replies if r["status"] == "failed"]
+            assert [r["request_id"] for r in done] == ["r1"] and done[0]["reused"] is False
+            assert done[0]["meta_subject"] == f"init.meta.{table}"
+            assert done[0]["cdc_start_seq"] is not None
+            assert [r["request_id"] for r in failed] == ["r3"]
+            assert "not in publication" in failed[0]["reason"]
+
+            # a hundred mirrors asking within minutes share one snapshot: no new run
+            await ask(table, request_id="r4")
+            again = await asyncio.to_thread(evaluate, result.cursor)
+            await wait_replies(6)
+            assert again.run_requests == []
+            reused = replies[-1]
+            assert reused["request_id"] == "r4" and reused["status"] == "done"
+            assert reused["reused"] is True and reused["snapshot_id"] == done[0]["snapshot_id"]
+    finally:
+        bridge.request_stop()
+        await asyncio.wait_for(bridge_task, 60)

@@ -11,20 +11,32 @@
 """
 
 import asyncio
+import json
 
 import dagster as dg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from cdc_platform.defs.resources import NatsResource, PostgresResource
+from cdc_platform.defs.snapshots.assets import REPLIES_TAG
 from cdc_platform.defs.snapshots.partitions import published_tables_partitions
 from cdc_platform.jetstream.connection import fetch_available
 from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import published_tables
-from cdc_platform.settings import NatsTopology, load_settings
+from cdc_platform.settings import NatsTopology, OrchestrationSettings, load_settings
+from cdc_platform.snapshot.requests import (
+    Reply,
+    SnapshotRequest,
+    parse_request,
+    reusable_snapshot,
+    send_replies,
+)
 from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX
 
 DURABLE = "cdc_platform_snapshot_requests"
 FETCH_LIMIT = 500
+# a run's tag holds at most this many reply subjects (a tag value is kept short); more
+# requesters of one table get "accepted" and find the result in init.meta.{table}
+MAX_REPLIES_PER_RUN = 20
 
 
 def _published_wire_names(postgres: PostgresResource) -> list[str]:
@@ -52,42 +64,33 @@ def publication_sync_sensor(context: dg.SensorEvaluationContext,
 
 
 def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
-    @dg.sensor(job=snapshot_job, minimum_interval_seconds=5,
+    @dg.sensor(job=snapshot_job, minimum_interval_seconds=2,
                default_status=dg.DefaultSensorStatus.RUNNING,
-               description="snapshot.request.{table} messages -> init_snapshot runs.")
+               description="`snapshot.request.{table}` messages -> `init_snapshot` runs, "
+               "with replies (accepted, refused, done, failed) to requests that ask for them.")
     def snapshot_request_sensor(context: dg.SensorEvaluationContext, nats: NatsResource,
                                 postgres: PostgresResource):
         recorded_through = int(context.cursor) if context.cursor else 0
-        requests = asyncio.run(_fetch_requests(nats, recorded_through))
-        if not requests:
+        reuse_seconds = load_settings(OrchestrationSettings).snapshot_reuse_seconds
+        outcome = asyncio.run(_handle_requests(
+            nats, recorded_through, set(_published_wire_names(postgres)),
+            postgres.settings().publication, reuse_seconds))
+        if outcome is None:
             return dg.SkipReason("no new snapshot requests")
-        published = set(_published_wire_names(postgres))
+        highest, runs, notes = outcome
+        for note in notes:
+            context.log.info(note)
+        if not runs:  # say why in the tick itself, not only in its logs
+            return dg.SensorResult(cursor=str(highest), skip_reason="; ".join(notes)[:1000])
         known = set(context.instance.get_dynamic_partitions(published_tables_partitions.name))
-        highest = max(seq for seq, _ in requests)
-        by_table: dict[str, int] = {}
-        refused: list[str] = []
-        for seq, table in requests:
-            if table not in published:
-                refused.append(f"{table!r} (stream seq {seq})")
-                context.log.warning(
-                    f"skipping snapshot request for {table!r} (stream seq {seq}): not a table "
-                    f"of publication {postgres.settings().publication}")
-                continue
-            by_table[table] = seq  # repeated requests for one table coalesce into one run
-        if not by_table:  # say why in the tick itself, not only in its logs
-            return dg.SensorResult(
-                cursor=str(highest),
-                skip_reason=f"refused snapshot request(s) for {', '.join(refused)}: not tables "
-                            f"of publication {postgres.settings().publication}")
-        run_requests = [dg.RunRequest(run_key=f"snapshot-request-{table}-{seq}",
-                                      partition_key=table,
-                                      tags={"cdc_platform/request_seq": str(seq)})
-                        for table, seq in by_table.items()]
-        new_partitions = sorted(set(by_table) - known)
-        context.log.info(f"{len(requests)} request(s) up to stream seq {highest}: runs for "
-                         f"{sorted(by_table)}")
+        new_partitions = sorted(set(runs) - known)
         return dg.SensorResult(
-            run_requests=run_requests, cursor=str(highest),
+            run_requests=[dg.RunRequest(
+                run_key=f"snapshot-request-{table}-{seq}", partition_key=table,
+                tags={"cdc_platform/request_seq": str(seq),
+                      REPLIES_TAG: json.dumps(requesters[:MAX_REPLIES_PER_RUN])})
+                for table, (seq, requesters) in runs.items()],
+            cursor=str(highest),
             dynamic_partitions_requests=[
                 published_tables_partitions.build_add_request(new_partitions)]
             if new_partitions else [])
@@ -95,26 +98,74 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
     return snapshot_request_sensor
 
 
-async def _fetch_requests(nats: NatsResource, recorded_through: int) -> list[tuple[int, str]]:
-    """New requests as (stream seq, table); acks those a previous tick already recorded."""
+async def _handle_requests(nats: NatsResource, recorded_through: int, published: set[str],
+                           publication: str, reuse_seconds: float):
+    """(highest stream seq seen, {table: (seq, requesters)} to run, notes), or None when
+    nothing is new. Refusals and reused snapshots are answered here; accepted requests get
+    ``accepted`` now and ``done``/``failed`` from the run."""
     topology = load_settings(NatsTopology)
     async with nats.connect("cdc-platform-snapshot-sensor") as client:
+        requests = await _fetch_requests(client, topology, recorded_through)
+        if not requests:
+            return None
         js = client.jetstream()
-        subscription = await js.pull_subscribe(
-            f"{SNAPSHOT_REQUEST_PREFIX}.>", durable=DURABLE, stream=topology.requests.name,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=60,
-                                  max_ack_pending=FETCH_LIMIT * 4))
-        messages = await fetch_available(subscription, FETCH_LIMIT, 1.0)
-        fresh = []
-        for message in messages:
-            seq = message.metadata.sequence.stream
-            if seq <= recorded_through:
-                await message.ack()  # its RunRequest was recorded: done with it
+        runs: dict[str, tuple[int, list]] = {}
+        replies: list[tuple[str | None, Reply]] = []
+        accepted: list[SnapshotRequest] = []
+        notes: list[str] = []
+        for request in requests:
+            reason = request.refused or (
+                None if request.table in published
+                else f"{request.table!r} is not a table of publication {publication}")
+            if reason is not None:
+                notes.append(f"refused snapshot request for {request.table!r} (stream seq "
+                             f"{request.seq}): {reason}")
+                replies.append((request.reply_to, Reply("refused", request.table,
+                                                        request.request_id,
+                                                        {"reason": reason})))
                 continue
-            table = message.subject[len(SNAPSHOT_REQUEST_PREFIX) + 1:]
-            fresh.append((seq, table))
-            # not acked now: redelivered after ack_wait, and acked on the tick that sees
-            # the cursor past it. A crash before the cursor is saved loses nothing.
-            await message.in_progress()
-        return fresh
+            max_age = reuse_seconds if request.max_age_seconds is None \
+                else request.max_age_seconds
+            reused = await reusable_snapshot(js, request.table, max_age, topology.init.name)
+            if reused is not None:
+                notes.append(f"request for {request.table!r} (stream seq {request.seq}) "
+                             f"answered with snapshot {reused['snapshot_id']}")
+                replies.append((request.reply_to, Reply("done", request.table,
+                                                        request.request_id, reused)))
+                continue
+            _, requesters = runs.get(request.table, (0, []))
+            if request.requester is not None:
+                requesters.append(request.requester)
+            # repeated requests for one table coalesce into one run
+            runs[request.table] = (request.seq, requesters)
+            accepted.append(request)
+        # the run key names the table's last request: known once all are read
+        replies += [(request.reply_to, Reply("accepted", request.table, request.request_id, {
+            "run_key": f"snapshot-request-{request.table}-{runs[request.table][0]}"}))
+            for request in accepted]
+        notes += [f"snapshot run for {table!r} (request seq {seq}, {len(requesters)} "
+                  "awaiting a reply)" for table, (seq, requesters) in runs.items()]
+        await send_replies(client, replies)
+        return max(r.seq for r in requests), runs, notes
 
+
+async def _fetch_requests(client, topology: NatsTopology,
+                          recorded_through: int) -> list[SnapshotRequest]:
+    """New requests; acks those a previous tick already recorded."""
+    js = client.jetstream()
+    subscription = await js.pull_subscribe(
+        f"{SNAPSHOT_REQUEST_PREFIX}.>", durable=DURABLE, stream=topology.requests.name,
+        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=60,
+                              max_ack_pending=FETCH_LIMIT * 4))
+    messages = await fetch_available(subscription, FETCH_LIMIT, 1.0)
+    fresh = []
+    for message in messages:
+        seq = message.metadata.sequence.stream
+        if seq <= recorded_through:
+            await message.ack()  # its RunRequest was recorded: done with it
+            continue
+        fresh.append(parse_request(message.subject, message.data, seq))
+        # not acked now: redelivered after ack_wait, and acked on the tick that sees
+        # the cursor past it. A crash before the cursor is saved loses nothing.
+        await message.in_progress()
+    return fresh
