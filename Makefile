@@ -30,6 +30,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/publish.py
 	$(PY) benchmarks/cdc.py
 	$(PY) benchmarks/snapshot.py
+	$(PY) benchmarks/snapshot_request.py
 
 clean:
 	rm -rf $(VENV) .cdc-dev
