@@ -17,6 +17,7 @@ import secrets
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -123,14 +124,55 @@ def _server_os_user() -> str | None:
     return FALLBACK_OS_USER
 
 
-def _make_traversable(path: Path) -> None:
-    """Let the server's OS user reach ``path`` (temp dirs are often 0700)."""
+def _make_traversable(path: Path, os_user: str | None) -> None:
+    """Let the server's OS user reach ``path`` (temp dirs are often 0700) by granting that one
+    user search permission on each directory that lacks it (a POSIX ACL entry): other users
+    gain nothing. Where the file system has no ACLs, the directories get o+x (logged)."""
+    if os_user is None:
+        return
+    uid = pwd.getpwnam(os_user).pw_uid
     for parent in [path, *path.parents]:
         if parent == Path("/"):
             break
         mode = parent.stat().st_mode
-        if mode & 0o001 == 0:
+        if mode & 0o001:
+            continue
+        try:
+            _grant_search(parent, uid)
+        except OSError as exc:
+            log.warning("no ACLs on %s (%s): adding o+x so that %s can reach %s", parent,
+                        exc.strerror, os_user, path)
             parent.chmod(mode | 0o011)
+
+
+_ACL_XATTR = "system.posix_acl_access"
+# linux/posix_acl_xattr.h: version 2, then (tag, perm, id) entries sorted by tag and id
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP = 0x01, 0x02, 0x04, 0x08
+_ACL_MASK, _ACL_OTHER = 0x10, 0x20
+_ACL_UNDEFINED_ID = 0xFFFFFFFF
+_SEARCH = 0o1
+
+
+def _grant_search(directory: Path, uid: int) -> None:
+    """Add ``user:{uid}:--x`` to ``directory``'s access ACL (as ``setfacl -m u:UID:x``)."""
+    mode = directory.stat().st_mode
+    owner, group, other = (mode >> 6) & 7, (mode >> 3) & 7, mode & 7
+    named = [(_ACL_USER, _SEARCH, uid)]
+    with contextlib.suppress(OSError):  # keep the named entries already there
+        current = os.getxattr(directory, _ACL_XATTR)
+        for offset in range(4, len(current), 8):
+            tag, perm, entry_id = struct.unpack_from("<HHI", current, offset)
+            if tag in (_ACL_USER, _ACL_GROUP) and (tag, entry_id) != (_ACL_USER, uid):
+                named.append((tag, perm, entry_id))
+    mask = group
+    for _, perm, _ in named:  # the mask bounds named entries: it must let each through
+        mask |= perm
+    entries = [(_ACL_USER_OBJ, owner, _ACL_UNDEFINED_ID), *named,
+               (_ACL_GROUP_OBJ, group, _ACL_UNDEFINED_ID), (_ACL_MASK, mask, _ACL_UNDEFINED_ID),
+               (_ACL_OTHER, other, _ACL_UNDEFINED_ID)]
+    entries.sort(key=lambda entry: (entry[0], entry[2]))
+    os.setxattr(directory, _ACL_XATTR, struct.pack("<I", 2) + b"".join(
+        struct.pack("<HHI", *entry) for entry in entries))
 
 
 @dataclass
@@ -179,7 +221,7 @@ class LocalPostgres:
 
     def init(self) -> None:
         self.base_dir.mkdir(parents=True, exist_ok=True)
-        _make_traversable(self.base_dir)
+        _make_traversable(self.base_dir, self.os_user)
         self._chown(self.base_dir)
         self.socket_dir.mkdir(exist_ok=True)
         self._chown(self.socket_dir)
