@@ -47,7 +47,7 @@ def init_snapshot(context: dg.AssetExecutionContext, postgres: PostgresResource,
     except Exception as exc:
         _answer(nats, requesters, Reply("failed", table, fields={
             "reason": str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__,
-            "run_id": context.run_id}))
+            "run_id": context.run.run_id}))
         raise
     _answer(nats, requesters, Reply("done", table, fields=done_fields(result)))
     context.log.info(f"snapshot {result.snapshot_id} of {table}: {result.row_count} rows in "
