@@ -22,11 +22,15 @@ MAX_PAYLOAD = 64 * 1024
 async def small_nats(tmp_path):
     server = LocalNatsServer(tmp_path / "nats", max_payload=MAX_PAYLOAD)
     server.start()
-    client = await connect_nats(NatsSettings(url=server.url))
-    await provision(client.jetstream(), NatsTopology())
-    yield server, client
-    await client.close()
-    server.stop()
+    try:
+        client = await connect_nats(NatsSettings(url=server.url))
+        try:
+            await provision(client.jetstream(), NatsTopology())
+            yield server, client
+        finally:
+            await client.close()
+    finally:
+        server.stop()  # even when a failed test left the client unusable
 
 
 @pytest.mark.parametrize("mode", ["per-change", "batched"])
