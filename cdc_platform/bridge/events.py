@@ -123,6 +123,14 @@ class MessageBuilder:
         self._shared: dict[tuple[int, str, int], _Shared] = {}
         self._raw_reported: dict[tuple[int, tuple[str, ...]], float] = {}
 
+    def reset(self) -> None:
+        """A new replication session: PostgreSQL resends from the last confirmed commit, so
+        an open batch holds changes that will come again. Publishing it would store them
+        twice under another message id (the replay cuts 500-999 where it held 500-699)."""
+        self._batch_events = []
+        self._batch_bytes = 0
+        self._batch_key = None
+
     # -- relation bookkeeping ----------------------------------------------------------------
     def register(self, relation: Relation) -> None:
         self._relations[relation.relation_id] = _RelationInfo(

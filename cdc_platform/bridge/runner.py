@@ -207,6 +207,7 @@ class CdcBridge:
                 self.metrics.connected.set(1)
                 self.metrics.slot_active.set(1)
                 await self._publish_all_schemas(reader)
+                self.builder.reset()  # the server resends from the last confirmed commit
                 await self._stream(reader)
             except (SlotLostError, ReplicationConfigError):
                 raise  # retrying cannot fix these: say what to do

@@ -20,6 +20,7 @@ from cdc_platform.dev.servers import LocalNatsServer, free_port
 from cdc_platform.errors import NatsAuthError, ReplicationConfigError
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision
+from cdc_platform.lsn import parse_lsn
 from cdc_platform.settings import NatsSettings, NatsTopology
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
 from cdc_platform_tests.integration.test_bridge import running_bridge, slot_confirmed, wait_for
@@ -197,3 +198,56 @@ async def test_a_newly_published_table_gets_its_schema_before_any_change(
         await wait_for(published, timeout=15, what=f"the schema of {table} in KV")
     schema = msgpack.unpackb((await kv.get(table)).value)
     assert [c["name"] for c in schema["columns"]] == ["id", "note"]
+
+
+async def test_batched_mode_after_a_reconnect_inside_a_transaction_sends_each_change_once(
+        cdc_database, pg_admin, provisioned_nats, nats_client):
+    """The walsender killed while a large transaction streams: the server resends the
+    transaction from its start, and the batch left open before the cut must not take the
+    resent changes (it did: ordinals 1000..1200 then 0..298 in one batch)."""
+    table = random_name("cut")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url, message_mode="batched")
+    rows = 300_000
+    async with running_bridge(settings) as bridge:
+        await wait_for(lambda: slot_confirmed(pg_admin, cdc_database.slot) > 0)
+        pg_admin.execute(f"INSERT INTO {table} SELECT generate_series(1, {rows})")
+        end = parse_lsn(pg_admin.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+        # cut the walsender once some of the transaction's batches are stored
+        await read_subjects(nats_client, "CDC", f"cdc.{table}.insert.batch", expect=1,
+                            timeout=60)
+        pg_admin.execute("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                         "WHERE slot_name = %s", (cdc_database.slot,))
+        await wait_for(lambda: bridge.metrics.value(bridge.metrics.reconnects) >= 1,
+                       what="the bridge to reconnect")
+        await wait_for(lambda: slot_confirmed(pg_admin, cdc_database.slot) >= end,
+                       timeout=90, what="the transaction to be stored and confirmed")
+        messages = await _read_batches(nats_client, f"cdc.{table}.insert.batch")
+    ordinals = []
+    for message in messages:
+        batch = [event["ordinal"] for event in msgpack.unpackb(message.data)]
+        assert batch == sorted(set(batch)) == list(range(batch[0], batch[-1] + 1)), \
+            (message.headers["Nats-Msg-Id"], batch[:3], batch[-3:])
+        assert message.headers["Nats-Msg-Id"].endswith(f":{batch[0]}-{batch[-1]}")
+        ordinals += batch
+    assert sorted(ordinals) == list(range(rows))  # every change once
+
+
+async def _read_batches(client, subject: str) -> list:
+    """Every stored batch on ``subject``, a few at a time (each may be ~1 MB: a large fetch
+    overflows the client's pending limits and drops messages)."""
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    js = client.jetstream()
+    stored = sum(((await js.stream_info("CDC", subjects_filter=subject)).state.subjects
+                  or {}).values())
+    subscription = await js.pull_subscribe(subject, stream="CDC",
+                                           config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+    messages: list = []
+    try:
+        while len(messages) < stored:
+            messages += await subscription.fetch(min(20, stored - len(messages)), timeout=5)
+    finally:
+        await subscription.unsubscribe()
+    return messages

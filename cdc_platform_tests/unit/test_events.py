@@ -100,3 +100,19 @@ def test_raw_columns_are_named_in_the_event_and_logged_once(native, mode, caplog
     assert events[0]["data"] == {"id": 1, "score": "x1"}
     assert caplog.text.count("no converter accepts") == 1
     assert "public.users" in caplog.text and "{'id': 1}" in caplog.text
+
+
+def test_a_new_session_drops_the_open_batch_the_server_will_resend():
+    """Cut after 700 changes of a transaction, the server resends it from the start: the
+    batch left open (500-699) must not be published beside the replay's 500-999."""
+    builder = MessageBuilder("msgpack", "batched")
+    relation = _relation("id")
+    first = builder.build([RelationChanged(relation, None),
+                           *(_insert(o, {"id": o}) for o in range(700))])
+    assert [m.msg_id for m in first.messages] == ["1/900:0-499"]
+    builder.reset()
+    again = builder.build([RelationChanged(relation, None),
+                           *(_insert(o, {"id": o}) for o in range(1000)),
+                           TransactionCommitted(0x1_0000_0900, 0x1_0000_0930,
+                                                "2026-11-22T10:00:00Z", 77, 1000)])
+    assert [m.msg_id for m in again.messages] == ["1/900:0-499", "1/900:500-999"]
