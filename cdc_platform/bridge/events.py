@@ -67,6 +67,19 @@ class _RelationInfo:
         self.headers = ((HEADER_SCHEMA_FINGERPRINT, self.fingerprint),)
 
 
+@dataclass(slots=True)
+class _HeldBatch:
+    """A closed batch waiting to be sent (its table's last of the transaction so far)."""
+
+    subject: str
+    commit_lsn: int
+    first: int
+    last: int
+    fingerprint: str
+    events: list[bytes]  # packed events
+    last_record: ChangeRecord
+
+
 class _Shared(NamedTuple):
     """What every change of one table and operation in one transaction shares, looked up
     once per change: one dict lookup instead of one per field."""
@@ -122,14 +135,24 @@ class MessageBuilder:
         self._change_message = compiled.change_message if compiled is not None else None
         self._shared: dict[tuple[int, str, int], _Shared] = {}
         self._raw_reported: dict[tuple[int, tuple[str, ...]], float] = {}
+        # End-of-transaction marks (README "Transactions"): the last change of each table in
+        # the open transaction is held back until its Commit, then sent with ``tx_tables``.
+        self._held: dict[int, ChangeRecord] = {}  # per-change: relation id -> last change
+        self._held_batches: dict[int, _HeldBatch] = {}  # batched: relation id -> last batch
+        self._tx_counts: dict[int, int] = {}  # relation id -> changes in the transaction
+        self._batch_last_record: ChangeRecord | None = None
 
     def reset(self) -> None:
         """A new replication session: PostgreSQL resends from the last confirmed commit, so
-        an open batch holds changes that will come again. Publishing it would store them
-        twice under another message id (the replay cuts 500-999 where it held 500-699)."""
+        an open batch, and the changes held for the end-of-transaction mark, will come
+        again. Publishing them would store them twice under another message id (the replay
+        cuts 500-999 where it held 500-699)."""
         self._batch_events = []
         self._batch_bytes = 0
         self._batch_key = None
+        self._held.clear()
+        self._held_batches.clear()
+        self._tx_counts.clear()
 
     # -- relation bookkeeping ----------------------------------------------------------------
     def register(self, relation: Relation) -> None:
@@ -267,6 +290,7 @@ class MessageBuilder:
         transactions = 0
         per_change = self.mode == "per-change"
         single, append = self._single, messages.append
+        held, tx_counts = self._held, self._tx_counts
         for event in events:
             kind = type(event)
             if kind is ChangeRecord:
@@ -274,19 +298,24 @@ class MessageBuilder:
                     run_relation, run_operation = event.relation_id, event.operation
                     runs.append((run_relation, run_operation, changes))
                 changes += 1
-                if per_change:
-                    append(single(event))
+                relation_id = event.relation_id
+                tx_counts[relation_id] = tx_counts.get(relation_id, 0) + 1
+                if per_change:  # the table's previous change is not its last: send it
+                    previous = held.get(relation_id)
+                    held[relation_id] = event
+                    if previous is not None:
+                        append(single(previous))
                 else:
                     self._add_to_batch(event, messages)
             elif kind is TransactionCommitted:
-                if not per_change:
-                    self._close_batch(messages)
+                self._end_transaction(messages)
                 position = event.end_lsn
                 last_commit_ts = event.commit_ts
                 transactions += 1
             elif kind is RelationChanged:
-                if not per_change:
-                    self._close_batch(messages)  # a batch has one shape (fingerprint header)
+                # what was built with the old shape goes now (a change of the table follows,
+                # so it is not the table's last)
+                self._release(event.relation.relation_id, messages)
                 self.register(event.relation)
                 changed.append(event.relation)
             elif kind is LogicalMessageReceived and event.prefix == WATERMARK_PREFIX:
@@ -344,23 +373,83 @@ class MessageBuilder:
         self._batch_events.append(packed)
         self._batch_bytes += len(packed)
         self._batch_last = record.ordinal
+        self._batch_last_record = record
 
     def _close_batch(self, out: list[OutgoingMessage]) -> None:
+        """The open batch becomes its table's held batch (the previous one is sent): the
+        table's last batch of the transaction waits for the Commit and its mark."""
         if not self._batch_events:
             self._batch_key = None
             return
-        if self.format == "msgpack":
-            payload = _ARRAY32 + len(self._batch_events).to_bytes(4, "big") + b"".join(
-                self._batch_events)
-        else:
-            payload = b"[" + b",".join(self._batch_events) + b"]"
-        out.append(OutgoingMessage(
-            self._batch_subject,
-            batch_msg_id(self._batch_commit_lsn, self._batch_first, self._batch_last),
-            payload, ((HEADER_SCHEMA_FINGERPRINT, self._batch_fingerprint),)))
+        assert self._batch_key is not None and self._batch_last_record is not None
+        relation_id = self._batch_key[0]
+        previous = self._held_batches.get(relation_id)
+        self._held_batches[relation_id] = _HeldBatch(
+            self._batch_subject, self._batch_commit_lsn, self._batch_first, self._batch_last,
+            self._batch_fingerprint, self._batch_events, self._batch_last_record)
+        if previous is not None:
+            out.append(self._batch_message(previous))
         self._batch_events = []
         self._batch_bytes = 0
         self._batch_key = None
+
+    def _batch_message(self, batch: _HeldBatch) -> OutgoingMessage:
+        if self.format == "msgpack":
+            payload = _ARRAY32 + len(batch.events).to_bytes(4, "big") + b"".join(batch.events)
+        else:
+            payload = b"[" + b",".join(batch.events) + b"]"
+        return OutgoingMessage(
+            batch.subject, batch_msg_id(batch.commit_lsn, batch.first, batch.last), payload,
+            ((HEADER_SCHEMA_FINGERPRINT, batch.fingerprint),))
+
+    # -- end-of-transaction marks ------------------------------------------------------------
+    def _release(self, relation_id: int, out: list[OutgoingMessage]) -> None:
+        """Send what is held for ``relation_id`` unmarked (its shape is about to change)."""
+        if self.mode == "per-change":
+            record = self._held.pop(relation_id, None)
+            if record is not None:
+                out.append(self._single(record))
+            return
+        self._close_batch(out)  # a batch has one shape (fingerprint header)
+        batch = self._held_batches.pop(relation_id, None)
+        if batch is not None:
+            out.append(self._batch_message(batch))
+
+    def _end_transaction(self, out: list[OutgoingMessage]) -> None:
+        """Each table's last change (or batch) of the transaction, with ``tx_tables``: every
+        table the transaction changed and its number of changes, so a consumer of any set of
+        tables knows it holds the whole transaction without waiting for the next."""
+        if self.mode != "per-change":
+            self._close_batch(out)
+        if not self._tx_counts:
+            return
+        tables: dict[str, int] = {}
+        for relation_id, count in self._tx_counts.items():
+            info = self._relations.get(relation_id)
+            name = info.wire_name if info is not None else str(relation_id)
+            tables[name] = tables.get(name, 0) + count
+        for record in self._held.values():
+            shared = self._shared_of(record)
+            msg_id = f"{shared.commit_lsn_text}:{record.ordinal}"
+            out.append(OutgoingMessage(shared.subject, msg_id,
+                                       self._marked_event(record, shared, msg_id, tables),
+                                       shared.headers))
+        for batch in self._held_batches.values():
+            record = batch.last_record
+            shared = self._shared_of(record)
+            batch.events[-1] = self._marked_event(
+                record, shared, f"{shared.commit_lsn_text}:{record.ordinal}", tables)
+            out.append(self._batch_message(batch))
+        self._held.clear()
+        self._held_batches.clear()
+        self._tx_counts.clear()
+
+    def _marked_event(self, record: ChangeRecord, shared: _Shared, msg_id: str,
+                      tables: dict[str, int]) -> bytes:
+        event = self.event_map(record, shared.info, shared.subject, msg_id,
+                               shared.commit_lsn_text)
+        event["tx_tables"] = tables
+        return self.encode(event)
 
     # -- snapshot watermarks --------------------------------------------------------------------
     def _watermark(self, event: LogicalMessageReceived) -> dict[str, Any] | None:

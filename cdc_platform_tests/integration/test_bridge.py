@@ -291,3 +291,32 @@ async def test_slot_checks_and_observations_keep_their_own_cadence(
     assert {"confirmed_lsn", "lag_bytes", "events_per_second"} <= set(observations[-1])
     warnings = [r for r in caplog.records if "lags" in r.getMessage()]
     assert len(warnings) <= 1, [r.getMessage() for r in warnings]  # the one check at start
+
+
+@pytest.mark.parametrize("mode", ["per-change", "batched"])
+async def test_a_consumer_of_one_table_knows_each_transaction_is_whole(
+        mode, table, cdc_database, pg_admin, provisioned_nats, nats_client):
+    """tx_tables from the real bridge: the mirror's collector, fed only one table's events,
+    completes each transaction at its last event, without a later transaction."""
+    from cdc_platform.mirror.transactions import TransactionCollector
+
+    other = random_name("other")
+    pg_admin.execute(f"CREATE TABLE {other} (k int PRIMARY KEY)")
+    cdc_database.add_tables(pg_admin, other)
+    settings = platform_settings(cdc_database, provisioned_nats.url, message_mode=mode,
+                                 batch_max_events=3)
+    async with running_bridge(settings):
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        with pg_admin.transaction():
+            for i in range(7):
+                pg_admin.execute(f"INSERT INTO {table} (id, item) VALUES ({i}, 'x')")
+                if i % 3 == 0:
+                    pg_admin.execute(f"INSERT INTO {other} VALUES ({i})")
+        messages = await read_subjects(nats_client, "CDC", f"cdc.{table}.>",
+                                       expect=7 if mode == "per-change" else 3)
+    events = [event for message in messages for event in (
+        msgpack.unpackb(message.data) if mode == "batched" else [msgpack.unpackb(message.data)])]
+    collector = TransactionCollector({table})
+    done = [collector.add(event, seq) for seq, event in enumerate(events, start=1)]
+    assert [d is not None for d in done] == [False] * 6 + [True]
+    assert done[-1].ordered()[-1]["tx_tables"] == {table: 7, other: 3}

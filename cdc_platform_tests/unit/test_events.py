@@ -103,16 +103,72 @@ def test_raw_columns_are_named_in_the_event_and_logged_once(native, mode, caplog
 
 
 def test_a_new_session_drops_the_open_batch_the_server_will_resend():
-    """Cut after 700 changes of a transaction, the server resends it from the start: the
-    batch left open (500-699) must not be published beside the replay's 500-999."""
+    """Cut after 1,200 changes of a transaction, the server resends it from the start: what
+    was held (500-999) and open (1000-1199) must not be published beside the replay's."""
     builder = MessageBuilder("msgpack", "batched")
     relation = _relation("id")
     first = builder.build([RelationChanged(relation, None),
-                           *(_insert(o, {"id": o}) for o in range(700))])
+                           *(_insert(o, {"id": o}) for o in range(1200))])
     assert [m.msg_id for m in first.messages] == ["1/900:0-499"]
     builder.reset()
     again = builder.build([RelationChanged(relation, None),
-                           *(_insert(o, {"id": o}) for o in range(1000)),
+                           *(_insert(o, {"id": o}) for o in range(1500)),
                            TransactionCommitted(0x1_0000_0900, 0x1_0000_0930,
-                                                "2026-11-22T10:00:00Z", 77, 1000)])
-    assert [m.msg_id for m in again.messages] == ["1/900:0-499", "1/900:500-999"]
+                                                "2026-11-22T10:00:00Z", 77, 1500)])
+    assert [m.msg_id for m in again.messages] == [
+        "1/900:0-499", "1/900:500-999", "1/900:1000-1499"]
+
+
+def _other(ordinal: int) -> ChangeRecord:
+    return ChangeRecord(table="orders", schema="public", operation="INSERT",
+                        relation_id=16401, lsn=0x1_0000_0100 + ordinal,
+                        commit_lsn=0x1_0000_0900, xid=77, commit_ts="2026-11-22T10:00:00Z",
+                        ordinal=ordinal, new={"n": ordinal}, old=None, old_kind=None,
+                        unchanged_toast=())
+
+
+@pytest.mark.parametrize("native", ["compiled", "python"])
+@pytest.mark.parametrize("mode", ["per-change", "batched"])
+def test_each_tables_last_change_carries_the_transactions_tables(native, mode):
+    """users, orders, users, users, orders: the last users change and the last orders change
+    carry tx_tables = {users: 3, orders: 2}; nothing else does; every change is sent once."""
+    from cdc_platform.protocol.native import NATIVE
+
+    builder = MessageBuilder("msgpack", mode, batch_max_events=2,
+                             native=NATIVE if native == "compiled" else None)
+    users = _relation("id")
+    orders = Relation(16401, "public", "orders", "d", (RelationColumn("n", 23, -1, True),))
+    built = builder.build([
+        RelationChanged(users, None), RelationChanged(orders, None),
+        _insert(0, {"id": 0}), _other(1), _insert(2, {"id": 2}), _insert(3, {"id": 3}),
+        _other(4),
+        TransactionCommitted(0x1_0000_0900, 0x1_0000_0930, "2026-11-22T10:00:00Z", 77, 5)])
+    events = [event for message in built.messages
+              for event in (msgpack.unpackb(message.payload) if mode == "batched"
+                            else [msgpack.unpackb(message.payload)])]
+    assert sorted(e["ordinal"] for e in events) == [0, 1, 2, 3, 4]
+    marked = {e["ordinal"]: e["tx_tables"] for e in events if "tx_tables" in e}
+    assert marked == {3: {"users": 3, "orders": 2}, 4: {"users": 3, "orders": 2}}
+    users_order = [e["ordinal"] for e in events if e["table"] == "users"]
+    assert users_order == [0, 2, 3]  # a table's changes stay in order
+    # both implementations send the same bytes
+    other = MessageBuilder("msgpack", mode, batch_max_events=2,
+                           native=None if native == "compiled" else NATIVE)
+    again = other.build([
+        RelationChanged(users, None), RelationChanged(orders, None),
+        _insert(0, {"id": 0}), _other(1), _insert(2, {"id": 2}), _insert(3, {"id": 3}),
+        _other(4),
+        TransactionCommitted(0x1_0000_0900, 0x1_0000_0930, "2026-11-22T10:00:00Z", 77, 5)])
+    assert [m.payload for m in again.messages] == [m.payload for m in built.messages]
+
+
+def test_a_transaction_spanning_reads_is_marked_at_its_commit():
+    builder = MessageBuilder("msgpack", "per-change")
+    first = builder.build([RelationChanged(_relation("id"), None), _insert(0, {"id": 0}),
+                           _insert(1, {"id": 1})])
+    assert [m.msg_id for m in first.messages] == ["1/900:0"]  # 1 waits for the commit
+    second = builder.build([TransactionCommitted(0x1_0000_0900, 0x1_0000_0930,
+                                                 "2026-11-22T10:00:00Z", 77, 2)])
+    (last,) = second.messages
+    assert msgpack.unpackb(last.payload)["tx_tables"] == {"users": 2}
+    assert second.position == 0x1_0000_0930
