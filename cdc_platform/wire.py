@@ -121,6 +121,12 @@ def encoder(fmt: Format):
     raise ValueError(f"unknown format {fmt!r}")
 
 
+def payload_format(data: bytes) -> Format:
+    """The format of a payload from its first byte (README "Payload encoding"): JSON
+    payloads start with ``{`` or ``[``, which never begin a msgpack map or array."""
+    return "json" if data[:1] in (b"{", b"[") else "msgpack"
+
+
 def decode_payload(data: bytes, fmt: Format) -> Any:
     """For consumers and tests: the inverse of :func:`encoder` (bytes stay base64 in JSON)."""
     if fmt == "msgpack":

@@ -20,8 +20,8 @@ from nats.js.errors import NotFoundError
 
 from cdc_platform.errors import CdcError
 from cdc_platform.lsn import parse_lsn
-from cdc_platform.snapshot.dictionary import decompressor, dictionary_key
-from cdc_platform.wire import decode_payload, snapshot_meta_subject
+from cdc_platform.snapshot.dictionary import decompressor, fetch_dictionary
+from cdc_platform.wire import decode_payload, payload_format, snapshot_meta_subject
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,10 @@ class SnapshotMeta:
     format: str
     timestamp: float
     raw: dict[str, Any]
+    seq: int = 0  # its sequence in the INIT stream
 
     @classmethod
-    def from_wire(cls, meta: dict[str, Any]) -> SnapshotMeta:
+    def from_wire(cls, meta: dict[str, Any], seq: int = 0) -> SnapshotMeta:
         try:
             return cls(
                 table=meta["table"], snapshot_id=meta["snapshot_id"],
@@ -63,14 +64,13 @@ class SnapshotMeta:
                 watermark_subject=meta["watermark_subject"],
                 chunk_subject_prefix=meta["chunk_subject_prefix"],
                 schema_fingerprint=meta["schema_fingerprint"], format=meta["format"],
-                timestamp=float(meta["timestamp"]), raw=meta)
+                timestamp=float(meta["timestamp"]), raw=meta, seq=seq)
         except (KeyError, TypeError, ValueError) as exc:
             raise SnapshotUnusable(f"malformed snapshot meta ({exc!r})") from exc
 
 
 def _decode(data: bytes) -> Any:
-    """Format by the first byte (README "Payload encoding"): JSON starts with ``{``/``[``."""
-    return decode_payload(data, "json" if data[:1] in (b"{", b"[") else "msgpack")
+    return decode_payload(data, payload_format(data))
 
 
 async def latest_meta(js: JetStreamContext, table: str,
@@ -80,7 +80,7 @@ async def latest_meta(js: JetStreamContext, table: str,
         message = await js.get_last_msg(stream, snapshot_meta_subject(table))
     except NotFoundError:
         return None
-    return SnapshotMeta.from_wire(_decode(message.data))
+    return SnapshotMeta.from_wire(_decode(message.data), message.seq)
 
 
 async def cutover_start_seq(js: JetStreamContext, meta: SnapshotMeta) -> int:
@@ -135,7 +135,8 @@ async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str =
                     if dict_id not in decompressors:
                         decompressors[dict_id] = decompressor(
                             None if dict_id is None
-                            else await _dictionary(js, bucket, meta.table, int(dict_id)))
+                            else await fetch_dictionary(js, meta.table, int(dict_id),
+                                                        bucket=bucket))
                     data = decompressors[dict_id].decompress(data)
                 chunk = _decode(data)
                 number = chunk["chunk"]
@@ -151,11 +152,6 @@ async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str =
     if rows != meta.row_count:
         raise SnapshotUnusable(f"snapshot {meta.snapshot_id} of {meta.table}: read {rows} rows, "
                                f"the meta says {meta.row_count}")
-
-
-async def _dictionary(js: JetStreamContext, bucket: str, table: str, dictionary_id: int) -> bytes:
-    kv = await js.key_value(bucket)
-    return (await kv.get(dictionary_key(table, dictionary_id))).value
 
 
 @dataclass

@@ -25,7 +25,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from cdc_platform.errors import PublishError
 from cdc_platform.publishing.jetstream import OutgoingMessage
-from cdc_platform.wire import Format, decode_payload, encoder
+from cdc_platform.wire import Format, decode_payload, encoder, payload_format
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ async def resolve_payload(js: JetStreamContext, data: bytes,
     if reference is None:
         return data
     bucket, _, name = reference.partition("/")
-    expected = decode_payload(data, "json" if data[:1] in (b"{", b"[") else "msgpack")
+    expected = decode_payload(data, payload_format(data))
     claim = expected.get("claim_check", {}) if isinstance(expected, dict) else {}
     stored = await (await js.object_store(bucket)).get(name)
     payload = stored.data or b""

@@ -120,10 +120,9 @@ async def reusable_snapshot(js: JetStreamContext, table: str, max_age_seconds: f
         start_seq = await cutover_start_seq(js, meta)
     except SnapshotUnusable:
         return None
-    message = await js.get_last_msg(init_stream, snapshot_meta_subject(table))
     return {"snapshot_id": meta.snapshot_id, "lsn": meta.raw["lsn"],
             "cdc_stream": meta.cdc_stream, "cdc_start_seq": start_seq,
-            "meta_subject": snapshot_meta_subject(table), "meta_seq": message.seq,
+            "meta_subject": snapshot_meta_subject(table), "meta_seq": meta.seq,
             "reused": True}
 
 
