@@ -50,6 +50,19 @@ def cdc_batch_subject(table: str, operation: str) -> str:
     return f"{CDC_PREFIX}.{table}.{operation.lower()}.batch"
 
 
+# A table's new shape, in stream order before the first change that uses it (README
+# "Schema changes"); its ordinal is that change's, and it sorts before it.
+SCHEMA_OPERATION = "SCHEMA"
+
+
+def cdc_schema_subject(table: str) -> str:
+    return f"{CDC_PREFIX}.{table}.schema"
+
+
+def schema_event_msg_id(commit_lsn: int, ordinal: int) -> str:
+    return f"{format_lsn(commit_lsn)}:{ordinal}:schema"
+
+
 def watermark_subject(snapshot_id: str) -> str:
     return f"{WATERMARK_SUBJECT_PREFIX}.{snapshot_id}"
 

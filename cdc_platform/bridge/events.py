@@ -12,7 +12,7 @@ import math
 import re
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal, NamedTuple
 
@@ -29,11 +29,14 @@ from cdc_platform.protocol.pgoutput import Relation
 from cdc_platform.publishing.jetstream import OutgoingMessage
 from cdc_platform.wire import (
     HEADER_SCHEMA_FINGERPRINT,
+    SCHEMA_OPERATION,
     WATERMARK_PREFIX,
     batch_msg_id,
     cdc_batch_subject,
+    cdc_schema_subject,
     cdc_subject,
     encoder,
+    schema_event_msg_id,
     schema_fingerprint,
     watermark_subject,
 )
@@ -92,6 +95,17 @@ class _Shared(NamedTuple):
     packed: bytes          # ... as these bytes; (0, b"") otherwise
 
 
+@dataclass(frozen=True, slots=True)
+class SchemaEventSlot:
+    """Where a schema event goes in ``BuiltBatch.messages`` (a placeholder there): the
+    bridge looks up what the catalog adds (missing values, rewrites), then fills it with
+    :meth:`MessageBuilder.schema_event` or drops it (the shape is the one last published)."""
+
+    index: int
+    relation: Relation
+    change: ChangeRecord  # the first change that uses the shape
+
+
 @dataclass(slots=True)
 class BuiltBatch:
     """What one read batch turns into."""
@@ -104,6 +118,7 @@ class BuiltBatch:
     counts: dict[tuple[str, str], int]  # (table wire name, op) -> changes, for metrics
     last_commit_ts: str | None  # of the transaction ``position`` ends
     transactions: int = 0  # transactions whose commit this batch holds
+    schema_events: list[SchemaEventSlot] = field(default_factory=list)
 
 
 class MessageBuilder:
@@ -141,6 +156,8 @@ class MessageBuilder:
         self._held_batches: dict[int, _HeldBatch] = {}  # batched: relation id -> last batch
         self._tx_counts: dict[int, int] = {}  # relation id -> changes in the transaction
         self._batch_last_record: ChangeRecord | None = None
+        # Relations whose new shape goes out as a schema event before their next change.
+        self._new_shapes: dict[int, Relation] = {}
 
     def reset(self) -> None:
         """A new replication session: PostgreSQL resends from the last confirmed commit, so
@@ -153,6 +170,7 @@ class MessageBuilder:
         self._held.clear()
         self._held_batches.clear()
         self._tx_counts.clear()
+        self._new_shapes.clear()  # the replay sends its Relation messages again
 
     # -- relation bookkeeping ----------------------------------------------------------------
     def register(self, relation: Relation) -> None:
@@ -291,6 +309,8 @@ class MessageBuilder:
         per_change = self.mode == "per-change"
         single, append = self._single, messages.append
         held, tx_counts = self._held, self._tx_counts
+        new_shapes = self._new_shapes
+        schema_events: list[SchemaEventSlot] = []
         for event in events:
             kind = type(event)
             if kind is ChangeRecord:
@@ -299,6 +319,12 @@ class MessageBuilder:
                     runs.append((run_relation, run_operation, changes))
                 changes += 1
                 relation_id = event.relation_id
+                if new_shapes and relation_id in new_shapes:
+                    if not per_change:  # the open batch may be this table's (old shape)
+                        self._close_batch(messages)
+                    schema_events.append(SchemaEventSlot(
+                        len(messages), new_shapes.pop(relation_id), event))
+                    append(OutgoingMessage("", "", b""))  # placeholder, filled by the bridge
                 tx_counts[relation_id] = tx_counts.get(relation_id, 0) + 1
                 if per_change:  # the table's previous change is not its last: send it
                     previous = held.get(relation_id)
@@ -318,6 +344,7 @@ class MessageBuilder:
                 self._release(event.relation.relation_id, messages)
                 self.register(event.relation)
                 changed.append(event.relation)
+                self._new_shapes[event.relation.relation_id] = event.relation
             elif kind is LogicalMessageReceived and event.prefix == WATERMARK_PREFIX:
                 if not per_change:
                     self._close_batch(messages)
@@ -333,7 +360,40 @@ class MessageBuilder:
             key = (info.wire_name if info is not None else str(relation_id), operation)
             counts[key] = counts.get(key, 0) + after - before
         return BuiltBatch(messages, position, changed, watermarks, changes, counts,
-                          last_commit_ts, transactions)
+                          last_commit_ts, transactions, schema_events)
+
+    def schema_event(self, slot: SchemaEventSlot, table_schema: dict[str, Any], *,
+                     previous_fingerprint: str | None, needs_snapshot: bool,
+                     reason: str | None, storage: int = 0) -> OutgoingMessage:
+        """The schema event of ``slot`` (README "Schema changes"): the envelope of the
+        change it precedes, operation ``SCHEMA``, and the table's KV schema value."""
+        record, relation = slot.change, slot.relation
+        # the builder's relation info may already hold a later shape: use the slot's
+        table = wire_name(relation.namespace, relation.name)
+        fingerprint = relation_fingerprint(relation)
+        subject = cdc_schema_subject(table)
+        msg_id = schema_event_msg_id(record.commit_lsn, record.ordinal)
+        event = {
+            "table": table,
+            "schema": record.schema,
+            "operation": SCHEMA_OPERATION,
+            "relation_id": record.relation_id,
+            "commit_lsn": self._commit_lsn_text(record.commit_lsn),
+            "xid": record.xid,
+            "commit_ts": record.commit_ts,
+            "subject": subject,
+            "schema_fingerprint": fingerprint,
+            "lsn": self._lsn_text(record.lsn),
+            "ordinal": record.ordinal,
+            "msg_id": msg_id,
+            "previous_fingerprint": previous_fingerprint,
+            "needs_snapshot": needs_snapshot,
+            "reason": reason,
+            "relfilenode": storage,
+            "table_schema": table_schema,
+        }
+        return OutgoingMessage(subject, msg_id, self.encode(event),
+                               ((HEADER_SCHEMA_FINGERPRINT, fingerprint),))
 
     def _single(self, record: ChangeRecord) -> OutgoingMessage:
         shared = self._shared.get((record.relation_id, record.operation, record.commit_lsn))

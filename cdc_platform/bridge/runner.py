@@ -18,13 +18,14 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import psycopg
 from nats.js.errors import NotFoundError
 
-from cdc_platform.bridge.events import MessageBuilder
+from cdc_platform.bridge.events import BuiltBatch, MessageBuilder
 from cdc_platform.errors import (
     CdcError,
     NatsUnreachable,
@@ -36,6 +37,7 @@ from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.lsn import format_lsn
 from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import (
+    ColumnInfo,
     TableSchema,
     published_tables_async,
     table_schema_async,
@@ -47,7 +49,14 @@ from cdc_platform.replication.reader import SlotReader
 from cdc_platform.replication.slots import WAL_STATUS_LEVELS, read_slot_async, slot_alerts
 from cdc_platform.settings import PlatformSettings
 from cdc_platform.telemetry import BridgeMetrics, TelemetryServer
-from cdc_platform.wire import CONTROL_EOB_SUBJECT, HEARTBEAT_PREFIX, encoder
+from cdc_platform.wire import (
+    CONTROL_EOB_SUBJECT,
+    HEARTBEAT_PREFIX,
+    cdc_schema_subject,
+    decode_payload,
+    encoder,
+    payload_format,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +82,8 @@ class CdcBridge:
         self._kv = None
         self._claim_checks: ClaimChecks | None = None
         self._published_fingerprints: dict[str, str] = {}
+        self._announced: dict[str, AnnouncedShape | None] = {}  # table -> last schema event
+        self._js = None
         # (position, published at (monotonic), committed at (epoch)) per published batch
         self._timings: collections.deque = collections.deque(maxlen=100_000)
         self.telemetry: TelemetryServer | None = None
@@ -129,7 +140,7 @@ class CdcBridge:
                      self.telemetry.port)
         side_tasks: list[asyncio.Task] = []
         try:
-            js = nc.jetstream()
+            js = self._js = nc.jetstream()
             stream = self.settings.topology.cdc.name
             try:
                 await js.stream_info(stream)
@@ -254,8 +265,8 @@ class CdcBridge:
             started = perf_counter()
             metrics.wal_messages.inc(batch.wal_messages)
             built = build(batch.events)
-            for relation in built.changed_relations:
-                await self._publish_schema_from_relation(reader, relation)
+            if built.changed_relations or built.schema_events:
+                await self._follow_shape_changes(reader, built)
             if built.messages or built.position is not None:
                 metrics.last_processing_time_us.set(
                     (perf_counter() - started) * 1e6 / batch.wal_messages)
@@ -319,18 +330,81 @@ class CdcBridge:
         assert reader.catalog is not None
         publication = self.settings.postgres.publication
         for schema, table in await published_tables_async(reader.catalog, publication):
-            found = await table_schema_async(reader.catalog, publication, schema, table)
+            found = await table_schema_async(reader.catalog, publication, schema, table,
+                                             reader.types)
             if found is not None:
                 await self._put_schema(found)
 
-    async def _publish_schema_from_relation(self, reader: SlotReader,
-                                            relation: Relation) -> None:
-        """The Relation message is authoritative for the columns at this point of the WAL;
-        the catalog adds nullability and defaults where the column still exists."""
+    async def _follow_shape_changes(self, reader: SlotReader, built: BuiltBatch) -> None:
+        """KV schemas of the relations ``built`` saw change, and its schema events filled in
+        (or dropped when the shape is the one the stream last announced)."""
         assert reader.catalog is not None
-        current = await table_schema_async(reader.catalog, self.settings.postgres.publication,
-                                           relation.namespace, relation.name)
-        await self._put_schema(schema_from_relation(relation, current))
+        schemas: dict[int, tuple[TableSchema, TableSchema | None]] = {}  # id(Relation) ->
+        # (its schema, the catalog's now)
+
+        async def schema_of(relation: Relation) -> tuple[TableSchema, TableSchema | None]:
+            # The Relation message is authoritative for the columns at this point of the
+            # WAL; the catalog adds nullability, defaults and missing values.
+            if id(relation) not in schemas:
+                current = await table_schema_async(
+                    reader.catalog, self.settings.postgres.publication, relation.namespace,
+                    relation.name, reader.types)
+                schemas[id(relation)] = schema_from_relation(relation, current), current
+            return schemas[id(relation)]
+
+        for relation in built.changed_relations:
+            await self._put_schema((await schema_of(relation))[0])
+        dropped: set[int] = set()
+        for slot in built.schema_events:
+            schema, current = await schema_of(slot.relation)
+            previous = await self._announced_shape(schema.wire_name)
+            if previous is not None and previous.fingerprint == schema.fingerprint:
+                dropped.add(slot.index)
+                continue
+            reason = shape_change_unknowable(previous, schema, current)
+            value = schema.to_wire()
+            built.messages[slot.index] = self.builder.schema_event(
+                slot, value, previous_fingerprint=previous and previous.fingerprint,
+                needs_snapshot=reason is not None, reason=reason, storage=schema.storage)
+            self._announced[schema.wire_name] = AnnouncedShape(
+                schema.fingerprint, schema.storage, frozenset(c.name for c in schema.columns))
+            if reason is not None:
+                log.warning("%s: %s; its schema event tells consumers to take a new snapshot",
+                            schema.wire_name, reason)
+        if dropped:
+            built.messages[:] = [message for index, message in enumerate(built.messages)
+                                 if index not in dropped]
+
+    async def _announced_shape(self, table: str) -> AnnouncedShape | None:
+        """The shape of ``table``'s last schema event in the stream (None: none there)."""
+        if table in self._announced:
+            return self._announced[table]
+        assert self._js is not None
+        stream = self.settings.topology.cdc.name
+        while True:
+            try:
+                message = await self._js.get_last_msg(stream, cdc_schema_subject(table))
+                event = decode_payload(message.data, payload_format(message.data))
+                found = AnnouncedShape(
+                    event["schema_fingerprint"], int(event.get("relfilenode") or 0),
+                    frozenset(c["name"] for c in event["table_schema"]["columns"]))
+                break
+            except NotFoundError:
+                found = None
+                break
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("the last schema event of %s is unreadable (%r): announcing its "
+                            "shape again", table, exc)
+                found = None
+                break
+            except Exception as exc:  # noqa: BLE001 - NATS away: retry until it is back
+                if self.stop_requested.is_set():
+                    raise
+                log.warning("could not read the last schema event of %s (%s); retrying",
+                            table, exc)
+                await asyncio.sleep(1.0)
+        self._announced[table] = found
+        return found
 
     async def _put_schema(self, schema: TableSchema) -> None:
         key = schema.wire_name
@@ -477,9 +551,37 @@ def _epoch(iso_utc: str) -> float:
         return time.time()
 
 
-def schema_from_relation(relation: Relation, current: TableSchema | None) -> TableSchema:
-    from cdc_platform.postgres.catalog import ColumnInfo
+@dataclass(frozen=True)
+class AnnouncedShape:
+    """What a table's last schema event said, as the next one is compared with it."""
 
+    fingerprint: str
+    storage: int  # relfilenode
+    columns: frozenset[str]
+
+
+def shape_change_unknowable(previous: AnnouncedShape | None, schema: TableSchema,
+                            current: TableSchema | None) -> str | None:
+    """Why rows that existed before this shape change cannot be known from the stream (None:
+    they can). A rewrite (a volatile default, a column type change) changes every row
+    without decoding a change; a column added and then changed or dropped before the
+    bridge read its addition has lost the value existing rows read."""
+    if previous is None:
+        return None  # nothing announced before: no consumer follows an older shape
+    if previous.storage and schema.storage and previous.storage != schema.storage:
+        return ("the table was rewritten (relfilenode "
+                f"{previous.storage} -> {schema.storage}: a volatile default, a column type "
+                "change, VACUUM FULL or CLUSTER), which logical decoding does not emit")
+    now = {(c.name, c.type_oid) for c in current.columns} if current else set()
+    unknown = [c.name for c in schema.columns
+               if c.name not in previous.columns and (c.name, c.type_oid) not in now]
+    if unknown:
+        return (f"column(s) {', '.join(unknown)} were added and then altered or dropped before "
+                "the bridge read the addition: what existing rows read is unknown")
+    return None
+
+
+def schema_from_relation(relation: Relation, current: TableSchema | None) -> TableSchema:
     by_name = {c.name: c for c in current.columns} if current else {}
     columns = []
     for position, column in enumerate(relation.columns, start=1):
@@ -492,6 +594,8 @@ def schema_from_relation(relation: Relation, current: TableSchema | None) -> Tab
             column_default=known.column_default if same_type else None,
             type_oid=column.type_oid, type_modifier=column.type_modifier,
             is_key=column.is_key,
-            is_primary_key=known.is_primary_key if same_type else False))
+            is_primary_key=known.is_primary_key if same_type else False,
+            missing_value=known.missing_value if same_type else None))
     return TableSchema(relation.namespace, relation.name, relation.relation_id,
-                       relation.replica_identity, tuple(columns))
+                       relation.replica_identity, tuple(columns),
+                       storage=current.storage if current else 0)

@@ -53,6 +53,11 @@ class SnapshotMeta:
     raw: dict[str, Any]
     seq: int = 0  # its sequence in the INIT stream
 
+    @property
+    def table_schema(self) -> dict[str, Any] | None:
+        """The rows' shape (a KV ``schemas`` value), in metas written since it was added."""
+        return self.raw.get("table_schema")
+
     @classmethod
     def from_wire(cls, meta: dict[str, Any], seq: int = 0) -> SnapshotMeta:
         try:

@@ -34,13 +34,14 @@ import math
 import sqlite3
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from cdc_platform.errors import CdcError
 from cdc_platform.lsn import parse_lsn
+from cdc_platform.wire import SCHEMA_OPERATION
 
 STATE_TABLE = "_cdc_mirror_tables"
 
@@ -63,6 +64,14 @@ class MirrorError(CdcError):
 class DivergenceError(MirrorError):
     """A change does not fit the mirrored rows (a missing row, a duplicate key): the mirror
     no longer equals the source and must bootstrap that table again."""
+
+
+@dataclass
+class Applied:
+    """What :meth:`MirrorStore.apply_transaction` did."""
+
+    events: int = 0
+    stale: dict[str, str] = field(default_factory=dict)  # table -> why it needs a snapshot
 
 
 class SchemaChange(Enum):
@@ -158,16 +167,48 @@ class TableShape:
 
     @classmethod
     def from_schema(cls, schema: Mapping[str, Any]) -> TableShape:
+        table = schema.get("table") if isinstance(schema, Mapping) else None
         try:
             primary_key = set(schema.get("primary_key") or ())
-            columns = tuple(
-                MirroredColumn(c["name"], sqlite_type(int(c["type_oid"]), str(c["data_type"])),
-                               c["name"] in primary_key, int(c["type_oid"]))
-                for c in schema["columns"])
-            return cls(str(schema["table"]), str(schema["fingerprint"]), columns)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise MirrorError(f"schema of {schema.get('table')!r} is not a valid schemas "
-                              f"value: {exc!r}") from exc
+            raw_columns = schema["columns"]
+            if not isinstance(raw_columns, list) or not raw_columns:
+                raise ValueError("no columns")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise MirrorError(f"schema of {table!r} is not a valid schemas value: {exc!r}") \
+                from exc
+        columns = []
+        for position, column in enumerate(raw_columns, start=1):
+            try:
+                name = column["name"]
+                if not isinstance(name, str) or not name:
+                    raise ValueError(f"name {name!r}")
+                columns.append(MirroredColumn(
+                    name, sqlite_type(int(column["type_oid"]), str(column["data_type"])),
+                    name in primary_key, int(column["type_oid"])))
+            except (KeyError, TypeError, ValueError) as exc:
+                shown = column.get("name") if isinstance(column, Mapping) else column
+                raise MirrorError(f"schema of {table!r}: column {position} ({shown!r}) cannot "
+                                  f"be mapped to SQLite: {exc!r}") from exc
+        if len({c.name for c in columns}) != len(columns):
+            raise MirrorError(f"schema of {table!r} names a column twice")
+        if not primary_key <= {c.name for c in columns}:
+            raise MirrorError(f"schema of {table!r}: primary key {sorted(primary_key)} names "
+                              "a column it does not have")
+        return cls(str(table), str(schema.get("fingerprint")), tuple(columns))
+
+    def to_json_text(self) -> str:
+        return json.dumps({"table": self.table, "fingerprint": self.fingerprint,
+                           "columns": [[c.name, c.sqlite_type, c.is_primary_key, c.type_oid]
+                                       for c in self.columns]})
+
+    @classmethod
+    def from_json_text(cls, text: str) -> TableShape:
+        try:
+            data = json.loads(text)
+            return cls(data["table"], data["fingerprint"],
+                       tuple(MirroredColumn(*column) for column in data["columns"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise MirrorError(f"unreadable table shape in {STATE_TABLE}: {exc!r}") from exc
 
     @property
     def key_columns(self) -> list[str]:
@@ -194,11 +235,13 @@ class TableShape:
 class TableState:
     table: str
     fingerprint: str
-    status: str  # "bootstrapping" | "streaming"
+    status: str  # "bootstrapping" | "streaming" | "stale" (needs a new snapshot: see reason)
     snapshot_id: str | None
     cutover_lsn: int  # apply events with commit_lsn >= this
     applied_commit_lsn: int  # high-water mark: the last applied (commit_lsn, ordinal)
     applied_ordinal: int
+    stream_seq: int = 0  # `CDC` holds nothing of this table this mirror lacks up to here
+    reason: str | None = None  # why a stale table needs a new snapshot
 
     def wants(self, commit_lsn: int, ordinal: int) -> bool:
         """The cutover rule and the high-water mark in one test."""
@@ -223,11 +266,15 @@ class MirrorStore:
                 " wire_table TEXT PRIMARY KEY, fingerprint TEXT NOT NULL, status TEXT NOT NULL,"
                 " snapshot_id TEXT, cutover_lsn INTEGER NOT NULL,"
                 " applied_commit_lsn INTEGER NOT NULL, applied_ordinal INTEGER NOT NULL,"
-                " stream_seq INTEGER NOT NULL DEFAULT 0, updated_at REAL NOT NULL)")
-        except sqlite3.DatabaseError as exc:
-            raise MirrorError(f"{self.path} is not a usable SQLite database ({exc}): move it "
+                " stream_seq INTEGER NOT NULL DEFAULT 0, updated_at REAL NOT NULL,"
+                " shape TEXT NOT NULL DEFAULT '', reason TEXT)")
+            # the shape each table was last given, as the stream (not today's KV) has it
+            shapes = {table: TableShape.from_json_text(text) for table, text in self._db.execute(
+                f"SELECT wire_table, shape FROM {STATE_TABLE} WHERE shape != ''")}
+        except (sqlite3.DatabaseError, MirrorError) as exc:
+            raise MirrorError(f"{self.path} is not a usable mirror database ({exc}): move it "
                               "away and start the mirror again to rebuild it") from exc
-        self._shapes: dict[str, TableShape] = {}
+        self._shapes: dict[str, TableShape] = shapes
         self._statements: dict[tuple, str] = {}
 
     def close(self) -> None:
@@ -237,15 +284,39 @@ class MirrorStore:
     def state(self, table: str) -> TableState | None:
         row = self._db.execute(
             f"SELECT wire_table, fingerprint, status, snapshot_id, cutover_lsn,"
-            f" applied_commit_lsn, applied_ordinal FROM {STATE_TABLE} WHERE wire_table = ?",
-            (table,)).fetchone()
+            f" applied_commit_lsn, applied_ordinal, stream_seq, reason FROM {STATE_TABLE}"
+            " WHERE wire_table = ?", (table,)).fetchone()
         return TableState(*row) if row else None
 
-    def stream_seq(self) -> int:
-        """The last `CDC` stream sequence whose transaction this database holds (0: none)."""
-        row = self._db.execute(f"SELECT max(stream_seq) FROM {STATE_TABLE} WHERE "
-                               "status = 'streaming'").fetchone()
-        return int(row[0] or 0)
+    def resume_seq(self, tables: Iterable[str]) -> int:
+        """The `CDC` sequence to read from so that every streaming table of ``tables`` gets
+        every event it lacks (1: from the start)."""
+        names = list(tables)
+        row = self._db.execute(
+            f"SELECT min(stream_seq) FROM {STATE_TABLE} WHERE status = 'streaming' AND "
+            f"wire_table IN ({', '.join('?' * len(names))})", names).fetchone()
+        return int(row[0] or 0) + 1
+
+    def advance(self, tables: Iterable[str], stream_seq: int) -> None:
+        """``stream_seq`` was read for ``tables`` (nothing of theirs up to it is missing)."""
+        names = list(tables)
+        with self._transaction():
+            self._advance(names, stream_seq)
+
+    def _advance(self, names: list[str], stream_seq: int) -> None:
+        self._db.execute(
+            f"UPDATE {STATE_TABLE} SET stream_seq = ? WHERE status = 'streaming' AND "
+            f"stream_seq < ? AND wire_table IN ({', '.join('?' * len(names))})",
+            [stream_seq, stream_seq, *names])
+
+    def mark_stale(self, table: str, reason: str) -> None:
+        """``table`` can no longer follow the stream: the next start bootstraps it again."""
+        state = self.state(table)
+        if state is None:
+            return
+        state.status, state.reason = "stale", reason
+        with self._transaction():
+            self._put_state(state, stream_seq=state.stream_seq)
 
     def tables(self) -> list[str]:
         return [row[0] for row in self._db.execute(f"SELECT wire_table FROM {STATE_TABLE}")]
@@ -324,14 +395,20 @@ class MirrorStore:
             self._put_state(state, stream_seq=stream_seq)
 
     # -- changes --------------------------------------------------------------------------------
-    def apply_transaction(self, events: Iterable[Mapping[str, Any]], stream_seq: int) -> int:
+    def apply_transaction(self, events: Iterable[Mapping[str, Any]], stream_seq: int,
+                          followed: Iterable[str] = ()) -> Applied:
         """Every event of one transaction (of the mirrored tables), in ordinal order, in one
-        SQLite transaction with the new positions. Returns how many events were applied
-        (events the positions already cover, or before a table's cutover, are skipped)."""
-        applied = 0
+        SQLite transaction with the new positions: each table's high-water mark, and
+        ``stream_seq`` for the tables of ``followed`` (all were read up to it). Events the
+        positions already cover, or before a table's cutover, are skipped. A schema event
+        alters the table, or marks it stale when no ALTER can follow the change."""
+        result = Applied()
         with self._transaction():
             states: dict[str, TableState | None] = {}
-            for event in sorted(events, key=lambda e: e["ordinal"]):
+            touched: set[str] = set()
+            ordered = sorted(events, key=lambda e: (e["ordinal"],
+                                                    e["operation"] != SCHEMA_OPERATION))
+            for event in ordered:
                 table = event["table"]
                 if table not in states:
                     states[table] = self.state(table)
@@ -340,13 +417,42 @@ class MirrorStore:
                 if (state is None or state.status != "streaming"
                         or not state.wants(commit_lsn, event["ordinal"])):
                     continue
+                touched.add(table)
+                if event["operation"] == SCHEMA_OPERATION:
+                    # not a change: the high-water mark stays before the change it precedes
+                    why = self._apply_schema_event(event)
+                    if why is None:
+                        state.fingerprint = self.shape(table).fingerprint
+                    else:
+                        state.status, state.reason = "stale", why
+                        result.stale[table] = why
+                    continue
                 self._apply_event(event)
                 state.applied_commit_lsn, state.applied_ordinal = commit_lsn, event["ordinal"]
-                applied += 1
-            for state in states.values():
-                if state is not None and state.status == "streaming":
-                    self._put_state(state, stream_seq=stream_seq)
-        return applied
+                result.events += 1
+            for table in touched:
+                state = states[table]
+                assert state is not None
+                self._put_state(state, stream_seq=max(state.stream_seq, stream_seq))
+            names = list(followed)
+            if names:
+                self._advance(names, stream_seq)
+        return result
+
+    def _apply_schema_event(self, event: Mapping[str, Any]) -> str | None:
+        """Follow a schema event (README "Schema changes"); why a new snapshot is needed
+        instead, if it is."""
+        if event.get("needs_snapshot"):
+            return str(event.get("reason") or "the bridge says a new snapshot is needed")
+        table_schema = event["table_schema"]
+        shape = TableShape.from_schema(table_schema)
+        before = self._shapes.get(shape.table)
+        missing = {c["name"]: c.get("missing_value") for c in table_schema["columns"]}
+        if self.apply_shape(shape, added_values=missing) is SchemaChange.NEEDS_BOOTSTRAP:
+            return (f"its shape changed in a way no ALTER follows (a column's type or the key "
+                    f"changed: {before.fingerprint if before else '?'} -> "
+                    f"{shape.fingerprint})")
+        return None
 
     def _apply_event(self, event: Mapping[str, Any]) -> None:
         table, operation = event["table"], event["operation"]
@@ -419,11 +525,13 @@ class MirrorStore:
 
     # -- plumbing -------------------------------------------------------------------------------
     def _put_state(self, state: TableState, *, stream_seq: int) -> None:
+        shape = self._shapes.get(state.table)
+        state.stream_seq = stream_seq
         self._db.execute(
-            f"INSERT OR REPLACE INTO {STATE_TABLE} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT OR REPLACE INTO {STATE_TABLE} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (state.table, state.fingerprint, state.status, state.snapshot_id,
              state.cutover_lsn, state.applied_commit_lsn, state.applied_ordinal, stream_seq,
-             time.time()))
+             time.time(), shape.to_json_text() if shape else "", state.reason))
 
     def _transaction(self) -> _Transaction:
         return _Transaction(self._db)

@@ -21,8 +21,7 @@ from typing import Any
 
 from cdc_platform.errors import CdcError
 from cdc_platform.lsn import format_lsn, parse_lsn
-
-SCHEMA_OPERATION = "SCHEMA"
+from cdc_platform.wire import SCHEMA_OPERATION
 
 
 class StreamGap(CdcError):

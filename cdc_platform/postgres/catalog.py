@@ -14,8 +14,9 @@ from typing import Any
 
 import psycopg
 
-from cdc_platform.errors import SnapshotRequestRefused
+from cdc_platform.errors import ConversionError, SnapshotRequestRefused
 from cdc_platform.naming import parse_wire_name, qualified_name, wire_name
+from cdc_platform.protocol.values import TypeRegistry, identity, parse_array
 from cdc_platform.wire import schema_fingerprint
 
 _PUBLISHED_TABLES = """
@@ -35,10 +36,11 @@ SELECT a.attname, a.attnum, format_type(a.atttypid, a.atttypmod), NOT a.attnotnu
          ELSE a.attnum = ANY(pk.indkey)
        END AS is_key,
        COALESCE(a.attnum = ANY(pk.indkey), false) AS is_primary_key,
-       c.oid::int
+       c.oid::int, a.attmissingval::text, ty.typdelim, c.relfilenode::bigint
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
 JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+JOIN pg_type ty ON ty.oid = a.atttypid
 LEFT JOIN pg_attrdef d ON d.adrelid = c.oid AND d.adnum = a.attnum
 LEFT JOIN pg_index pk ON pk.indrelid = c.oid AND pk.indisprimary
 LEFT JOIN pg_index ri ON ri.indrelid = c.oid AND ri.indisreplident
@@ -63,6 +65,9 @@ class ColumnInfo:
     type_modifier: int
     is_key: bool
     is_primary_key: bool
+    # What rows that existed before the column was added read (``pg_attribute.attmissingval``,
+    # converted like a row value); None when there is none.
+    missing_value: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +78,9 @@ class TableSchema:
     replica_identity: str  # d f i n, as in pg_class.relreplident and pgoutput
     columns: tuple[ColumnInfo, ...]
     captured_at: float = field(default_factory=time.time)
+    # pg_class.relfilenode: a new one means the table was rewritten (a volatile default, a
+    # column type change, VACUUM FULL), which logical decoding does not emit.
+    storage: int = 0
 
     @property
     def wire_name(self) -> str:
@@ -98,7 +106,7 @@ class TableSchema:
                 {"name": c.name, "position": c.position, "data_type": c.data_type,
                  "is_nullable": c.is_nullable, "column_default": c.column_default,
                  "type_oid": c.type_oid, "is_key": c.is_key,
-                 "is_primary_key": c.is_primary_key}
+                 "is_primary_key": c.is_primary_key, "missing_value": c.missing_value}
                 for c in self.columns
             ],
             "namespace": self.schema,
@@ -121,29 +129,50 @@ async def published_tables_async(conn: psycopg.AsyncConnection,
     return [tuple(row) for row in await cursor.fetchall()]
 
 
-def _schema_from_rows(schema: str, table: str, rows: list) -> TableSchema | None:
+def missing_value(text: str | None, delimiter: str, type_oid: int,
+                  types: TypeRegistry) -> Any:
+    """``attmissingval::text`` (a one-element array of the column's type, printed with the
+    type's delimiter) -> the value, converted as the stream converts that column."""
+    if text is None:
+        return None
+    element = parse_array(text, identity, delimiter)[0]
+    if element is None:
+        return None
+    try:
+        return types.converter(type_oid)(element)
+    except ConversionError:
+        return element  # as a refused row value travels: PostgreSQL's text
+
+
+def _schema_from_rows(schema: str, table: str, rows: list,
+                      types: TypeRegistry | None = None) -> TableSchema | None:
     if not rows:
         return None
+    types = types or TypeRegistry()
     columns = tuple(ColumnInfo(name, position, data_type, nullable, default, type_oid, typmod,
-                               bool(is_key), bool(is_pk))
+                               bool(is_key), bool(is_pk),
+                               missing_value(missing, delimiter, type_oid, types))
                     for (name, position, data_type, nullable, default, type_oid, typmod, _,
-                         is_key, is_pk, _) in rows)
-    return TableSchema(schema, table, rows[0][10], rows[0][7], columns)
+                         is_key, is_pk, _, missing, delimiter, _) in rows)
+    return TableSchema(schema, table, rows[0][10], rows[0][7], columns,
+                       storage=int(rows[0][13] or 0))
 
 
 def table_schema(conn: psycopg.Connection, publication: str, schema: str,
-                 table: str) -> TableSchema | None:
-    """The table's published shape, or None if it is not in the publication."""
+                 table: str, types: TypeRegistry | None = None) -> TableSchema | None:
+    """The table's published shape, or None if it is not in the publication. ``types``
+    converts missing values of non-builtin types (the caller's registry knows them)."""
     rows = conn.execute(_COLUMNS, {"publication": publication, "schema": schema,
                                    "table": table}).fetchall()
-    return _schema_from_rows(schema, table, rows)
+    return _schema_from_rows(schema, table, rows, types)
 
 
 async def table_schema_async(conn: psycopg.AsyncConnection, publication: str, schema: str,
-                             table: str) -> TableSchema | None:
+                             table: str, types: TypeRegistry | None = None
+                             ) -> TableSchema | None:
     cursor = await conn.execute(_COLUMNS, {"publication": publication, "schema": schema,
                                            "table": table})
-    return _schema_from_rows(schema, table, await cursor.fetchall())
+    return _schema_from_rows(schema, table, await cursor.fetchall(), types)
 
 
 def resolve_published_table(conn: psycopg.Connection, publication: str,

@@ -471,6 +471,9 @@ async def snapshot_table(spark: Any, settings: PlatformSettings, table: str, *,
                 "dictionary_bucket": settings.topology.dictionaries.bucket if trained else None,
                 "dictionary_key": dictionary_key,
                 "schema_fingerprint": described.schema.fingerprint,
+                # the shape of the rows, read under the lock the snapshot holds: a consumer
+                # creates its table from it (the KV schema may already be newer)
+                "table_schema": described.schema.to_wire(),
                 "partitions": len(ranges),
                 # [partition, first chunk number, chunk count] for every partition with chunks
                 "chunks": [[s.partition, s.first_chunk, s.chunks] for s in stats if s.chunks],

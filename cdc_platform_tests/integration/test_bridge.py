@@ -57,6 +57,14 @@ def events_of(messages, fmt="msgpack"):
     return [decode_payload(m.data, fmt) for m in messages]
 
 
+def flat_events(messages, fmt="msgpack"):
+    """Every event, batches unpacked (a batch is an array, a single event a map)."""
+    events = []
+    for decoded in events_of(messages, fmt):
+        events.extend(decoded if isinstance(decoded, list) else [decoded])
+    return events
+
+
 @pytest.fixture
 def table(cdc_database, pg_admin):
     name = random_name("orders")
@@ -313,10 +321,11 @@ async def test_a_consumer_of_one_table_knows_each_transaction_is_whole(
                 if i % 3 == 0:
                     pg_admin.execute(f"INSERT INTO {other} VALUES ({i})")
         messages = await read_subjects(nats_client, "CDC", f"cdc.{table}.>",
-                                       expect=7 if mode == "per-change" else 3)
-    events = [event for message in messages for event in (
-        msgpack.unpackb(message.data) if mode == "batched" else [msgpack.unpackb(message.data)])]
+                                       expect=1 + (7 if mode == "per-change" else 3),
+                                       schema_events=True)
+    events = flat_events(messages)
+    assert events[0]["operation"] == "SCHEMA"  # the table's shape, before its first change
     collector = TransactionCollector({table})
     done = [collector.add(event, seq) for seq, event in enumerate(events, start=1)]
-    assert [d is not None for d in done] == [False] * 6 + [True]
+    assert [d is not None for d in done] == [False] * 7 + [True]
     assert done[-1].ordered()[-1]["tx_tables"] == {table: 7, other: 3}

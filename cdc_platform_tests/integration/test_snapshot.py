@@ -501,7 +501,8 @@ async def cdc_events(client, table, start_seq):
             assert time.monotonic() < deadline, "CDC did not catch up within 60 s"
             with contextlib.suppress(nats.errors.TimeoutError):
                 batch = await subscription.fetch(1000, timeout=1.0)
-                events += [decode_payload(m.data, "msgpack") for m in batch]
+                events += [decode_payload(m.data, "msgpack") for m in batch
+                           if not m.subject.endswith(".schema")]
     finally:
         await subscription.unsubscribe()
     return events

@@ -7,7 +7,7 @@ import json
 import msgpack
 import pytest
 
-from cdc_platform.bridge.events import MessageBuilder, relation_fingerprint
+from cdc_platform.bridge.events import BuiltBatch, MessageBuilder, relation_fingerprint
 from cdc_platform.protocol.changes import (
     ChangeRecord,
     LogicalMessageReceived,
@@ -16,6 +16,25 @@ from cdc_platform.protocol.changes import (
 )
 from cdc_platform.protocol.pgoutput import Relation, RelationColumn
 from cdc_platform.wire import WATERMARK_PREFIX
+
+
+def _build(builder: MessageBuilder, events: list) -> BuiltBatch:
+    """``builder.build`` with its schema events filled in as the bridge fills them."""
+    built = builder.build(events)
+    for slot in built.schema_events:
+        built.messages[slot.index] = builder.schema_event(
+            slot, {"columns": [{"name": c.name} for c in slot.relation.columns]},
+            previous_fingerprint=None, needs_snapshot=False, reason=None)
+    return built
+
+
+def _events(built: BuiltBatch, decode=msgpack.unpackb, *, schema: bool = False) -> list[dict]:
+    """Every event of ``built`` (batches unpacked); schema events only with ``schema``."""
+    events = []
+    for message in built.messages:
+        decoded = decode(message.payload)
+        events.extend(decoded if isinstance(decoded, list) else [decoded])
+    return [e for e in events if schema or e["operation"] != "SCHEMA"]
 
 
 def _message(content: bytes) -> LogicalMessageReceived:
@@ -62,20 +81,23 @@ def test_changes_after_an_alter_in_the_same_transaction_carry_the_new_fingerprin
     """ALTER TABLE between two inserts of one transaction: PostgreSQL sends a second Relation
     message; the second change must not reuse what was prepared for the first shape."""
     before, after = _relation("id"), _relation("id", "score")
-    built = MessageBuilder(fmt, mode).build([
+    built = _build(MessageBuilder(fmt, mode), [
         RelationChanged(before, None), _insert(0, {"id": 1}),
         RelationChanged(after, before), _insert(1, {"id": 2, "score": 5}),
         TransactionCommitted(0x1_0000_0900, 0x1_0000_0930, "2026-11-22T10:00:00Z", 77, 2)])
     decode = msgpack.unpackb if fmt == "msgpack" else json.loads
-    events = [event for message in built.messages
-              for event in (decode(message.payload) if mode == "batched"
-                            else [decode(message.payload)])]
+    events = _events(built, decode)
     assert [event["data"] for event in events] == [{"id": 1}, {"id": 2, "score": 5}]
     assert [event["schema_fingerprint"] for event in events] == [
         relation_fingerprint(before), relation_fingerprint(after)]
     assert relation_fingerprint(before) != relation_fingerprint(after)
+    # each shape is announced in stream order, before the first change that uses it
+    assert [(e["operation"], e["ordinal"]) for e in _events(built, decode, schema=True)] == [
+        ("SCHEMA", 0), ("INSERT", 0), ("SCHEMA", 1), ("INSERT", 1)]
+    assert [m.subject for m in built.messages if m.subject.endswith(".schema")] == [
+        "cdc.users.schema"] * 2
     assert [dict(message.headers)["Cdc-Schema-Fingerprint"] for message in built.messages] \
-        == [relation_fingerprint(before), relation_fingerprint(after)]
+        == [relation_fingerprint(before)] * 2 + [relation_fingerprint(after)] * 2
     assert built.counts == {("users", "INSERT"): 2}
 
 
@@ -90,12 +112,10 @@ def test_raw_columns_are_named_in_the_event_and_logged_once(native, mode, caplog
     raw = [_insert(0, {"id": 1, "score": "x1"}), _insert(1, {"id": 2, "score": "x2"})]
     for record in raw:
         record.raw_columns = ("score",)
-    built = builder.build([
+    built = _build(builder, [
         RelationChanged(relation, None), *raw, _insert(2, {"id": 3, "score": 4}),
         TransactionCommitted(0x1_0000_0900, 0x1_0000_0930, "2026-11-22T10:00:00Z", 77, 3)])
-    events = [event for message in built.messages
-              for event in (msgpack.unpackb(message.payload) if mode == "batched"
-                            else [msgpack.unpackb(message.payload)])]
+    events = _events(built)
     assert [event.get("raw_columns") for event in events] == [["score"], ["score"], None]
     assert events[0]["data"] == {"id": 1, "score": "x1"}
     assert caplog.text.count("no converter accepts") == 1
@@ -107,16 +127,16 @@ def test_a_new_session_drops_the_open_batch_the_server_will_resend():
     was held (500-999) and open (1000-1199) must not be published beside the replay's."""
     builder = MessageBuilder("msgpack", "batched")
     relation = _relation("id")
-    first = builder.build([RelationChanged(relation, None),
+    first = _build(builder, [RelationChanged(relation, None),
                            *(_insert(o, {"id": o}) for o in range(1200))])
-    assert [m.msg_id for m in first.messages] == ["1/900:0-499"]
+    assert [m.msg_id for m in first.messages] == ["1/900:0:schema", "1/900:0-499"]
     builder.reset()
-    again = builder.build([RelationChanged(relation, None),
+    again = _build(builder, [RelationChanged(relation, None),
                            *(_insert(o, {"id": o}) for o in range(1500)),
                            TransactionCommitted(0x1_0000_0900, 0x1_0000_0930,
                                                 "2026-11-22T10:00:00Z", 77, 1500)])
     assert [m.msg_id for m in again.messages] == [
-        "1/900:0-499", "1/900:500-999", "1/900:1000-1499"]
+        "1/900:0:schema", "1/900:0-499", "1/900:500-999", "1/900:1000-1499"]
 
 
 def _other(ordinal: int) -> ChangeRecord:
@@ -138,14 +158,12 @@ def test_each_tables_last_change_carries_the_transactions_tables(native, mode):
                              native=NATIVE if native == "compiled" else None)
     users = _relation("id")
     orders = Relation(16401, "public", "orders", "d", (RelationColumn("n", 23, -1, True),))
-    built = builder.build([
+    built = _build(builder, [
         RelationChanged(users, None), RelationChanged(orders, None),
         _insert(0, {"id": 0}), _other(1), _insert(2, {"id": 2}), _insert(3, {"id": 3}),
         _other(4),
         TransactionCommitted(0x1_0000_0900, 0x1_0000_0930, "2026-11-22T10:00:00Z", 77, 5)])
-    events = [event for message in built.messages
-              for event in (msgpack.unpackb(message.payload) if mode == "batched"
-                            else [msgpack.unpackb(message.payload)])]
+    events = _events(built)
     assert sorted(e["ordinal"] for e in events) == [0, 1, 2, 3, 4]
     marked = {e["ordinal"]: e["tx_tables"] for e in events if "tx_tables" in e}
     assert marked == {3: {"users": 3, "orders": 2}, 4: {"users": 3, "orders": 2}}
@@ -154,7 +172,7 @@ def test_each_tables_last_change_carries_the_transactions_tables(native, mode):
     # both implementations send the same bytes
     other = MessageBuilder("msgpack", mode, batch_max_events=2,
                            native=None if native == "compiled" else NATIVE)
-    again = other.build([
+    again = _build(other, [
         RelationChanged(users, None), RelationChanged(orders, None),
         _insert(0, {"id": 0}), _other(1), _insert(2, {"id": 2}), _insert(3, {"id": 3}),
         _other(4),
@@ -164,10 +182,10 @@ def test_each_tables_last_change_carries_the_transactions_tables(native, mode):
 
 def test_a_transaction_spanning_reads_is_marked_at_its_commit():
     builder = MessageBuilder("msgpack", "per-change")
-    first = builder.build([RelationChanged(_relation("id"), None), _insert(0, {"id": 0}),
+    first = _build(builder, [RelationChanged(_relation("id"), None), _insert(0, {"id": 0}),
                            _insert(1, {"id": 1})])
-    assert [m.msg_id for m in first.messages] == ["1/900:0"]  # 1 waits for the commit
-    second = builder.build([TransactionCommitted(0x1_0000_0900, 0x1_0000_0930,
+    assert [m.msg_id for m in first.messages] == ["1/900:0:schema", "1/900:0"]  # 1 waits
+    second = _build(builder, [TransactionCommitted(0x1_0000_0900, 0x1_0000_0930,
                                                  "2026-11-22T10:00:00Z", 77, 2)])
     (last,) = second.messages
     assert msgpack.unpackb(last.payload)["tx_tables"] == {"users": 2}

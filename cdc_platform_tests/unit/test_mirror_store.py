@@ -90,23 +90,23 @@ def test_transaction_applies_whole_with_its_position(store):
         event("UPDATE", "0/200", 1, data={"id": 1, "name": "b"}),
         event("INSERT", "0/200", 0, data={"id": 2, "name": "x"}),
     ], stream_seq=9)
-    assert applied == 2
+    assert applied.events == 2
     assert rows(store) == [(1, "b"), (2, "x")]
     state = store.state("users")
     assert (state.applied_commit_lsn, state.applied_ordinal) == (0x200, 1)
-    assert store.stream_seq() == 9
+    assert store.state("users").stream_seq == 9
     # the same transaction again (a redelivery): nothing applied twice
     assert store.apply_transaction([event("INSERT", "0/200", 0, data={"id": 2, "name": "x"})],
-                                   stream_seq=9) == 0
+                                   stream_seq=9).events == 0
     assert rows(store) == [(1, "b"), (2, "x")]
 
 
 def test_cutover_skips_what_the_snapshot_holds(store):
     bootstrapped(store, lsn=0x300, loaded=[{"id": 1, "name": "a"}])
     assert store.apply_transaction([event("INSERT", "0/2FF", 0, data={"id": 1, "name": "a"})],
-                                   stream_seq=3) == 0
+                                   stream_seq=3).events == 0
     assert store.apply_transaction([event("INSERT", "0/300", 0, data={"id": 2, "name": "b"})],
-                                   stream_seq=4) == 1
+                                   stream_seq=4).events == 1
     assert rows(store) == [(1, "a"), (2, "b")]
 
 
@@ -187,7 +187,7 @@ def test_positions_survive_reopening(tmp_path):
     store.close()
     again = MirrorStore(tmp_path / "m.db")
     state = again.state("users")
-    assert (state.status, state.applied_commit_lsn, again.stream_seq()) == (
+    assert (state.status, state.applied_commit_lsn, again.state("users").stream_seq) == (
         "streaming", 1 << 32, 11)
     assert not state.wants(1 << 32, 0) and state.wants(1 << 32, 1)
     again.close()
@@ -196,12 +196,14 @@ def test_positions_survive_reopening(tmp_path):
 def test_a_corrupt_database_is_a_clear_error(tmp_path):
     path = tmp_path / "bad.db"
     path.write_bytes(b"this is not sqlite" * 100)
-    with pytest.raises(MirrorError, match="not a usable SQLite database"):
+    with pytest.raises(MirrorError, match="not a usable mirror database"):
         MirrorStore(path)
 
 
 def test_an_invalid_schema_value_is_a_clear_error():
     with pytest.raises(MirrorError, match="not a valid schemas value"):
+        TableShape.from_schema({"table": "users"})
+    with pytest.raises(MirrorError, match=r"column 1 \('id'\) cannot be mapped.*type_oid"):
         TableShape.from_schema({"table": "users", "columns": [{"name": "id"}]})
 
 
@@ -213,7 +215,7 @@ def test_interrupted_bootstrap_leaves_the_table_bootstrapping(store):
     assert state.status == "bootstrapping"
     # a change of a table still bootstrapping is never applied
     assert store.apply_transaction([event("INSERT", "0/200", 0, data={"id": 2, "name": "b"})],
-                                   stream_seq=3) == 0
+                                   stream_seq=3).events == 0
     assert isinstance(store._db, sqlite3.Connection)
 
 
@@ -227,3 +229,81 @@ def test_json_payload_values_are_restored_by_column_type():
         "id": 1, "raw": b"\x00\xff", "f": pytest.approx(math.nan, nan_ok=True),
         "fs": [1.5, -math.inf, None], "txt": "NaN"}
     assert shape.from_json(None) is None
+
+
+def schema_event(commit_lsn, ordinal, table_schema, **extra):
+    return event("SCHEMA", commit_lsn, ordinal, table=table_schema["table"],
+                 table_schema=table_schema, **extra)
+
+
+def test_a_schema_event_adds_columns_with_what_existing_rows_read(store, tmp_path):
+    """ADD COLUMN flag int DEFAULT 7: rows that existed read 7 (attmissingval), the change
+    after the event carries its own value; the shape survives a restart."""
+    bootstrapped(store, loaded=[{"id": 1, "name": "a"}, {"id": 2, "name": "b"}])
+    wider = schema(columns=(("id", 23, "integer", True), ("name", 25, "text", False),
+                            ("flag", 23, "integer", False)), fingerprint="f2")
+    wider["columns"][2]["missing_value"] = 7
+    applied = store.apply_transaction([
+        event("INSERT", "0/300", 0, data={"id": 3, "name": "c", "flag": 1}),
+        schema_event("0/300", 0, wider),
+    ], stream_seq=10)
+    assert (applied.events, applied.stale) == (1, {})
+    assert rows(store) == [(1, "a", 7), (2, "b", 7), (3, "c", 1)]
+    assert store.state("users").fingerprint == "f2"
+    store.close()
+    again = MirrorStore(tmp_path / "mirror.db")
+    assert again.shape("users").fingerprint == "f2"  # the stream's shape, kept with the rows
+    # a redelivered copy of the event and its change changes nothing
+    assert again.apply_transaction([schema_event("0/300", 0, wider), event(
+        "INSERT", "0/300", 0, data={"id": 3, "name": "c", "flag": 1})], 11).events == 0
+    narrower = schema(columns=(("id", 23, "integer", True), ("flag", 23, "integer", False)),
+                      fingerprint="f3")
+    again.apply_transaction([schema_event("0/400", 0, narrower),
+                             event("DELETE", "0/400", 0, data={"id": 1}, old={"id": 1})], 12)
+    assert rows(again) == [(2, 7), (3, 1)]
+    again.close()
+
+
+@pytest.mark.parametrize("how", ["needs_snapshot", "type_change", "key_change"])
+def test_a_change_no_alter_can_follow_makes_the_table_stale(store, how):
+    bootstrapped(store, loaded=[{"id": 1, "name": "a"}])
+    extra = {}
+    if how == "needs_snapshot":
+        changed = schema(fingerprint="f2")
+        extra = {"needs_snapshot": True, "reason": "the table was rewritten"}
+    elif how == "type_change":
+        changed = schema(columns=(("id", 23, "integer", True), ("name", 17, "bytea", False)),
+                         fingerprint="f2")
+    else:
+        changed = schema(columns=(("id", 23, "integer", False), ("name", 25, "text", True)),
+                         fingerprint="f2")
+    applied = store.apply_transaction([
+        schema_event("0/300", 0, changed, **extra),
+        event("UPDATE", "0/300", 0, data={"id": 1, "name": "b"}),
+        event("INSERT", "0/300", 1, data={"id": 2, "name": "c"}),
+    ], stream_seq=10)
+    assert applied.events == 0 and list(applied.stale) == ["users"]
+    state = store.state("users")
+    assert state.status == "stale" and state.reason == applied.stale["users"]
+    if how == "needs_snapshot":
+        assert state.reason == "the table was rewritten"
+    assert rows(store) == [(1, "a")]  # nothing of the transaction applied to it
+
+
+def test_resume_seq_is_the_least_position_of_the_streaming_tables(store):
+    bootstrapped(store)  # users at 7
+    bootstrapped(store, schema("orders"))
+    store.apply_transaction([event("INSERT", "0/300", 0, data={"id": 1, "name": "a"})],
+                            stream_seq=20, followed=["users"])
+    assert store.resume_seq(["users", "orders"]) == 8  # orders still at 7
+    store.advance(["users", "orders"], 30)
+    assert store.resume_seq(["users", "orders"]) == 31
+    store.mark_stale("orders", "retention")
+    assert store.resume_seq(["users", "orders"]) == 31 and store.state("orders").status == \
+        "stale"
+
+
+def test_an_unmappable_schema_names_its_column():
+    bad = schema(columns=(("id", 23, "integer", True), ("weird", "not-an-oid", "x", False)))
+    with pytest.raises(MirrorError, match=r"column 2 \('weird'\) cannot be mapped"):
+        TableShape.from_schema(bad)
