@@ -111,6 +111,28 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_mirror(args: argparse.Namespace) -> int:
+    import signal
+
+    from cdc_platform.mirror.follower import Mirror
+    from cdc_platform.settings import MirrorSettings, load_settings
+
+    settings = load_settings()
+    tables = [table.strip() for table in args.tables.split(",") if table.strip()]
+    mirror = Mirror(settings, tables, args.sqlite, durable=args.durable,
+                    options=load_settings(MirrorSettings), report=print)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await mirror.run(stop, until_caught_up=args.once)
+
+    asyncio.run(run())
+    return 0
+
+
 def _cmd_check_config(args: argparse.Namespace) -> int:
     from cdc_platform.settings import load_settings
 
@@ -166,6 +188,21 @@ def build_parser() -> argparse.ArgumentParser:
     bridge.add_argument("--batched", action="store_true",
                         help="batched messages on cdc.{table}.{op}.batch (CDC_MESSAGE_MODE)")
     bridge.set_defaults(handler=_cmd_bridge)
+
+    mirror = commands.add_parser(
+        "mirror", help="keep exact SQLite copies of published tables (until Ctrl-C)",
+        description="Bootstrap each table from a snapshot (a recent one, or one requested on "
+        "snapshot.request.{table}), then follow the CDC stream, one whole PostgreSQL "
+        "transaction per SQLite commit. Stop and start it at will: it resumes exactly. "
+        "NATS settings come from CDC_NATS_*; see README \"Mirrors\".")
+    mirror.add_argument("--tables", required=True,
+                        help="comma-separated wire table names (users,sales/orders)")
+    mirror.add_argument("--sqlite", required=True, help="the SQLite file (created if missing)")
+    mirror.add_argument("--durable", help="a durable JetStream consumer name, so the server "
+                        "shows this mirror's progress (positions stay in the SQLite file)")
+    mirror.add_argument("--once", action="store_true",
+                        help="catch up, then exit (0) instead of following")
+    mirror.set_defaults(handler=_cmd_mirror)
 
     check = commands.add_parser("check-config", help="validate settings from the environment")
     check.set_defaults(handler=_cmd_check_config)

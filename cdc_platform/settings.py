@@ -341,6 +341,18 @@ class OrchestrationSettings(_Settings):
         10.0, gt=0, validation_alias=_env("CDC_RUN_LIVENESS_INTERVAL"))
 
 
+class MirrorSettings(_Settings):
+    """``cdc-platform mirror``: how it bootstraps, follows and reports (README "Mirrors")."""
+
+    snapshot_max_age_seconds: Seconds = Field(
+        600.0, ge=0, validation_alias=_env("CDC_MIRROR_SNAPSHOT_MAX_AGE"))
+    snapshot_wait_seconds: Seconds = Field(
+        3600.0, gt=0, validation_alias=_env("CDC_MIRROR_SNAPSHOT_WAIT"))
+    status_interval_seconds: Seconds = Field(
+        10.0, gt=0, validation_alias=_env("CDC_MIRROR_STATUS_INTERVAL"))
+    fetch_batch: int = Field(256, ge=1, le=10_000, validation_alias=_env("CDC_MIRROR_FETCH_BATCH"))
+
+
 class NatsTopology(_Settings):
     """All the JetStream objects the platform provisions."""
 

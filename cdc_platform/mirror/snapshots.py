@@ -20,6 +20,7 @@ from nats.js.errors import NotFoundError
 
 from cdc_platform.errors import CdcError
 from cdc_platform.lsn import parse_lsn
+from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.snapshot.dictionary import decompressor, fetch_dictionary
 from cdc_platform.wire import decode_payload, payload_format, snapshot_meta_subject
 
@@ -134,7 +135,9 @@ async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str =
         while len(seen) < meta.batch_count:
             for message in await subscription.fetch(_FETCH_BATCH, timeout=10.0):
                 headers = message.headers or {}
-                data = message.data
+                # a one-row chunk over max_payload is a claim check; its headers describe
+                # the object (README "Large values")
+                data = await resolve_payload(js, message.data, headers)
                 if headers.get("Content-Encoding") == "zstd":
                     dict_id = headers.get("Cdc-Zstd-Dict")
                     if dict_id not in decompressors:

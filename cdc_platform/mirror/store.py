@@ -29,6 +29,7 @@ domains, enums, extension types        (none)       the wire value as it is (no 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import math
 import sqlite3
@@ -242,6 +243,7 @@ class TableState:
     applied_ordinal: int
     stream_seq: int = 0  # `CDC` holds nothing of this table this mirror lacks up to here
     reason: str | None = None  # why a stale table needs a new snapshot
+    touched: bool = False  # changed by the open transaction
 
     def wants(self, commit_lsn: int, ordinal: int) -> bool:
         """The cutover rule and the high-water mark in one test."""
@@ -269,13 +271,19 @@ class MirrorStore:
                 " stream_seq INTEGER NOT NULL DEFAULT 0, updated_at REAL NOT NULL,"
                 " shape TEXT NOT NULL DEFAULT '', reason TEXT)")
             # the shape each table was last given, as the stream (not today's KV) has it
-            shapes = {table: TableShape.from_json_text(text) for table, text in self._db.execute(
-                f"SELECT wire_table, shape FROM {STATE_TABLE} WHERE shape != ''")}
+            shapes = self._load_shapes()
         except (sqlite3.DatabaseError, MirrorError) as exc:
             raise MirrorError(f"{self.path} is not a usable mirror database ({exc}): move it "
                               "away and start the mirror again to rebuild it") from exc
         self._shapes: dict[str, TableShape] = shapes
         self._statements: dict[tuple, str] = {}
+        self._states: dict[str, TableState | None] = {}  # committed states, cached
+        self._open: Applied | None = None  # the transaction begin() opened
+        self._open_states: dict[str, TableState] = {}
+
+    def _load_shapes(self) -> dict[str, TableShape]:
+        return {table: TableShape.from_json_text(text) for table, text in self._db.execute(
+            f"SELECT wire_table, shape FROM {STATE_TABLE} WHERE shape != ''")}
 
     def close(self) -> None:
         self._db.close()
@@ -304,6 +312,7 @@ class MirrorStore:
             self._advance(names, stream_seq)
 
     def _advance(self, names: list[str], stream_seq: int) -> None:
+        self._states.clear()
         self._db.execute(
             f"UPDATE {STATE_TABLE} SET stream_seq = ? WHERE status = 'streaming' AND "
             f"stream_seq < ? AND wire_table IN ({', '.join('?' * len(names))})",
@@ -398,48 +407,104 @@ class MirrorStore:
     def apply_transaction(self, events: Iterable[Mapping[str, Any]], stream_seq: int,
                           followed: Iterable[str] = ()) -> Applied:
         """Every event of one transaction (of the mirrored tables), in ordinal order, in one
-        SQLite transaction with the new positions: each table's high-water mark, and
-        ``stream_seq`` for the tables of ``followed`` (all were read up to it). Events the
-        positions already cover, or before a table's cutover, are skipped. A schema event
+        SQLite transaction with the new positions (see :meth:`begin`)."""
+        self.begin()
+        try:
+            for event in sorted(events, key=lambda e: (e["ordinal"],
+                                                       e["operation"] != SCHEMA_OPERATION)):
+                self.apply(event)
+        except BaseException:
+            self.rollback()
+            raise
+        return self.commit(stream_seq, followed)
+
+    # One transaction applied as its events come (a huge one need not fit in memory):
+    # begin(), apply() each new event, commit() once the transaction is whole.
+    def begin(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+        self._open = Applied()
+        self._open_states = {}
+
+    def covers(self, event: Mapping[str, Any]) -> bool:
+        """Whether the committed positions already cover ``event`` (or its table is not
+        streaming): the cutover rule and the high-water mark."""
+        state = self._cached_state(event["table"])
+        return (state is None or state.status != "streaming"
+                or not state.wants(parse_lsn(event["commit_lsn"]), event["ordinal"]))
+
+    def apply(self, event: Mapping[str, Any], *, from_json: bool = False) -> None:
+        """One event of the open transaction, unless the positions cover it. A schema event
         alters the table, or marks it stale when no ALTER can follow the change."""
-        result = Applied()
-        with self._transaction():
-            states: dict[str, TableState | None] = {}
-            touched: set[str] = set()
-            ordered = sorted(events, key=lambda e: (e["ordinal"],
-                                                    e["operation"] != SCHEMA_OPERATION))
-            for event in ordered:
-                table = event["table"]
-                if table not in states:
-                    states[table] = self.state(table)
-                state = states[table]
-                commit_lsn = parse_lsn(event["commit_lsn"])
-                if (state is None or state.status != "streaming"
-                        or not state.wants(commit_lsn, event["ordinal"])):
-                    continue
-                touched.add(table)
-                if event["operation"] == SCHEMA_OPERATION:
-                    # not a change: the high-water mark stays before the change it precedes
-                    why = self._apply_schema_event(event)
-                    if why is None:
-                        state.fingerprint = self.shape(table).fingerprint
-                    else:
-                        state.status, state.reason = "stale", why
-                        result.stale[table] = why
-                    continue
-                self._apply_event(event)
-                state.applied_commit_lsn, state.applied_ordinal = commit_lsn, event["ordinal"]
-                result.events += 1
-            for table in touched:
-                state = states[table]
-                assert state is not None
-                self._put_state(state, stream_seq=max(state.stream_seq, stream_seq))
+        assert self._open is not None, "apply() outside begin()/commit()"
+        table = event["table"]
+        state = self._open_states.get(table)
+        if state is None:
+            cached = self._cached_state(table)
+            if cached is None:
+                return
+            state = self._open_states[table] = dataclasses.replace(cached)
+        commit_lsn = parse_lsn(event["commit_lsn"])
+        if state.status != "streaming" or not state.wants(commit_lsn, event["ordinal"]):
+            return
+        state.touched = True
+        if event["operation"] == SCHEMA_OPERATION:
+            # not a change: the high-water mark stays before the change it precedes
+            why = self._apply_schema_event(event, from_json)
+            if why is None:
+                state.fingerprint = self.shape(table).fingerprint
+            else:
+                state.status, state.reason = "stale", why
+                self._open.stale[table] = why
+            return
+        if from_json:
+            event = self._restored(event)
+        self._apply_event(event)
+        state.applied_commit_lsn, state.applied_ordinal = commit_lsn, event["ordinal"]
+        self._open.events += 1
+
+    def commit(self, stream_seq: int, followed: Iterable[str] = ()) -> Applied:
+        """Commit the open transaction with the new positions: each table's high-water mark,
+        and ``stream_seq`` for the tables of ``followed`` (all were read up to it)."""
+        assert self._open is not None
+        try:
+            for state in self._open_states.values():
+                if state.touched:
+                    self._put_state(state, stream_seq=max(state.stream_seq, stream_seq))
             names = list(followed)
             if names:
                 self._advance(names, stream_seq)
-        return result
+            self._db.execute("COMMIT")
+        except BaseException:
+            self.rollback()
+            raise
+        applied, self._open = self._open, None
+        self._states.clear()  # re-read: the committed values
+        return applied
 
-    def _apply_schema_event(self, event: Mapping[str, Any]) -> str | None:
+    def rollback(self) -> None:
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
+        self._open = None
+        self._open_states = {}
+        self._states.clear()
+        # shapes changed by rolled-back schema events: back to the committed ones
+        self._shapes = self._load_shapes()
+
+    def _cached_state(self, table: str) -> TableState | None:
+        if table not in self._states:
+            self._states[table] = self.state(table)
+        return self._states[table]
+
+    def _restored(self, event: Mapping[str, Any]) -> Mapping[str, Any]:
+        """A JSON payload's event with bytea and non-finite floats restored."""
+        shape = self.shape(event["table"])
+        restored = dict(event)
+        for name in ("data", "old"):
+            if restored.get(name) is not None:
+                restored[name] = shape.from_json(restored[name])
+        return restored
+
+    def _apply_schema_event(self, event: Mapping[str, Any], from_json: bool) -> str | None:
         """Follow a schema event (README "Schema changes"); why a new snapshot is needed
         instead, if it is."""
         if event.get("needs_snapshot"):
@@ -448,6 +513,8 @@ class MirrorStore:
         shape = TableShape.from_schema(table_schema)
         before = self._shapes.get(shape.table)
         missing = {c["name"]: c.get("missing_value") for c in table_schema["columns"]}
+        if from_json:
+            missing = shape.from_json(missing) or {}
         if self.apply_shape(shape, added_values=missing) is SchemaChange.NEEDS_BOOTSTRAP:
             return (f"its shape changed in a way no ALTER follows (a column's type or the key "
                     f"changed: {before.fingerprint if before else '?'} -> "
@@ -525,6 +592,7 @@ class MirrorStore:
 
     # -- plumbing -------------------------------------------------------------------------------
     def _put_state(self, state: TableState, *, stream_seq: int) -> None:
+        self._states.pop(state.table, None)
         shape = self._shapes.get(state.table)
         state.stream_seq = stream_seq
         self._db.execute(
@@ -534,23 +602,25 @@ class MirrorStore:
              time.time(), shape.to_json_text() if shape else "", state.reason))
 
     def _transaction(self) -> _Transaction:
-        return _Transaction(self._db)
+        return _Transaction(self)
 
 
 class _Transaction:
     """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on any error; nested uses join the outer one."""
 
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self._db = db
+    def __init__(self, store: MirrorStore) -> None:
+        self._store = store
         self._outer = False
 
     def __enter__(self) -> None:
-        self._outer = not self._db.in_transaction
+        self._outer = not self._store._db.in_transaction
         if self._outer:
-            self._db.execute("BEGIN IMMEDIATE")
+            self._store._db.execute("BEGIN IMMEDIATE")
 
     def __exit__(self, kind, value, traceback) -> None:
         if not self._outer:
             return
-        self._db.execute("COMMIT" if kind is None else "ROLLBACK")
-
+        if kind is None:
+            self._store._db.execute("COMMIT")
+        else:
+            self._store.rollback()

@@ -32,27 +32,33 @@ class StreamGap(CdcError):
 @dataclass
 class Transaction:
     commit_lsn: int
-    events: dict[tuple[int, bool], dict[str, Any]] = field(default_factory=dict)
+    keep_events: bool = True  # False: only the keys (a consumer applying as events come)
+    events: dict[tuple[int, bool], Mapping[str, Any]] = field(default_factory=dict)
+    seen: set[tuple[str, int, bool]] = field(default_factory=set)
     counts: dict[str, set[int]] = field(default_factory=dict)  # table -> change ordinals
     tables: dict[str, int] | None = None  # the tx_tables map, once one arrived
     ended: set[str] = field(default_factory=set)  # tables whose last event arrived
     last_seq: int = 0  # the highest stream sequence of its events
 
-    def add(self, event: dict[str, Any], seq: int) -> None:
+    def add(self, event: Mapping[str, Any], seq: int) -> bool:
+        """Whether ``event`` is new to the transaction (False: a redelivered copy)."""
         is_schema = event["operation"] == SCHEMA_OPERATION
         key = (int(event["ordinal"]), not is_schema)  # a schema event sorts before its change
         self.last_seq = max(self.last_seq, seq)
-        if key in self.events:
-            return
-        self.events[key] = event
-        if is_schema:
-            return
         table = event["table"]
+        if (table, *key) in self.seen:
+            return False
+        self.seen.add((table, *key))
+        if self.keep_events:
+            self.events[key] = event
+        if is_schema:
+            return True
         self.counts.setdefault(table, set()).add(key[0])
         tx_tables = event.get("tx_tables")
         if tx_tables is not None:
             self.tables = dict(tx_tables)
             self.ended.add(table)
+        return True
 
     def complete_for(self, followed: set[str]) -> bool:
         if self.tables is None:
@@ -68,18 +74,28 @@ class Transaction:
 
 
 class TransactionCollector:
-    """Feed events in stream order; get back whole transactions, oldest first."""
+    """Feed events in stream order; get back whole transactions, oldest first.
 
-    def __init__(self, followed: Iterable[str]) -> None:
+    ``keep_events=False``: the transaction keeps only what completeness needs, and the
+    consumer applies each new event as it comes (:meth:`offer` says which are new), so one
+    huge transaction does not have to fit in memory.
+    """
+
+    def __init__(self, followed: Iterable[str], *, keep_events: bool = True) -> None:
         self.followed = set(followed)
+        self.keep_events = keep_events
         self._open: Transaction | None = None
         self._last_complete = -1
 
     def add(self, event: Mapping[str, Any], seq: int) -> Transaction | None:
         """The transaction ``event`` completed, if it did."""
+        return self.offer(event, seq)[1]
+
+    def offer(self, event: Mapping[str, Any], seq: int) -> tuple[bool, Transaction | None]:
+        """(whether ``event`` is new: apply it; the transaction it completed, if it did)."""
         commit_lsn = parse_lsn(event["commit_lsn"])
         if commit_lsn <= self._last_complete:
-            return None  # a redelivered copy of a transaction already handed out
+            return False, None  # a redelivered copy of a transaction already handed out
         current = self._open
         if current is not None and current.commit_lsn != commit_lsn:
             raise StreamGap(
@@ -88,15 +104,18 @@ class TransactionCollector:
                 f"{ {t: len(o) for t, o in current.counts.items()} }, expected "
                 f"{current.tables}): events are missing from the stream")
         if current is None:
-            current = self._open = Transaction(commit_lsn)
-        current.add(dict(event), seq)
+            current = self._open = Transaction(commit_lsn, self.keep_events)
+        fresh = current.add(event, seq)
         if current.complete_for(self.followed):
             self._open = None
             self._last_complete = commit_lsn
-            return current
-        return None
+            return fresh, current
+        return fresh, None
+
+    def reset(self) -> None:
+        """Forget the open transaction (its events were rolled back)."""
+        self._open = None
 
     @property
     def pending(self) -> Transaction | None:
         return self._open
-

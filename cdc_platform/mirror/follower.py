@@ -1,0 +1,474 @@
+"""The mirror: exact SQLite copies of published tables, from the wire contract alone.
+
+Each table is bootstrapped from a snapshot (a recent one in `INIT` whose cutover point `CDC`
+still holds, or one asked for on ``snapshot.request.{table}``), then every table follows `CDC`
+from the lowest position any of them needs, one whole PostgreSQL transaction per SQLite
+commit (README "Mirrors"). Positions live in the SQLite file with the rows, so a mirror killed
+at any point resumes with nothing lost and nothing applied twice. A table the stream can no
+longer carry (a rewrite, a change no ALTER follows, events gone by retention, a divergence) is
+marked stale, said so, and bootstrapped again; the other tables go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from cdc_platform.errors import CdcError
+from cdc_platform.jetstream.connection import connect_nats, fetch_available
+from cdc_platform.lsn import parse_lsn
+from cdc_platform.mirror.snapshots import (
+    BootstrapProgress,
+    SnapshotMeta,
+    SnapshotUnusable,
+    cutover_start_seq,
+    latest_meta,
+    read_chunks,
+)
+from cdc_platform.mirror.store import (
+    DivergenceError,
+    MirrorError,
+    MirrorStore,
+    TableShape,
+    TableState,
+)
+from cdc_platform.mirror.transactions import StreamGap, TransactionCollector
+from cdc_platform.naming import parse_wire_name
+from cdc_platform.publishing.claim_check import resolve_payload
+from cdc_platform.settings import MirrorSettings, PlatformSettings
+from cdc_platform.wire import (
+    CDC_PREFIX,
+    SCHEMA_OPERATION,
+    SNAPSHOT_REQUEST_PREFIX,
+    decode_payload,
+    payload_format,
+)
+
+log = logging.getLogger(__name__)
+
+Report = Callable[[str], None]
+_OPERATIONS = frozenset({"INSERT", "UPDATE", "DELETE", "TRUNCATE", SCHEMA_OPERATION})
+
+
+class _Restart(Exception):
+    """Leave the follow loop: bootstrap what is stale, then follow again."""
+
+
+class Mirror:
+    """Keeps ``tables`` of the platform mirrored in the SQLite file ``sqlite_path``."""
+
+    def __init__(self, settings: PlatformSettings, tables: Iterable[str],
+                 sqlite_path: str | Path, *, durable: str | None = None,
+                 options: MirrorSettings | None = None, report: Report | None = None) -> None:
+        self.settings = settings
+        self.tables = list(dict.fromkeys(tables))
+        if not self.tables:
+            raise MirrorError("no tables to mirror")
+        for table in self.tables:
+            try:
+                parse_wire_name(table)
+            except ValueError:
+                raise MirrorError(f"{table!r} is not a wire table name (public tables: "
+                                  "users; others: schema/table, with =XX escapes)") from None
+        self.path = Path(sqlite_path)
+        self.durable = durable
+        self.options = options or MirrorSettings()
+        self.report = report or (lambda line: log.info("%s", line))
+        self.position = 0  # the `CDC` sequence every followed table is mirrored up to
+        self.applied_events = 0
+        self.applied_transactions = 0
+        self.bootstraps = 0
+        self._last_commit_ts: str | None = None
+
+    # -- top level ---------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event | None = None, *,
+                  until_caught_up: bool = False) -> None:
+        """Mirror until ``stop`` is set (or, with ``until_caught_up``, until every table
+        streams and nothing is pending). Raises :class:`MirrorError` on what needs a human:
+        a table that is not published, a corrupt database, a schema it cannot map."""
+        stop = stop or asyncio.Event()
+        store = MirrorStore(self.path)  # a corrupt file is an error before anything else
+        try:
+            nc = await connect_nats(self.settings.nats, name="cdc-platform-mirror",
+                                    reconnect_forever=True)
+            try:
+                js = nc.jetstream()
+                await self._check_published(js)
+                while not stop.is_set():
+                    for table in self.tables:
+                        state = store.state(table)
+                        if (state is None or state.status != "streaming") and not stop.is_set():
+                            await self._bootstrap(nc, js, store, table, state, stop)
+                    if stop.is_set():
+                        break
+                    try:
+                        if await self._follow(js, store, stop, until_caught_up):
+                            return
+                    except _Restart:
+                        continue
+            finally:
+                with contextlib.suppress(Exception):
+                    await nc.close()
+        finally:
+            store.close()
+
+    async def _check_published(self, js: JetStreamContext) -> None:
+        """Every table must have a schema in KV: the bridge publishes one for each table of
+        the publication, so a table without one is not published (say so, do not wait)."""
+        bucket = self.settings.topology.schemas.bucket
+        try:
+            kv = await js.key_value(bucket)
+        except NotFoundError:
+            raise MirrorError(f"the KV bucket {bucket!r} does not exist: is the platform "
+                              "provisioned (cdc-platform provision) and this the right "
+                              "NATS server?") from None
+        missing = []
+        for table in self.tables:
+            try:
+                await kv.get(table)
+            except NotFoundError:  # KeyNotFoundError and KeyDeletedError are NotFoundErrors
+                missing.append(table)
+        if missing:
+            try:
+                known = sorted(await kv.keys())
+            except Exception:  # noqa: BLE001 - nats.js.errors.NoKeysError: none at all
+                known = []
+            raise MirrorError(
+                f"not published: {', '.join(missing)} (no schema in KV {bucket!r}); add the "
+                f"table(s) to the publication. Published tables: {', '.join(known) or 'none'}")
+
+    # -- bootstrap ---------------------------------------------------------------------------
+    async def _bootstrap(self, nc: NatsClient, js: JetStreamContext, store: MirrorStore,
+                         table: str, state: TableState | None, stop: asyncio.Event) -> None:
+        why = ("first start" if state is None
+               else "an interrupted bootstrap" if state.status == "bootstrapping"
+               else state.reason or state.status)
+        self.report(f"{table}: bootstrapping ({why})")
+        meta, start_seq = await self._snapshot(nc, js, table, stop)
+        if meta is None:
+            return  # stopped while waiting
+        shape = TableShape.from_schema(meta.table_schema)
+        store.begin_bootstrap(shape, meta.snapshot_id, meta.lsn)
+        progress = BootstrapProgress(table, meta.row_count, meta.batch_count, time.monotonic())
+        last_report = time.monotonic()
+        from_json = meta.format == "json"
+        async for rows in read_chunks(js, meta, stream=self.settings.topology.init.name,
+                                      progress=progress.update):
+            store.load_rows(table, [shape.from_json(r) for r in rows] if from_json else rows)
+            if time.monotonic() - last_report >= self.options.status_interval_seconds:
+                last_report = time.monotonic()
+                self.report(progress.line())
+            if stop.is_set():
+                return  # left "bootstrapping": the next start begins it again
+        store.finish_bootstrap(table, stream_seq=start_seq - 1)
+        self.bootstraps += 1
+        self.report(f"{progress.line()}; done (snapshot {meta.snapshot_id}, cutover lsn "
+                    f"{meta.raw.get('lsn')}, following {self.settings.topology.cdc.name} "
+                    f"from sequence {start_seq})")
+
+    async def _snapshot(self, nc: NatsClient, js: JetStreamContext, table: str,
+                        stop: asyncio.Event) -> tuple[SnapshotMeta | None, int]:
+        """A snapshot to bootstrap from and the `CDC` sequence to follow from: a recent
+        one already in `INIT`, or one requested (and shared by whoever asks meanwhile)."""
+        init = self.settings.topology.init.name
+        max_age = self.options.snapshot_max_age_seconds
+        meta = await latest_meta(js, table, init)
+        if (meta is not None and max_age > 0 and time.time() - meta.timestamp <= max_age
+                and meta.table_schema is not None):
+            try:
+                start = await cutover_start_seq(js, meta)
+                self.report(f"{table}: using snapshot {meta.snapshot_id} taken "
+                            f"{time.time() - meta.timestamp:.0f}s ago")
+                return meta, start
+            except SnapshotUnusable as exc:
+                self.report(f"{table}: {exc}; requesting a new snapshot")
+        reply = await self._request_snapshot(nc, js, table, stop)
+        if reply is None:
+            return None, 0
+        try:
+            message = await js.get_msg(init, seq=int(reply["meta_seq"]))
+            meta = SnapshotMeta.from_wire(decode_payload(message.data,
+                                                         payload_format(message.data)),
+                                          message.seq)
+        except (KeyError, TypeError, ValueError, NotFoundError) as exc:
+            raise MirrorError(f"{table}: the snapshot reply names no readable meta "
+                              f"({exc!r})") from exc
+        if meta.table_schema is None:
+            raise MirrorError(f"{table}: snapshot {meta.snapshot_id}'s meta has no "
+                              "table_schema (taken by an older platform): upgrade the "
+                              "snapshot job")
+        return meta, await cutover_start_seq(js, meta)
+
+    async def _request_snapshot(self, nc: NatsClient, js: JetStreamContext, table: str,
+                                stop: asyncio.Event) -> dict[str, Any] | None:
+        """Ask on ``snapshot.request.{table}`` and wait for ``done`` (README "Snapshot
+        requests"); refused or failed is a :class:`MirrorError` with the reason."""
+        inbox = nc.new_inbox()
+        replies: asyncio.Queue = asyncio.Queue()
+        subscription = await nc.subscribe(inbox, cb=replies.put)
+        request_id = secrets.token_hex(8)
+        wait = self.options.snapshot_wait_seconds
+        try:
+            body = {"request_id": request_id, "reply_to": inbox,
+                    "max_age_seconds": self.options.snapshot_max_age_seconds}
+            await js.publish(f"{SNAPSHOT_REQUEST_PREFIX}.{table}", json.dumps(body).encode(),
+                             stream=self.settings.topology.requests.name)
+            self.report(f"{table}: requested a snapshot (request {request_id})")
+            started = last_report = time.monotonic()
+            while not stop.is_set():
+                try:
+                    message = await asyncio.wait_for(replies.get(), 1.0)
+                except TimeoutError:
+                    now = time.monotonic()
+                    if now - started > wait:
+                        raise MirrorError(
+                            f"{table}: no snapshot within {wait:.0f}s of the request: is the "
+                            "snapshot request sensor running (the Dagster daemon)?") from None
+                    if now - last_report >= self.options.status_interval_seconds:
+                        last_report = now
+                        self.report(f"{table}: waiting for the snapshot "
+                                    f"({now - started:.0f}s)")
+                    continue
+                try:
+                    reply = json.loads(message.data)
+                    status = reply["status"]
+                except (ValueError, KeyError, TypeError):
+                    log.warning("%s: ignored an unreadable reply on %s", table, inbox)
+                    continue
+                if reply.get("request_id") != request_id:
+                    continue
+                if status == "accepted":
+                    self.report(f"{table}: snapshot request accepted "
+                                f"(run key {reply.get('run_key')})")
+                elif status == "refused":
+                    raise MirrorError(f"{table}: snapshot request refused: "
+                                      f"{reply.get('reason')}")
+                elif status == "failed":
+                    raise MirrorError(f"{table}: the snapshot failed: {reply.get('reason')}")
+                elif status == "done":
+                    return reply
+            return None
+        finally:
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+
+    # -- following ---------------------------------------------------------------------------
+    async def _follow(self, js: JetStreamContext, store: MirrorStore, stop: asyncio.Event,
+                      until_caught_up: bool) -> bool:
+        """Apply `CDC` until stopped (False), caught up with ``until_caught_up`` (True), or a
+        table needs a new snapshot (:class:`_Restart`)."""
+        stream = self.settings.topology.cdc.name
+        followed = [t for t in self.tables if _streaming(store.state(t))]
+        start = store.resume_seq(followed)
+        first = (await js.stream_info(stream)).state.first_seq
+        if start < first:
+            gone = [t for t in followed if (store.state(t).stream_seq + 1) < first]
+            for table in gone:
+                reason = (f"{stream} no longer holds the events it needs (it needs sequence "
+                          f"{store.state(table).stream_seq + 1}, the stream begins at {first}: "
+                          "retention)")
+                store.mark_stale(table, reason)
+                self.report(f"{table}: {reason}; bootstrapping again")
+            raise _Restart
+        self.position = start - 1
+        subscription = await self._subscribe(js, stream, followed, start)
+        collector = TransactionCollector(followed, keep_events=False)
+        follow = _Following(self, js, store, collector, followed)
+        last_status = time.monotonic()
+        try:
+            while not stop.is_set():
+                try:
+                    messages = await fetch_available(subscription, self.options.fetch_batch,
+                                                     timeout=1.0)
+                except Exception as exc:  # noqa: BLE001 - NATS away or the consumer gone
+                    log.warning("reading %s failed (%s): following again from the last "
+                                "commit", stream, exc)
+                    await asyncio.sleep(1.0)
+                    raise _Restart from None
+                for message in messages:
+                    await follow.message(message)
+                    if follow.stale:
+                        raise _Restart  # what this batch held after it comes again
+                if messages and self.durable:
+                    with contextlib.suppress(Exception):
+                        await messages[-1].ack()  # the server's view of progress only
+                now = time.monotonic()
+                idle = not messages and collector.pending is None
+                if idle or now - last_status >= self.options.status_interval_seconds:
+                    pending = await self._pending(js, stream, subscription, store, followed,
+                                                  collector)
+                    if now - last_status >= self.options.status_interval_seconds:
+                        last_status = now
+                        self.report(self.status_line(pending, len(followed)))
+                    if pending == 0 and until_caught_up and collector.pending is None:
+                        return True
+            return False
+        finally:
+            follow.abandon()  # an incomplete transaction is read again on the next pass
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+
+    async def _subscribe(self, js: JetStreamContext, stream: str, followed: Sequence[str],
+                         start: int):
+        subjects = [f"{CDC_PREFIX}.{table}.>" for table in followed]
+        config = ConsumerConfig(
+            filter_subjects=subjects, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=start, max_ack_pending=-1,
+            ack_policy=AckPolicy.ALL if self.durable else AckPolicy.NONE,
+            inactive_threshold=None if self.durable else 300.0)
+        if self.durable:
+            # positions live in SQLite: the durable starts where the database says
+            with contextlib.suppress(NotFoundError):
+                await js.delete_consumer(stream, self.durable)
+        return await js.pull_subscribe(subjects[0], durable=self.durable, stream=stream,
+                                       config=config)
+
+    async def _pending(self, js: JetStreamContext, stream: str, subscription: Any,
+                       store: MirrorStore, followed: Sequence[str],
+                       collector: TransactionCollector) -> int:
+        """Events not yet delivered; when none (and no transaction is open), every followed
+        table is mirrored up to the stream's last sequence: recorded, so a restart does not
+        re-read other tables' traffic and retention is judged from there."""
+        last = (await js.stream_info(stream)).state.last_seq  # before the consumer's count
+        pending = int((await subscription.consumer_info()).num_pending)
+        if pending == 0 and collector.pending is None and last > self.position:
+            store.advance(followed, last)
+            self.position = last
+        return pending
+
+    def status_line(self, pending: int, streaming: int) -> str:
+        behind = 0.0
+        if pending and self._last_commit_ts:
+            behind = max(0.0, time.time() - _epoch(self._last_commit_ts))
+        return (f"mirror: {streaming} table(s) streaming, {self.applied_transactions:,} "
+                f"transactions / {self.applied_events:,} events applied, {pending:,} events "
+                f"behind, {behind:.1f}s behind the source commit time; position "
+                f"{self.position}")
+
+
+class _Following:
+    """One pass over the stream: messages -> events -> whole transactions in SQLite."""
+
+    def __init__(self, mirror: Mirror, js: JetStreamContext, store: MirrorStore,
+                 collector: TransactionCollector, followed: Sequence[str]) -> None:
+        self.mirror = mirror
+        self.js = js
+        self.store = store
+        self.collector = collector
+        self.followed = list(followed)
+        self._followed = set(followed)
+        self.open = False  # an SQLite transaction holds the open PostgreSQL transaction
+        self.applied_in_open = 0
+        self.first = True  # the first transaction of this pass may have begun before it
+        self.stale: dict[str, str] = {}
+
+    async def message(self, message: Any) -> None:
+        seq = message.metadata.sequence.stream
+        try:
+            data = await resolve_payload(self.js, message.data, message.headers)
+            decoded = decode_payload(data, payload_format(data))
+            events = decoded if isinstance(decoded, list) else [decoded]
+            from_json = payload_format(data) == "json"
+            for event in events:
+                _check_event(event, message.subject, self._followed)
+        except (ValueError, TypeError, KeyError, CdcError) as exc:
+            # not an event of the contract (forged or corrupt): never applied. If it stood
+            # for a real change, the transaction comes up short and the table re-bootstraps.
+            log.error("refused message %s on %s: %s", seq, message.subject, exc)
+            return
+        for event in events:
+            self.event(event, seq, from_json)
+            if self.stale:
+                return
+
+    def event(self, event: Mapping[str, Any], seq: int, from_json: bool) -> None:
+        try:
+            fresh, done = self.collector.offer(event, seq)
+        except StreamGap as gap:
+            pending = self.collector.pending
+            self.abandon()
+            if self.first and pending is not None and self.applied_in_open == 0:
+                # began before this pass started and held nothing new: not a gap
+                self.first = False
+                fresh, done = self.collector.offer(event, seq)
+            else:
+                tables = sorted(set(pending.counts if pending else ()) & self._followed
+                                or self._followed)
+                self._mark_stale(tables, str(gap))
+                return
+        if fresh and not self.store.covers(event):
+            if not self.open:
+                self.store.begin()
+                self.open, self.applied_in_open = True, 0
+            try:
+                self.store.apply(event, from_json=from_json)
+            except DivergenceError as exc:
+                self.abandon()
+                self._mark_stale([event["table"]], str(exc))
+                return
+            self.applied_in_open += 1
+        if done is not None:
+            self.first = False
+            if self.open:
+                applied = self.store.commit(done.last_seq, self.followed)
+                self.open = False
+                self.mirror.applied_events += applied.events
+                self.mirror.applied_transactions += 1
+                self.mirror.position = max(self.mirror.position, done.last_seq)
+                self.mirror._last_commit_ts = event.get("commit_ts")
+                for table, reason in applied.stale.items():
+                    self.stale[table] = reason
+                    self.mirror.report(f"{table}: {reason}; bootstrapping again")
+
+    def abandon(self) -> None:
+        """Roll back the open transaction (its events come again on the next pass)."""
+        if self.open:
+            self.store.rollback()
+            self.open = False
+        self.collector.reset()
+
+    def _mark_stale(self, tables: list[str], reason: str) -> None:
+        for table in tables:
+            self.store.mark_stale(table, reason)
+            self.stale[table] = reason
+            self.mirror.report(f"{table}: {reason}; bootstrapping again")
+
+
+def _check_event(event: Any, subject: str, followed: set[str]) -> None:
+    """What the mirror relies on before an event goes near the database."""
+    if not isinstance(event, dict):
+        raise TypeError(f"not an event map but {type(event).__name__}")
+    table = event.get("table")
+    if table not in followed or not subject.startswith(f"{CDC_PREFIX}.{table}."):
+        raise ValueError(f"an event of table {table!r} on subject {subject}")
+    if event.get("operation") not in _OPERATIONS:
+        raise ValueError(f"unknown operation {event.get('operation')!r}")
+    parse_lsn(event["commit_lsn"])
+    if not isinstance(event.get("ordinal"), int) or event["ordinal"] < 0:
+        raise ValueError(f"ordinal {event.get('ordinal')!r}")
+    if event["operation"] in ("INSERT", "UPDATE") and not isinstance(event.get("data"), dict):
+        raise ValueError(f"{event['operation']} without a data map")
+
+
+def _streaming(state: TableState | None) -> bool:
+    return state is not None and state.status == "streaming"
+
+
+def _epoch(iso_utc: str) -> float:
+    try:
+        return datetime.fromisoformat(iso_utc).timestamp()
+    except ValueError:
+        return time.time()
