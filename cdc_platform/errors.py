@@ -54,6 +54,13 @@ class SnapshotError(CdcError):
     """An INIT snapshot could not be taken."""
 
 
+class TableLockWaitError(SnapshotError):
+    """A snapshot task could not lock its table in time: a lock request that conflicts with
+    the snapshot's (DDL, typically ALTER TABLE) waits in front of it. The snapshot gives way
+    and is taken again (the DDL would otherwise wait for the snapshot, and the snapshot's
+    tasks for the DDL)."""
+
+
 class SnapshotRequestRefused(SnapshotError):
     """A snapshot was requested for a table that is unknown or not published."""
 

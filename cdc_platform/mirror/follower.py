@@ -29,7 +29,7 @@ from nats.js.errors import NotFoundError
 
 from cdc_platform.errors import CdcError
 from cdc_platform.jetstream.connection import connect_nats, fetch_available
-from cdc_platform.lsn import parse_lsn
+from cdc_platform.lsn import format_lsn, parse_lsn
 from cdc_platform.mirror.snapshots import (
     BootstrapProgress,
     SnapshotMeta,
@@ -108,10 +108,7 @@ class Mirror:
                 js = nc.jetstream()
                 await self._check_published(js)
                 while not stop.is_set():
-                    for table in self.tables:
-                        state = store.state(table)
-                        if (state is None or state.status != "streaming") and not stop.is_set():
-                            await self._bootstrap(nc, js, store, table, state, stop)
+                    await self._bootstrap_all(nc, js, store, stop)
                     if stop.is_set():
                         break
                     try:
@@ -151,15 +148,27 @@ class Mirror:
                 f"table(s) to the publication. Published tables: {', '.join(known) or 'none'}")
 
     # -- bootstrap ---------------------------------------------------------------------------
-    async def _bootstrap(self, nc: NatsClient, js: JetStreamContext, store: MirrorStore,
-                         table: str, state: TableState | None, stop: asyncio.Event) -> None:
-        why = ("first start" if state is None
-               else "an interrupted bootstrap" if state.status == "bootstrapping"
-               else state.reason or state.status)
-        self.report(f"{table}: bootstrapping ({why})")
-        meta, start_seq = await self._snapshot(nc, js, table, stop)
-        if meta is None:
-            return  # stopped while waiting
+    async def _bootstrap_all(self, nc: NatsClient, js: JetStreamContext, store: MirrorStore,
+                             stop: asyncio.Event) -> None:
+        """Every table that is not streaming: snapshots asked for all at once (they are
+        taken in parallel), then loaded one after the other."""
+        needed = {table: store.state(table) for table in self.tables}
+        needed = {table: state for table, state in needed.items() if not _streaming(state)}
+        for table, state in needed.items():
+            why = ("first start" if state is None
+                   else "an interrupted bootstrap" if state.status == "bootstrapping"
+                   else state.reason or state.status)
+            self.report(f"{table}: bootstrapping ({why})")
+        snapshots = await asyncio.gather(*(
+            self._snapshot(nc, js, table, state.stale_lsn if state else 0, stop)
+            for table, state in needed.items()))
+        for table, (meta, start_seq) in zip(needed, snapshots, strict=True):
+            if meta is None or stop.is_set():
+                return  # stopped while waiting
+            await self._bootstrap(js, store, table, meta, start_seq, stop)
+
+    async def _bootstrap(self, js: JetStreamContext, store: MirrorStore, table: str,
+                         meta: SnapshotMeta, start_seq: int, stop: asyncio.Event) -> None:
         shape = TableShape.from_schema(meta.table_schema)
         store.begin_bootstrap(shape, meta.snapshot_id, meta.lsn)
         progress = BootstrapProgress(table, meta.row_count, meta.batch_count, time.monotonic())
@@ -179,15 +188,16 @@ class Mirror:
                     f"{meta.raw.get('lsn')}, following {self.settings.topology.cdc.name} "
                     f"from sequence {start_seq})")
 
-    async def _snapshot(self, nc: NatsClient, js: JetStreamContext, table: str,
+    async def _snapshot(self, nc: NatsClient, js: JetStreamContext, table: str, min_lsn: int,
                         stop: asyncio.Event) -> tuple[SnapshotMeta | None, int]:
         """A snapshot to bootstrap from and the `CDC` sequence to follow from: a recent
-        one already in `INIT`, or one requested (and shared by whoever asks meanwhile)."""
+        one already in `INIT` (with a cutover LSN of at least ``min_lsn``: after what made
+        the table stale), or one requested (and shared by whoever asks meanwhile)."""
         init = self.settings.topology.init.name
         max_age = self.options.snapshot_max_age_seconds
         meta = await latest_meta(js, table, init)
         if (meta is not None and max_age > 0 and time.time() - meta.timestamp <= max_age
-                and meta.table_schema is not None):
+                and meta.table_schema is not None and meta.lsn >= min_lsn):
             try:
                 start = await cutover_start_seq(js, meta)
                 self.report(f"{table}: using snapshot {meta.snapshot_id} taken "
@@ -195,7 +205,7 @@ class Mirror:
                 return meta, start
             except SnapshotUnusable as exc:
                 self.report(f"{table}: {exc}; requesting a new snapshot")
-        reply = await self._request_snapshot(nc, js, table, stop)
+        reply = await self._request_snapshot(nc, js, table, min_lsn, stop)
         if reply is None:
             return None, 0
         try:
@@ -213,7 +223,7 @@ class Mirror:
         return meta, await cutover_start_seq(js, meta)
 
     async def _request_snapshot(self, nc: NatsClient, js: JetStreamContext, table: str,
-                                stop: asyncio.Event) -> dict[str, Any] | None:
+                                min_lsn: int, stop: asyncio.Event) -> dict[str, Any] | None:
         """Ask on ``snapshot.request.{table}`` and wait for ``done`` (README "Snapshot
         requests"); refused or failed is a :class:`MirrorError` with the reason."""
         inbox = nc.new_inbox()
@@ -224,6 +234,8 @@ class Mirror:
         try:
             body = {"request_id": request_id, "reply_to": inbox,
                     "max_age_seconds": self.options.snapshot_max_age_seconds}
+            if min_lsn:
+                body["min_lsn"] = format_lsn(min_lsn)
             await js.publish(f"{SNAPSHOT_REQUEST_PREFIX}.{table}", json.dumps(body).encode(),
                              stream=self.settings.topology.requests.name)
             self.report(f"{table}: requested a snapshot (request {request_id})")
@@ -407,7 +419,7 @@ class _Following:
             else:
                 tables = sorted(set(pending.counts if pending else ()) & self._followed
                                 or self._followed)
-                self._mark_stale(tables, str(gap))
+                self._mark_stale(tables, str(gap), parse_lsn(event["commit_lsn"]))
                 return
         if fresh and not self.store.covers(event):
             if not self.open:
@@ -417,7 +429,7 @@ class _Following:
                 self.store.apply(event, from_json=from_json)
             except DivergenceError as exc:
                 self.abandon()
-                self._mark_stale([event["table"]], str(exc))
+                self._mark_stale([event["table"]], str(exc), parse_lsn(event["commit_lsn"]))
                 return
             self.applied_in_open += 1
         if done is not None:
@@ -440,9 +452,9 @@ class _Following:
             self.open = False
         self.collector.reset()
 
-    def _mark_stale(self, tables: list[str], reason: str) -> None:
+    def _mark_stale(self, tables: list[str], reason: str, at_lsn: int) -> None:
         for table in tables:
-            self.store.mark_stale(table, reason)
+            self.store.mark_stale(table, reason, at_lsn)
             self.stale[table] = reason
             self.mirror.report(f"{table}: {reason}; bootstrapping again")
 

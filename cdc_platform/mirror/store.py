@@ -243,6 +243,7 @@ class TableState:
     applied_ordinal: int
     stream_seq: int = 0  # `CDC` holds nothing of this table this mirror lacks up to here
     reason: str | None = None  # why a stale table needs a new snapshot
+    stale_lsn: int = 0  # ... one whose cutover LSN is at least this
     touched: bool = False  # changed by the open transaction
 
     def wants(self, commit_lsn: int, ordinal: int) -> bool:
@@ -269,7 +270,8 @@ class MirrorStore:
                 " snapshot_id TEXT, cutover_lsn INTEGER NOT NULL,"
                 " applied_commit_lsn INTEGER NOT NULL, applied_ordinal INTEGER NOT NULL,"
                 " stream_seq INTEGER NOT NULL DEFAULT 0, updated_at REAL NOT NULL,"
-                " shape TEXT NOT NULL DEFAULT '', reason TEXT)")
+                " shape TEXT NOT NULL DEFAULT '', reason TEXT,"
+                " stale_lsn INTEGER NOT NULL DEFAULT 0)")
             # the shape each table was last given, as the stream (not today's KV) has it
             shapes = self._load_shapes()
         except (sqlite3.DatabaseError, MirrorError) as exc:
@@ -292,7 +294,8 @@ class MirrorStore:
     def state(self, table: str) -> TableState | None:
         row = self._db.execute(
             f"SELECT wire_table, fingerprint, status, snapshot_id, cutover_lsn,"
-            f" applied_commit_lsn, applied_ordinal, stream_seq, reason FROM {STATE_TABLE}"
+            f" applied_commit_lsn, applied_ordinal, stream_seq, reason, stale_lsn"
+            f" FROM {STATE_TABLE}"
             " WHERE wire_table = ?", (table,)).fetchone()
         return TableState(*row) if row else None
 
@@ -318,12 +321,13 @@ class MirrorStore:
             f"stream_seq < ? AND wire_table IN ({', '.join('?' * len(names))})",
             [stream_seq, stream_seq, *names])
 
-    def mark_stale(self, table: str, reason: str) -> None:
-        """``table`` can no longer follow the stream: the next start bootstraps it again."""
+    def mark_stale(self, table: str, reason: str, at_lsn: int = 0) -> None:
+        """``table`` can no longer follow the stream: the next start bootstraps it again,
+        from a snapshot whose cutover LSN is at least ``at_lsn``."""
         state = self.state(table)
         if state is None:
             return
-        state.status, state.reason = "stale", reason
+        state.status, state.reason, state.stale_lsn = "stale", reason, at_lsn
         with self._transaction():
             self._put_state(state, stream_seq=state.stream_seq)
 
@@ -341,6 +345,14 @@ class MirrorStore:
         if key:
             columns += f", PRIMARY KEY ({', '.join(quote(name) for name in key)})"
         self._db.execute(f"CREATE TABLE {quote(shape.table)} ({columns})")
+        if not key:
+            # Without a key, updates and deletes name a row by its values (REPLICA IDENTITY
+            # FULL): an index on a few of them spares a full scan per change.
+            lookup = [c.name for c in shape.columns if c.sqlite_type != "BLOB"][:3]
+            if lookup:
+                self._db.execute(
+                    f"CREATE INDEX {quote(shape.table + ' (row lookup)')} ON "
+                    f"{quote(shape.table)} ({', '.join(quote(name) for name in lookup)})")
 
     def apply_shape(self, shape: TableShape,
                     added_values: Mapping[str, Any] | None = None) -> SchemaChange:
@@ -453,7 +465,7 @@ class MirrorStore:
             if why is None:
                 state.fingerprint = self.shape(table).fingerprint
             else:
-                state.status, state.reason = "stale", why
+                state.status, state.reason, state.stale_lsn = "stale", why, commit_lsn
                 self._open.stale[table] = why
             return
         if from_json:
@@ -596,10 +608,11 @@ class MirrorStore:
         shape = self._shapes.get(state.table)
         state.stream_seq = stream_seq
         self._db.execute(
-            f"INSERT OR REPLACE INTO {STATE_TABLE} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT OR REPLACE INTO {STATE_TABLE} VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (state.table, state.fingerprint, state.status, state.snapshot_id,
              state.cutover_lsn, state.applied_commit_lsn, state.applied_ordinal, stream_seq,
-             time.time(), shape.to_json_text() if shape else "", state.reason))
+             time.time(), shape.to_json_text() if shape else "", state.reason,
+             state.stale_lsn))
 
     def _transaction(self) -> _Transaction:
         return _Transaction(self)

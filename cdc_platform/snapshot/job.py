@@ -66,6 +66,7 @@ from cdc_platform.errors import (
     PayloadTooLarge,
     SnapshotError,
     SnapshotRequestRefused,
+    TableLockWaitError,
 )
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.lsn import format_lsn
@@ -130,6 +131,10 @@ class SnapshotOptions:
     # process instead of Spark: no JVM or Spark job to start for a small table (seconds).
     small_table_bytes: int = 64 * 1024**2
     local_parallelism: int = 2  # ranges of a small table read at once
+    # A task waits this long for its table's lock before the snapshot gives way to a DDL
+    # statement queued behind the snapshot's lock, and is taken again (up to lock_retries).
+    lock_timeout_ms: int = 5_000
+    lock_retries: int = 5
 
 
 @dataclass(frozen=True)
@@ -327,12 +332,30 @@ async def snapshot_table(spark: Any, settings: PlatformSettings, table: str, *,
 
     ``spark``: a SparkSession, a zero-argument callable returning one (called only when the
     table is larger than ``options.small_table_bytes``), or None (always in this process).
-    ``fault`` is for tests only (a task attempt that fails on purpose).
+    ``fault`` is for tests only (a task attempt that fails on purpose). A snapshot that had
+    to give way to DDL (:class:`TableLockWaitError`) is taken again under a new id.
     """
     options = options or SnapshotOptions()
     snapshot_id = snapshot_id or new_snapshot_id()
     if not _SNAPSHOT_ID.fullmatch(snapshot_id):
         raise SnapshotError(f"snapshot id {snapshot_id!r} must match [A-Za-z0-9_-]{{1,64}}")
+    attempt = 0
+    while True:
+        # a new id per attempt: the abandoned one's chunks (no meta) never mix in
+        attempt_id = snapshot_id if attempt == 0 else f"{snapshot_id[:58]}-r{attempt}"
+        try:
+            return await _snapshot_once(spark, settings, table, attempt_id, options, fault)
+        except TableLockWaitError as exc:
+            attempt += 1
+            if attempt > options.lock_retries:
+                raise
+            log.warning("snapshot %s of %s gave way to DDL (%s); taking it again (attempt %d)",
+                        attempt_id, table, exc, attempt + 1)
+            await asyncio.sleep(min(10.0, 0.5 * attempt))
+
+
+async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, snapshot_id: str,
+                         options: SnapshotOptions, fault: TaskFault | None) -> SnapshotResult:
     started = time.monotonic()
     pg = settings.postgres
     encoding = settings.encoding
@@ -407,7 +430,10 @@ async def snapshot_table(spark: Any, settings: PlatformSettings, table: str, *,
                     type_rows=described.type_rows, stream=init_stream,
                     large_bucket=settings.topology.large.bucket,
                     publish_window=options.publish_window,
-                    publish_timeout=options.publish_timeout, fault=fault)
+                    publish_timeout=options.publish_timeout, fault=fault,
+                    lock_timeout_ms=options.lock_timeout_ms,
+                    qualified_table=sql.Identifier(
+                        described.schema.schema, described.schema.table).as_string(control))
                 log.info("snapshot %s of %s: lsn %s, %d blocks in %d ranges", snapshot_id,
                          qualified_name(described.schema.schema, described.schema.table), lsn,
                          described.blocks, len(ranges))
@@ -432,8 +458,13 @@ async def snapshot_table(spark: Any, settings: PlatformSettings, table: str, *,
                     raise
                 except Exception as exc:  # noqa: BLE001 - Py4J errors: keep the task's line
                     marker.cancel()
-                    raise SnapshotError(f"snapshot {snapshot_id} of {wire_table}: Spark job "
-                                        f"failed: {_spark_failure(exc)}") from exc
+                    failure = (f"{type(exc).__name__}: {exc}" if spark is None
+                               else _spark_failure(exc))
+                    kind = (TableLockWaitError if TableLockWaitError.__name__ in failure
+                            else SnapshotError)
+                    raise kind(f"snapshot {snapshot_id} of {wire_table}: "
+                               f"{'tasks' if spark is None else 'Spark job'} failed: "
+                               f"{failure}") from exc
                 finally:
                     executor.shutdown(wait=False)
                 spark_seconds = time.monotonic() - spark_started

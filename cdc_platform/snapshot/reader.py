@@ -42,6 +42,7 @@ from cdc_platform.errors import (
     PayloadTooLarge,
     PublishError,
     SnapshotError,
+    TableLockWaitError,
 )
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.postgres.catalog import ColumnInfo
@@ -91,6 +92,9 @@ class TaskSpec:
     publish_window: int = DEFAULT_PUBLISH_WINDOW
     publish_timeout: float = 30.0
     fault: TaskFault | None = None
+    # How long a task waits for its table's lock (see TableLockWaitError); 0: forever.
+    lock_timeout_ms: int = 5_000
+    qualified_table: str = ""  # for the LOCK that waits at most lock_timeout_ms
 
     def copy_command(self, block_range: BlockRange) -> str:
         return self.select.replace("{range}", block_range.predicate().as_string(None))
@@ -311,6 +315,7 @@ async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 
                 sql.Literal(spec.snapshot_name)))
             conn.execute("SET LOCAL synchronize_seqscans = off")
             conn.execute("SET LOCAL max_parallel_workers_per_gather = 0")
+            _lock_table(conn, spec)
             async for block in copy_blocks(conn.pgconn, spec.copy_command(block_range)):
                 for chunk in chunker.add(block):
                     await _publish(publisher, chunk, stats, fault)
@@ -334,6 +339,25 @@ async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 
         await client.close()
     stats.seconds = time.monotonic() - started
     return stats
+
+
+def _lock_table(conn: psycopg.Connection, spec: TaskSpec) -> None:
+    """Take the table's ACCESS SHARE lock, waiting at most ``lock_timeout_ms``. The driver
+    holds the same lock for the whole snapshot; a DDL statement that queued for it in the
+    meantime sits in front of this request, and would wait for the snapshot forever while
+    the snapshot waits for it."""
+    if not spec.qualified_table:
+        return
+    conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(
+        sql.Literal(f"{spec.lock_timeout_ms}ms")))
+    try:
+        conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(
+            sql.SQL(spec.qualified_table)))
+    except psycopg.errors.LockNotAvailable:
+        raise TableLockWaitError(
+            f"{spec.qualified_table}: a lock request (DDL?) is waiting for the table; the "
+            "snapshot gives way and is taken again") from None
+    conn.execute("SET LOCAL lock_timeout = 0")
 
 
 async def _publish(publisher: ChunkPublisher, chunk: Chunk, stats: RangeStats,

@@ -5,7 +5,8 @@ A consumer publishes on ``snapshot.request.{table}``; the body is empty or a JSO
 ``request_id`` (str, echoed back), ``reply_to`` (a NATS subject; replies are core-NATS
 publishes there), ``max_age_seconds`` (reuse a snapshot of the table at most this old whose
 cutover point the CDC stream still holds; default ``CDC_SNAPSHOT_REUSE_SECONDS``; 0: always a
-new one). Replies are JSON objects: ``request_id``, ``table``, ``status`` (``accepted``,
+new one), ``min_lsn`` (reuse only a snapshot whose cutover LSN is at least this: a consumer
+that must bootstrap again after a rewrite asks for one taken after it). Replies are JSON objects: ``request_id``, ``table``, ``status`` (``accepted``,
 ``refused``, ``done``, ``failed``) and per status ``reason`` (refused, failed), ``run_key``
 (accepted), ``snapshot_id``, ``lsn``, ``cdc_stream``, ``cdc_start_seq``, ``meta_subject``,
 ``meta_seq``, ``reused`` (done).
@@ -23,6 +24,7 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
+from cdc_platform.lsn import parse_lsn
 from cdc_platform.mirror.snapshots import SnapshotUnusable, cutover_start_seq, latest_meta
 from cdc_platform.naming import parse_wire_name
 from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX, snapshot_meta_subject
@@ -42,6 +44,7 @@ class SnapshotRequest:
     reply_to: str | None = None
     max_age_seconds: float | None = None
     refused: str | None = None  # why, when the request itself is unusable
+    min_lsn: int = 0  # reuse only a snapshot whose cutover LSN is at least this
 
     @property
     def requester(self) -> list[str | None] | None:
@@ -81,9 +84,15 @@ def parse_request(subject: str, data: bytes, seq: int) -> SnapshotRequest:
                                 or not isinstance(max_age, (int, float)) or max_age < 0):
         problems.append("max_age_seconds must be a number >= 0")
         max_age = None
+    min_lsn = 0
+    if body.get("min_lsn") is not None:
+        try:
+            min_lsn = parse_lsn(body["min_lsn"])
+        except (ValueError, TypeError, AttributeError):
+            problems.append("min_lsn must be an LSN such as 16/B374D848")
     return SnapshotRequest(table, seq, request_id, reply_to,
                            None if max_age is None else float(max_age),
-                           "; ".join(problems) or None)
+                           "; ".join(problems) or None, min_lsn)
 
 
 @dataclass
@@ -107,14 +116,16 @@ async def send_replies(client: NatsClient, replies: list[tuple[str | None, Reply
 
 
 async def reusable_snapshot(js: JetStreamContext, table: str, max_age_seconds: float,
-                            init_stream: str = "INIT") -> dict[str, Any] | None:
+                            init_stream: str = "INIT", min_lsn: int = 0) -> dict[str, Any] | None:
     """The ``done`` fields of the newest snapshot of ``table`` at most ``max_age_seconds``
-    old whose cutover point the CDC stream still holds (None: a new one is needed). So a
-    hundred mirrors asking for one table within minutes share one snapshot."""
+    old, with a cutover LSN of at least ``min_lsn``, whose cutover point the CDC stream still
+    holds (None: a new one is needed). So a hundred mirrors asking for one table within
+    minutes share one snapshot (and after a rewrite, one taken after it)."""
     if max_age_seconds <= 0:
         return None
     meta = await latest_meta(js, table, init_stream)
-    if meta is None or time.time() - meta.timestamp > max_age_seconds:
+    if (meta is None or time.time() - meta.timestamp > max_age_seconds
+            or meta.lsn < min_lsn):
         return None
     try:
         start_seq = await cutover_start_seq(js, meta)

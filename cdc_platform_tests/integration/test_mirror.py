@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
+import math
 import sqlite3
 
-import psycopg
 import pytest
 
 from cdc_platform.mirror.follower import Mirror
@@ -36,7 +35,7 @@ def mirror_rows(path, table: str, columns: list[str]) -> list[tuple]:
 
 
 def _comparable(value):
-    if isinstance(value, float) and value != value:
+    if isinstance(value, float) and math.isnan(value):
         return "NaN"
     return value
 

@@ -126,7 +126,8 @@ async def _handle_requests(nats: NatsResource, recorded_through: int, published:
                 continue
             max_age = reuse_seconds if request.max_age_seconds is None \
                 else request.max_age_seconds
-            reused = await reusable_snapshot(js, request.table, max_age, topology.init.name)
+            reused = await reusable_snapshot(js, request.table, max_age, topology.init.name,
+                                             request.min_lsn)
             if reused is not None:
                 notes.append(f"request for {request.table!r} (stream seq {request.seq}) "
                              f"answered with snapshot {reused['snapshot_id']}")
