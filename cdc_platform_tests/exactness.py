@@ -59,6 +59,7 @@ class Workload:
         self.next_id = 1_000_000
         self.done = 0  # transactions run so far
         self.stop = threading.Event()
+        self.pause = threading.Event()  # held while a test restarts a server
         # fixed points of the workload, as fractions of ``transactions``
         self.ddl_at = {
             int(self.size.transactions * fraction): name for fraction, name in (
@@ -105,24 +106,46 @@ class Workload:
 
     # -- the workload -------------------------------------------------------------------------
     def run(self, conninfo: str, transactions: int) -> None:
-        """The next ``transactions`` transactions (stops early when ``stop`` is set)."""
-        with psycopg.connect(conninfo) as conn:
+        """The next ``transactions`` transactions (stops early when ``stop`` is set). A
+        transaction the server cut off (a restart) is done again once it is back."""
+        conn = None
+        try:
             for _ in range(transactions):
-                if self.stop.is_set():
-                    return
-                step = self.done
-                with conn.transaction():
-                    special = self.ddl_at.get(step)
-                    if special is not None:
-                        getattr(self, f"_{special}")(conn)
-                    for _ in range(self.random.randint(1, 5)):
-                        self.random.choice((self._lines_op, self._types_op, self._edges_op,
-                                            self._ledger_op))(conn)
-                    # every transaction leaves one ledger row: applied twice, it shows
-                    conn.execute(f"INSERT INTO {self.ledger} VALUES (%s, %s, 'tx', %s)",
-                                 (step, self.random.randint(0, 49), self.random.random()))
+                while True:
+                    if self.stop.is_set():
+                        return
+                    while self.pause.is_set():
+                        time.sleep(0.05)
+                    saved = (list(self.lines_columns), list(self.types_extra),
+                             list(self.edges_extra), self.next_id)
+                    try:
+                        if conn is None or conn.closed:
+                            conn = psycopg.connect(conninfo)
+                        self._transaction(conn)
+                        break
+                    except psycopg.OperationalError:
+                        (self.lines_columns, self.types_extra, self.edges_extra,
+                         self.next_id) = saved
+                        conn = None
+                        time.sleep(0.2)
                 self.done += 1
                 time.sleep(self.size.pace_seconds)
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def _transaction(self, conn: psycopg.Connection) -> None:
+        step = self.done
+        with conn.transaction():
+            special = self.ddl_at.get(step)
+            if special is not None:
+                getattr(self, f"_{special}")(conn)
+            for _ in range(self.random.randint(1, 5)):
+                self.random.choice((self._lines_op, self._types_op, self._edges_op,
+                                    self._ledger_op))(conn)
+            # every transaction leaves one ledger row: applied twice, it shows
+            conn.execute(f"INSERT INTO {self.ledger} VALUES (%s, %s, 'tx', %s)",
+                         (step, self.random.randint(0, 49), self.random.random()))
 
     def _insert_line(self, conn, order: int, line: int) -> None:
         big = self.random.random() < 0.1
