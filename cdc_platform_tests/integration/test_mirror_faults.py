@@ -280,8 +280,12 @@ async def test_a_snapshot_task_failing_once(cdc_database, pg_admin, provisioned_
     lines: list[str] = []
     async with running_bridge(settings), snapshot_responder(
             settings, spark=spark_session, fault=TaskFault(partition=0, after_chunks=1),
-            options=SnapshotOptions(small_table_bytes=0)):
+            options=SnapshotOptions(small_table_bytes=0)) as taken:
         await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
         await _exact(workload, settings, cdc_database.server.superuser_conninfo(),
                      tmp_path / "mirror.db", pg_admin, cdc_database.slot, nats_client,
                      lines=lines)
+    # the fault happened: a first attempt failed after storing a chunk, its retry stored the
+    # range again (dropped as duplicates)
+    retried = [r for result in taken for r in result.ranges if r.attempt == 1]
+    assert retried and all(r.duplicates >= 1 for r in retried)
