@@ -7,6 +7,7 @@ zero-padded (``0/0`` is the invalid LSN, ``InvalidXLogRecPtr``).
 
 from __future__ import annotations
 
+import functools
 import re
 
 INVALID_LSN = 0
@@ -25,6 +26,10 @@ def parse_lsn(text: str) -> int:
             f"invalid LSN {text!r}: expected two hexadecimal numbers of at most 8 digits "
             "separated by '/', like '16/B374D848'")
     return (int(match[1], 16) << 32) | int(match[2], 16)
+
+
+# The commit LSN text of every event of a transaction is the same: consumers parse it once.
+parse_lsn_cached = functools.lru_cache(maxsize=256)(parse_lsn)
 
 
 def format_lsn(lsn: int) -> str:

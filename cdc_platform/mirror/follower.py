@@ -29,7 +29,7 @@ from nats.js.errors import NotFoundError
 
 from cdc_platform.errors import CdcError
 from cdc_platform.jetstream.connection import connect_nats, fetch_available
-from cdc_platform.lsn import format_lsn, parse_lsn
+from cdc_platform.lsn import format_lsn, parse_lsn_cached
 from cdc_platform.mirror.snapshots import (
     BootstrapProgress,
     SnapshotMeta,
@@ -174,14 +174,27 @@ class Mirror:
         progress = BootstrapProgress(table, meta.row_count, meta.batch_count, time.monotonic())
         last_report = time.monotonic()
         from_json = meta.format == "json"
-        async for rows in read_chunks(js, meta, stream=self.settings.topology.init.name,
-                                      progress=progress.update):
-            store.load_rows(table, [shape.from_json(r) for r in rows] if from_json else rows)
-            if time.monotonic() - last_report >= self.options.status_interval_seconds:
-                last_report = time.monotonic()
-                self.report(progress.line())
-            if stop.is_set():
-                return  # left "bootstrapping": the next start begins it again
+        loading: asyncio.Future | None = None  # the previous chunk, going into SQLite
+        try:
+            async for rows in read_chunks(js, meta, stream=self.settings.topology.init.name,
+                                          progress=progress.update):
+                if from_json:
+                    rows = [shape.from_json(r) for r in rows]
+                if loading is not None:
+                    await loading
+                # SQLite writes in a thread (it releases the GIL) while the next chunk is
+                # fetched and decoded here
+                loading = asyncio.ensure_future(asyncio.to_thread(store.load_rows, table, rows))
+                if time.monotonic() - last_report >= self.options.status_interval_seconds:
+                    last_report = time.monotonic()
+                    self.report(progress.line())
+                if stop.is_set():
+                    return  # left "bootstrapping": the next start begins it again
+            if loading is not None:
+                await loading
+        finally:
+            if loading is not None and not loading.done():
+                await asyncio.wait([loading])
         store.finish_bootstrap(table, stream_seq=start_seq - 1)
         self.bootstraps += 1
         self.report(f"{progress.line()}; done (snapshot {meta.snapshot_id}, cutover lsn "
@@ -419,7 +432,7 @@ class _Following:
             else:
                 tables = sorted(set(pending.counts if pending else ()) & self._followed
                                 or self._followed)
-                self._mark_stale(tables, str(gap), parse_lsn(event["commit_lsn"]))
+                self._mark_stale(tables, str(gap), parse_lsn_cached(event["commit_lsn"]))
                 return
         if fresh and not self.store.covers(event):
             if not self.open:
@@ -429,7 +442,8 @@ class _Following:
                 self.store.apply(event, from_json=from_json)
             except DivergenceError as exc:
                 self.abandon()
-                self._mark_stale([event["table"]], str(exc), parse_lsn(event["commit_lsn"]))
+                self._mark_stale([event["table"]], str(exc),
+                                 parse_lsn_cached(event["commit_lsn"]))
                 return
             self.applied_in_open += 1
         if done is not None:
@@ -468,7 +482,7 @@ def _check_event(event: Any, subject: str, followed: set[str]) -> None:
         raise ValueError(f"an event of table {table!r} on subject {subject}")
     if event.get("operation") not in _OPERATIONS:
         raise ValueError(f"unknown operation {event.get('operation')!r}")
-    parse_lsn(event["commit_lsn"])
+    parse_lsn_cached(event["commit_lsn"])
     if not isinstance(event.get("ordinal"), int) or event["ordinal"] < 0:
         raise ValueError(f"ordinal {event.get('ordinal')!r}")
     if event["operation"] in ("INSERT", "UPDATE") and not isinstance(event.get("data"), dict):

@@ -32,6 +32,7 @@ import base64
 import dataclasses
 import json
 import math
+import operator
 import sqlite3
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from cdc_platform.errors import CdcError
-from cdc_platform.lsn import parse_lsn
+from cdc_platform.lsn import parse_lsn_cached
 from cdc_platform.wire import SCHEMA_OPERATION
 
 STATE_TABLE = "_cdc_mirror_tables"
@@ -124,6 +125,15 @@ def to_sqlite(value: Any) -> Any:
     if isinstance(value, (bytearray, memoryview)):
         return bytes(value)
     raise MirrorError(f"no SQLite mapping for a {type(value).__name__} value")
+
+
+_AS_IS_OIDS = (_INTEGER_OIDS - {5069}) | _BLOB_OIDS | _TEXT_OIDS  # (xid8 may pass 2^63)
+
+
+def _as_is(column: MirroredColumn) -> bool:
+    """Whether the column's wire values are bound to SQLite unconverted (str, int, bytes,
+    bool, None): no float (NaN), no array (lists), no unknown type."""
+    return column.type_oid in _AS_IS_OIDS
 
 
 def quote(identifier: str) -> str:
@@ -279,8 +289,11 @@ class MirrorStore:
                               "away and start the mirror again to rebuild it") from exc
         self._shapes: dict[str, TableShape] = shapes
         self._statements: dict[tuple, str] = {}
+        self._inserts: dict[tuple, tuple[str, Any]] = {}
         self._states: dict[str, TableState | None] = {}  # committed states, cached
         self._open: Applied | None = None  # the transaction begin() opened
+        self._insert_key: tuple[str, tuple[str, ...]] = ("", ())
+        self._insert_rows_pending: list[Mapping[str, Any]] = []
         self._open_states: dict[str, TableState] = {}
 
     def _load_shapes(self) -> dict[str, TableShape]:
@@ -363,6 +376,8 @@ class MirrorStore:
         """
         existing = self._existing_columns(shape.table)
         self._shapes[shape.table] = shape
+        self._inserts = {key: value for key, value in self._inserts.items()
+                         if key[0] != shape.table}
         if not existing:
             self._create(shape)
             return SchemaChange.CREATED
@@ -442,7 +457,7 @@ class MirrorStore:
         streaming): the cutover rule and the high-water mark."""
         state = self._cached_state(event["table"])
         return (state is None or state.status != "streaming"
-                or not state.wants(parse_lsn(event["commit_lsn"]), event["ordinal"]))
+                or not state.wants(parse_lsn_cached(event["commit_lsn"]), event["ordinal"]))
 
     def apply(self, event: Mapping[str, Any], *, from_json: bool = False) -> None:
         """One event of the open transaction, unless the positions cover it. A schema event
@@ -455,11 +470,24 @@ class MirrorStore:
             if cached is None:
                 return
             state = self._open_states[table] = dataclasses.replace(cached)
-        commit_lsn = parse_lsn(event["commit_lsn"])
+        commit_lsn = parse_lsn_cached(event["commit_lsn"])
         if state.status != "streaming" or not state.wants(commit_lsn, event["ordinal"]):
             return
         state.touched = True
-        if event["operation"] == SCHEMA_OPERATION:
+        operation = event["operation"]
+        if operation == "INSERT" and not from_json:
+            # consecutive inserts into one table go to SQLite together (executemany)
+            data = event["data"]
+            key = (table, tuple(data))
+            if key != self._insert_key or len(self._insert_rows_pending) >= 1000:
+                self._flush_inserts()
+                self._insert_key = key
+            self._insert_rows_pending.append(data)
+            state.applied_commit_lsn, state.applied_ordinal = commit_lsn, event["ordinal"]
+            self._open.events += 1
+            return
+        self._flush_inserts()
+        if operation == SCHEMA_OPERATION:
             # not a change: the high-water mark stays before the change it precedes
             why = self._apply_schema_event(event, from_json)
             if why is None:
@@ -479,6 +507,7 @@ class MirrorStore:
         and ``stream_seq`` for the tables of ``followed`` (all were read up to it)."""
         assert self._open is not None
         try:
+            self._flush_inserts()
             for state in self._open_states.values():
                 if state.touched:
                     self._put_state(state, stream_seq=max(state.stream_seq, stream_seq))
@@ -493,7 +522,13 @@ class MirrorStore:
         self._states.clear()  # re-read: the committed values
         return applied
 
+    def _flush_inserts(self) -> None:
+        if self._insert_rows_pending:
+            rows, self._insert_rows_pending = self._insert_rows_pending, []
+            self._insert_rows(self._insert_key[0], rows)
+
     def rollback(self) -> None:
+        self._insert_rows_pending = []
         if self._db.in_transaction:
             self._db.execute("ROLLBACK")
         self._open = None
@@ -501,6 +536,7 @@ class MirrorStore:
         self._states.clear()
         # shapes changed by rolled-back schema events: back to the committed ones
         self._shapes = self._load_shapes()
+        self._inserts.clear()
 
     def _cached_state(self, table: str) -> TableState | None:
         if table not in self._states:
@@ -541,12 +577,29 @@ class MirrorStore:
         elif operation == "UPDATE":
             data = event["data"]
             identity = event.get("old") or {name: data[name] for name in shape.key_columns}
-            rowid = self._find_row(shape, identity, event)
-            names = list(data)
-            if names:
-                sets = ", ".join(f"{quote(name)} = ?" for name in names)
-                self._db.execute(f"UPDATE {quote(table)} SET {sets} WHERE rowid = ?",
-                                 [to_sqlite(data[name]) for name in names] + [rowid])
+            names = tuple(data)
+            if shape.key_columns:  # one statement; the row must be there
+                key = shape.key_columns
+                statement = self._statements.get(("update", table, names))
+                if statement is None:
+                    sets = ", ".join(f"{quote(name)} = ?" for name in names)
+                    where = " AND ".join(f"{quote(name)} = ?" for name in key)
+                    statement = self._statements[("update", table, names)] = (
+                        f"UPDATE {quote(table)} SET {sets} WHERE {where}")
+                try:
+                    params = ([to_sqlite(data[name]) for name in names]
+                              + [to_sqlite(identity[name]) for name in key])
+                except KeyError as exc:
+                    raise DivergenceError(f"{table}: {event.get('msg_id')} does not carry key "
+                                          f"column {exc.args[0]!r}") from exc
+                if self._execute_unique(statement, params) != 1:
+                    self._find_row(shape, identity, event)  # raises, naming the row
+            else:
+                rowid = self._find_row(shape, identity, event)
+                if names:
+                    sets = ", ".join(f"{quote(name)} = ?" for name in names)
+                    self._db.execute(f"UPDATE {quote(table)} SET {sets} WHERE rowid = ?",
+                                     [to_sqlite(data[name]) for name in names] + [rowid])
         elif operation == "DELETE":
             identity = event.get("old") or event["data"]
             rowid = self._find_row(shape, identity, event)
@@ -555,6 +608,13 @@ class MirrorStore:
             self._db.execute(f"DELETE FROM {quote(table)}")
         else:
             raise MirrorError(f"{table}: unknown operation {operation!r} in {event.get('msg_id')}")
+
+    def _execute_unique(self, statement: str, params: list) -> int:
+        """Rows changed; a key change onto a key the mirror holds is a divergence."""
+        try:
+            return self._db.execute(statement, params).rowcount
+        except sqlite3.IntegrityError as exc:
+            raise DivergenceError(f"a changed key is already mirrored ({exc})") from exc
 
     def _find_row(self, shape: TableShape, identity: Mapping[str, Any],
                   event: Mapping[str, Any]) -> int:
@@ -580,21 +640,63 @@ class MirrorStore:
         if not rows:
             return
         names = tuple(rows[0])
-        statement = self._statements.get((table, names))
-        if statement is None:
-            statement = self._statements[(table, names)] = (
-                f"INSERT INTO {quote(table)} ({', '.join(quote(n) for n in names)}) "
-                f"VALUES ({', '.join('?' * len(names))})")
+        prepared = self._inserts.get((table, names))
+        if prepared is None:
+            prepared = self._inserts[(table, names)] = self._prepare_insert(table, names)
+        statement, convert = prepared
         try:
-            if all(tuple(row) == names for row in rows):
-                self._db.executemany(statement, (
-                    [to_sqlite(value) for value in row.values()] for row in rows))
-            else:
+            self._db.execute("SAVEPOINT cdc_insert")
+            try:
+                self._db.executemany(statement, map(convert, rows))
+            except (KeyError, OverflowError):
+                # rows of other columns, or an integer beyond 64 bits: undo the rows before
+                # it, then row by row with every value converted
+                self._db.execute("ROLLBACK TO cdc_insert")
                 for row in rows:
-                    self._insert_rows(table, [row])
+                    names = tuple(row)
+                    self._db.execute(
+                        f"INSERT INTO {quote(table)} ({', '.join(quote(n) for n in names)}) "
+                        f"VALUES ({', '.join('?' * len(names))})",
+                        [to_sqlite(value) for value in row.values()])
+            finally:
+                self._db.execute("RELEASE cdc_insert")
         except sqlite3.IntegrityError as exc:
             raise DivergenceError(f"{table}: an inserted row is already mirrored ({exc})") \
                 from exc
+
+    def _prepare_insert(self, table: str, names: tuple[str, ...]):
+        """The INSERT of ``names`` and a row -> values function that converts only what needs
+        it: str, int and bytes go to SQLite as they are (most of a row, most of the time), a
+        float only when it is NaN, arrays and unknown types always."""
+        statement = (f"INSERT INTO {quote(table)} ({', '.join(quote(n) for n in names)}) "
+                     f"VALUES ({', '.join('?' * len(names))})")
+        shape = self._shapes.get(table)
+        by_name = {c.name: c for c in shape.columns} if shape else {}
+        floats = [index for index, name in enumerate(names)
+                  if name in by_name and by_name[name].type_oid in _REAL_OIDS]
+        others = [index for index, name in enumerate(names)
+                  if index not in floats and (name not in by_name or not _as_is(by_name[name]))]
+        width = len(names)
+        getter = operator.itemgetter(*names)  # values in ``names`` order, whatever the dict's
+
+        def convert(row: Mapping[str, Any]) -> tuple:
+            if len(row) != width:
+                raise KeyError("a row with other columns")
+            values = getter(row)
+            if width == 1:
+                values = (values,)
+            for index in floats:
+                value = values[index]
+                if value is not None and value != value:  # NaN: SQLite would store NULL
+                    break
+            else:
+                if not others:
+                    return values
+            converted = list(values)
+            for index in (*floats, *others):
+                converted[index] = to_sqlite(converted[index])
+            return tuple(converted)
+        return statement, convert
 
     def shape(self, table: str) -> TableShape:
         shape = self._shapes.get(table)

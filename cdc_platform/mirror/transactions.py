@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cdc_platform.errors import CdcError
-from cdc_platform.lsn import format_lsn, parse_lsn
+from cdc_platform.lsn import format_lsn, parse_lsn_cached
 from cdc_platform.wire import SCHEMA_OPERATION
 
 
@@ -93,7 +93,7 @@ class TransactionCollector:
 
     def offer(self, event: Mapping[str, Any], seq: int) -> tuple[bool, Transaction | None]:
         """(whether ``event`` is new: apply it; the transaction it completed, if it did)."""
-        commit_lsn = parse_lsn(event["commit_lsn"])
+        commit_lsn = parse_lsn_cached(event["commit_lsn"])
         if commit_lsn <= self._last_complete:
             return False, None  # a redelivered copy of a transaction already handed out
         current = self._open

@@ -1,0 +1,249 @@
+#!/usr/bin/env python
+"""The mirror's bootstrap and apply rates, each against ``sqlite3`` bulk ``executemany`` of the
+same rows into the same schema, measured in the same run.
+
+    .venv/bin/python benchmarks/mirror.py [--rows 1000000] [--events 200000]
+
+Starts its own PostgreSQL and nats-server in a temp dir, a ``--rows``-row table, the bridge
+(in this process), and one snapshot (taken here, not timed). Then:
+
+1. bootstrap: ``cdc-platform mirror --once`` in a child process loads the snapshot into a new
+   SQLite file; its own progress line gives rows/s, and the child's peak RSS is read from
+   ``getrusage``. Baseline: the same rows (as the snapshot decodes them) inserted with one
+   ``executemany`` into the same ``CREATE TABLE`` with the mirror's pragmas.
+2. apply: ``--events`` changes (half inserts, half updates, 100 per transaction) are published
+   by the bridge; the bridge stops; a mirror in this process applies them (events/s, from the
+   first event to the last commit). Baseline: the same number of rows upserted with
+   ``executemany`` (``INSERT OR REPLACE``) in one transaction.
+
+Targets (issue 12): bootstrap >= 0.7 x baseline, apply >= 50K events/s, RSS <= 200 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import resource
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from cdc_platform.bridge.runner import CdcBridge
+from cdc_platform.dev.servers import LocalNatsServer, start_logical_postgres
+from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.jetstream.provision import provision
+from cdc_platform.mirror.follower import Mirror
+from cdc_platform.mirror.snapshots import latest_meta, read_chunks
+from cdc_platform.mirror.store import MirrorStore, TableShape, quote, to_sqlite
+from cdc_platform.postgres.admin import provision_database
+from cdc_platform.settings import (
+    BridgeSettings,
+    MirrorSettings,
+    NatsSettings,
+    NatsTopology,
+    PlatformSettings,
+    PostgresSettings,
+)
+from cdc_platform.snapshot import snapshot_table
+from cdc_platform.snapshot.job import SnapshotOptions
+
+TABLE = "bench_rows"
+
+
+def _settings(pg, nats: LocalNatsServer, password: str, mode: str) -> PlatformSettings:
+    return PlatformSettings(
+        postgres=PostgresSettings(host=pg.host, port=pg.port, database="postgres",
+                                  user="bench_reader", password=password,
+                                  publication="bench_pub", slot="bench_slot",
+                                  sslmode="disable"),
+        nats=NatsSettings(url=nats.url),
+        bridge=BridgeSettings(http_port=0, status_interval_seconds=0.5,
+                              heartbeat_interval_seconds=1.0, message_mode=mode))
+
+
+async def _bridge_caught_up(conninfo: str) -> None:
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        target = conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
+        while not conn.execute("SELECT confirmed_flush_lsn >= %s FROM pg_replication_slots "
+                               "WHERE slot_name = 'bench_slot'", (target,)).fetchone()[0]:
+            await asyncio.sleep(0.2)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--events", type=int, default=200_000)
+    parser.add_argument("--profile", action="store_true", help="cProfile the apply phase")
+    parser.add_argument("--mode", choices=["per-change", "batched"], default="per-change",
+                        help="the bridge's message mode for the apply phase")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="cdc-bench-mirror-"))
+    pg = start_logical_postgres(work / "pg", unsafe_no_fsync=True)
+    nats = LocalNatsServer(work / "nats")
+    nats.start()
+    try:
+        await _run(args, work, pg, nats)
+    finally:
+        nats.stop()
+        pg.stop("immediate")
+
+
+async def _run(args, work: Path, pg, nats: LocalNatsServer) -> None:
+    admin_conninfo = pg.superuser_conninfo()
+    password = "bench-password"
+    with psycopg.connect(admin_conninfo, autocommit=True) as admin:
+        admin.execute(f"CREATE TABLE {TABLE} (id bigint PRIMARY KEY, n int, name text, "
+                      "amount numeric(12,2), at timestamptz, score float8, flag bool)")
+        admin.execute(f"INSERT INTO {TABLE} SELECT g, g % 1000, 'name ' || g, g / 100.0, "
+                      "timestamptz '2026-01-01' + g * interval '1 second', g / 7.0, g % 2 = 0 "
+                      f"FROM generate_series(1, {args.rows}) g")
+        admin.execute(f"VACUUM ANALYZE {TABLE}")
+        provision_database(admin, publication="bench_pub", role="bench_reader",
+                           tables=[TABLE], role_password=password)
+    client = await connect_nats(NatsSettings(url=nats.url))
+    await provision(client.jetstream(), NatsTopology())
+    settings = _settings(pg, nats, password, args.mode)
+    bridge = CdcBridge(settings)
+    bridging = asyncio.create_task(bridge.run())
+    try:
+        await _measure(args, work, settings, bridge, bridging, client, admin_conninfo)
+    finally:
+        bridge.request_stop()
+        await asyncio.wait_for(asyncio.shield(bridging), 30)
+        await client.close()
+
+
+async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBridge, bridging,
+                   client, admin_conninfo: str) -> None:
+    nats_url = settings.nats.url.get_secret_value()
+    while bridge.reader is None or not bridge.metrics.value(bridge.metrics.connected):
+        await asyncio.sleep(0.1)
+    print(f"snapshot of {args.rows:,} rows (not timed) ...", flush=True)
+    await snapshot_table(None, settings, TABLE,
+                         options=SnapshotOptions(small_table_bytes=1 << 40))
+
+    # 1. bootstrap, in a child process (its peak RSS is the mirror's)
+    db = work / "mirror.db"
+    env = {**os.environ, "CDC_NATS_URL": nats_url, "CDC_MIRROR_STATUS_INTERVAL": "1000s"}
+    command = [str(Path(sys.executable).parent / "cdc-platform"), "mirror", "--tables", TABLE,
+               "--sqlite", str(db), "--once"]
+    started = time.perf_counter()
+    child = await asyncio.to_thread(subprocess.run, command, env=env, capture_output=True,
+                                    text=True)
+    wall = time.perf_counter() - started
+    if child.returncode != 0:
+        raise SystemExit(child.stdout + child.stderr)
+    rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    done_line = next(line for line in child.stdout.splitlines() if "; done (" in line)
+    mirror_rate = float(re.search(r"([\d,]+) rows/s", done_line).group(1).replace(",", ""))
+
+    js = client.jetstream()
+    meta = await latest_meta(js, TABLE)
+    shape = TableShape.from_schema(meta.table_schema)
+    if args.profile:  # the bootstrap's work, in this process, under cProfile
+        import cProfile
+        import pstats
+
+        store = MirrorStore(work / "profiled.db")
+        store.begin_bootstrap(shape, meta.snapshot_id, meta.lsn)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        async for chunk in read_chunks(js, meta):
+            store.load_rows(TABLE, chunk)
+        profiler.disable()
+        store.close()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+    rows: list[dict] = []
+    async for chunk in read_chunks(js, meta):
+        rows.extend(chunk)
+    baseline_db = work / "baseline.db"
+    baseline = MirrorStore(baseline_db)  # the same CREATE TABLE and pragmas
+    baseline.apply_shape(shape)
+    baseline.close()
+    names = [c.name for c in shape.columns]
+    statement = (f"INSERT INTO {quote(TABLE)} ({', '.join(quote(n) for n in names)}) "
+                 f"VALUES ({', '.join('?' * len(names))})")
+    values = [tuple(to_sqlite(row[n]) for n in names) for row in rows]
+    del rows
+    with sqlite3.connect(baseline_db, isolation_level=None) as conn:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        started = time.perf_counter()
+        conn.execute("BEGIN")
+        conn.executemany(statement, values)
+        conn.execute("COMMIT")
+        baseline_rate = len(values) / (time.perf_counter() - started)
+
+    # 2. apply
+    with psycopg.connect(admin_conninfo, autocommit=True) as admin:
+        half = args.events // 2
+        base = args.rows + 1
+        for start in range(0, half, 100):
+            with admin.transaction():
+                admin.execute(f"INSERT INTO {TABLE} SELECT g, g %% 1000, 'new ' || g, 1.5, "
+                              "now(), 0.25, true FROM generate_series(%s::bigint, %s::bigint) g",
+                              (base + start, base + start + 99))
+        for start in range(0, half, 100):
+            admin.execute(f"UPDATE {TABLE} SET n = n + 1, name = name || '+' "
+                          "WHERE id BETWEEN %s AND %s", (start + 1, start + 100))
+    await _bridge_caught_up(admin_conninfo)
+    bridge.request_stop()
+    await asyncio.shield(bridging)
+    mirror = Mirror(settings, [TABLE], db, options=MirrorSettings(status_interval_seconds=1000),
+                    report=lambda line: None)
+    profiler = None
+    sizes: list[int] = []
+    if args.profile:
+        import cdc_platform.mirror.follower as follower_module
+
+        original = follower_module.fetch_available
+
+        async def counted(subscription, limit, timeout):
+            batch = await original(subscription, limit, timeout)
+            sizes.append(len(batch))
+            return batch
+        follower_module.fetch_available = counted
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    started = time.perf_counter()
+    await mirror.run(until_caught_up=True)
+    apply_seconds = time.perf_counter() - started
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        print(f"fetches: {len(sizes)}, sizes (first 20): {sizes[:20]}")
+    apply_rate = mirror.applied_events / apply_seconds
+    upserts = [tuple(to_sqlite(v) for v in row) for row in values[:mirror.applied_events]]
+    with sqlite3.connect(baseline_db, isolation_level=None) as conn:
+        started = time.perf_counter()
+        conn.execute("BEGIN")
+        conn.executemany(statement.replace("INSERT", "INSERT OR REPLACE"), upserts)
+        conn.execute("COMMIT")
+        apply_baseline = len(upserts) / (time.perf_counter() - started)
+
+    print(f"bootstrap: mirror {mirror_rate:,.0f} rows/s ({args.rows:,} rows, whole child "
+          f"{wall:.1f}s), sqlite3 executemany baseline {baseline_rate:,.0f} rows/s, ratio "
+          f"{mirror_rate / baseline_rate:.2f} (target >= 0.70)")
+    print(f"bootstrap peak RSS (child): {rss_mb:.0f} MB (target <= 200)")
+    print(f"apply ({args.mode}): mirror {apply_rate:,.0f} events/s ({mirror.applied_events:,} events in "
+          f"{mirror.applied_transactions:,} transactions, {apply_seconds:.1f}s incl. connect), "
+          f"sqlite3 executemany upsert baseline {apply_baseline:,.0f} rows/s, ratio "
+          f"{apply_rate / apply_baseline:.2f} (target >= 50,000 events/s)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
