@@ -687,7 +687,7 @@ class MirrorStore:
                 values = (values,)
             for index in floats:
                 value = values[index]
-                if value is not None and value != value:  # NaN: SQLite would store NULL
+                if value is not None and value != value:  # noqa: PLR0124 - NaN (SQLite: NULL)
                     break
             else:
                 if not others:
