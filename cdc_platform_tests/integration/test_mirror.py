@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import sqlite3
 
@@ -81,3 +82,65 @@ async def test_a_table_that_is_not_published_is_a_clear_error(
     settings = platform_settings(cdc_database, provisioned_nats.url)
     with pytest.raises(MirrorError, match="not published: nope_not_here"):
         await Mirror(settings, ["nope_not_here"], tmp_path / "m.db").run()
+
+
+async def test_mirrors_asking_for_one_table_at_once_share_one_snapshot(
+        cdc_database, pg_admin, provisioned_nats, tmp_path):
+    table = random_name("shared")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' FROM generate_series(1, 300) g")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    async with running_bridge(settings), snapshot_responder(settings) as taken:
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        mirrors = [Mirror(settings, [table], tmp_path / f"m{i}.db", options=FAST,
+                          report=lambda line: None) for i in range(20)]
+        await asyncio.gather(*(mirror.run(until_caught_up=True) for mirror in mirrors))
+    assert len(taken) == 1  # one snapshot; 19 requests answered with it
+    for index in range(20):
+        assert mirror_rows(tmp_path / f"m{index}.db", table, ["id", "v"]) == source_rows(
+            cdc_database.server.superuser_conninfo(), table, ["id", "v"])
+
+
+async def test_events_gone_by_retention_make_the_mirror_bootstrap_again(
+        cdc_database, pg_admin, tmp_path):
+    """A mirror stopped while the stream dropped events it needed says so and bootstraps
+    the table again (from a new snapshot) instead of silently diverging."""
+    from cdc_platform.dev.servers import LocalNatsServer
+    from cdc_platform.jetstream.connection import connect_nats
+    from cdc_platform.jetstream.provision import provision
+    from cdc_platform.settings import NatsSettings, NatsTopology
+
+    nats = LocalNatsServer(tmp_path / "nats")
+    nats.start()
+    try:
+        client = await connect_nats(NatsSettings(url=nats.url))
+        await provision(client.jetstream(), NatsTopology())
+        table = random_name("retained")
+        pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' FROM generate_series(1, 100) g")
+        cdc_database.add_tables(pg_admin, table)
+        settings = platform_settings(cdc_database, nats.url)
+        db = tmp_path / "mirror.db"
+        lines: list[str] = []
+        async with running_bridge(settings), snapshot_responder(settings,
+                                                                max_age_seconds=0) as taken:
+            await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+            await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
+                until_caught_up=True)
+            pg_admin.execute(f"UPDATE {table} SET v = 'lost' WHERE id <= 50")
+            await bridge_caught_up(pg_admin, cdc_database.slot)
+            # retention: the stream drops everything up to its last message
+            last = (await client.jetstream().stream_info("CDC")).state.last_seq
+            await client.jetstream().purge_stream("CDC", seq=last + 1)
+            pg_admin.execute(f"UPDATE {table} SET v = 'after' WHERE id > 90")
+            await bridge_caught_up(pg_admin, cdc_database.slot)
+            await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
+                until_caught_up=True)
+        await client.close()
+    finally:
+        nats.stop()
+    assert any("no longer holds the events it needs" in line for line in lines), lines
+    assert len(taken) == 2
+    assert mirror_rows(db, table, ["id", "v"]) == source_rows(
+        cdc_database.server.superuser_conninfo(), table, ["id", "v"])
