@@ -33,7 +33,7 @@ from cdc_platform.errors import (
     ReplicationError,
     SlotLostError,
 )
-from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.jetstream.connection import close_nats, connect_nats
 from cdc_platform.lsn import format_lsn
 from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import (
@@ -175,8 +175,7 @@ class CdcBridge:
             if self.publisher is not None:
                 with contextlib.suppress(Exception):
                     await self.publisher.close(timeout=self._shutdown_left(5.0))
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(nc.close(), self._shutdown_left(2.0))
+            await close_nats(nc, self._shutdown_left(2.0))
             if self.telemetry is not None:
                 self.telemetry.stop()
         if self.fatal is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -86,3 +87,22 @@ async def fetch_available(subscription: Any, limit: int, timeout: float) -> list
         return await subscription.fetch(limit, timeout=timeout)
     except TimeoutError:
         return []
+
+
+async def close_nats(client: Any, timeout: float) -> None:
+    """Close ``client`` within ``timeout``. nats-py's ``close()`` first flushes what is
+    pending, which waits for a connection that may never come back; cut short, it would leave
+    the client reconnecting forever (its reconnect and subscription tasks alive in a process
+    that goes on, such as a Dagster worker). So past the timeout, those tasks are cancelled."""
+    try:
+        await asyncio.wait_for(client.close(), timeout)
+        return
+    except Exception as exc:  # noqa: BLE001 - a timeout, or the connection already broken
+        log.debug("NATS close did not finish (%r): cancelling the client's tasks", exc)
+    tasks = [getattr(client, name, None) for name in (
+        "_reconnection_task", "_reading_task", "_ping_interval_task", "_flusher_task")]
+    tasks += [getattr(sub, "_wait_for_msgs_task", None)
+              for sub in list(getattr(client, "_subs", {}).values())]
+    for task in tasks:
+        if task is not None and not task.done():
+            task.cancel()

@@ -28,7 +28,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from cdc_platform.errors import CdcError
-from cdc_platform.jetstream.connection import connect_nats, fetch_available
+from cdc_platform.jetstream.connection import close_nats, connect_nats, fetch_available
 from cdc_platform.lsn import format_lsn, parse_lsn_cached
 from cdc_platform.mirror.snapshots import (
     BootstrapProgress,
@@ -117,8 +117,7 @@ class Mirror:
                     except _Restart:
                         continue
             finally:
-                with contextlib.suppress(Exception):
-                    await nc.close()
+                await close_nats(nc, 5.0)
         finally:
             store.close()
 
