@@ -219,7 +219,8 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
         profiler.enable()
     started = time.perf_counter()
     await mirror.run(until_caught_up=True)
-    apply_seconds = time.perf_counter() - started
+    whole_seconds = time.perf_counter() - started
+    apply_seconds = mirror.last_commit_at - mirror.first_event_at  # first event -> last commit
     if profiler is not None:
         import pstats
 
@@ -240,7 +241,9 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
           f"{mirror_rate / baseline_rate:.2f} (target >= 0.70)")
     print(f"bootstrap peak RSS (child): {rss_mb:.0f} MB (target <= 200)")
     print(f"apply ({args.mode}): mirror {apply_rate:,.0f} events/s ({mirror.applied_events:,} events in "
-          f"{mirror.applied_transactions:,} transactions, {apply_seconds:.1f}s incl. connect), "
+          f"{mirror.applied_transactions:,} transactions, {apply_seconds:.1f}s from the first "
+          f"event to the last commit; {whole_seconds:.1f}s with connecting and the final idle "
+          f"check), "
           f"sqlite3 executemany upsert baseline {apply_baseline:,.0f} rows/s, ratio "
           f"{apply_rate / apply_baseline:.2f} (target >= 50,000 events/s)")
 

@@ -92,6 +92,9 @@ class Mirror:
         self.applied_transactions = 0
         self.bootstraps = 0
         self._last_commit_ts: str | None = None
+        # monotonic times of the first event read and the last commit (apply rate figures)
+        self.first_event_at: float | None = None
+        self.last_commit_at: float | None = None
 
     # -- top level ---------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None, *,
@@ -401,6 +404,8 @@ class _Following:
 
     async def message(self, message: Any) -> None:
         seq = message.metadata.sequence.stream
+        if self.mirror.first_event_at is None:
+            self.mirror.first_event_at = time.monotonic()
         try:
             data = await resolve_payload(self.js, message.data, message.headers)
             decoded = decode_payload(data, payload_format(data))
@@ -452,6 +457,7 @@ class _Following:
                 self.open = False
                 self.mirror.applied_events += applied.events
                 self.mirror.applied_transactions += 1
+                self.mirror.last_commit_at = time.monotonic()
                 self.mirror.position = max(self.mirror.position, done.last_seq)
                 self.mirror._last_commit_ts = event.get("commit_ts")
                 for table, reason in applied.stale.items():

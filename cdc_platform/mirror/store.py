@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import json
 import math
 import operator
@@ -221,7 +222,7 @@ class TableShape:
         except (ValueError, KeyError, TypeError) as exc:
             raise MirrorError(f"unreadable table shape in {STATE_TABLE}: {exc!r}") from exc
 
-    @property
+    @functools.cached_property
     def key_columns(self) -> list[str]:
         return [c.name for c in self.columns if c.is_primary_key]
 
