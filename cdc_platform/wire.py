@@ -10,7 +10,9 @@ import base64
 import hashlib
 import json
 import math
+import time
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any, Literal
 
 import msgpack
@@ -132,6 +134,15 @@ def encoder(fmt: Format):
     if fmt == "json":
         return encode_json
     raise ValueError(f"unknown format {fmt!r}")
+
+
+def commit_ts_epoch(commit_ts: str) -> float:
+    """An event's ``commit_ts`` (``2025-12-08T13:45:21.719719Z``) -> seconds since the epoch;
+    one PostgreSQL cannot express in a datetime (infinity, year 0) -> now."""
+    try:
+        return datetime.fromisoformat(commit_ts).timestamp()
+    except ValueError:
+        return time.time()
 
 
 def payload_format(data: bytes) -> Format:

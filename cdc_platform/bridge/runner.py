@@ -19,7 +19,6 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -53,6 +52,7 @@ from cdc_platform.wire import (
     CONTROL_EOB_SUBJECT,
     HEARTBEAT_PREFIX,
     cdc_schema_subject,
+    commit_ts_epoch,
     decode_payload,
     encoder,
     payload_format,
@@ -182,8 +182,8 @@ class CdcBridge:
             raise self.fatal
 
     def _watch_nats(self, nc) -> None:
-        previous_disconnect = nc._disconnected_cb  # noqa: SLF001 - chain, do not replace
-        previous_reconnect = nc._reconnected_cb  # noqa: SLF001
+        previous_disconnect = nc._disconnected_cb
+        previous_reconnect = nc._reconnected_cb
 
         async def on_disconnect() -> None:
             self.metrics.nats_connected.set(0)
@@ -200,8 +200,8 @@ class CdcBridge:
             if previous_reconnect:
                 await previous_reconnect()
 
-        nc._disconnected_cb = on_disconnect  # noqa: SLF001
-        nc._reconnected_cb = on_reconnect  # noqa: SLF001
+        nc._disconnected_cb = on_disconnect
+        nc._reconnected_cb = on_reconnect
 
     async def _replicate_with_reconnects(self) -> None:
         delay = self.options.reconnect_min_seconds
@@ -271,7 +271,7 @@ class CdcBridge:
                     (perf_counter() - started) * 1e6 / batch.wal_messages)
                 if built.position is not None and built.last_commit_ts is not None:
                     self._timings.append((built.position, time.monotonic(),
-                                          _epoch(built.last_commit_ts), built.transactions))
+                                          commit_ts_epoch(built.last_commit_ts), built.transactions))
                 await self._publish(reader, built.messages, built.position)
                 metrics.events_published.inc(built.changes)
                 for (table, operation), count in built.counts.items():
@@ -396,7 +396,7 @@ class CdcBridge:
                             "shape again", table, exc)
                 found = None
                 break
-            except Exception as exc:  # noqa: BLE001 - NATS away: retry until it is back
+            except Exception as exc:
                 if self.stop_requested.is_set():
                     raise
                 log.warning("could not read the last schema event of %s (%s); retrying",
@@ -540,14 +540,6 @@ class CdcBridge:
         while True:
             await asyncio.sleep(self.options.metrics_log_interval_seconds)
             log.info("%s", self.metrics.logfmt())
-
-
-def _epoch(iso_utc: str) -> float:
-    """``2025-12-08T13:45:21.719719Z`` -> seconds since the epoch (infinity -> now)."""
-    try:
-        return datetime.fromisoformat(iso_utc).timestamp()
-    except ValueError:
-        return time.time()
 
 
 @dataclass(frozen=True)

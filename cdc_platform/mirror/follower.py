@@ -18,7 +18,6 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +32,7 @@ from cdc_platform.lsn import format_lsn, parse_lsn_cached
 from cdc_platform.mirror.snapshots import (
     BootstrapProgress,
     SnapshotMeta,
-    SnapshotUnusable,
     cutover_start_seq,
-    latest_meta,
     read_chunks,
 )
 from cdc_platform.mirror.store import (
@@ -49,10 +46,12 @@ from cdc_platform.mirror.transactions import StreamGap, TransactionCollector
 from cdc_platform.naming import parse_wire_name
 from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.settings import MirrorSettings, PlatformSettings
+from cdc_platform.snapshot.requests import reusable_snapshot
 from cdc_platform.wire import (
     CDC_PREFIX,
     SCHEMA_OPERATION,
     SNAPSHOT_REQUEST_PREFIX,
+    commit_ts_epoch,
     decode_payload,
     payload_format,
 )
@@ -196,35 +195,38 @@ class Mirror:
                         stop: asyncio.Event) -> tuple[SnapshotMeta | None, int]:
         """A snapshot to bootstrap from and the `CDC` sequence to follow from: a recent
         one already in `INIT` (with a cutover LSN of at least ``min_lsn``: after what made
-        the table stale), or one requested (and shared by whoever asks meanwhile)."""
+        the table stale), by the rule the snapshot sensor answers requests with, or one
+        requested (and shared by whoever asks meanwhile)."""
         init = self.settings.topology.init.name
-        max_age = self.options.snapshot_max_age_seconds
-        meta = await latest_meta(js, table, init)
-        if (meta is not None and max_age > 0 and time.time() - meta.timestamp <= max_age
-                and meta.table_schema is not None and meta.lsn >= min_lsn):
-            try:
-                start = await cutover_start_seq(js, meta)
+        reused = await reusable_snapshot(js, table, self.options.snapshot_max_age_seconds,
+                                         init, min_lsn)
+        if reused is not None:
+            meta = await self._meta(js, table, reused)
+            if meta.table_schema is not None:  # else taken by an older platform: ask anew
                 self.report(f"{table}: using snapshot {meta.snapshot_id} taken "
                             f"{time.time() - meta.timestamp:.0f}s ago")
-                return meta, start
-            except SnapshotUnusable as exc:
-                self.report(f"{table}: {exc}; requesting a new snapshot")
+                return meta, reused["cdc_start_seq"]
         reply = await self._request_snapshot(nc, js, table, min_lsn, stop)
         if reply is None:
             return None, 0
-        try:
-            message = await js.get_msg(init, seq=int(reply["meta_seq"]))
-            meta = SnapshotMeta.from_wire(decode_payload(message.data,
-                                                         payload_format(message.data)),
-                                          message.seq)
-        except (KeyError, TypeError, ValueError, NotFoundError) as exc:
-            raise MirrorError(f"{table}: the snapshot reply names no readable meta "
-                              f"({exc!r})") from exc
+        meta = await self._meta(js, table, reply)
         if meta.table_schema is None:
             raise MirrorError(f"{table}: snapshot {meta.snapshot_id}'s meta has no "
                               "table_schema (taken by an older platform): upgrade the "
                               "snapshot job")
         return meta, await cutover_start_seq(js, meta)
+
+    async def _meta(self, js: JetStreamContext, table: str,
+                    done: Mapping[str, Any]) -> SnapshotMeta:
+        """The meta a ``done`` reply names (``meta_seq`` in `INIT`)."""
+        try:
+            message = await js.get_msg(self.settings.topology.init.name,
+                                       seq=int(done["meta_seq"]))
+            return SnapshotMeta.from_wire(
+                decode_payload(message.data, payload_format(message.data)), message.seq)
+        except (KeyError, TypeError, ValueError, NotFoundError) as exc:
+            raise MirrorError(f"{table}: the snapshot reply names no readable meta "
+                              f"({exc!r})") from exc
 
     async def _request_snapshot(self, nc: NatsClient, js: JetStreamContext, table: str,
                                 min_lsn: int, stop: asyncio.Event) -> dict[str, Any] | None:
@@ -291,13 +293,13 @@ class Mirror:
         start = store.resume_seq(followed)
         first = (await js.stream_info(stream)).state.first_seq
         if start < first:
-            gone = [t for t in followed if (store.state(t).stream_seq + 1) < first]
-            for table in gone:
-                reason = (f"{stream} no longer holds the events it needs (it needs sequence "
-                          f"{store.state(table).stream_seq + 1}, the stream begins at {first}: "
-                          "retention)")
-                store.mark_stale(table, reason)
-                self.report(f"{table}: {reason}; bootstrapping again")
+            for table in followed:
+                needed = store.state(table).stream_seq + 1
+                if needed < first:
+                    reason = (f"{stream} no longer holds the events it needs (it needs "
+                              f"sequence {needed}, the stream begins at {first}: retention)")
+                    store.mark_stale(table, reason)
+                    self.report(f"{table}: {reason}; bootstrapping again")
             raise _Restart
         self.position = start - 1
         subscription = await self._subscribe(js, stream, followed, start)
@@ -368,7 +370,7 @@ class Mirror:
     def status_line(self, pending: int, streaming: int) -> str:
         behind = 0.0
         if pending and self._last_commit_ts:
-            behind = max(0.0, time.time() - _epoch(self._last_commit_ts))
+            behind = max(0.0, time.time() - commit_ts_epoch(self._last_commit_ts))
         return (f"mirror: {streaming} table(s) streaming, {self.applied_transactions:,} "
                 f"transactions / {self.applied_events:,} events applied, {pending:,} events "
                 f"behind, {behind:.1f}s behind the source commit time; position "
@@ -397,9 +399,10 @@ class _Following:
             self.mirror.first_event_at = time.monotonic()
         try:
             data = await resolve_payload(self.js, message.data, message.headers)
-            decoded = decode_payload(data, payload_format(data))
+            fmt = payload_format(data)
+            decoded = decode_payload(data, fmt)
             events = decoded if isinstance(decoded, list) else [decoded]
-            from_json = payload_format(data) == "json"
+            from_json = fmt == "json"
             for event in events:
                 _check_event(event, message.subject, self._followed)
         except (ValueError, TypeError, KeyError, CdcError) as exc:
@@ -485,10 +488,3 @@ def _check_event(event: Any, subject: str, followed: set[str]) -> None:
 
 def _streaming(state: TableState | None) -> bool:
     return state is not None and state.status == "streaming"
-
-
-def _epoch(iso_utc: str) -> float:
-    try:
-        return datetime.fromisoformat(iso_utc).timestamp()
-    except ValueError:
-        return time.time()

@@ -329,7 +329,10 @@ class MirrorStore:
             self._advance(names, stream_seq)
 
     def _advance(self, names: list[str], stream_seq: int) -> None:
-        self._states.clear()
+        for name in names:  # the cached states follow (a rollback empties the cache)
+            cached = self._states.get(name)
+            if cached is not None and cached.status == "streaming":
+                cached.stream_seq = max(cached.stream_seq, stream_seq)
         self._db.execute(
             f"UPDATE {STATE_TABLE} SET stream_seq = ? WHERE status = 'streaming' AND "
             f"stream_seq < ? AND wire_table IN ({', '.join('?' * len(names))})",
@@ -520,7 +523,11 @@ class MirrorStore:
             self.rollback()
             raise
         applied, self._open = self._open, None
-        self._states.clear()  # re-read: the committed values
+        for table, state in self._open_states.items():  # the committed values, cached
+            if state.touched:
+                state.touched = False
+                self._states[table] = state
+        self._open_states = {}
         return applied
 
     def _flush_inserts(self) -> None:
