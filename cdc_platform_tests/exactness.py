@@ -5,12 +5,16 @@ and name that need escaping, every type of the type mapping with its edge values
 without a primary key (REPLICA IDENTITY FULL) that every transaction also writes (a transaction
 applied twice shows there as a duplicate row), TOASTed values updated in other columns, primary
 key changes, COPY, one large transaction, TRUNCATE, ADD COLUMN with a constant and with a
-volatile default, DROP COLUMN. Used by ``integration/test_exactness.py`` (CI sizes) and
-``benchmarks/exactness.py`` (larger, by hand).
+volatile default, DROP COLUMN. Used by ``integration/test_exactness.py`` (CI sizes; larger
+by hand with ``CDC_EXACTNESS_TRANSACTIONS`` and ``CDC_EXACTNESS_SEED``) and
+``integration/test_mirror_faults.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import math
 import random
 import sqlite3
@@ -22,8 +26,10 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
+from cdc_platform.mirror.follower import Mirror
 from cdc_platform.mirror.store import quote, to_sqlite
 from cdc_platform.naming import wire_name
+from cdc_platform_tests.integration.test_bridge import wait_for
 from cdc_platform_tests.integration.test_edge_values import EDGES
 from cdc_platform_tests.integration.test_snapshot import create_types_table, direct_rows
 
@@ -278,6 +284,20 @@ _TYPES_COPY = ["i2", "i4", "f4", "f8", "num", "num_fixed", "flag", "txt", "vc", 
                "jb", "arr_i", "arr_t", "d", "tm", "tz", "ts", "ttz", "iv", "by", "ip", "mood"]
 
 
+def source_rows(conninfo: str, source: str, columns: list[str]) -> list[tuple]:
+    """The source table (``source`` as SQL names it) as the mirror stores it: wire values
+    through ``to_sqlite``, sorted."""
+    return sorted((tuple(_comparable(to_sqlite(row[c])) for c in columns)
+                   for row in direct_rows(conninfo, source, columns)), key=repr)
+
+
+def mirror_rows(db_path: str | Path, table: str, columns: list[str]) -> list[tuple]:
+    """The mirrored table, the same columns, sorted."""
+    with contextlib.closing(sqlite3.connect(db_path)) as db:
+        return sorted((tuple(_comparable(v) for v in row) for row in db.execute(
+            f"SELECT {', '.join(quote(c) for c in columns)} FROM {quote(table)}")), key=repr)
+
+
 def differences(conninfo: str, workload: Workload, db_path: str | Path) -> dict[str, str]:
     """Each mirrored table that differs from its source, and how (empty: exact)."""
     found: dict[str, str] = {}
@@ -286,12 +306,8 @@ def differences(conninfo: str, workload: Workload, db_path: str | Path) -> dict[
             columns = [row[0] for row in conn.execute(
                 "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
                 "AND NOT attisdropped ORDER BY attnum", (source,))]
-        want = sorted((tuple(_comparable(to_sqlite(row[c])) for c in columns)
-                       for row in direct_rows(conninfo, source, columns)), key=repr)
-        with sqlite3.connect(db_path) as db:
-            got = sorted((tuple(_comparable(v) for v in row) for row in db.execute(
-                f"SELECT {', '.join(quote(c) for c in columns)} FROM {quote(table)}")),
-                key=repr)
+        want = source_rows(conninfo, source, columns)
+        got = mirror_rows(db_path, table, columns)
         if got != want:
             got_set, want_set = set(got), set(want)
             missing = [row for row in want if row not in got_set][:3]
@@ -307,3 +323,35 @@ def _comparable(value):
     if isinstance(value, float) and value == 0.0:
         return ("-0.0" if str(value).startswith("-") else "0.0")  # keep the sign visible
     return value
+
+
+# -- waiting for the parts -------------------------------------------------------------------
+def reporter(lines: list[str]):
+    """Keep the mirror's lines for assertions, and log them (shown when a test fails)."""
+    log = logging.getLogger("mirror")
+
+    def report(line: str) -> None:
+        lines.append(line)
+        log.warning("%s", line)
+    return report
+
+
+async def bridge_caught_up(pg_admin, slot: str, timeout: float = 120.0) -> None:
+    """Until the bridge has confirmed all the WAL written so far."""
+    target = pg_admin.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
+    await wait_for(lambda: pg_admin.execute(
+        "SELECT confirmed_flush_lsn >= %s FROM pg_replication_slots WHERE slot_name = %s",
+        (target, slot)).fetchone()[0], timeout=timeout, what="the bridge to confirm everything")
+
+
+async def mirror_caught_up(mirror: Mirror, task: asyncio.Task, nats_client,
+                           stream: str = "CDC", timeout: float = 180.0) -> None:
+    """Until the mirror (running as ``task``) has read the whole stream as it is now."""
+    last = (await nats_client.jetstream().stream_info(stream)).state.last_seq
+
+    def reached() -> bool:
+        if task.done():
+            task.result()  # the mirror's error, if it stopped on one
+            raise AssertionError("the mirror stopped")
+        return mirror.position >= last
+    await wait_for(reached, timeout=timeout, what=f"the mirror to reach sequence {last}")

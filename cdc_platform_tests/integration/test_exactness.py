@@ -1,12 +1,11 @@
 """The exactness suite: a seeded randomized workload over several tables runs while a snapshot
 is taken and a mirror bootstraps and follows; after it stops and the mirror catches up, every
 mirrored table equals its source, row for row and value for value (see cdc_platform_tests/
-exactness.py for the workload; benchmarks/exactness.py runs it larger)."""
+exactness.py for the workload; SIZE and SEED below for a larger run by hand)."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 
 import pytest
@@ -15,7 +14,14 @@ from cdc_platform.mirror.follower import Mirror
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import EncodingSettings, MirrorSettings
 from cdc_platform.snapshot.job import SnapshotOptions
-from cdc_platform_tests.exactness import Workload, WorkloadSize, differences
+from cdc_platform_tests.exactness import (
+    Workload,
+    WorkloadSize,
+    bridge_caught_up,
+    differences,
+    mirror_caught_up,
+    reporter,
+)
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
 from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
@@ -26,36 +32,6 @@ FAST = MirrorSettings(status_interval_seconds=2.0, snapshot_wait_seconds=300.0)
 # A larger run by hand: CDC_EXACTNESS_TRANSACTIONS=3000 CDC_EXACTNESS_SEED=7 pytest ...
 SIZE = WorkloadSize(transactions=int(os.environ.get("CDC_EXACTNESS_TRANSACTIONS", "300")))
 SEED = int(os.environ.get("CDC_EXACTNESS_SEED", "1"))
-
-
-def reporter(lines: list[str]):
-    """Keep the mirror's lines for assertions, and log them (shown when a test fails)."""
-    log = logging.getLogger("mirror")
-
-    def report(line: str) -> None:
-        lines.append(line)
-        log.warning("%s", line)
-    return report
-
-
-async def bridge_caught_up(pg_admin, slot: str, timeout: float = 120.0) -> None:
-    target = pg_admin.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
-    await wait_for(lambda: pg_admin.execute(
-        "SELECT confirmed_flush_lsn >= %s FROM pg_replication_slots WHERE slot_name = %s",
-        (target, slot)).fetchone()[0], timeout=timeout, what="the bridge to confirm everything")
-
-
-async def mirror_caught_up(mirror: Mirror, task: asyncio.Task, nats_client,
-                           stream: str = "CDC", timeout: float = 180.0) -> None:
-    """Until the mirror (running as ``task``) has read the whole stream as it is now."""
-    last = (await nats_client.jetstream().stream_info(stream)).state.last_seq
-
-    def reached() -> bool:
-        if task.done():
-            task.result()  # the mirror's error, if it stopped on one
-            raise AssertionError("the mirror stopped")
-        return mirror.position >= last
-    await wait_for(reached, timeout=timeout, what=f"the mirror to reach sequence {last}")
 
 
 @pytest.mark.parametrize("fmt, mode", [("msgpack", "per-change"), ("json", "batched")])

@@ -3,49 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import math
-import sqlite3
 
 import pytest
 
 from cdc_platform.mirror.follower import Mirror
-from cdc_platform.mirror.store import MirrorError, quote, to_sqlite
+from cdc_platform.mirror.store import MirrorError
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings
+from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
 from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
 
 FAST = MirrorSettings(status_interval_seconds=1.0, snapshot_wait_seconds=120.0)
-
-
-def source_rows(conninfo: str, table: str, columns: list[str]) -> list[tuple]:
-    """The source table as the mirror stores it (wire values through to_sqlite), sorted."""
-    from cdc_platform_tests.integration.test_snapshot import direct_rows
-
-    rows = direct_rows(conninfo, table, columns)
-    return sorted((tuple(_comparable(to_sqlite(row[c])) for c in columns) for row in rows),
-                  key=repr)
-
-
-def mirror_rows(path, table: str, columns: list[str]) -> list[tuple]:
-    with sqlite3.connect(path) as db:
-        rows = db.execute(f"SELECT {', '.join(quote(c) for c in columns)} "
-                          f"FROM {quote(table)}").fetchall()
-    return sorted((tuple(_comparable(v) for v in row) for row in rows), key=repr)
-
-
-def _comparable(value):
-    if isinstance(value, float) and math.isnan(value):
-        return "NaN"
-    return value
-
-
-async def bridge_caught_up(pg_admin, slot: str) -> None:
-    target = pg_admin.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
-    await wait_for(lambda: pg_admin.execute(
-        "SELECT confirmed_flush_lsn >= %s FROM pg_replication_slots WHERE slot_name = %s",
-        (target, slot)).fetchone()[0], timeout=60, what="the bridge to confirm everything")
 
 
 async def test_a_mirror_bootstraps_follows_and_equals_the_source(
@@ -68,7 +38,7 @@ async def test_a_mirror_bootstraps_follows_and_equals_the_source(
         pg_admin.execute(f"INSERT INTO {table} VALUES (1000, 'new', 'NaN')")
         pg_admin.execute(f"ALTER TABLE {table} ADD COLUMN flag int DEFAULT 7")
         pg_admin.execute(f"UPDATE {table} SET flag = 8 WHERE id = 1")
-        await bridge_caught_up(pg_admin, cdc_database.slot)
+        await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
         await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
             until_caught_up=True)
     columns = ["id", "v", "n", "flag"]
@@ -129,12 +99,12 @@ async def test_events_gone_by_retention_make_the_mirror_bootstrap_again(
             await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
                 until_caught_up=True)
             pg_admin.execute(f"UPDATE {table} SET v = 'lost' WHERE id <= 50")
-            await bridge_caught_up(pg_admin, cdc_database.slot)
+            await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
             # retention: the stream drops everything up to its last message
             last = (await client.jetstream().stream_info("CDC")).state.last_seq
             await client.jetstream().purge_stream("CDC", seq=last + 1)
             pg_admin.execute(f"UPDATE {table} SET v = 'after' WHERE id > 90")
-            await bridge_caught_up(pg_admin, cdc_database.slot)
+            await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
             await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
                 until_caught_up=True)
         await client.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import secrets
 import signal
@@ -28,15 +27,22 @@ from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings, NatsSettings, NatsTopology
 from cdc_platform.snapshot.job import SnapshotOptions
 from cdc_platform.snapshot.reader import TaskFault
-from cdc_platform_tests.exactness import Workload, WorkloadSize, differences
-from cdc_platform_tests.fixtures.responder import snapshot_responder
-from cdc_platform_tests.fixtures.services import CdcDatabase, platform_settings, random_name
-from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
-from cdc_platform_tests.integration.test_exactness import (
+from cdc_platform_tests.exactness import (
+    Workload,
+    WorkloadSize,
     bridge_caught_up,
+    differences,
     mirror_caught_up,
     reporter,
 )
+from cdc_platform_tests.fixtures.responder import snapshot_responder
+from cdc_platform_tests.fixtures.services import (
+    CdcDatabase,
+    bridge_env,
+    platform_settings,
+    random_name,
+)
+from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
 
 FAST = MirrorSettings(status_interval_seconds=2.0, snapshot_wait_seconds=300.0)
 SMALL = WorkloadSize(transactions=150, initial_rows=200, copy_rows=2_000,
@@ -71,16 +77,9 @@ async def _exact(workload: Workload, settings, conninfo: str, db: Path, slot_adm
 
 
 def _bridge_env(database: CdcDatabase, nats_url: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CDC_", "PG_", "NATS_"))}
-    env.update({
-        "CDC_PG_HOST": database.server.host, "CDC_PG_PORT": str(database.server.port),
-        "CDC_PG_DB": "postgres", "CDC_PG_USER": database.role,
-        "CDC_PG_PASSWORD": database.password, "CDC_PG_SSLMODE": "disable",
-        "CDC_NATS_URL": nats_url, "CDC_HTTP_PORT": "0", "CDC_SLOT": database.slot,
-        "CDC_PUBLICATION": database.publication, "CDC_HEARTBEAT_INTERVAL": "1s",
-        "CDC_STATUS_INTERVAL": "0.5s",
-    })
-    return env
+    return {**bridge_env(database, nats_url), "CDC_SLOT": database.slot,
+            "CDC_PUBLICATION": database.publication, "CDC_HEARTBEAT_INTERVAL": "1s",
+            "CDC_STATUS_INTERVAL": "0.5s"}
 
 
 CLI = str(Path(sys.executable).parent / "cdc-platform")
