@@ -202,17 +202,7 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
     mirror = Mirror(settings, [TABLE], db, options=MirrorSettings(status_interval_seconds=1000),
                     report=lambda line: None)
     profiler = None
-    sizes: list[int] = []
     if args.profile:
-        import cdc_platform.mirror.follower as follower_module
-
-        original = follower_module.fetch_available
-
-        async def counted(subscription, limit, timeout):
-            batch = await original(subscription, limit, timeout)
-            sizes.append(len(batch))
-            return batch
-        follower_module.fetch_available = counted
         import cProfile
 
         profiler = cProfile.Profile()
@@ -226,7 +216,6 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
 
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-        print(f"fetches: {len(sizes)}, sizes (first 20): {sizes[:20]}")
     apply_rate = mirror.applied_events / apply_seconds
     upserts = [tuple(to_sqlite(v) for v in row) for row in values[:mirror.applied_events]]
     with sqlite3.connect(baseline_db, isolation_level=None) as conn:

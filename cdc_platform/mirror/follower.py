@@ -27,7 +27,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from cdc_platform.errors import CdcError
-from cdc_platform.jetstream.connection import close_nats, connect_nats, fetch_available
+from cdc_platform.jetstream.connection import close_nats, connect_nats
+from cdc_platform.jetstream.pull import PulledMessage, PullReader
 from cdc_platform.lsn import format_lsn, parse_lsn_cached
 from cdc_platform.mirror.snapshots import (
     BootstrapProgress,
@@ -114,7 +115,7 @@ class Mirror:
                     if stop.is_set():
                         break
                     try:
-                        if await self._follow(js, store, stop, until_caught_up):
+                        if await self._follow(nc, js, store, stop, until_caught_up):
                             return
                     except _Restart:
                         continue
@@ -284,8 +285,8 @@ class Mirror:
                 await subscription.unsubscribe()
 
     # -- following ---------------------------------------------------------------------------
-    async def _follow(self, js: JetStreamContext, store: MirrorStore, stop: asyncio.Event,
-                      until_caught_up: bool) -> bool:
+    async def _follow(self, nc: NatsClient, js: JetStreamContext, store: MirrorStore,
+                      stop: asyncio.Event, until_caught_up: bool) -> bool:
         """Apply `CDC` until stopped (False), caught up with ``until_caught_up`` (True), or a
         table needs a new snapshot (:class:`_Restart`)."""
         stream = self.settings.topology.cdc.name
@@ -302,15 +303,14 @@ class Mirror:
                     self.report(f"{table}: {reason}; bootstrapping again")
             raise _Restart
         self.position = start - 1
-        subscription = await self._subscribe(js, stream, followed, start)
+        reader = await self._subscribe(nc, js, stream, followed, start)
         collector = TransactionCollector(followed, keep_events=False)
         follow = _Following(self, js, store, collector, followed)
         last_status = time.monotonic()
         try:
             while not stop.is_set():
                 try:
-                    messages = await fetch_available(subscription, self.options.fetch_batch,
-                                                     timeout=1.0)
+                    messages = await reader.fetch(self.options.fetch_batch, timeout=1.0)
                 except Exception as exc:  # noqa: BLE001 - NATS away or the consumer gone
                     log.warning("reading %s failed (%s): following again from the last "
                                 "commit", stream, exc)
@@ -322,12 +322,11 @@ class Mirror:
                         raise _Restart  # what this batch held after it comes again
                 if messages and self.durable:
                     with contextlib.suppress(Exception):
-                        await messages[-1].ack()  # the server's view of progress only
+                        await reader.ack(messages[-1])  # the server's view of progress only
                 now = time.monotonic()
                 idle = not messages and collector.pending is None
                 if idle or now - last_status >= self.options.status_interval_seconds:
-                    pending = await self._pending(js, stream, subscription, store, followed,
-                                                  collector)
+                    pending = await self._pending(js, reader, store, followed, collector)
                     if now - last_status >= self.options.status_interval_seconds:
                         last_status = now
                         self.report(self.status_line(pending, len(followed)))
@@ -336,32 +335,38 @@ class Mirror:
             return False
         finally:
             follow.abandon()  # an incomplete transaction is read again on the next pass
-            with contextlib.suppress(Exception):
-                await subscription.unsubscribe()
+            await reader.stop()
+            if not self.durable:
+                with contextlib.suppress(Exception):
+                    await js.delete_consumer(stream, reader.consumer)
 
-    async def _subscribe(self, js: JetStreamContext, stream: str, followed: Sequence[str],
-                         start: int):
+    async def _subscribe(self, nc: NatsClient, js: JetStreamContext, stream: str,
+                         followed: Sequence[str], start: int) -> PullReader:
         subjects = [f"{CDC_PREFIX}.{table}.>" for table in followed]
         config = ConsumerConfig(
-            filter_subjects=subjects, deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=start, max_ack_pending=-1,
-            ack_policy=AckPolicy.ALL if self.durable else AckPolicy.NONE,
+            durable_name=self.durable, filter_subjects=subjects,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start,
+            max_ack_pending=-1, ack_policy=AckPolicy.ALL if self.durable else AckPolicy.NONE,
             inactive_threshold=None if self.durable else 300.0)
         if self.durable:
             # positions live in SQLite: the durable starts where the database says
             with contextlib.suppress(NotFoundError):
                 await js.delete_consumer(stream, self.durable)
-        return await js.pull_subscribe(subjects[0], durable=self.durable, stream=stream,
-                                       config=config)
+        info = await js.add_consumer(stream, config)
+        reader = PullReader(nc, stream, info.name, batch=self.options.fetch_batch)
+        await reader.start()
+        return reader
 
-    async def _pending(self, js: JetStreamContext, stream: str, subscription: Any,
-                       store: MirrorStore, followed: Sequence[str],
-                       collector: TransactionCollector) -> int:
-        """Events not yet delivered; when none (and no transaction is open), every followed
-        table is mirrored up to the stream's last sequence: recorded, so a restart does not
-        re-read other tables' traffic and retention is judged from there."""
-        last = (await js.stream_info(stream)).state.last_seq  # before the consumer's count
-        pending = int((await subscription.consumer_info()).num_pending)
+    async def _pending(self, js: JetStreamContext, reader: PullReader, store: MirrorStore,
+                       followed: Sequence[str], collector: TransactionCollector) -> int:
+        """Events not yet handed to the follower; when none (and no transaction is open),
+        every followed table is mirrored up to the stream's last sequence: recorded, so a
+        restart does not re-read other tables' traffic and retention is judged from there."""
+        last = (await js.stream_info(reader.stream)).state.last_seq  # before the consumer's
+        info = await js.consumer_info(reader.stream, reader.consumer)
+        # delivered is not applied: messages on their way or buffered count as pending
+        delivered = (info.delivered.consumer_seq or 0) if info.delivered else 0
+        pending = int(info.num_pending or 0) + reader.unread(delivered)
         if pending == 0 and collector.pending is None and last > self.position:
             store.advance(followed, last)
             self.position = last
@@ -393,8 +398,8 @@ class _Following:
         self.first = True  # the first transaction of this pass may have begun before it
         self.stale: dict[str, str] = {}
 
-    async def message(self, message: Any) -> None:
-        seq = message.metadata.sequence.stream
+    async def message(self, message: PulledMessage) -> None:
+        seq = message.stream_seq
         if self.mirror.first_event_at is None:
             self.mirror.first_event_at = time.monotonic()
         try:
