@@ -26,7 +26,6 @@ import collections
 import json
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
@@ -40,15 +39,38 @@ class PullConsumerGone(CdcError):
     and the requests died with the old connection, a leadership change): open a new one."""
 
 
-@dataclass(slots=True)
 class PulledMessage:
-    """One stored message as delivered: its subject, stream sequence, payload and headers."""
+    """One stored message as delivered: its subject, stream sequence, payload and headers
+    (parsed when first read: most callers only ask whether one is there)."""
 
-    subject: str
-    stream_seq: int
-    data: bytes
-    headers: dict[str, str]
-    reply: str  # the ack subject
+    __slots__ = ("_headers", "data", "raw_headers", "reply", "stream_seq", "subject")
+
+    def __init__(self, subject: str, stream_seq: int, data: bytes, raw_headers: bytes | None,
+                 reply: str) -> None:
+        self.subject = subject
+        self.stream_seq = stream_seq
+        self.data = data
+        self.raw_headers = raw_headers
+        self.reply = reply  # the ack subject
+        self._headers: dict[str, str] | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        if self._headers is None:
+            self._headers = _parse_headers(self.raw_headers)[2] if self.raw_headers else {}
+        return self._headers
+
+    def has_header(self, name: str) -> bool:
+        """Whether header ``name`` is set (without parsing the others)."""
+        encoded = _ENCODED_NAMES.get(name)
+        if encoded is None:
+            encoded = _ENCODED_NAMES[name] = name.encode()
+        if self.raw_headers is None or encoded not in self.raw_headers:
+            return False
+        return name in self.headers
+
+
+_ENCODED_NAMES: dict[str, bytes] = {}
 
 
 # 409s that end one request only (404: none now, 408: expired); the next one is asked
@@ -206,15 +228,13 @@ class PullReader:
 
     def _on_raw(self, subject: bytes, reply: bytes, data: bytes,
                 headers: bytes | None) -> None:
-        if reply.startswith(b"$JS.ACK."):
-            code, header_map = 0, (_parse_headers(headers)[2] if headers else {})
-        else:  # a status for one of our requests (subject = its reply subject)
-            code, description, header_map = _parse_headers(headers or b"NATS/1.0")
+        if not reply.startswith(b"$JS.ACK."):  # a status for one of our requests (subject =
+            code, description, _ = _parse_headers(headers or b"NATS/1.0")  # its reply subject)
             self._status(subject.rpartition(b".")[2], code, description)
             return
         stream_seq, consumer_seq = _sequences(reply)
         self.received_consumer_seq = consumer_seq
-        self._received.append(PulledMessage(subject.decode(), stream_seq, data, header_map,
+        self._received.append(PulledMessage(subject.decode(), stream_seq, data, headers,
                                             reply.decode()))
         if self._open:
             head = self._open[0]

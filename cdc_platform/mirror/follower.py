@@ -45,7 +45,7 @@ from cdc_platform.mirror.store import (
 )
 from cdc_platform.mirror.transactions import StreamGap, TransactionCollector
 from cdc_platform.naming import parse_wire_name
-from cdc_platform.publishing.claim_check import resolve_payload
+from cdc_platform.publishing.claim_check import HEADER_CLAIM_CHECK, resolve_payload
 from cdc_platform.settings import MirrorSettings, PlatformSettings
 from cdc_platform.snapshot.requests import reusable_snapshot
 from cdc_platform.wire import (
@@ -317,7 +317,10 @@ class Mirror:
                     await asyncio.sleep(1.0)
                     raise _Restart from None
                 for message in messages:
-                    await follow.message(message)
+                    if message.has_header(HEADER_CLAIM_CHECK):  # in the object store
+                        await follow.claim_checked(message)
+                    else:  # most messages: no await per message
+                        follow.payload(message, message.data)
                     if follow.stale:
                         raise _Restart  # what this batch held after it comes again
                 if messages and self.durable:
@@ -398,12 +401,21 @@ class _Following:
         self.first = True  # the first transaction of this pass may have begun before it
         self.stale: dict[str, str] = {}
 
-    async def message(self, message: PulledMessage) -> None:
+    async def claim_checked(self, message: PulledMessage) -> None:
+        """The events of a message whose payload is an object (README "Large values")."""
+        try:
+            data = await resolve_payload(self.js, message.data, message.headers)
+        except (ValueError, TypeError, KeyError, CdcError) as exc:
+            log.error("refused message %s on %s: %s", message.stream_seq, message.subject, exc)
+            return
+        self.payload(message, data)
+
+    def payload(self, message: PulledMessage, data: bytes) -> None:
+        """Every event of one message."""
         seq = message.stream_seq
         if self.mirror.first_event_at is None:
             self.mirror.first_event_at = time.monotonic()
         try:
-            data = await resolve_payload(self.js, message.data, message.headers)
             fmt = payload_format(data)
             decoded = decode_payload(data, fmt)
             events = decoded if isinstance(decoded, list) else [decoded]
@@ -435,7 +447,8 @@ class _Following:
                                 or self._followed)
                 self._mark_stale(tables, str(gap), parse_lsn_cached(event["commit_lsn"]))
                 return
-        if fresh and not self.store.covers(event):
+        # (once a transaction is open, apply() itself skips what the positions cover)
+        if fresh and (self.open or not self.store.covers(event)):
             if not self.open:
                 self.store.begin()
                 self.open, self.applied_in_open = True, 0

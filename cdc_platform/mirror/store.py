@@ -36,7 +36,7 @@ import math
 import operator
 import sqlite3
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -289,12 +289,14 @@ class MirrorStore:
             raise MirrorError(f"{self.path} is not a usable mirror database ({exc}): move it "
                               "away and start the mirror again to rebuild it") from exc
         self._shapes: dict[str, TableShape] = shapes
-        self._statements: dict[tuple, str] = {}
+        self._statements: dict[tuple, Any] = {}
         self._inserts: dict[tuple, tuple[str, Any]] = {}
         self._states: dict[str, TableState | None] = {}  # committed states, cached
         self._open: Applied | None = None  # the transaction begin() opened
-        self._insert_key: tuple[str, tuple[str, ...]] = ("", ())
-        self._insert_rows_pending: list[Mapping[str, Any]] = []
+        # consecutive inserts (rows) or keyed updates (parameters) of one table and column
+        # set, sent to SQLite together (executemany): ("insert"|"update", table, names)
+        self._batch_key: tuple[str, str, tuple[str, ...]] = ("", "", ())
+        self._batched: list[Any] = []
         self._open_states: dict[str, TableState] = {}
 
     def _load_shapes(self) -> dict[str, TableShape]:
@@ -382,6 +384,8 @@ class MirrorStore:
         self._shapes[shape.table] = shape
         self._inserts = {key: value for key, value in self._inserts.items()
                          if key[0] != shape.table}
+        self._statements = {key: value for key, value in self._statements.items()
+                            if key[1] != shape.table}  # (their converters know the types)
         if not existing:
             self._create(shape)
             return SchemaChange.CREATED
@@ -479,18 +483,19 @@ class MirrorStore:
             return
         state.touched = True
         operation = event["operation"]
-        if operation == "INSERT" and not from_json:
-            # consecutive inserts into one table go to SQLite together (executemany)
+        if operation in ("INSERT", "UPDATE") and not from_json:
             data = event["data"]
-            key = (table, tuple(data))
-            if key != self._insert_key or len(self._insert_rows_pending) >= 1000:
-                self._flush_inserts()
-                self._insert_key = key
-            self._insert_rows_pending.append(data)
-            state.applied_commit_lsn, state.applied_ordinal = commit_lsn, event["ordinal"]
-            self._open.events += 1
-            return
-        self._flush_inserts()
+            batch_key = (operation, table, tuple(data))
+            item = data if operation == "INSERT" else self._update_parameters(event, batch_key)
+            if item is not None:
+                if batch_key != self._batch_key or len(self._batched) >= 1000:
+                    self._flush_batch()
+                    self._batch_key = batch_key
+                self._batched.append(item)
+                state.applied_commit_lsn, state.applied_ordinal = commit_lsn, event["ordinal"]
+                self._open.events += 1
+                return
+        self._flush_batch()
         if operation == SCHEMA_OPERATION:
             # not a change: the high-water mark stays before the change it precedes
             why = self._apply_schema_event(event, from_json)
@@ -511,7 +516,7 @@ class MirrorStore:
         and ``stream_seq`` for the tables of ``followed`` (all were read up to it)."""
         assert self._open is not None
         try:
-            self._flush_inserts()
+            self._flush_batch()
             for state in self._open_states.values():
                 if state.touched:
                     self._put_state(state, stream_seq=max(state.stream_seq, stream_seq))
@@ -530,13 +535,54 @@ class MirrorStore:
         self._open_states = {}
         return applied
 
-    def _flush_inserts(self) -> None:
-        if self._insert_rows_pending:
-            rows, self._insert_rows_pending = self._insert_rows_pending, []
-            self._insert_rows(self._insert_key[0], rows)
+    def _flush_batch(self) -> None:
+        if not self._batched:
+            return
+        batched, self._batched = self._batched, []
+        kind, table, names = self._batch_key
+        if kind == "INSERT":
+            self._insert_rows(table, batched)
+            return
+        statement = self._statements[("UPDATE", table, names)][0]
+        self._db.execute("SAVEPOINT cdc_update")
+        try:
+            changed = self._execute_many_unique(statement, batched)
+            if changed != len(batched):  # a row the mirror does not hold: find which
+                self._db.execute("ROLLBACK TO cdc_update")
+                key = self.shape(table).key_columns
+                for parameters in batched:
+                    if self._execute_unique(statement, parameters) != 1:
+                        raise DivergenceError(
+                            f"{table}: an UPDATE names a row the mirror does not hold: "
+                            f"{dict(zip(key, parameters[-len(key):], strict=True))}")
+        finally:
+            self._db.execute("RELEASE cdc_update")
+
+    def _update_parameters(self, event: Mapping[str, Any],
+                           batch_key: tuple[str, str, tuple[str, ...]]) -> tuple | None:
+        """The parameters of a keyed UPDATE (SET every column of ``data`` WHERE key = the old
+        key, or the new one when it did not change); None for a table without a key."""
+        _, table, names = batch_key
+        key = self.shape(table).key_columns
+        if not key:
+            return None
+        prepared = self._statements.get(batch_key)
+        if prepared is None:
+            sets = ", ".join(f"{quote(name)} = ?" for name in names)
+            where = " AND ".join(f"{quote(name)} = ?" for name in key)
+            prepared = self._statements[batch_key] = (
+                f"UPDATE {quote(table)} SET {sets} WHERE {where}",
+                self._row_converter(table, names))
+        data = event["data"]
+        identity = event.get("old") or data
+        try:
+            return (*prepared[1](data), *[to_sqlite(identity[name]) for name in key])
+        except KeyError as exc:
+            raise DivergenceError(f"{table}: {event.get('msg_id')} does not carry key "
+                                  f"column {exc.args[0]!r}") from exc
 
     def rollback(self) -> None:
-        self._insert_rows_pending = []
+        self._batched = []
         if self._db.in_transaction:
             self._db.execute("ROLLBACK")
         self._open = None
@@ -545,6 +591,7 @@ class MirrorStore:
         # shapes changed by rolled-back schema events: back to the committed ones
         self._shapes = self._load_shapes()
         self._inserts.clear()
+        self._statements.clear()
 
     def _cached_state(self, table: str) -> TableState | None:
         if table not in self._states:
@@ -587,20 +634,9 @@ class MirrorStore:
             identity = event.get("old") or {name: data[name] for name in shape.key_columns}
             names = tuple(data)
             if shape.key_columns:  # one statement; the row must be there
-                key = shape.key_columns
-                statement = self._statements.get(("update", table, names))
-                if statement is None:
-                    sets = ", ".join(f"{quote(name)} = ?" for name in names)
-                    where = " AND ".join(f"{quote(name)} = ?" for name in key)
-                    statement = self._statements[("update", table, names)] = (
-                        f"UPDATE {quote(table)} SET {sets} WHERE {where}")
-                try:
-                    params = ([to_sqlite(data[name]) for name in names]
-                              + [to_sqlite(identity[name]) for name in key])
-                except KeyError as exc:
-                    raise DivergenceError(f"{table}: {event.get('msg_id')} does not carry key "
-                                          f"column {exc.args[0]!r}") from exc
-                if self._execute_unique(statement, params) != 1:
+                parameters = self._update_parameters(event, ("UPDATE", table, names))
+                if self._execute_unique(self._statements[("UPDATE", table, names)][0],
+                                        parameters) != 1:
                     self._find_row(shape, identity, event)  # raises, naming the row
             else:
                 rowid = self._find_row(shape, identity, event)
@@ -617,7 +653,14 @@ class MirrorStore:
         else:
             raise MirrorError(f"{table}: unknown operation {operation!r} in {event.get('msg_id')}")
 
-    def _execute_unique(self, statement: str, params: list) -> int:
+    def _execute_many_unique(self, statement: str, parameters: list) -> int:
+        """Rows changed by ``statement`` run for each of ``parameters``."""
+        try:
+            return self._db.executemany(statement, parameters).rowcount
+        except sqlite3.IntegrityError as exc:
+            raise DivergenceError(f"a changed key is already mirrored ({exc})") from exc
+
+    def _execute_unique(self, statement: str, params: Sequence) -> int:
         """Rows changed; a key change onto a key the mirror holds is a divergence."""
         try:
             return self._db.execute(statement, params).rowcount
@@ -673,11 +716,16 @@ class MirrorStore:
                 from exc
 
     def _prepare_insert(self, table: str, names: tuple[str, ...]):
-        """The INSERT of ``names`` and a row -> values function that converts only what needs
-        it: str, int and bytes go to SQLite as they are (most of a row, most of the time), a
-        float only when it is NaN, arrays and unknown types always."""
+        """The INSERT of ``names`` and its row -> values function."""
         statement = (f"INSERT INTO {quote(table)} ({', '.join(quote(n) for n in names)}) "
                      f"VALUES ({', '.join('?' * len(names))})")
+        return statement, self._row_converter(table, names)
+
+    def _row_converter(self, table: str, names: tuple[str, ...]) -> Callable[[Mapping], tuple]:
+        """A row -> values (in ``names`` order) function that converts only what needs it:
+        str, int and bytes go to SQLite as they are (most of a row, most of the time), a
+        float only when it is NaN, arrays and unknown types always. A row of other columns
+        raises KeyError."""
         shape = self._shapes.get(table)
         by_name = {c.name: c for c in shape.columns} if shape else {}
         floats = [index for index, name in enumerate(names)
@@ -704,7 +752,7 @@ class MirrorStore:
             for index in (*floats, *others):
                 converted[index] = to_sqlite(converted[index])
             return tuple(converted)
-        return statement, convert
+        return convert
 
     def shape(self, table: str) -> TableShape:
         shape = self._shapes.get(table)

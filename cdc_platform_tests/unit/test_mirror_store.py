@@ -307,3 +307,29 @@ def test_an_unmappable_schema_names_its_column():
     bad = schema(columns=(("id", 23, "integer", True), ("weird", "not-an-oid", "x", False)))
     with pytest.raises(MirrorError, match=r"column 2 \('weird'\) cannot be mapped"):
         TableShape.from_schema(bad)
+
+
+def test_runs_of_updates_go_together_and_still_refuse_a_row_the_mirror_does_not_hold(store):
+    bootstrapped(store, loaded=[{"id": i, "name": f"r{i}"} for i in range(1, 6)])
+    store.apply_transaction([
+        event("UPDATE", "0/200", 0, data={"id": 1, "name": "u1"}),
+        event("UPDATE", "0/200", 1, data={"id": 2, "name": "u2"}),
+        event("INSERT", "0/200", 2, data={"id": 6, "name": "new"}),
+        event("UPDATE", "0/200", 3, data={"id": 6, "name": "u6"}),  # after its insert
+        event("UPDATE", "0/200", 4, data={"id": 7, "name": "k"}, old={"id": 3}),  # key change
+        event("UPDATE", "0/200", 5, data={"id": 7, "name": "k2"}),
+    ], stream_seq=8)
+    assert rows(store) == [(1, "u1"), (2, "u2"), (4, "r4"), (5, "r5"), (6, "u6"), (7, "k2")]
+    with pytest.raises(DivergenceError, match=r"does not hold: \{'id': 99\}"):
+        store.apply_transaction([
+            event("UPDATE", "0/300", 0, data={"id": 1, "name": "x"}),
+            event("UPDATE", "0/300", 1, data={"id": 99, "name": "x"}),
+            event("UPDATE", "0/300", 2, data={"id": 2, "name": "x"}),
+        ], stream_seq=9)
+    with pytest.raises(DivergenceError, match="already mirrored"):
+        store.apply_transaction([
+            event("UPDATE", "0/300", 0, data={"id": 1, "name": "x"}),
+            event("UPDATE", "0/300", 1, data={"id": 2, "name": "y"}, old={"id": 4}),
+        ], stream_seq=9)
+    assert rows(store) == [(1, "u1"), (2, "u2"), (4, "r4"), (5, "r5"), (6, "u6"), (7, "k2")]
+    assert store.state("users").applied_commit_lsn == 0x200
