@@ -158,14 +158,18 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
         store.begin_bootstrap(shape, meta.snapshot_id, meta.lsn)
         profiler = cProfile.Profile()
         profiler.enable()
-        async for chunk in read_chunks(js, meta):
-            store.load_rows(TABLE, chunk)
+        columns = tuple(c.name for c in shape.columns)
+        async for chunk in read_chunks(js, meta, columns=columns):
+            if chunk.as_tuples:
+                store.load_tuples(TABLE, columns, chunk.rows, has_nan=chunk.has_nan)
+            else:
+                store.load_rows(TABLE, chunk.rows)
         profiler.disable()
         store.close()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
     rows: list[dict] = []
-    async for chunk in read_chunks(js, meta):
-        rows.extend(chunk)
+    async for chunk in read_chunks(js, meta):  # (no columns: row maps, as the pure path)
+        rows.extend(chunk.rows)
     baseline_db = work / "baseline.db"
     baseline = MirrorStore(baseline_db)  # the same CREATE TABLE and pragmas
     baseline.apply_shape(shape)

@@ -38,6 +38,7 @@ from cdc_platform.wire import (
     encoder,
     schema_event_msg_id,
     schema_fingerprint,
+    watermark_msg_id,
     watermark_subject,
 )
 
@@ -534,5 +535,5 @@ class MessageBuilder:
             "lsn": format_lsn(event.lsn),
             "commit_lsn": format_lsn(event.commit_lsn) if event.commit_lsn else None,
             "subject": subject,
-            "msg_id": f"watermark:{snapshot_id}",
+            "msg_id": watermark_msg_id(snapshot_id),
         }

@@ -45,11 +45,12 @@ from cdc_platform.mirror.store import (
 )
 from cdc_platform.mirror.transactions import StreamGap, TransactionCollector
 from cdc_platform.naming import parse_wire_name
-from cdc_platform.publishing.claim_check import HEADER_CLAIM_CHECK, resolve_payload
+from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.settings import MirrorSettings, PlatformSettings
 from cdc_platform.snapshot.requests import reusable_snapshot
 from cdc_platform.wire import (
     CDC_PREFIX,
+    HEADER_CLAIM_CHECK,
     SCHEMA_OPERATION,
     SNAPSHOT_REQUEST_PREFIX,
     commit_ts_epoch,
@@ -176,11 +177,16 @@ class Mirror:
         progress = BootstrapProgress(table, meta.row_count, meta.batch_count, time.monotonic())
         last_report = time.monotonic()
         from_json = meta.format == "json"
-        async for rows in read_chunks(js, meta, stream=self.settings.topology.init.name,
-                                      progress=progress.update):
+        columns = None if from_json else tuple(c.name for c in shape.columns)
+        async for chunk in read_chunks(js, meta, stream=self.settings.topology.init.name,
+                                       progress=progress.update, columns=columns):
             # (SQLite writes in a thread while the next chunk is decoded measured the same:
             # both hold the GIL for most of their time)
-            store.load_rows(table, [shape.from_json(r) for r in rows] if from_json else rows)
+            if chunk.as_tuples:
+                store.load_tuples(table, columns, chunk.rows, has_nan=chunk.has_nan)
+            else:
+                store.load_rows(table, [shape.from_json(r) for r in chunk.rows] if from_json
+                                else chunk.rows)
             if time.monotonic() - last_report >= self.options.status_interval_seconds:
                 last_report = time.monotonic()
                 self.report(progress.line())

@@ -20,6 +20,7 @@ from nats.js.errors import NotFoundError
 
 from cdc_platform.errors import CdcError
 from cdc_platform.lsn import parse_lsn
+from cdc_platform.protocol.native import load_compiled
 from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.snapshot.dictionary import decompressor, fetch_dictionary
 from cdc_platform.wire import decode_payload, payload_format, snapshot_meta_subject
@@ -79,6 +80,33 @@ def _decode(data: bytes) -> Any:
     return decode_payload(data, payload_format(data))
 
 
+_ROWS = load_compiled("cdc_platform.mirror._rows")
+
+
+@dataclass
+class ChunkRows:
+    """One chunk's rows: tuples in the order of the ``columns`` asked for (``as_tuples``), or
+    row maps (JSON chunks, rows of other columns, or no compiled decoder)."""
+
+    number: int
+    rows: list[Any]
+    as_tuples: bool = False
+    has_nan: bool = False  # (tuples) a float NaN among the values: convert before SQLite
+
+
+def decode_chunk(data: bytes, columns: tuple[str, ...] | None = None) -> ChunkRows:
+    """A chunk payload (decompressed) -> its rows. The pure path decodes the row maps; with
+    ``columns``, the compiled twin reads msgpack rows straight into tuples."""
+    if _ROWS is not None and columns:
+        try:
+            fields, rows, has_nan = _ROWS.decode_chunk(data, columns)
+            return ChunkRows(fields["chunk"], rows, as_tuples=True, has_nan=has_nan)
+        except (KeyError, ValueError):
+            pass  # not what the compiled decoder takes: the pure path decides
+    chunk = _decode(data)
+    return ChunkRows(chunk["chunk"], chunk["data"])
+
+
 async def latest_meta(js: JetStreamContext, table: str,
                       stream: str = "INIT") -> SnapshotMeta | None:
     """The newest meta of ``table`` still in the `INIT` stream, or None."""
@@ -114,10 +142,11 @@ Progress = Callable[[int, int], None]  # (rows so far, chunks so far)
 
 
 async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str = "INIT",
-                      dictionary_bucket: str | None = None,
-                      progress: Progress | None = None) -> AsyncIterator[list[dict[str, Any]]]:
-    """Each chunk's rows, every chunk exactly once; :class:`SnapshotUnusable` when the stream
-    no longer holds all ``batch_count`` chunks."""
+                      dictionary_bucket: str | None = None, progress: Progress | None = None,
+                      columns: tuple[str, ...] | None = None) -> AsyncIterator[ChunkRows]:
+    """Each chunk's rows (as tuples in ``columns`` order where it can: see
+    :func:`decode_chunk`), every chunk exactly once; :class:`SnapshotUnusable` when the
+    stream no longer holds all ``batch_count`` chunks."""
     bucket = dictionary_bucket or meta.raw.get("dictionary_bucket") or "zstd_dictionaries"
     decompressors: dict[str | None, zstandard.ZstdDecompressor] = {}
     subscription = await js.pull_subscribe(
@@ -146,13 +175,12 @@ async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str =
                             else await fetch_dictionary(js, meta.table, int(dict_id),
                                                         bucket=bucket))
                     data = decompressors[dict_id].decompress(data)
-                chunk = _decode(data)
-                number = chunk["chunk"]
-                if number in seen:  # a retried task's chunk stored twice past the dedupe window
-                    continue
-                seen.add(number)
-                rows += len(chunk["data"])
-                yield chunk["data"]
+                chunk = decode_chunk(data, columns)
+                if chunk.number in seen:  # a retried task's chunk stored twice past the
+                    continue              # dedupe window
+                seen.add(chunk.number)
+                rows += len(chunk.rows)
+                yield chunk
                 if progress is not None:
                     progress(rows, len(seen))
     finally:

@@ -11,8 +11,11 @@ PostgreSQL names. Column types follow the wire type mapping (README "Mirrors"):
 =====================================  ===========  ===================================
 PostgreSQL                             SQLite type  stored value
 =====================================  ===========  ===================================
-int2, int4, int8, oid, xid, cid        INTEGER      int (xid8 above 2^63-1: its decimal text)
+int2, int4, int8, oid, xid, cid        INTEGER      int
 bool                                   INTEGER      0 / 1
+xid8                                   (none)       int; above 2^63-1 its decimal text (INTEGER
+                                                    affinity would turn that text into a lossy
+                                                    real)
 float4, float8                         (none)       float, -0.0 included (REAL affinity would
                                                     store -0.0 as 0); NaN as the text ``NaN``
                                                     (SQLite stores a NaN real as NULL)
@@ -44,11 +47,12 @@ from typing import Any
 
 from cdc_platform.errors import CdcError
 from cdc_platform.lsn import parse_lsn_cached
-from cdc_platform.wire import SCHEMA_OPERATION
+from cdc_platform.wire import SCHEMA_OPERATION, applies
 
 STATE_TABLE = "_cdc_mirror_tables"
 
-_INTEGER_OIDS = frozenset({20, 21, 23, 26, 28, 29, 5069, 16})
+_INTEGER_OIDS = frozenset({20, 21, 23, 26, 28, 29, 16})
+_WIDE_INTEGER_OIDS = frozenset({5069})  # xid8: up to 2^64-1, past SQLite's int64
 _REAL_OIDS = frozenset({700, 701})
 _BLOB_OIDS = frozenset({17})
 # Builtin types whose wire value is always a str (values.py): TEXT affinity keeps it as is.
@@ -90,6 +94,8 @@ def sqlite_type(type_oid: int, data_type: str) -> str:
         return "TEXT"
     if type_oid in _INTEGER_OIDS:
         return "INTEGER"
+    if type_oid in _WIDE_INTEGER_OIDS:
+        return ""  # an int, or its text past int64: no affinity may touch it
     if type_oid in _REAL_OIDS:
         return ""  # REAL affinity stores -0.0 as the integer 0: its sign would be lost
     if type_oid in _BLOB_OIDS:
@@ -128,7 +134,7 @@ def to_sqlite(value: Any) -> Any:
     raise MirrorError(f"no SQLite mapping for a {type(value).__name__} value")
 
 
-_AS_IS_OIDS = (_INTEGER_OIDS - {5069}) | _BLOB_OIDS | _TEXT_OIDS  # (xid8 may pass 2^63)
+_AS_IS_OIDS = _INTEGER_OIDS | _BLOB_OIDS | _TEXT_OIDS
 
 
 def _as_is(column: MirroredColumn) -> bool:
@@ -259,8 +265,8 @@ class TableState:
 
     def wants(self, commit_lsn: int, ordinal: int) -> bool:
         """The cutover rule and the high-water mark in one test."""
-        return (commit_lsn >= self.cutover_lsn
-                and (commit_lsn, ordinal) > (self.applied_commit_lsn, self.applied_ordinal))
+        return applies(commit_lsn, ordinal, cutover_lsn=self.cutover_lsn,
+                       high_water=(self.applied_commit_lsn, self.applied_ordinal))
 
 
 class MirrorStore:
@@ -428,6 +434,29 @@ class MirrorStore:
         """One snapshot chunk's rows, in one transaction."""
         with self._transaction():
             self._insert_rows(table, rows)
+
+    def load_tuples(self, table: str, columns: tuple[str, ...], rows: list[tuple], *,
+                    has_nan: bool) -> None:
+        """One snapshot chunk's rows as tuples in ``columns`` order, in one transaction.
+        Bound as they are unless a column needs converting or a value is NaN."""
+        convert_values, always = self._values_converter(table, columns)
+        statement = (f"INSERT INTO {quote(table)} ({', '.join(quote(n) for n in columns)}) "
+                     f"VALUES ({', '.join('?' * len(columns))})")
+        with self._transaction():
+            try:
+                self._db.execute("SAVEPOINT cdc_load")
+                try:
+                    self._db.executemany(
+                        statement, map(convert_values, rows) if always or has_nan else rows)
+                except OverflowError:  # an integer beyond 64 bits: convert every value
+                    self._db.execute("ROLLBACK TO cdc_load")
+                    self._db.executemany(statement, ([to_sqlite(v) for v in row]
+                                                     for row in rows))
+                finally:
+                    self._db.execute("RELEASE cdc_load")
+            except sqlite3.IntegrityError as exc:
+                raise DivergenceError(f"{table}: a loaded row is already mirrored ({exc})") \
+                    from exc
 
     def finish_bootstrap(self, table: str, stream_seq: int) -> None:
         """The snapshot is loaded: from now on events at or after its cutover LSN apply."""
@@ -722,16 +751,9 @@ class MirrorStore:
         return statement, self._row_converter(table, names)
 
     def _row_converter(self, table: str, names: tuple[str, ...]) -> Callable[[Mapping], tuple]:
-        """A row -> values (in ``names`` order) function that converts only what needs it:
-        str, int and bytes go to SQLite as they are (most of a row, most of the time), a
-        float only when it is NaN, arrays and unknown types always. A row of other columns
-        raises KeyError."""
-        shape = self._shapes.get(table)
-        by_name = {c.name: c for c in shape.columns} if shape else {}
-        floats = [index for index, name in enumerate(names)
-                  if name in by_name and by_name[name].type_oid in _REAL_OIDS]
-        others = [index for index, name in enumerate(names)
-                  if index not in floats and (name not in by_name or not _as_is(by_name[name]))]
+        """A row map -> values (in ``names`` order) function; a row of other columns raises
+        KeyError."""
+        convert_values, _ = self._values_converter(table, names)
         width = len(names)
         getter = operator.itemgetter(*names)  # values in ``names`` order, whatever the dict's
 
@@ -739,8 +761,23 @@ class MirrorStore:
             if len(row) != width:
                 raise KeyError("a row with other columns")
             values = getter(row)
-            if width == 1:
-                values = (values,)
+            return convert_values((values,) if width == 1 else values)
+        return convert
+
+    def _values_converter(self, table: str, names: tuple[str, ...]
+                          ) -> tuple[Callable[[tuple], tuple], bool]:
+        """(values -> values bound to SQLite, whether any column always needs converting).
+        Only what needs it is converted: str, int and bytes go to SQLite as they are (most of
+        a row, most of the time), a float only when it is NaN, arrays and unknown types
+        always."""
+        shape = self._shapes.get(table)
+        by_name = {c.name: c for c in shape.columns} if shape else {}
+        floats = [index for index, name in enumerate(names)
+                  if name in by_name and by_name[name].type_oid in _REAL_OIDS]
+        others = [index for index, name in enumerate(names)
+                  if index not in floats and (name not in by_name or not _as_is(by_name[name]))]
+
+        def convert_values(values: tuple) -> tuple:
             for index in floats:
                 value = values[index]
                 if value is not None and value != value:  # noqa: PLR0124 - NaN (SQLite: NULL)
@@ -752,7 +789,7 @@ class MirrorStore:
             for index in (*floats, *others):
                 converted[index] = to_sqlite(converted[index])
             return tuple(converted)
-        return convert
+        return convert_values, bool(others)
 
     def shape(self, table: str) -> TableShape:
         shape = self._shapes.get(table)

@@ -9,18 +9,23 @@ code (debugging, or to compare the two). Nothing else changes: the wire bytes ar
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
+# Read once: every compiled twin is chosen here, by this switch.
+PURE_PYTHON = os.environ.get("CDC_PLATFORM_PURE_PYTHON", "").strip().lower() in (
+    "1", "true", "yes")
 
-def _load() -> ModuleType | None:
-    if os.environ.get("CDC_PLATFORM_PURE_PYTHON", "").strip().lower() in ("1", "true", "yes"):
+
+def load_compiled(name: str) -> ModuleType | None:
+    """The compiled module ``name``, or None (not built, or pure Python asked for)."""
+    if PURE_PYTHON:
         return None
     try:
-        from cdc_platform.protocol import _native
+        return importlib.import_module(name)
     except ImportError:
         return None
-    return _native
 
 
-NATIVE: ModuleType | None = _load()
+NATIVE: ModuleType | None = load_compiled("cdc_platform.protocol._native")

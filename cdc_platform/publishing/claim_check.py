@@ -25,11 +25,16 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from cdc_platform.errors import PublishError
 from cdc_platform.publishing.jetstream import OutgoingMessage
-from cdc_platform.wire import Format, decode_payload, encoder, payload_format
+from cdc_platform.wire import (
+    HEADER_CLAIM_CHECK,
+    Format,
+    decode_payload,
+    encoder,
+    payload_format,
+)
 
 log = logging.getLogger(__name__)
 
-HEADER_CLAIM_CHECK = "Cdc-Claim-Check"
 # Room left under max_payload for the headers of a message (Nats-Msg-Id, fingerprint, ...).
 HEADER_ALLOWANCE = 1024
 _ENVELOPE_DROPPED = ("data", "old")

@@ -46,6 +46,7 @@ from cdc_platform.protocol import values
 from cdc_platform.protocol.copy_text import unescape
 from cdc_platform.protocol.native import NATIVE
 from cdc_platform.wire import (
+    CONTENT_ENCODING_ZSTD,
     CONTENT_TYPES,
     HEADER_CONTENT_ENCODING,
     HEADER_CONTENT_TYPE,
@@ -53,6 +54,7 @@ from cdc_platform.wire import (
     HEADER_SCHEMA_FINGERPRINT,
     HEADER_ZSTD_DICT,
     Format,
+    chunk_msg_id,
     encoder,
     snapshot_chunk_subject,
 )
@@ -61,7 +63,6 @@ log = logging.getLogger(__name__)
 
 CHUNK_NUMBER_STRIDE = 1_000_000
 OPERATION = "snapshot"
-CONTENT_ENCODING_ZSTD = "zstd"
 # The size estimate is only an estimate: cut at this share of the budget so that the exact
 # check after encoding rarely has to split a chunk.
 _ESTIMATE_FILL = 0.9
@@ -75,9 +76,9 @@ def _native_kinds(converters: Sequence[Converter]) -> tuple[int, ...] | None:
     if NATIVE is None:
         return None
     special = {int: NATIVE.ROW_INT, float: NATIVE.ROW_FLOAT,
-               values._bool: NATIVE.ROW_BOOL,  # noqa: SLF001
+               values._bool: NATIVE.ROW_BOOL,
                NATIVE.timestamptz: NATIVE.ROW_TIMESTAMPTZ,
-               values._timestamptz: NATIVE.ROW_TIMESTAMPTZ}  # noqa: SLF001
+               values._timestamptz: NATIVE.ROW_TIMESTAMPTZ}
     special.update(dict.fromkeys(values.TEXT_CONVERTERS, NATIVE.ROW_KEEP))
     return tuple(special.get(convert, NATIVE.ROW_CALL) for convert in converters)
 
@@ -88,7 +89,7 @@ def row_maker(names: Sequence[str]) -> Callable[..., dict[str, Any]]:
     Only ``repr`` of the names (valid string literals) goes into the source."""
     params = ", ".join(f"a{i}" for i in range(len(names)))
     items = ", ".join(f"{name!r}: a{i}" for i, name in enumerate(names))
-    return eval(f"lambda {params}: {{{items}}}", {"__builtins__": {}})  # noqa: S307
+    return eval(f"lambda {params}: {{{items}}}", {"__builtins__": {}})
 
 
 @contextlib.contextmanager
@@ -116,10 +117,6 @@ def chunk_number(partition: int, n: int) -> int:
         raise SnapshotError(f"partition {partition} needs more than {CHUNK_NUMBER_STRIDE} "
                             "chunks: plan more ranges (smaller range_bytes)")
     return partition * CHUNK_NUMBER_STRIDE + n
-
-
-def chunk_msg_id(snapshot_id: str, chunk: int) -> str:
-    return f"{snapshot_id}:{chunk}"
 
 
 def headers_size(headers: dict[str, str]) -> int:

@@ -65,7 +65,6 @@ from cdc_platform.errors import (
     ConversionError,
     PayloadTooLarge,
     SnapshotError,
-    SnapshotRequestRefused,
     TableLockWaitError,
 )
 from cdc_platform.jetstream.connection import connect_nats
@@ -76,7 +75,7 @@ from cdc_platform.protocol.values import TYPE_CATALOG_QUERY, TypeRegistry
 from cdc_platform.replication.connection import SESSION_OPTIONS, ReplicationConnection
 from cdc_platform.settings import PlatformSettings
 from cdc_platform.snapshot import dictionary as dictionaries
-from cdc_platform.snapshot.chunks import CONTENT_ENCODING_ZSTD, Chunker, ChunkLayout
+from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
 from cdc_platform.snapshot.plan import BlockRange, plan_ranges, range_count
 from cdc_platform.snapshot.reader import (
     RangeStats,
@@ -86,12 +85,17 @@ from cdc_platform.snapshot.reader import (
     run_partition,
 )
 from cdc_platform.wire import (
+    CONTENT_ENCODING_ZSTD,
     CONTENT_TYPES,
     HEADER_CONTENT_TYPE,
     HEADER_MSG_ID,
-    INIT_SNAP_PREFIX,
     WATERMARK_PREFIX,
+    SnapshotMetaPayload,
+    cutover_rule_text,
     encoder,
+    in_field_order,
+    meta_msg_id,
+    snapshot_chunk_prefix,
     snapshot_meta_subject,
     watermark_subject,
 )
@@ -100,14 +104,6 @@ log = logging.getLogger(__name__)
 
 _SNAPSHOT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 JOB_GROUP_PREFIX = "cdc-snapshot-"
-
-CUTOVER_RULE = (
-    "Load every chunk of this snapshot ({chunk_subject_prefix}*: batch_count chunks; chunk "
-    "numbers are partition*1000000+n, not contiguous). Then read stream {cdc_stream} from "
-    "sequence cdc_start_seq (the watermark marker on {watermark_subject}; any earlier sequence "
-    "is also correct) and apply exactly the events of table {table} whose commit_lsn >= "
-    "{lsn}; skip those with commit_lsn < {lsn}, they are in the snapshot. Compare LSNs 'X/Y' "
-    "as (X << 32) | Y, never as strings.")
 
 
 def new_snapshot_id() -> str:
@@ -456,7 +452,7 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
                         spark.sparkContext.cancelJobGroup(group)
                     marker.cancel()
                     raise
-                except Exception as exc:  # noqa: BLE001 - Py4J errors: keep the task's line
+                except Exception as exc:  # Py4J errors: keep the task's line
                     marker.cancel()
                     failure = (f"{type(exc).__name__}: {exc}" if spark is None
                                else _spark_failure(exc))
@@ -485,13 +481,13 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
             batch_count = sum(s.chunks for s in stats)
             bytes_raw = sum(s.bytes_raw for s in stats)
             bytes_compressed = sum(s.bytes_compressed for s in stats)
-            chunk_prefix = f"{INIT_SNAP_PREFIX}.{wire_table}.{snapshot_id}."
+            chunk_prefix = snapshot_chunk_prefix(wire_table, snapshot_id)
             w_subject = watermark_subject(snapshot_id)
-            rule = CUTOVER_RULE.format(chunk_subject_prefix=chunk_prefix, cdc_stream=cdc_stream,
-                                       watermark_subject=w_subject, table=wire_table, lsn=lsn)
+            rule = cutover_rule_text(chunk_subject_prefix=chunk_prefix, cdc_stream=cdc_stream,
+                                     watermark_subject=w_subject, table=wire_table, lsn=lsn)
             timestamp = int(time.time())
             duration = time.monotonic() - started
-            meta = {
+            meta = in_field_order(SnapshotMetaPayload, {
                 "snapshot_id": snapshot_id, "lsn": lsn, "timestamp": timestamp,
                 "batch_count": batch_count, "row_count": row_count, "table": wire_table,
                 "cdc_stream": cdc_stream, "cdc_start_seq": cdc_start_seq,
@@ -511,10 +507,10 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
                 "bytes_raw": bytes_raw, "bytes_compressed": bytes_compressed,
                 "duration_seconds": round(duration, 3),
                 "chunk_subject_prefix": chunk_prefix,
-            }
+            })
             meta_subject = snapshot_meta_subject(wire_table)
             ack = await js.publish(meta_subject, encoder(encoding.format)(meta), headers={
-                HEADER_MSG_ID: f"{snapshot_id}:meta",
+                HEADER_MSG_ID: meta_msg_id(snapshot_id),
                 HEADER_CONTENT_TYPE: CONTENT_TYPES[encoding.format]})
         finally:
             await client.close()

@@ -60,8 +60,14 @@ async def test_bootstrap_from_a_compressed_snapshot_equals_the_source(
     store = MirrorStore(tmp_path / "mirror.db")
     store.begin_bootstrap(shape, meta.snapshot_id, meta.lsn)
     progress = BootstrapProgress(table, meta.row_count, meta.batch_count, time.monotonic())
-    async for rows in read_chunks(js, meta, progress=progress.update):
-        store.load_rows(table, rows if fmt == "msgpack" else [shape.from_json(r) for r in rows])
+    columns = tuple(c.name for c in shape.columns)
+    async for chunk in read_chunks(js, meta, progress=progress.update,
+                                   columns=columns if fmt == "msgpack" else None):
+        if chunk.as_tuples:  # (the compiled decoder; the pure path gives row maps)
+            store.load_tuples(table, columns, chunk.rows, has_nan=chunk.has_nan)
+        else:
+            store.load_rows(table, chunk.rows if fmt == "msgpack"
+                            else [shape.from_json(r) for r in chunk.rows])
     store.finish_bootstrap(table, stream_seq=0)
     assert progress.rows == 5_000 and progress.chunks == meta.batch_count
     assert "5000/5000 rows" in progress.line()

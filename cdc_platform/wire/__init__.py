@@ -1,0 +1,86 @@
+"""The wire contract, the public API for consumers in any language (README "Wire contract"
+documents it; change it only on purpose):
+
+- :mod:`.subjects`: subjects, operations and message ids;
+- :mod:`.headers`: headers and content types;
+- :mod:`.payloads`: every payload, typed, with its field order;
+- :mod:`.encoding`: msgpack and JSON;
+- :mod:`.cutover`: where a snapshot ends and the stream begins.
+
+Golden payloads in ``cdc_platform_tests/data/golden/`` pin the bytes.
+"""
+
+from cdc_platform.wire.cutover import CUTOVER_RULE, applies, cutover_rule_text
+from cdc_platform.wire.encoding import (
+    Format,
+    decode_payload,
+    encode_json,
+    encoder,
+    payload_format,
+)
+from cdc_platform.wire.headers import (
+    CONTENT_ENCODING_ZSTD,
+    CONTENT_TYPES,
+    HEADER_CLAIM_CHECK,
+    HEADER_CONTENT_ENCODING,
+    HEADER_CONTENT_TYPE,
+    HEADER_MSG_ID,
+    HEADER_SCHEMA_FINGERPRINT,
+    HEADER_ZSTD_DICT,
+)
+from cdc_platform.wire.payloads import (
+    ChangeEvent,
+    ColumnSchema,
+    SchemaEvent,
+    SnapshotChunk,
+    SnapshotMetaPayload,
+    SnapshotReply,
+    TableSchemaValue,
+    WatermarkMarker,
+    commit_ts_epoch,
+    in_field_order,
+    schema_fingerprint,
+)
+from cdc_platform.wire.subjects import (
+    CDC_PREFIX,
+    CHANGE_OPERATIONS,
+    CONTROL_EOB_SUBJECT,
+    CONTROL_TOKEN,
+    HEARTBEAT_PREFIX,
+    INIT_META_PREFIX,
+    INIT_SNAP_PREFIX,
+    SCHEMA_OPERATION,
+    SNAPSHOT_REQUEST_PREFIX,
+    WATERMARK_PREFIX,
+    WATERMARK_SUBJECT_PREFIX,
+    batch_msg_id,
+    cdc_batch_subject,
+    cdc_schema_subject,
+    cdc_subject,
+    change_msg_id,
+    chunk_msg_id,
+    meta_msg_id,
+    schema_event_msg_id,
+    snapshot_chunk_prefix,
+    snapshot_chunk_subject,
+    snapshot_meta_subject,
+    snapshot_request_subject,
+    watermark_msg_id,
+    watermark_subject,
+)
+
+__all__ = [
+    "CDC_PREFIX", "CHANGE_OPERATIONS", "CONTENT_ENCODING_ZSTD", "CONTENT_TYPES",
+    "CONTROL_EOB_SUBJECT", "CONTROL_TOKEN", "CUTOVER_RULE", "HEADER_CLAIM_CHECK",
+    "HEADER_CONTENT_ENCODING", "HEADER_CONTENT_TYPE", "HEADER_MSG_ID",
+    "HEADER_SCHEMA_FINGERPRINT", "HEADER_ZSTD_DICT", "HEARTBEAT_PREFIX", "INIT_META_PREFIX",
+    "INIT_SNAP_PREFIX", "SCHEMA_OPERATION", "SNAPSHOT_REQUEST_PREFIX", "WATERMARK_PREFIX",
+    "WATERMARK_SUBJECT_PREFIX", "ChangeEvent", "ColumnSchema", "Format", "SchemaEvent",
+    "SnapshotChunk", "SnapshotMetaPayload", "SnapshotReply", "TableSchemaValue",
+    "WatermarkMarker", "applies", "batch_msg_id", "cdc_batch_subject", "cdc_schema_subject",
+    "cdc_subject", "change_msg_id", "chunk_msg_id", "commit_ts_epoch", "cutover_rule_text",
+    "decode_payload", "encode_json", "encoder", "in_field_order", "meta_msg_id", "payload_format",
+    "schema_event_msg_id", "schema_fingerprint", "snapshot_chunk_prefix",
+    "snapshot_chunk_subject", "snapshot_meta_subject", "snapshot_request_subject",
+    "watermark_msg_id", "watermark_subject",
+]

@@ -1,0 +1,62 @@
+"""Payload encodings (README "Payload encoding"): msgpack or JSON, told apart by the first
+byte; JSON carries bytes as base64 and non-finite floats as the strings PostgreSQL prints."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from typing import Any, Literal
+
+import msgpack
+
+Format = Literal["msgpack", "json"]
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode()
+    raise TypeError(f"cannot encode {type(value).__name__} as JSON")
+
+
+def _json_safe_floats(value: Any) -> Any:
+    """JSON has no NaN/Infinity: write them as the strings PostgreSQL prints."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _json_safe_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe_floats(v) for v in value]
+    return value
+
+
+def encode_json(value: Any) -> bytes:
+    try:
+        return json.dumps(value, default=_json_default, separators=(",", ":"),
+                          allow_nan=False, ensure_ascii=False).encode()
+    except ValueError:  # a non-finite float somewhere: rare, so only then walk the value
+        return json.dumps(_json_safe_floats(value), default=_json_default,
+                          separators=(",", ":"), allow_nan=False,
+                          ensure_ascii=False).encode()
+
+
+def encoder(fmt: Format):
+    """``value -> bytes`` for the configured payload format."""
+    if fmt == "msgpack":
+        return msgpack.Packer(use_bin_type=True, datetime=False).pack
+    if fmt == "json":
+        return encode_json
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def payload_format(data: bytes) -> Format:
+    """The format of a payload from its first byte: JSON payloads start with ``{`` or ``[``,
+    which never begin a msgpack map or array."""
+    return "json" if data[:1] in (b"{", b"[") else "msgpack"
+
+
+def decode_payload(data: bytes, fmt: Format) -> Any:
+    """For consumers and tests: the inverse of :func:`encoder` (bytes stay base64 in JSON)."""
+    if fmt == "msgpack":
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    return json.loads(data)

@@ -1,0 +1,14 @@
+"""Message headers (README "Headers")."""
+
+from __future__ import annotations
+
+HEADER_MSG_ID = "Nats-Msg-Id"
+HEADER_CONTENT_TYPE = "Content-Type"
+HEADER_CONTENT_ENCODING = "Content-Encoding"
+HEADER_ZSTD_DICT = "Cdc-Zstd-Dict"
+HEADER_SCHEMA_FINGERPRINT = "Cdc-Schema-Fingerprint"
+# The payload is an object in the object store: ``{bucket}/{object}`` (README "Large values")
+HEADER_CLAIM_CHECK = "Cdc-Claim-Check"
+
+CONTENT_TYPES = {"msgpack": "application/msgpack", "json": "application/json"}
+CONTENT_ENCODING_ZSTD = "zstd"

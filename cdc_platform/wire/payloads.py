@@ -1,0 +1,213 @@
+"""Every payload of the contract, typed, with its fields in the order they are written
+(README "Payloads"). ``*_FIELDS`` lists the fields always present; the ``NotRequired`` ones
+appear only as each says.
+
+The golden payloads in ``cdc_platform_tests/data/golden/`` pin the bytes both writers (pure
+Python and the compiled accelerator) produce for each of these.
+"""
+
+# (no "from __future__ import annotations": TypedDict reads NotRequired at runtime)
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, Literal, NotRequired, TypedDict
+
+# A wire value: None, bool, int, float, str, bytes, or a list/map of them (README "Types").
+Value = Any
+Row = dict[str, Value]
+
+
+class ChangeEvent(TypedDict):
+    """One INSERT/UPDATE/DELETE/TRUNCATE (``cdc.{table}.{op}``; an element of a batch on
+    ``cdc.{table}.{op}.batch``)."""
+
+    table: str  # the wire table name (README "Table names")
+    schema: str
+    operation: Literal["INSERT", "UPDATE", "DELETE", "TRUNCATE"]
+    relation_id: int
+    commit_lsn: str  # "X/Y": compare as (X << 32) | Y
+    xid: int
+    commit_ts: str
+    subject: str
+    schema_fingerprint: str
+    lsn: str
+    ordinal: int  # the change's position in its transaction, from 0
+    msg_id: str
+    data: Row | None  # the new row; DELETE: the old key (or row); TRUNCATE: None
+    unchanged_toast: list[str]  # columns not in data: unchanged TOASTed values
+    old: NotRequired[Row]  # UPDATE/DELETE with an old key or row (old_kind "K" or "O")
+    old_kind: NotRequired[str]
+    cascade: NotRequired[bool]  # TRUNCATE only
+    restart_identity: NotRequired[bool]  # TRUNCATE only
+    raw_columns: NotRequired[list[str]]  # values sent as PostgreSQL's text (no converter)
+    # the table's last change of its transaction: {table: changes} of every table the
+    # transaction changed (README "Transactions")
+    tx_tables: NotRequired[dict[str, int]]
+
+
+class ColumnSchema(TypedDict):
+    name: str
+    position: int
+    data_type: str
+    is_nullable: bool
+    column_default: str | None
+    type_oid: int
+    is_key: bool
+    is_primary_key: bool
+    missing_value: Value  # what rows older than the column read (attmissingval), or None
+
+
+class TableSchemaValue(TypedDict):
+    """The KV ``schemas`` value (key = wire table name); also in schema events and metas."""
+
+    table: str
+    schema: str  # "namespace.name", quoted where PostgreSQL would quote
+    timestamp: int
+    columns: list[ColumnSchema]
+    namespace: str
+    name: str
+    relation_id: int
+    primary_key: list[str]
+    replica_identity: str  # "default" | "full" | "index" | "nothing"
+    fingerprint: str
+
+
+class SchemaEvent(TypedDict):
+    """A table's new shape on ``cdc.{table}.schema``, before the first change using it."""
+
+    table: str
+    schema: str
+    operation: Literal["SCHEMA"]
+    relation_id: int
+    commit_lsn: str
+    xid: int
+    commit_ts: str
+    subject: str
+    schema_fingerprint: str
+    lsn: str
+    ordinal: int  # the ordinal of the change it precedes
+    msg_id: str
+    previous_fingerprint: str | None
+    needs_snapshot: bool  # existing rows cannot be known from the stream: bootstrap again
+    reason: str | None
+    relfilenode: int
+    table_schema: TableSchemaValue
+
+
+class WatermarkMarker(TypedDict):
+    """``cdc.cdc-platform.watermark.{snapshot_id}``: where a snapshot's cutover is in CDC."""
+
+    type: Literal["watermark"]
+    snapshot_id: str
+    table: str | None
+    lsn: str
+    commit_lsn: str | None
+    subject: str
+    msg_id: str
+
+
+class SnapshotChunk(TypedDict):
+    """``init.snap.{table}.{snapshot_id}.{chunk}``: up to CDC_CHUNK_ROWS rows."""
+
+    table: str
+    operation: Literal["snapshot"]
+    snapshot_id: str
+    chunk: int  # partition * 1_000_000 + n: unique, not contiguous
+    lsn: str  # the snapshot LSN
+    data: list[Row]
+    partition: int
+    schema_fingerprint: str
+    # [row index in data, column name] of values sent as text (no converter accepted them)
+    raw_cells: NotRequired[list[list[Any]]]
+
+
+class SnapshotMetaPayload(TypedDict):
+    """``init.meta.{table}``, published after every chunk of the snapshot is stored."""
+
+    snapshot_id: str
+    lsn: str  # the cutover LSN: apply CDC events with commit_lsn >= lsn
+    timestamp: int
+    batch_count: int  # chunks to load
+    row_count: int
+    table: str
+    cdc_stream: str
+    cdc_start_seq: int | None  # the watermark marker's sequence: read CDC from here
+    watermark_subject: str
+    watermark_lsn: str
+    cutover_rule: str  # the rule below, in words
+    format: Literal["msgpack", "json"]
+    compression: str | None  # "zstd" or None
+    dictionary_id: int | None
+    dictionary_bucket: str | None
+    dictionary_key: str | None
+    schema_fingerprint: str
+    table_schema: TableSchemaValue  # the rows' shape (the KV value may be newer)
+    partitions: int
+    chunks: list[list[int]]  # [partition, first chunk number, chunk count]
+    bytes_raw: int
+    bytes_compressed: int
+    duration_seconds: float
+    chunk_subject_prefix: str
+
+
+class SnapshotReply(TypedDict):
+    """The reply to a snapshot request with ``reply_to`` (status ``done``)."""
+
+    snapshot_id: str
+    lsn: str
+    cdc_stream: str
+    cdc_start_seq: int | None
+    meta_subject: str
+    meta_seq: int
+    reused: bool
+
+
+def fields(payload_type: type) -> tuple[str, ...]:
+    """The fields of ``payload_type`` always present, in the order they are written."""
+    required = payload_type.__required_keys__  # type: ignore[attr-defined]
+    return tuple(name for name in payload_type.__annotations__ if name in required)
+
+
+def optional_fields(payload_type: type) -> frozenset[str]:
+    return frozenset(payload_type.__optional_keys__)  # type: ignore[attr-defined]
+
+
+def in_field_order(payload_type: type, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` as a ``payload_type`` payload: its fields in their order; ValueError naming
+    what is missing or unknown (a writer drifting from the contract fails here, not in a
+    consumer)."""
+    names = fields(payload_type)
+    optional = optional_fields(payload_type)
+    missing = [name for name in names if name not in values]
+    unknown = [name for name in values if name not in names and name not in optional]
+    if missing or unknown:
+        raise ValueError(f"{payload_type.__name__}: missing {missing}, unknown {unknown}")
+    ordered = {name: values[name] for name in names}
+    ordered.update((name, value) for name, value in values.items() if name in optional)
+    return ordered
+
+
+CHANGE_EVENT_FIELDS = fields(ChangeEvent)
+SCHEMA_EVENT_FIELDS = fields(SchemaEvent)
+SNAPSHOT_CHUNK_FIELDS = fields(SnapshotChunk)
+SNAPSHOT_META_FIELDS = fields(SnapshotMetaPayload)
+TABLE_SCHEMA_FIELDS = fields(TableSchemaValue)
+
+
+def schema_fingerprint(columns: Sequence[tuple[str, int, int, bool]],
+                       replica_identity: str) -> str:
+    """Stable id of a table's shape: (name, type oid, type modifier, is_key) per column."""
+    canonical = json.dumps([list(c) for c in columns] + [replica_identity],
+                           separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def commit_ts_epoch(commit_ts: str) -> float:
+    """An event's ``commit_ts`` (``2025-12-08T13:45:21.719719Z``) -> seconds since the epoch;
+    one PostgreSQL cannot express in a datetime (infinity, year 0) -> now."""
+    try:
+        return datetime.fromisoformat(commit_ts).timestamp()
+    except ValueError:
+        return time.time()

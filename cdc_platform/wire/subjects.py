@@ -1,0 +1,90 @@
+"""Subjects and message ids (README "Subjects" and "Message ids").
+
+Every id is stable across replays: JetStream's duplicate window drops a republished copy.
+"""
+
+from __future__ import annotations
+
+from cdc_platform.lsn import format_lsn
+
+CDC_PREFIX = "cdc"
+# A token no table can have: wire table names escape "-" (see cdc_platform.naming).
+CONTROL_TOKEN = "cdc-platform"
+WATERMARK_SUBJECT_PREFIX = f"{CDC_PREFIX}.{CONTROL_TOKEN}.watermark"
+# Commit frames of JetStream fast-ingest batches: captured by the CDC stream, never stored.
+CONTROL_EOB_SUBJECT = f"{CDC_PREFIX}.{CONTROL_TOKEN}.eob"
+INIT_SNAP_PREFIX = "init.snap"
+INIT_META_PREFIX = "init.meta"
+SNAPSHOT_REQUEST_PREFIX = "snapshot.request"
+
+# Logical decoding message prefixes we emit with pg_logical_emit_message.
+HEARTBEAT_PREFIX = "cdc_platform.heartbeat"
+WATERMARK_PREFIX = "cdc_platform.watermark"
+
+# A table's new shape, in stream order before the first change that uses it (README
+# "Schema changes"); its ordinal is that change's, and it sorts before it.
+SCHEMA_OPERATION = "SCHEMA"
+CHANGE_OPERATIONS = ("INSERT", "UPDATE", "DELETE", "TRUNCATE")
+
+
+def cdc_subject(table: str, operation: str) -> str:
+    """``cdc.{table}.{op}``; ``operation`` is INSERT/UPDATE/DELETE/TRUNCATE."""
+    return f"{CDC_PREFIX}.{table}.{operation.lower()}"
+
+
+def cdc_batch_subject(table: str, operation: str) -> str:
+    return f"{CDC_PREFIX}.{table}.{operation.lower()}.batch"
+
+
+def cdc_schema_subject(table: str) -> str:
+    return f"{CDC_PREFIX}.{table}.schema"
+
+
+def watermark_subject(snapshot_id: str) -> str:
+    return f"{WATERMARK_SUBJECT_PREFIX}.{snapshot_id}"
+
+
+def snapshot_chunk_subject(table: str, snapshot_id: str, chunk: int) -> str:
+    return f"{INIT_SNAP_PREFIX}.{table}.{snapshot_id}.{chunk}"
+
+
+def snapshot_chunk_prefix(table: str, snapshot_id: str) -> str:
+    """The meta's ``chunk_subject_prefix``: every chunk subject of one snapshot starts so."""
+    return f"{INIT_SNAP_PREFIX}.{table}.{snapshot_id}."
+
+
+def snapshot_meta_subject(table: str) -> str:
+    return f"{INIT_META_PREFIX}.{table}"
+
+
+def snapshot_request_subject(table: str) -> str:
+    return f"{SNAPSHOT_REQUEST_PREFIX}.{table}"
+
+
+# -- message ids (the Nats-Msg-Id header) ----------------------------------------------------
+def change_msg_id(commit_lsn: int, ordinal: int) -> str:
+    """Unique per change (a commit LSN belongs to one transaction), stable across replays."""
+    return f"{format_lsn(commit_lsn)}:{ordinal}"
+
+
+def batch_msg_id(commit_lsn: int, first_ordinal: int, last_ordinal: int) -> str:
+    """Batches never span transactions and are cut by content only, so a replay cuts the
+    same batches and this id always names the same content."""
+    return f"{format_lsn(commit_lsn)}:{first_ordinal}-{last_ordinal}"
+
+
+def schema_event_msg_id(commit_lsn: int, ordinal: int) -> str:
+    return f"{format_lsn(commit_lsn)}:{ordinal}:schema"
+
+
+def watermark_msg_id(snapshot_id: str) -> str:
+    return f"watermark:{snapshot_id}"
+
+
+def chunk_msg_id(snapshot_id: str, chunk: int) -> str:
+    """A retried Spark task republishes identical chunks under the same ids."""
+    return f"{snapshot_id}:{chunk}"
+
+
+def meta_msg_id(snapshot_id: str) -> str:
+    return f"{snapshot_id}:meta"

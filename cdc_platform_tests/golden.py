@@ -1,0 +1,218 @@
+"""Golden payloads: the exact messages the platform writes for fixed inputs, one file per case
+and format in ``data/golden/`` (msgpack as hex, JSON as text). ``test_golden.py`` checks that
+both writers (pure Python and the compiled accelerator) still produce exactly these bytes.
+
+Write them again only on purpose (a wire change, in the CHANGELOG):
+
+    .venv/bin/python -m cdc_platform_tests.golden
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cdc_platform.bridge.events import BuiltBatch, MessageBuilder
+from cdc_platform.postgres.catalog import ColumnInfo, TableSchema
+from cdc_platform.protocol import values
+from cdc_platform.protocol.changes import (
+    ChangeRecord,
+    LogicalMessageReceived,
+    RelationChanged,
+    TransactionCommitted,
+)
+from cdc_platform.protocol.native import NATIVE
+from cdc_platform.protocol.pgoutput import Relation, RelationColumn
+from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
+from cdc_platform.wire import (
+    CONTENT_TYPES,
+    HEADER_CONTENT_TYPE,
+    HEADER_MSG_ID,
+    WATERMARK_PREFIX,
+    SnapshotMetaPayload,
+    cutover_rule_text,
+    encoder,
+    in_field_order,
+    meta_msg_id,
+    snapshot_chunk_prefix,
+    snapshot_meta_subject,
+    watermark_subject,
+)
+
+GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
+FORMATS = ("msgpack", "json")
+IMPLEMENTATIONS = ("python", "compiled")
+
+Message = dict[str, Any]  # subject, msg_id, headers, payload (bytes)
+
+_COMMIT_TS = "2026-11-22T10:00:00.123456Z"
+_COLUMNS = (("id", 23, True), ("name", 25, False), ("score", 701, False),
+            ("blob", 17, False), ("tags", 1007, False), ("doc", 3802, False))
+
+
+def table_schema() -> TableSchema:
+    """The KV schema of the golden table ``public.users``."""
+    return TableSchema(
+        schema="public", table="users", relation_id=16400, replica_identity="d",
+        columns=tuple(
+            ColumnInfo(name=name, position=index + 1, data_type=values_type, is_nullable=not key,
+                       column_default="7" if name == "score" else None, type_oid=oid,
+                       type_modifier=-1, is_key=key, is_primary_key=key,
+                       missing_value=7.0 if name == "score" else None)
+            for index, ((name, oid, key), values_type) in enumerate(zip(
+                _COLUMNS, ["integer", "text", "double precision", "bytea", "integer[]",
+                           "jsonb"], strict=True))),
+        captured_at=1795000000.0, storage=16401)
+
+
+def _relation() -> Relation:
+    return Relation(16400, "public", "users", "d",
+                    tuple(RelationColumn(name, oid, -1, key) for name, oid, key in _COLUMNS))
+
+
+def _change(operation: str, ordinal: int, commit_lsn: int, **fields: Any) -> ChangeRecord:
+    record = {"new": None, "old": None, "old_kind": None, "unchanged_toast": (), **fields}
+    return ChangeRecord(table="users", schema="public", operation=operation,
+                        relation_id=16400, lsn=commit_lsn - 0x100 + ordinal * 0x10,
+                        commit_lsn=commit_lsn, xid=771, commit_ts=_COMMIT_TS, ordinal=ordinal,
+                        **record)
+
+
+def _transactions() -> list:
+    """Two transactions: insert, update with a key change and an unchanged TOAST value,
+    delete; then a truncate. A watermark message in between."""
+    first, second = 0x1_0000_0900, 0x1_0000_0A00
+    row = {"id": 1, "name": "Zoë \"q\"", "score": -0.0, "blob": b"\x00\xff",
+           "tags": [1, None, 3], "doc": '{"a": [1, 2.5, "x"], "b": null}'}
+    return [
+        RelationChanged(_relation(), None),
+        _change("INSERT", 0, first, new=row),
+        _change("INSERT", 1, first, new={**row, "id": 2, "score": float("nan"),
+                                          "doc": "18446744073709551617"}),
+        _change("UPDATE", 2, first, new={"id": 3, "name": "x", "score": float("inf"),
+                                         "blob": None, "tags": []},
+                old={"id": 1}, old_kind="K", unchanged_toast=("doc",)),
+        _change("DELETE", 3, first, old={"id": 2}, old_kind="K"),
+        TransactionCommitted(first, first + 0x30, _COMMIT_TS, 771, 4),
+        LogicalMessageReceived(lsn=0x1_0000_0980, prefix=WATERMARK_PREFIX,
+                               content=b'{"snapshot_id": "20261122T100000Z-0a0b0c0d", '
+                                       b'"table": "users"}',
+                               transactional=True, commit_lsn=0x1_0000_0990),
+        _change("TRUNCATE", 0, second, cascade=True, restart_identity=False),
+        TransactionCommitted(second, second + 0x30, _COMMIT_TS, 772, 1),
+    ]
+
+
+def _messages(built: BuiltBatch, builder: MessageBuilder) -> list[Message]:
+    for slot in built.schema_events:  # as the bridge fills them in
+        built.messages[slot.index] = builder.schema_event(
+            slot, table_schema().to_wire(), previous_fingerprint=None, needs_snapshot=False,
+            reason=None, storage=16401)
+    return [{"subject": m.subject, "msg_id": m.msg_id, "headers": [list(h) for h in m.headers],
+             "payload": m.payload} for m in built.messages]
+
+
+def _builder(fmt: str, mode: str, implementation: str) -> MessageBuilder:
+    if implementation == "python":
+        return MessageBuilder(fmt, mode, native=None)
+    return MessageBuilder(fmt, mode)
+
+
+def per_change(fmt: str, implementation: str) -> list[Message]:
+    builder = _builder(fmt, "per-change", implementation)
+    return _messages(builder.build(_transactions()), builder)
+
+
+def batched(fmt: str, implementation: str) -> list[Message]:
+    builder = _builder(fmt, "batched", implementation)
+    return _messages(builder.build(_transactions()), builder)
+
+
+def chunk(fmt: str, implementation: str) -> list[Message]:
+    names = [name for name, _, _ in _COLUMNS]
+    layout = ChunkLayout(table="users", snapshot_id="20261122T100000Z-0a0b0c0d", lsn="1/900",
+                         schema_fingerprint=table_schema().fingerprint, columns=tuple(names),
+                         key_columns=(0,), format=fmt, chunk_rows=3)
+    converters = values.TypeRegistry().for_columns(
+        [type("Column", (), {"type_oid": oid}) for _, oid, _ in _COLUMNS])
+    chunker = Chunker(layout, converters, partition=2)
+    if implementation == "python":
+        chunker._native_kinds = None  # the pure-Python path
+    copy_text = (
+        "1\tZoë \"q\"\t-0\t\\\\x00ff\t{1,NULL,3}\t{\"a\": [1, 2.5, \"x\"], \"b\": null}\n"
+        "2\t\\N\tNaN\t\\N\t{}\t18446744073709551617\n"
+        "3\ttab\\there\tInfinity\t\\\\x\t{-1}\t\"s\"\n"
+        "4\tlast\t1e-300\t\\N\t\\N\t[]\n").encode()
+    chunks = [*chunker.add(copy_text), *chunker.finish()]
+    return [{"subject": c.subject, "msg_id": c.headers[HEADER_MSG_ID],
+             "headers": sorted([k, v] for k, v in c.headers.items()), "payload": c.payload}
+            for c in chunks]
+
+
+def meta(fmt: str, implementation: str) -> list[Message]:
+    schema = table_schema()
+    snapshot_id = "20261122T100000Z-0a0b0c0d"
+    prefix = snapshot_chunk_prefix("users", snapshot_id)
+    payload = in_field_order(SnapshotMetaPayload, {
+        "snapshot_id": snapshot_id, "lsn": "1/900", "timestamp": 1795000100,
+        "batch_count": 2, "row_count": 4, "table": "users", "cdc_stream": "CDC",
+        "cdc_start_seq": 41, "watermark_subject": watermark_subject(snapshot_id),
+        "watermark_lsn": "1/980",
+        "cutover_rule": cutover_rule_text(chunk_subject_prefix=prefix, cdc_stream="CDC",
+                                          watermark_subject=watermark_subject(snapshot_id),
+                                          table="users", lsn="1/900"),
+        "format": fmt, "compression": None, "dictionary_id": None, "dictionary_bucket": None,
+        "dictionary_key": None, "schema_fingerprint": schema.fingerprint,
+        "table_schema": schema.to_wire(), "partitions": 3, "chunks": [[2, 2000000, 2]],
+        "bytes_raw": 700, "bytes_compressed": 700, "duration_seconds": 1.5,
+        "chunk_subject_prefix": prefix})
+    return [{"subject": snapshot_meta_subject("users"), "msg_id": meta_msg_id(snapshot_id),
+             "headers": [[HEADER_CONTENT_TYPE, CONTENT_TYPES[fmt]]],
+             "payload": encoder(fmt)(payload)}]
+
+
+def kv_schema(fmt: str, implementation: str) -> list[Message]:
+    return [{"subject": "$KV.schemas.users", "msg_id": "", "headers": [],
+             "payload": encoder(fmt)(table_schema().to_wire())}]
+
+
+CASES: dict[str, Callable[[str, str], list[Message]]] = {
+    "per_change": per_change, "batched": batched, "chunk": chunk, "meta": meta,
+    "kv_schema": kv_schema}
+# The cases with two writers (the compiled accelerator has a twin of them for msgpack).
+TWO_WRITERS = {"per_change", "batched", "chunk"}
+
+
+def implementations(case: str) -> tuple[str, ...]:
+    if case in TWO_WRITERS and NATIVE is not None:
+        return IMPLEMENTATIONS
+    return ("python",)
+
+
+def to_file(messages: list[Message], fmt: str) -> str:
+    """The golden file's text: one JSON object per message, its payload as hex (msgpack) or
+    as the JSON text itself."""
+    lines = []
+    for message in messages:
+        payload = message["payload"]
+        written = payload.hex() if fmt == "msgpack" else payload.decode()
+        lines.append(json.dumps({**message, "payload": written}, ensure_ascii=False))
+    return "\n".join(lines) + "\n"
+
+
+def path(case: str, fmt: str) -> Path:
+    return GOLDEN / f"{case}.{fmt}.jsonl"
+
+
+def main() -> None:
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    for case, build in CASES.items():
+        for fmt in FORMATS:
+            path(case, fmt).write_text(to_file(build(fmt, "python"), fmt))
+            print(path(case, fmt))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The wire contract pinned to bytes: both writers (pure Python and the compiled accelerator)
+produce exactly the golden payloads in ``data/golden/``, and every payload has the fields its
+type in ``cdc_platform.wire.payloads`` lists, in that order. A failure here is a wire change:
+make it only on purpose (README "Wire contract", CHANGELOG), then rewrite the files with
+``python -m cdc_platform_tests.golden``."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+
+from cdc_platform.wire import payloads
+from cdc_platform_tests import golden
+
+CASES = [(case, fmt, implementation) for case in golden.CASES for fmt in golden.FORMATS
+         for implementation in golden.implementations(case)]
+
+
+@pytest.mark.parametrize(("case", "fmt", "implementation"), CASES)
+def test_the_writers_produce_the_golden_bytes(case, fmt, implementation):
+    built = golden.to_file(golden.CASES[case](fmt, implementation), fmt)
+    assert built == golden.path(case, fmt).read_text()
+
+
+def test_both_writers_are_checked_where_both_exist():
+    from cdc_platform.protocol.native import NATIVE
+
+    if NATIVE is not None:
+        assert {(c, i) for c, _, i in CASES if i == "compiled"} == {
+            (c, "compiled") for c in golden.TWO_WRITERS}
+
+
+def _golden_payloads(fmt: str):
+    for case in golden.CASES:
+        for line in golden.path(case, fmt).read_text().splitlines():
+            message = json.loads(line)
+            data = message["payload"]
+            decoded = (msgpack.unpackb(bytes.fromhex(data)) if fmt == "msgpack"
+                       else json.loads(data))
+            yield message["subject"], decoded
+
+
+def _payload_type(subject: str) -> type:
+    if subject.startswith("cdc.cdc-platform.watermark."):
+        return payloads.WatermarkMarker
+    if subject.startswith("cdc.") and subject.endswith(".schema"):
+        return payloads.SchemaEvent
+    if subject.startswith("cdc."):
+        return payloads.ChangeEvent
+    if subject.startswith("init.snap."):
+        return payloads.SnapshotChunk
+    if subject.startswith("init.meta."):
+        return payloads.SnapshotMetaPayload
+    return payloads.TableSchemaValue
+
+
+def _assert_fields(payload: dict, payload_type: type) -> None:
+    required = payloads.fields(payload_type)
+    names = list(payload)
+    assert names[:len(required)] == list(required), payload_type.__name__
+    assert set(names[len(required):]) <= payloads.optional_fields(payload_type), \
+        payload_type.__name__
+    if "table_schema" in payload:
+        _assert_fields(payload["table_schema"], payloads.TableSchemaValue)
+    if payload_type is payloads.TableSchemaValue:
+        for column in payload["columns"]:
+            _assert_fields(column, payloads.ColumnSchema)
+
+
+@pytest.mark.parametrize("fmt", golden.FORMATS)
+def test_every_golden_payload_has_the_fields_of_its_type(fmt):
+    seen: dict[str, set] = {}
+    for subject, decoded in _golden_payloads(fmt):
+        payload_type = _payload_type(subject)
+        for payload in decoded if isinstance(decoded, list) else [decoded]:
+            _assert_fields(payload, payload_type)
+            seen.setdefault(payload_type.__name__, set()).add(payload.get("operation"))
+            if "tx_tables" in payload:
+                seen["ChangeEvent"].add("tx_tables")
+    # the files cover every operation, the transaction mark, and every payload type
+    assert seen["ChangeEvent"] >= {"INSERT", "UPDATE", "DELETE", "TRUNCATE", "tx_tables"}
+    assert set(seen) == {"ChangeEvent", "SchemaEvent", "WatermarkMarker", "SnapshotChunk",
+                         "SnapshotMetaPayload", "TableSchemaValue"}
+
+
+def test_a_payload_with_a_missing_or_unknown_field_is_refused():
+    with pytest.raises(ValueError, match=r"missing \['lsn'\], unknown \['extra'\]"):
+        payloads.in_field_order(payloads.SnapshotReply, {
+            "snapshot_id": "s", "cdc_stream": "CDC", "cdc_start_seq": 1,
+            "meta_subject": "init.meta.t", "meta_seq": 2, "reused": False, "extra": 1})

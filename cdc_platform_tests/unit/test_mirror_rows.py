@@ -1,0 +1,103 @@
+"""The compiled chunk decoder (``mirror/_rows.pyx``) against the pure path (msgpack, then the
+row maps' values in column order): the same values, the same NaN flag, and anything it does
+not take refused (the caller then decodes the pure way)."""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cdc_platform.mirror.snapshots import decode_chunk
+from cdc_platform.protocol.native import load_compiled
+
+ROWS = load_compiled("cdc_platform.mirror._rows")
+compiled = pytest.mark.skipif(ROWS is None, reason="the compiled decoder is not built")
+
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
+    st.text(max_size=40), st.binary(max_size=40),
+    st.sampled_from(["x" * 31, "x" * 32, "é" * 200, "y" * 70000, b"z" * 300, 2**32, -(2**31) - 1,
+                     -33, -32, 127, 128, 255, 256, 65535, 65536]))
+values = st.recursive(scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+    max_leaves=8)
+names = st.lists(st.text(min_size=1, max_size=40), min_size=1, max_size=20, unique=True)
+
+
+def _same(got, want) -> bool:
+    if isinstance(want, float) and math.isnan(want):
+        return isinstance(got, float) and math.isnan(got)
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(
+            _same(g, w) for g, w in zip(got, want, strict=True))
+    if isinstance(want, dict):
+        return isinstance(got, dict) and list(got) == list(want) and all(
+            _same(got[k], want[k]) for k in want)
+    return type(got) is type(want) and got == want and (
+        not isinstance(want, float) or math.copysign(1, got) == math.copysign(1, want))
+
+
+def _has_nan(value) -> bool:
+    """(a NaN inside an array or map is flagged too: those columns are converted anyway)"""
+    if isinstance(value, float):
+        return math.isnan(value)
+    if isinstance(value, list):
+        return any(_has_nan(item) for item in value)
+    if isinstance(value, dict):
+        return any(_has_nan(item) for item in value.values())
+    return False
+
+
+def test_the_decoder_is_built():
+    if os.environ.get("CDC_PLATFORM_PURE_PYTHON"):
+        pytest.skip("pure Python asked for")
+    assert ROWS is not None, "cdc_platform.mirror._rows is not built: pip install -e ."
+
+
+@compiled
+@settings(max_examples=300, deadline=None)
+@given(names.flatmap(lambda columns: st.tuples(
+    st.just(tuple(columns)),
+    st.lists(st.tuples(*[values] * len(columns)), max_size=6))))
+def test_rows_are_the_values_of_the_row_maps_in_column_order(case):
+    columns, rows = case
+    chunk = {"table": "t", "operation": "snapshot", "chunk": 2000001, "lsn": "1/0",
+             "data": [dict(zip(columns, row, strict=True)) for row in rows], "partition": 2}
+    data = msgpack.packb(chunk, use_bin_type=True)
+    fields, got, has_nan = ROWS.decode_chunk(data, columns)
+    want = [operator.itemgetter(*columns)(r) if len(columns) > 1 else (r[columns[0]],)
+            for r in msgpack.unpackb(data)["data"]]
+    assert _same([list(r) for r in got], [list(r) for r in want])
+    assert fields == {k: v for k, v in chunk.items() if k != "data"}
+    assert has_nan == any(_has_nan(value) for row in rows for value in row)
+    assert decode_chunk(data, columns).as_tuples
+
+
+@compiled
+def test_what_it_does_not_take_goes_to_the_pure_path():
+    columns = ("id", "name")
+    good = {"chunk": 5, "data": [{"id": 1, "name": "a"}]}
+    other_order = {"chunk": 5, "data": [{"name": "a", "id": 1}]}
+    other_columns = {"chunk": 5, "data": [{"id": 1}]}
+    for chunk in (other_order, other_columns):
+        with pytest.raises(KeyError):
+            ROWS.decode_chunk(msgpack.packb(chunk), columns)
+        decoded = decode_chunk(msgpack.packb(chunk), columns)
+        assert not decoded.as_tuples and decoded.rows == chunk["data"]
+    data = msgpack.packb(good)
+    for cut in range(len(data)):  # every truncation: refused, never a wrong row
+        with pytest.raises((ValueError, KeyError)):
+            ROWS.decode_chunk(data[:cut], columns)
+    ext = msgpack.packb({"chunk": 5, "data": [{"id": msgpack.ExtType(1, b"x"), "name": "a"}]})
+    with pytest.raises(ValueError, match="not in the contract"):
+        ROWS.decode_chunk(ext, columns)
+    with pytest.raises(ValueError):
+        ROWS.decode_chunk(b'{"chunk": 5, "data": []}', columns)
+    assert decode_chunk(b'{"chunk": 5, "data": [{"id": 1, "name": "a"}]}', columns).rows == [
+        {"id": 1, "name": "a"}]
