@@ -23,6 +23,7 @@ dev: $(VENV)/.installed
 	$(VENV)/bin/cdc-platform dev
 
 test: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
 bench: $(VENV)/.installed

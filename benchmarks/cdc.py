@@ -41,16 +41,16 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # decode.py's captured WAL
 
-from cdc_platform.dev.servers import (  # noqa: E402
+from cdc_platform.dev.servers import (
     LocalNatsServer,
     LocalPostgres,
     start_logical_postgres,
 )
-from cdc_platform.jetstream.connection import connect_nats  # noqa: E402
-from cdc_platform.jetstream.provision import provision  # noqa: E402
-from cdc_platform.lsn import parse_lsn  # noqa: E402
-from cdc_platform.postgres.admin import provision_database  # noqa: E402
-from cdc_platform.settings import NatsSettings, NatsTopology  # noqa: E402
+from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.jetstream.provision import provision
+from cdc_platform.lsn import parse_lsn
+from cdc_platform.postgres.admin import provision_database
+from cdc_platform.settings import NatsSettings, NatsTopology
 
 TABLE = "bench_events"
 ROLE, PASSWORD, PUBLICATION = "bench_reader", "bench-password", "bench_pub"

@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.protocol.changes import ChangeRecord, TransactionAssembler
@@ -73,7 +73,7 @@ READ_LIMIT = 4096  # CopyData messages per SlotReader.read (its read_limit)
 class StandInConverters:
     """int8/int4 -> int, numeric -> Decimal, timestamptz -> datetime, else str."""
 
-    BY_OID: dict[int, Callable[[str], Any]] = {
+    BY_OID: ClassVar[dict[int, Callable[[str], Any]]] = {
         20: int, 23: int, 1700: Decimal, 1184: datetime.fromisoformat}
 
     def for_columns(self, columns: Sequence[RelationColumn]) -> list[Callable[[str], Any]]:

@@ -41,15 +41,15 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cdc_platform.dev.servers import (  # noqa: E402
+from cdc_platform.dev.servers import (
     LocalNatsServer,
     LocalPostgres,
     start_logical_postgres,
 )
-from cdc_platform.jetstream.connection import connect_nats  # noqa: E402
-from cdc_platform.jetstream.provision import provision  # noqa: E402
-from cdc_platform.postgres.admin import provision_database  # noqa: E402
-from cdc_platform.settings import (  # noqa: E402
+from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.jetstream.provision import provision
+from cdc_platform.postgres.admin import provision_database
+from cdc_platform.settings import (
     EncodingSettings,
     NatsSettings,
     NatsTopology,
@@ -198,7 +198,7 @@ def profile_row_path(pg: LocalPostgres, settings: PlatformSettings, rows: int) -
     compressor = zstandard.ZstdCompressor(level=3)
     for block in blocks:
         started = time.perf_counter()
-        lines, fields, escapes = chunker.parse(block)
+        _lines, fields, _escapes = chunker.parse(block)
         timings["parse"] += time.perf_counter() - started
         started = time.perf_counter()
         width = len(converters)
@@ -226,7 +226,7 @@ def profile_row_path(pg: LocalPostgres, settings: PlatformSettings, rows: int) -
     for label, seconds in timings.items():
         print(f"  {label:42s} {seconds / n * 1e6:6.2f}")
     print(f"  {'Chunker.add, all of the above but zstd':42s} {t_chunker / n * 1e6:6.2f}")
-    lines, fields, _ = Chunker(layout, converters, 0).parse(b"".join(blocks[:20]))
+    _lines, fields, _ = Chunker(layout, converters, 0).parse(b"".join(blocks[:20]))
     print("  convert, by column:", ", ".join(
         f"{name} {_per_value(convert, fields[i::len(converters)]):.2f}"
         for i, (name, convert) in enumerate(zip(layout.columns, converters))))

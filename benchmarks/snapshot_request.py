@@ -32,8 +32,8 @@ import psycopg
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from cdc_platform.jetstream.connection import connect_nats  # noqa: E402
-from cdc_platform.settings import NatsSettings, load_settings  # noqa: E402
+from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.settings import NatsSettings, load_settings
 
 
 def _env_file(state: Path) -> dict[str, str]:

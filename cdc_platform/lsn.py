@@ -19,7 +19,8 @@ _LSN_RE = re.compile(r"([0-9A-Fa-f]{1,8})/([0-9A-Fa-f]{1,8})")
 def parse_lsn(text: str) -> int:
     """``"16/B374D848"`` -> ``0x16B374D848``; :class:`ValueError` on anything else."""
     if not isinstance(text, str):
-        raise ValueError(f"an LSN must be text like '16/B374D848', not {type(text).__name__}")
+        raise ValueError(  # noqa: TRY004 - one error type for every bad LSN (callers catch it)
+            f"an LSN must be text like '16/B374D848', not {type(text).__name__}")
     match = _LSN_RE.fullmatch(text.strip())
     if match is None:
         raise ValueError(
@@ -35,7 +36,8 @@ parse_lsn_cached = functools.lru_cache(maxsize=256)(parse_lsn)
 def format_lsn(lsn: int) -> str:
     """``0x16B374D848`` -> ``"16/B374D848"``, as PostgreSQL prints it."""
     if isinstance(lsn, bool) or not isinstance(lsn, int):
-        raise ValueError(f"an LSN must be an int, not {type(lsn).__name__}")
+        raise ValueError(  # noqa: TRY004 - one error type for every bad LSN
+            f"an LSN must be an int, not {type(lsn).__name__}")
     if not 0 <= lsn <= MAX_LSN:
         raise ValueError(f"LSN {lsn} is outside 0..2**64-1")
     return f"{lsn >> 32:X}/{lsn & 0xFFFF_FFFF:X}"

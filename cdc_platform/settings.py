@@ -17,7 +17,14 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from psycopg.conninfo import make_conninfo
-from pydantic import AliasChoices, BeforeValidator, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BeforeValidator,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cdc_platform.errors import ConfigError

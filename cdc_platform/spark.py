@@ -22,7 +22,8 @@ def check_java() -> str:
             f"Java {MIN_JAVA}+ is required for Spark snapshots but no `java` was found: "
             "install it (Debian: apt-get install openjdk-17-jre-headless) or set JAVA_HOME"
         )
-    output = subprocess.run([java, "-version"], capture_output=True, text=True).stderr
+    output = subprocess.run([java, "-version"], capture_output=True, text=True,
+                            check=False).stderr
     match = re.search(r'version "(\d+)', output)
     if not match or int(match.group(1)) < MIN_JAVA:
         raise CdcError(f"Java {MIN_JAVA}+ is required for Spark snapshots, found: "

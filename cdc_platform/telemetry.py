@@ -86,7 +86,7 @@ class BridgeMetrics:
 
     def value(self, metric) -> float:
         """The current value of one of these counters or gauges."""
-        return metric._value.get()  # noqa: SLF001 - prometheus_client has no public getter
+        return metric._value.get()  # prometheus_client has no public getter
 
     def status(self) -> dict:
         connected = bool(self.value(self.connected))
@@ -127,7 +127,7 @@ class TelemetryServer:
         telemetry = self
 
         class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args) -> None:  # noqa: A002 - stdlib name
+            def log_message(self, format: str, *args) -> None:  # (stdlib names)
                 log.debug("telemetry: " + format, *args)
 
             def _send(self, code: int, body: bytes, content_type: str) -> None:
@@ -140,7 +140,7 @@ class TelemetryServer:
             def _json(self, code: int, value: dict) -> None:
                 self._send(code, json.dumps(value).encode(), "application/json")
 
-            def do_GET(self) -> None:  # noqa: N802 - stdlib name
+            def do_GET(self) -> None:
                 path = self.path.split("?")[0]
                 if path == "/metrics":
                     self._send(200, telemetry.metrics.exposition(), CONTENT_TYPE_LATEST)
@@ -151,7 +151,7 @@ class TelemetryServer:
                 else:
                     self._json(404, {"error": "not found"})
 
-            def do_POST(self) -> None:  # noqa: N802 - stdlib name
+            def do_POST(self) -> None:
                 if self.path != "/shutdown":
                     self._json(404, {"error": "not found"})
                 elif admin_token is None or on_shutdown is None:

@@ -202,7 +202,7 @@ class LocalPostgres:
         command = [str(a) for a in args]
         if self.os_user is not None:
             command = ["runuser", "-u", self.os_user, "--", *command]
-        result = subprocess.run(command, capture_output=True, text=True)
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
         if check and result.returncode != 0:
             raise CdcError(
                 f"{Path(args[0]).name} failed ({result.returncode}): "
@@ -281,7 +281,7 @@ class LocalPostgres:
 
     def version(self) -> str:
         result = subprocess.run([str(self.bin_dir / "postgres"), "--version"],
-                                capture_output=True, text=True)
+                                capture_output=True, text=True, check=False)
         # "postgres (PostgreSQL) 15.18 (Debian 15.18-0+deb12u1)"
         return result.stdout.split()[2]
 

@@ -240,7 +240,7 @@ class DevStack:
         # Create/upgrade the instance storage once, before two processes race to do it
         # (SQLite + alembic: "more than one head" otherwise).
         migrated = subprocess.run([str(bin_dir / "dagster"), "instance", "migrate"], env=env,
-                                  cwd=REPO_ROOT, capture_output=True, text=True)
+                                  cwd=REPO_ROOT, capture_output=True, text=True, check=False)
         if migrated.returncode != 0:
             raise CdcError(f"dagster instance migrate failed: {migrated.stderr.strip()[-500:]}")
         for name, command in (
@@ -267,10 +267,9 @@ class DevStack:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self.stop_requested.is_set():
             self._check_children()
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        return
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
             time.sleep(0.5)
         if not self.stop_requested.is_set():
             raise CdcError(f"Dagster UI did not answer on {url} within {timeout:.0f}s "
@@ -284,8 +283,8 @@ class DevStack:
 
     def _print_banner(self, pg: PostgresSettings, nats: NatsSettings) -> None:
         lines = ["", "cdc_platform dev stack is up:",
-                 f"  PostgreSQL  {pg.describe()}  publication={pg.publication} "
-                 f"slot={pg.slot}  (passwords in {self.state_dir / 'secrets.env'})",
+                 (f"  PostgreSQL  {pg.describe()}  publication={pg.publication} "
+                 f"slot={pg.slot}  (passwords in {self.state_dir / 'secrets.env'})"),
                  f"  NATS        {nats.describe()}"]
         if self.options.dagster:
             lines.append(f"  Dagster UI  http://127.0.0.1:{self.ports['ui_port']}")

@@ -235,8 +235,17 @@ def _row_builder(names: tuple[str, ...], converters: tuple[Callable[[str], Any],
 class _Table:
     """Per-relation cache entry: what the hot path needs, precomputed once."""
 
-    __slots__ = ("relation", "schema", "table", "names", "count", "converters", "key_indexes",
-                 "build", "build_key")
+    __slots__ = (
+        "build",
+        "build_key",
+        "converters",
+        "count",
+        "key_indexes",
+        "names",
+        "relation",
+        "schema",
+        "table",
+    )
 
     def __init__(self, relation: Relation, converters: Sequence[Callable[[str], Any]]) -> None:
         if len(converters) != len(relation.columns):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Final, Literal, TypeAlias
+from typing import Final, Literal, Self, TypeAlias
 
 from cdc_platform.errors import ProtocolError
 from cdc_platform.protocol.native import NATIVE
@@ -76,7 +76,7 @@ class _UnchangedToast:
     __slots__ = ()
     _instance: _UnchangedToast | None = None
 
-    def __new__(cls) -> _UnchangedToast:
+    def __new__(cls) -> Self:
         if cls._instance is None:
             cls._instance = object.__new__(cls)
         return cls._instance

@@ -354,8 +354,7 @@ class _Ledger:
         self.queued.extend(messages)
         self.accepted += len(messages)
         self.held_bytes += size
-        if largest > self.largest:
-            self.largest = largest
+        self.largest = max(self.largest, largest)
         if position is None:
             return False
         if self.accepted <= self.stored:   # an empty call with nothing outstanding
@@ -520,8 +519,18 @@ class _Channel(Protocol):
 class _Batch:
     """The open fast-ingest batch. ``base`` is the global index of its batch sequence 1."""
 
-    __slots__ = ("id", "flow", "base", "reply_prefix", "seq", "acked", "msgs", "started",
-                 "committing", "last_subject")
+    __slots__ = (
+        "acked",
+        "base",
+        "committing",
+        "flow",
+        "id",
+        "last_subject",
+        "msgs",
+        "reply_prefix",
+        "seq",
+        "started",
+    )
 
     def __init__(self, batch_id: str, flow: int, base: int, inbox: str) -> None:
         self.id = batch_id
@@ -943,10 +952,8 @@ class JetStreamPublisher:
                 self._notify_stored()
             stats = self.stats
             stats.messages_published += count
-            if ledger.held > stats.peak_in_flight_messages:
-                stats.peak_in_flight_messages = ledger.held
-            if ledger.held_bytes > stats.peak_in_flight_bytes:
-                stats.peak_in_flight_bytes = ledger.held_bytes
+            stats.peak_in_flight_messages = max(stats.peak_in_flight_messages, ledger.held)
+            stats.peak_in_flight_bytes = max(stats.peak_in_flight_bytes, ledger.held_bytes)
         self._wake.set()
 
     async def flush(self, timeout: float | None = None) -> int | None:
@@ -959,8 +966,7 @@ class JetStreamPublisher:
             raise PublishError("JetStreamPublisher.start() was not called")
         ledger = self._ledger
         target = ledger.accepted
-        if target > self._flush_target:
-            self._flush_target = target
+        self._flush_target = max(self._flush_target, target)
         self._wake.set()
         self._flush_waiting.append(target)
         try:
@@ -1039,8 +1045,7 @@ class JetStreamPublisher:
                     f"max_payload of {max_payload} bytes")
             held.append((subject, header, payload, message, size))
             total += size
-            if size > largest:
-                largest = size
+            largest = max(largest, size)
         return held, total, largest
 
     def _admit_subject(self, subject: str) -> bytes:
@@ -1117,7 +1122,7 @@ class JetStreamPublisher:
                 await self._sleep_until(self._next_deadline(now, silent_since, ack_timeout))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # a bug or an unforeseen reply: stop, say so, keep messages
+        except Exception as exc:  # noqa: BLE001 - a bug or an unforeseen reply: stop, say so, keep messages
             error = PublishError(f"the JetStream publisher for {self._stream!r} stopped: {exc!r}")
             error.__cause__ = exc
             self._fail(error)
@@ -1253,7 +1258,7 @@ class JetStreamPublisher:
         stale = self._nc.stats["reconnects"] != self._generation
         try:
             channel.on_reply(message.subject, message.data, message.headers, stale)
-        except Exception as exc:   # we no longer know what is stored: stop and say so
+        except Exception as exc:  # noqa: BLE001 - we no longer know what is stored: stop, say so
             error = PublishError(f"unexpected JetStream reply on {message.subject}: "
                                  f"{message.data[:300]!r}")
             error.__cause__ = exc
@@ -1314,7 +1319,7 @@ class JetStreamPublisher:
             self._notified_position = position
             try:
                 self._on_stored(position)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the caller's callback: report it, stop
                 error = PublishError(f"on_stored callback failed at position {position}")
                 error.__cause__ = exc
                 self._fail(error)

@@ -19,6 +19,7 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import psycopg
 
@@ -148,7 +149,7 @@ class SlotReader:
                 await self.catalog.close()
                 self.catalog = None
 
-    async def __aenter__(self) -> SlotReader:
+    async def __aenter__(self) -> Self:
         await self.open()
         return self
 
@@ -177,8 +178,7 @@ class SlotReader:
                 refused = taken
                 if taken > index:
                     index = taken
-                    if wal_end > received_lsn:
-                        received_lsn = wal_end
+                    received_lsn = max(received_lsn, wal_end)
                     continue
             index += 1
             if payload[0] == 0x77 and len(payload) > XLOGDATA_HEADER_SIZE:  # 'w', the hot path
@@ -196,8 +196,7 @@ class SlotReader:
                         await self.send_status(reply_requested=False)
                     continue
                 wal_start, wal_end = message.wal_start, message.wal_end
-            if wal_end > received_lsn:
-                received_lsn = wal_end
+            received_lsn = max(received_lsn, wal_end)
             decoded = decode_message(payload, XLOGDATA_HEADER_SIZE)
             kind = type(decoded)
             if kind is Begin:
@@ -233,8 +232,7 @@ class SlotReader:
     # -- acknowledging -------------------------------------------------------------------
     def confirm(self, lsn: int) -> None:
         """Everything up to ``lsn`` (a commit's end LSN) is durably handled downstream."""
-        if lsn > self.confirmed_lsn:
-            self.confirmed_lsn = lsn
+        self.confirmed_lsn = max(self.confirmed_lsn, lsn)
 
     def _advance_idle(self, wal_end: int) -> None:
         if wal_end > self.confirmed_lsn:

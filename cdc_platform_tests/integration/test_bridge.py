@@ -198,7 +198,7 @@ async def test_kill_9_mid_stream_loses_nothing_and_dedupes(table, cdc_database, 
     env = bridge_env(cdc_database, provisioned_nats.url)
     command = [str(Path(sys.executable).parent / "cdc-platform"), "bridge",
                "--slot", cdc_database.slot, "--pub", cdc_database.publication]
-    log = open(tmp_path / "bridge.log", "wb")
+    log = open(tmp_path / "bridge.log", "wb")  # noqa: SIM115 - shared by the restarts
     bridge = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None, timeout=60)

@@ -1,12 +1,10 @@
 """The capture core on a real server: SlotReader -> typed change records."""
 
-import asyncio
 import resource
 import time
 
 import pytest
 
-from cdc_platform.lsn import parse_lsn
 from cdc_platform.protocol.changes import ChangeRecord, TransactionCommitted
 from cdc_platform.protocol.pgoutput import UNCHANGED_TOAST
 from cdc_platform.replication.reader import SlotReader

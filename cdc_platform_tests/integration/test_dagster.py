@@ -158,7 +158,7 @@ async def test_cdc_job_streams_observes_and_stops_with_final_ack(dagster_env, cd
     cdc_database.add_tables(pg_admin, table)
     command = [str(Path(sys.executable).parent / "dagster"), "job", "execute",
                "-m", "cdc_platform.definitions", "-a", "defs", "-j", "cdc_job"]
-    log = open(Path(dagster_env["DAGSTER_HOME"]) / "run.log", "wb")
+    log = open(Path(dagster_env["DAGSTER_HOME"]) / "run.log", "wb")  # noqa: SIM115 - the run's output
     process = subprocess.Popen(command, env={**os.environ, **dagster_env}, cwd=REPO,
                                stdout=log, stderr=subprocess.STDOUT)
     try:

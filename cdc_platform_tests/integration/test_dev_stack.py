@@ -36,7 +36,7 @@ def test_dev_stack_comes_up_and_stops_cleanly(state_root):
         [str(cli), "dev", "--state-dir", str(tmp_path / "state"), "--smoke",
          "--ui-port", ports[0], "--pg-port", ports[1], "--nats-port", ports[2],
          "--nats-monitor-port", ports[3]],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, check=False,
         env={k: v for k, v in __import__("os").environ.items()
              if not k.startswith(("CDC_", "PG_", "NATS_", "POSTGRES_"))},
     )
@@ -52,7 +52,8 @@ def test_dev_stack_comes_up_and_stops_cleanly(state_root):
     # nothing left running (processes that were told to stop get a moment to exit)
     deadline = time.monotonic() + 10
     while True:
-        left = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True)
+        left = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True,
+                              check=False)
         if left.returncode == 1 or time.monotonic() > deadline:
             break
         time.sleep(0.2)

@@ -20,6 +20,7 @@ import nats.errors
 import psycopg
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 
 from cdc_platform.bridge.runner import CdcBridge
 from cdc_platform.dev.servers import LocalNatsServer
@@ -338,7 +339,7 @@ async def test_unpublished_or_missing_table_is_refused_before_any_spark_job(
                                  options=SPARK)
         assert tracker.getJobIdsForGroup(f"{JOB_GROUP_PREFIX}{snapshot_id}") == []
         js = nats_client.jetstream()
-        with pytest.raises(Exception):  # no watermark was emitted, nothing was published
+        with pytest.raises(NotFoundError):  # no watermark was emitted, nothing was published
             await js.get_last_msg("INIT", snapshot_meta_subject(table))
     assert pg_admin.execute("SELECT count(*) FROM pg_replication_slots "
                             "WHERE slot_name LIKE 'cdc_snap_%'").fetchone()[0] == 0

@@ -83,15 +83,15 @@ SCENARIOS = [
         "Begin/Relation/Insert/Commit; text, NULL, empty string, bytea, bool, numeric, "
         "float8 specials, timestamptz, non-ASCII text",
         setup=[
-            "CREATE TABLE public.items (id int8 PRIMARY KEY, name text, qty int4, "
+            ("CREATE TABLE public.items (id int8 PRIMARY KEY, name text, qty int4, "
             "price numeric(12,2), ratio float8, created timestamptz, payload bytea, "
-            "flag bool, note varchar(20))",
+            "flag bool, note varchar(20))"),
         ],
         sql=[
-            "INSERT INTO public.items VALUES (1, 'widget', 42, 19.99, 0.5, "
-            "'2025-12-08 13:45:21.719719+00', '\\xdeadbeef', true, 'héllo wörld ✓')",
-            "INSERT INTO public.items VALUES (2, '', NULL, NULL, 'NaN', NULL, '\\x', false, "
-            "NULL)",
+            ("INSERT INTO public.items VALUES (1, 'widget', 42, 19.99, 0.5, "
+            "'2025-12-08 13:45:21.719719+00', '\\xdeadbeef', true, 'héllo wörld ✓')"),
+            ("INSERT INTO public.items VALUES (2, '', NULL, NULL, 'NaN', NULL, '\\x', false, "
+            "NULL)"),
         ],
     ),
     Scenario(
@@ -99,8 +99,8 @@ SCENARIOS = [
         "REPLICA IDENTITY DEFAULT: UPDATE of a non-key column (no old tuple), UPDATE of the "
         "primary key ('K' old key), DELETE ('K')",
         setup=[
-            "CREATE TABLE public.accounts (id int4 PRIMARY KEY, owner text NOT NULL, "
-            "balance int8)",
+            ("CREATE TABLE public.accounts (id int4 PRIMARY KEY, owner text NOT NULL, "
+            "balance int8)"),
             "INSERT INTO public.accounts VALUES (1, 'ann', 100), (2, 'bob', 200)",
         ],
         sql=[
@@ -127,8 +127,8 @@ SCENARIOS = [
         "TRUNCATE of two tables with RESTART IDENTITY CASCADE, then one without options",
         setup=[
             "CREATE TABLE public.parents (id serial PRIMARY KEY, name text)",
-            "CREATE TABLE public.children (id serial PRIMARY KEY, "
-            "parent_id int REFERENCES public.parents(id))",
+            ("CREATE TABLE public.children (id serial PRIMARY KEY, "
+            "parent_id int REFERENCES public.parents(id))"),
             "INSERT INTO public.parents (name) VALUES ('p')",
             "INSERT INTO public.children (parent_id) VALUES (1)",
         ],
@@ -147,8 +147,8 @@ SCENARIOS = [
             "INSERT INTO public.notes VALUES (1, 'n1')",
             "SELECT pg_logical_emit_message(true, 'cdc_platform.watermark', 'snap-1:low')",
             "COMMIT",
-            "SELECT pg_logical_emit_message(false, 'cdc_platform.heartbeat', "
-            "'\\x00ff'::bytea)",
+            ("SELECT pg_logical_emit_message(false, 'cdc_platform.heartbeat', "
+            "'\\x00ff'::bytea)"),
             # A non-transactional message is not flushed at once; this commit flushes it.
             "INSERT INTO public.notes VALUES (2, 'n2')",
         ],
@@ -163,8 +163,8 @@ SCENARIOS = [
         sql=[
             "SELECT pg_replication_origin_session_setup('cdc_fixture_origin')",
             "BEGIN",
-            "SELECT pg_replication_origin_xact_setup('0/ABCDEF', "
-            "'2025-01-01 00:00:00+00')",
+            ("SELECT pg_replication_origin_xact_setup('0/ABCDEF', "
+            "'2025-01-01 00:00:00+00')"),
             "INSERT INTO public.replicated VALUES (7)",
             "COMMIT",
             "SELECT pg_replication_origin_session_reset()",
@@ -176,12 +176,12 @@ SCENARIOS = [
         setup=[
             "CREATE TYPE public.mood AS ENUM ('sad', 'ok', 'happy')",
             "CREATE TYPE public.point2 AS (x int4, y int4)",
-            "CREATE TABLE public.feelings (id int4 PRIMARY KEY, mood public.mood, "
-            "at public.point2, tags text[])",
+            ("CREATE TABLE public.feelings (id int4 PRIMARY KEY, mood public.mood, "
+            "at public.point2, tags text[])"),
         ],
         sql=[
-            "INSERT INTO public.feelings VALUES (1, 'happy', ROW(1, -2), "
-            "ARRAY['a', 'b c', NULL])",
+            ("INSERT INTO public.feelings VALUES (1, 'happy', ROW(1, -2), "
+            "ARRAY['a', 'b c', NULL])"),
         ],
     ),
     Scenario(
@@ -191,8 +191,8 @@ SCENARIOS = [
         setup=[
             "CREATE TABLE public.documents (id int4 PRIMARY KEY, title text, body text)",
             "SELECT setseed(0.42)",
-            "INSERT INTO public.documents SELECT 1, 'draft', string_agg(md5(random()::text), "
-            "'') FROM generate_series(1, 3200)",
+            ("INSERT INTO public.documents SELECT 1, 'draft', string_agg(md5(random()::text), "
+            "'') FROM generate_series(1, 3200)"),
         ],
         sql=[
             "UPDATE public.documents SET title = 'final' WHERE id = 1",
@@ -203,8 +203,8 @@ SCENARIOS = [
         "COPY FROM: heap_multi_insert writes one WAL record for many rows, so their Insert "
         "messages share one LSN; used by benchmarks/decode.py (5-column table)",
         setup=[
-            "CREATE TABLE public.bench_rows (id int8 PRIMARY KEY, name text, qty int4, "
-            "price numeric(12,2), created timestamptz)",
+            ("CREATE TABLE public.bench_rows (id int8 PRIMARY KEY, name text, qty int4, "
+            "price numeric(12,2), created timestamptz)"),
         ],
         sql=[_COPY_BENCH],
     ),
@@ -322,8 +322,8 @@ def throwaway_server(bin_dir: Path) -> Iterator[str]:
                        check=True, stdout=subprocess.DEVNULL)
         subprocess.run([*as_user, str(bin_dir / "pg_ctl"), "-D", str(data), "-w",
                         "-l", str(root / "server.log"), "-o",
-                        f"-c wal_level=logical -c listen_addresses='' -p {port} -k {root} "
-                        "-c max_replication_slots=4 -c TimeZone=UTC", "start"],
+                        (f"-c wal_level=logical -c listen_addresses='' -p {port} -k {root} "
+                        "-c max_replication_slots=4 -c TimeZone=UTC"), "start"],
                        check=True, stdout=subprocess.DEVNULL)
         try:
             yield f"host={root} port={port} user=postgres dbname=postgres"

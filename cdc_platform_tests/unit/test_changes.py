@@ -9,6 +9,7 @@ import struct
 import tracemalloc
 from decimal import Decimal
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -42,7 +43,7 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "pgoutput"
 class StandIn:
     """A tiny converter factory with the interface of cdc_platform.protocol.values."""
 
-    BY_OID = {20: int, 21: int, 23: int, 700: float, 701: float, 1700: Decimal,
+    BY_OID: ClassVar[dict] = {20: int, 21: int, 23: int, 700: float, 701: float, 1700: Decimal,
               16: lambda text: text == "t"}
 
     def __init__(self) -> None:

@@ -468,13 +468,13 @@ def _chunkers(columns, **overrides):
 
     registry = values.TypeRegistry()
     converters = registry.for_columns([type("C", (), {"type_oid": oid}) for _, oid in columns])
-    settings_ = dict(table="t", snapshot_id="s1", lsn="0/1", schema_fingerprint="f",
-                     columns=tuple(name for name, _ in columns), key_columns=(0,),
-                     chunk_rows=7)
+    settings_ = {"table": "t", "snapshot_id": "s1", "lsn": "0/1", "schema_fingerprint": "f",
+                     "columns": tuple(name for name, _ in columns), "key_columns": (0,),
+                     "chunk_rows": 7}
     settings_.update(overrides)
     layout = ChunkLayout(**settings_)
     compiled, python = Chunker(layout, converters, 3), Chunker(layout, converters, 3)
-    python._native_kinds = None  # noqa: SLF001 - the pure-Python path
+    python._native_kinds = None
     return compiled, python
 
 
@@ -490,7 +490,7 @@ def _chunk_everything(chunker, text: bytes):
 def test_snapshot_chunks_are_the_same_bytes(rows):
     text = "".join("\t".join(row) + "\n" for row in rows).encode()
     compiled, python = _chunkers(SNAPSHOT_COLUMNS)
-    assert compiled._native_kinds is not None  # noqa: SLF001
+    assert compiled._native_kinds is not None
     assert _chunk_everything(compiled, text) == _chunk_everything(python, text)
 
 
@@ -544,17 +544,17 @@ def _publisher(max_payload: int = 1 << 20):
             return None
 
     publisher = JetStreamPublisher(_Connection(), stream="CDC")
-    publisher._stream_subjects = ["cdc.>"]  # noqa: SLF001 - as start() reads them
+    publisher._stream_subjects = ["cdc.>"]
     return publisher
 
 
 def _framed_in_python(publisher, messages):
     """``_frame_all`` with the compiled loop switched off."""
-    import cdc_platform.publishing.jetstream as jetstream
+    from cdc_platform.publishing import jetstream
 
     saved, jetstream.NATIVE = jetstream.NATIVE, None
     try:
-        return publisher._frame_all(messages)  # noqa: SLF001
+        return publisher._frame_all(messages)
     finally:
         jetstream.NATIVE = saved
 
@@ -582,8 +582,8 @@ def test_frame_messages_equals_the_python_loop(messages, max_payload):
         want = _framed_in_python(publisher, messages)  # admits subjects and header sets
     except Exception as exc:  # noqa: BLE001 - compared below
         want = exc
-    got = NATIVE.frame_messages(messages, publisher._subjects,  # noqa: SLF001
-                                publisher._extra_headers, max_payload)  # noqa: SLF001
+    got = NATIVE.frame_messages(messages, publisher._subjects,
+                                publisher._extra_headers, max_payload)
     if isinstance(want, Exception):
         assert got is None
         assert str(_framed_or_error(publisher, messages)) == str(want)
@@ -591,12 +591,12 @@ def test_frame_messages_equals_the_python_loop(messages, max_payload):
         assert got == want
     fresh = _publisher(max_payload)  # nothing admitted yet: the compiled loop defers
     assert messages == [] or NATIVE.frame_messages(
-        messages, fresh._subjects, fresh._extra_headers, max_payload) is None  # noqa: SLF001
+        messages, fresh._subjects, fresh._extra_headers, max_payload) is None
 
 
 def _framed_or_error(publisher, messages):
     try:
-        return publisher._frame_all(messages)  # noqa: SLF001
+        return publisher._frame_all(messages)
     except Exception as exc:  # noqa: BLE001
         return exc
 

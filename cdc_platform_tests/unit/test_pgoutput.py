@@ -434,7 +434,7 @@ def test_unchanged_toast_singleton():
     assert copy.copy(UNCHANGED_TOAST) is UNCHANGED_TOAST
     assert copy.deepcopy(UNCHANGED_TOAST) is UNCHANGED_TOAST
     assert pickle.loads(pickle.dumps(UNCHANGED_TOAST)) is UNCHANGED_TOAST
-    assert UNCHANGED_TOAST != None  # noqa: E711
+    assert UNCHANGED_TOAST != None
     with pytest.raises(TypeError, match="is UNCHANGED_TOAST"):
         bool(UNCHANGED_TOAST)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -13,7 +14,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cdc_platform.errors import ConversionError, PayloadTooLarge
+from cdc_platform.errors import ConversionError
 from cdc_platform.protocol.copy_text import iter_rows
 from cdc_platform.protocol.values import TypeRegistry, convert_row
 from cdc_platform.snapshot.chunks import (
@@ -35,7 +36,7 @@ def test_ranges_cover_every_block_once(blocks, count):
     ranges = plan_ranges(blocks, count)
     assert ranges[0].start == 0 and ranges[-1].end is None
     assert [r.index for r in ranges] == list(range(len(ranges)))
-    for left, right in zip(ranges, ranges[1:]):
+    for left, right in itertools.pairwise(ranges):
         assert left.end == right.start and left.end > left.start  # contiguous, non-empty
     assert len(ranges) == min(count, max(blocks, 1))
     sizes = [(r.end if r.end is not None else blocks) - r.start for r in ranges]
@@ -69,9 +70,9 @@ def converters(columns=COLUMNS):
 
 
 def layout(**overrides):
-    values = dict(table="sales/orders", snapshot_id="snap-1", lsn="1/ABCDEF00",
-                  schema_fingerprint="f1", columns=tuple(n for n, _ in COLUMNS),
-                  key_columns=(0,), chunk_rows=100, max_payload=1024 * 1024)
+    values = {"table": "sales/orders", "snapshot_id": "snap-1", "lsn": "1/ABCDEF00",
+                  "schema_fingerprint": "f1", "columns": tuple(n for n, _ in COLUMNS),
+                  "key_columns": (0,), "chunk_rows": 100, "max_payload": 1024 * 1024}
     values.update(overrides)
     return ChunkLayout(**values)
 
@@ -81,7 +82,7 @@ def line(i: int) -> bytes:
     name = ["plain", "", "tab\\there", "back\\\\slash", "new\\nline", "\\\\N"][i % 6]
     score = ["1.5", "NaN", "-Infinity", "0"][i % 4]
     blob = "\\N" if i % 5 == 0 else "\\\\x00ff"
-    doc = '{"a": [1, 2], "k": %d}' % i
+    doc = f'{{"a": [1, 2], "k": {i}}}'
     tags = '{a,"b c",NULL,"q\\\\"x"}'
     ok = "\\N" if i % 3 == 0 else ("t" if i % 2 else "f")
     return "\t".join([str(i), name, score, doc, tags, blob, ok]).encode()

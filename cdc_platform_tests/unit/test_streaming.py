@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -104,8 +104,8 @@ def test_standby_status_update_uses_the_postgres_clock():
 
 
 def test_pg_clock_is_microseconds_since_2000():
-    now = timestamp_to_datetime(pg_clock_now()).replace(tzinfo=timezone.utc)
-    assert abs((now - datetime.now(timezone.utc)).total_seconds()) < 5
+    now = timestamp_to_datetime(pg_clock_now()).replace(tzinfo=UTC)
+    assert abs((now - datetime.now(UTC)).total_seconds()) < 5
     assert abs(pg_clock_now() / 1e6 + 946_684_800 - time.time()) < 5
 
 
