@@ -24,7 +24,11 @@ dev: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest
+	# the pure-Python code too (the compiled twins off): unit tests and one end-to-end test
+	CDC_PLATFORM_PURE_PYTHON=1 $(PY) -m pytest -q cdc_platform_tests/unit \
+	    "cdc_platform_tests/integration/test_mirror.py::test_a_mirror_bootstraps_follows_and_equals_the_source"
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/decode.py

@@ -134,7 +134,7 @@ class CdcBridge:
             self.telemetry = TelemetryServer(
                 self.metrics, host=self.options.http_host, port=self.options.http_port,
                 admin_token=token.get_secret_value() if token else None,
-                on_shutdown=lambda: loop.call_soon_threadsafe(self.request_stop))
+                on_shutdown=lambda: _ignore(loop.call_soon_threadsafe(self.request_stop)))
             self.telemetry.start()
             log.info("telemetry on http://%s:%s/metrics", self.options.http_host,
                      self.telemetry.port)
@@ -337,7 +337,8 @@ class CdcBridge:
     async def _follow_shape_changes(self, reader: SlotReader, built: BuiltBatch) -> None:
         """KV schemas of the relations ``built`` saw change, and its schema events filled in
         (or dropped when the shape is the one the stream last announced)."""
-        assert reader.catalog is not None
+        catalog = reader.catalog
+        assert catalog is not None
         schemas: dict[int, tuple[TableSchema, TableSchema | None]] = {}  # id(Relation) ->
         # (its schema, the catalog's now)
 
@@ -346,7 +347,7 @@ class CdcBridge:
             # WAL; the catalog adds nullability, defaults and missing values.
             if id(relation) not in schemas:
                 current = await table_schema_async(
-                    reader.catalog, self.settings.postgres.publication, relation.namespace,
+                    catalog, self.settings.postgres.publication, relation.namespace,
                     relation.name, reader.types)
                 schemas[id(relation)] = schema_from_relation(relation, current), current
             return schemas[id(relation)]
@@ -363,7 +364,7 @@ class CdcBridge:
             reason = shape_change_unknowable(previous, schema, current)
             value = schema.to_wire()
             built.messages[slot.index] = self.builder.schema_event(
-                slot, value, previous_fingerprint=previous and previous.fingerprint,
+                slot, value, previous_fingerprint=previous.fingerprint if previous else None,
                 needs_snapshot=reason is not None, reason=reason, storage=schema.storage)
             self._announced[schema.wire_name] = AnnouncedShape(
                 schema.fingerprint, schema.storage, frozenset(c.name for c in schema.columns))
@@ -410,6 +411,7 @@ class CdcBridge:
         if self._published_fingerprints.get(key) == schema.fingerprint:
             return
         value = self.encode(schema.to_wire())
+        assert self._kv is not None  # (opened before the first batch)
         while True:
             try:
                 await self._kv.put(key, value)
@@ -469,7 +471,7 @@ class CdcBridge:
                     if state is not None:
                         if check_due or state.lost:  # a lost slot is fatal: never wait
                             self._check_lag(state)
-                        if observe_due:
+                        if observe_due and self.observer is not None:
                             events = self.metrics.value(self.metrics.events_published)
                             rate = ((events - last_events) / (now - last_observation)
                                     if last_observation else 0.0)
@@ -577,16 +579,21 @@ def schema_from_relation(relation: Relation, current: TableSchema | None) -> Tab
     columns = []
     for position, column in enumerate(relation.columns, start=1):
         known = by_name.get(column.name)
-        same_type = known is not None and known.type_oid == column.type_oid
+        if known is None or known.type_oid != column.type_oid:
+            known = None  # the catalog's column is another one now: only what pgoutput says
         columns.append(ColumnInfo(
             name=column.name, position=position,
-            data_type=known.data_type if same_type else str(column.type_oid),
-            is_nullable=known.is_nullable if same_type else True,
-            column_default=known.column_default if same_type else None,
+            data_type=known.data_type if known else str(column.type_oid),
+            is_nullable=known.is_nullable if known else True,
+            column_default=known.column_default if known else None,
             type_oid=column.type_oid, type_modifier=column.type_modifier,
             is_key=column.is_key,
-            is_primary_key=known.is_primary_key if same_type else False,
-            missing_value=known.missing_value if same_type else None))
+            is_primary_key=known.is_primary_key if known else False,
+            missing_value=known.missing_value if known else None))
     return TableSchema(relation.namespace, relation.name, relation.relation_id,
                        relation.replica_identity, tuple(columns),
                        storage=current.storage if current else 0)
+
+
+def _ignore(_: object) -> None:
+    """(a callback's result nobody reads)"""

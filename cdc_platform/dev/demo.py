@@ -38,7 +38,7 @@ _TAGS = ["alpha", "beta", "edge", "vip", "new", "has,comma", 'has"quote', None]
 
 def create_demo_tables(conn: psycopg.Connection) -> None:
     conn.execute(_DDL)
-    if conn.execute("SELECT count(*) FROM users").fetchone()[0] == 0:
+    if conn.execute("SELECT count(*) FROM users").fetchone() == (0,):
         conn.execute(
             "INSERT INTO users (name, email, score, tags, profile) "
             "SELECT 'user-' || i, 'user' || i || '@example.com', (i * 1.25)::numeric(10,2), "
@@ -84,7 +84,7 @@ class DemoWorkload:
                 "VALUES (%s, %s, %s, %s, %s) RETURNING id",
                 (f"user-{rng.randrange(10**9)}", None, round(rng.uniform(0, 1000), 2),
                  rng.sample(_TAGS, 2), Jsonb({"level": rng.randrange(5)})),
-            ).fetchone()[0]
+            ).fetchone()[0]  # type: ignore[index]  # (RETURNING: always a row)
             conn.execute("INSERT INTO orders (user_id, amount) VALUES (%s, %s)",
                          (user_id, round(rng.uniform(1, 500), 2)))
         elif action < 0.85:

@@ -42,10 +42,10 @@ def cancel_runs(instance: DagsterInstance, *, timeout: float) -> list[str]:
         if pending:
             time.sleep(0.5)
     for run_id in pending:
-        run = instance.get_run_by_id(run_id)
-        if run is not None and run.status not in _ENDED:
+        stuck = instance.get_run_by_id(run_id)
+        if stuck is not None and stuck.status not in _ENDED:
             instance.report_run_canceled(
-                run, message=f"did not stop within {timeout:.0f}s of the dev stack stopping")
+                stuck, message=f"did not stop within {timeout:.0f}s of the dev stack stopping")
     return [run.run_id for run in runs]
 
 

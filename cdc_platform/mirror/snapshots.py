@@ -114,7 +114,7 @@ async def latest_meta(js: JetStreamContext, table: str,
         message = await js.get_last_msg(stream, snapshot_meta_subject(table))
     except NotFoundError:
         return None
-    return SnapshotMeta.from_wire(_decode(message.data), message.seq)
+    return SnapshotMeta.from_wire(_decode(message.data or b""), message.seq or 0)
 
 
 async def cutover_start_seq(js: JetStreamContext, meta: SnapshotMeta) -> int:
@@ -128,7 +128,7 @@ async def cutover_start_seq(js: JetStreamContext, meta: SnapshotMeta) -> int:
             raise SnapshotUnusable(
                 f"snapshot {meta.snapshot_id} of {meta.table}: its watermark marker "
                 f"{meta.watermark_subject} is not in {meta.cdc_stream}") from None
-        start = marker.seq
+        start = marker.seq or 0  # (always set; from the start would also be correct)
     info = await js.stream_info(meta.cdc_stream)
     if start < info.state.first_seq:
         raise SnapshotUnusable(
@@ -157,7 +157,7 @@ async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str =
     rows = 0
     try:
         info = await subscription.consumer_info()
-        if info.num_pending < meta.batch_count:
+        if (info.num_pending or 0) < meta.batch_count:
             raise SnapshotUnusable(
                 f"snapshot {meta.snapshot_id} of {meta.table}: {stream} holds "
                 f"{info.num_pending} of its {meta.batch_count} chunks")

@@ -664,6 +664,7 @@ class MirrorStore:
             names = tuple(data)
             if shape.key_columns:  # one statement; the row must be there
                 parameters = self._update_parameters(event, ("UPDATE", table, names))
+                assert parameters is not None  # (None only for a table without a key)
                 if self._execute_unique(self._statements[("UPDATE", table, names)][0],
                                         parameters) != 1:
                     self._find_row(shape, identity, event)  # raises, naming the row

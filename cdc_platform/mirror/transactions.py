@@ -69,7 +69,7 @@ class Transaction:
                 return False
         return True
 
-    def ordered(self) -> list[dict[str, Any]]:
+    def ordered(self) -> list[Mapping[str, Any]]:
         return [self.events[key] for key in sorted(self.events)]
 
 

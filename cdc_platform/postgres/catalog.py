@@ -189,8 +189,9 @@ def resolve_published_table(conn: psycopg.Connection, publication: str,
         exists = conn.execute(
             "SELECT EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n "
             "ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s)",
-            (schema, table)).fetchone()[0]
-        reason = "is not in publication" if exists else "does not exist; publication is"
+            (schema, table)).fetchone()
+        reason = ("is not in publication" if exists and exists[0]
+                  else "does not exist; publication is")
         raise SnapshotRequestRefused(
             f"table {qualified_name(schema, table)} {reason} {publication}: refusing to "
             "snapshot it")

@@ -154,7 +154,7 @@ Event: TypeAlias = ChangeRecord | TransactionCommitted | RelationChanged | Logic
 _NO_EVENTS: tuple[Event, ...] = ()
 
 
-def relation_shape(relation: Relation) -> tuple:
+def relation_shape(relation: Relation) -> tuple[Any, ...]:
     """What makes two Relation messages describe the same table shape: schema, name,
     replica identity and every column's (name, type oid, type modifier, is_key)."""
     return (relation.namespace, relation.name, relation.replica_identity,
@@ -178,7 +178,7 @@ def _not_text(value: Any) -> Any:
     raise _SlowPath
 
 
-_BUILDERS: dict[tuple, Callable[[TupleData], dict[str, Any]]] = {}
+_BUILDERS: dict[tuple[Any, ...], Callable[[TupleData], dict[str, Any]]] = {}
 
 
 def _row_builder(names: tuple[str, ...], converters: tuple[Callable[[str], Any], ...],
@@ -193,9 +193,10 @@ def _row_builder(names: tuple[str, ...], converters: tuple[Callable[[str], Any],
     indexes; names and converters are bound as closure variables. With the compiled
     accelerator built (``native.py``), its ``RowBuilder`` does the same.
     """
-    key = (names, converters, indexes, native is None)
+    cache_key = (names, converters, indexes, native is None)
+    key: tuple[Any, ...] | None = cache_key
     try:
-        builder = _BUILDERS.get(key)
+        builder = _BUILDERS.get(cache_key)
     except TypeError:  # an unhashable converter: build without caching
         key, builder = None, None
     if builder is None and native is not None:
@@ -440,7 +441,7 @@ class TransactionAssembler:
         for name, convert, value in zip(names, table.converters, values):
             if value.__class__ is str:
                 try:
-                    row[name] = convert(value)
+                    row[name] = convert(value)  # type: ignore[arg-type]  # (a str: checked)
                 except (ValueError, TypeError, ArithmeticError, ConversionError):
                     row[name] = value
                     raw.append(name)
@@ -520,7 +521,7 @@ class TransactionAssembler:
         new = self._build(table, message.new, lsn, unchanged, raw)
         old_kind = message.old_kind
         old = (None if old_kind is None
-               else self._build_old(table, old_kind, message.old, lsn, raw))
+               else self._build_old(table, old_kind, message.old, lsn, raw))  # type: ignore[arg-type]  # (old_kind: old is set)
         ordinal = self._ordinal
         self._ordinal = ordinal + 1
         return (ChangeRecord(

@@ -30,9 +30,10 @@ of text columns and anything else goes down the general loop.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Final, Literal, Self, TypeAlias
+from typing import Any, Final, Literal, TypeAlias
 
 from cdc_platform.errors import ProtocolError
 from cdc_platform.protocol.native import NATIVE
@@ -76,7 +77,7 @@ class _UnchangedToast:
     __slots__ = ()
     _instance: _UnchangedToast | None = None
 
-    def __new__(cls) -> Self:
+    def __new__(cls) -> _UnchangedToast:  # noqa: PYI034 - a singleton: this class, always
         if cls._instance is None:
             cls._instance = object.__new__(cls)
         return cls._instance
@@ -358,12 +359,13 @@ def _tuple_slow(data: bytes, pos: int) -> tuple[TupleData, int]:
     return tuple(values), pos
 
 
-_TEXT_READERS: dict[int, object] = {}  # count -> (data, pos) -> (values, end) | None
-_EXACT_READERS: dict[int, object] = {}  # count -> (data, pos) -> values | None
+_TupleReader: TypeAlias = Callable[[bytes, int], Any]
+_TEXT_READERS: dict[int, _TupleReader] = {}  # count -> (data, pos) -> (values, end) | None
+_EXACT_READERS: dict[int, _TupleReader] = {}  # count -> (data, pos) -> values | None
 _MAX_UNROLLED = 256
 
 
-def _text_tuple_reader(count: int):
+def _text_tuple_reader(count: int) -> _TupleReader:
     """``(data, pos) -> (values, end) | None`` for ``count`` text columns, loop unrolled.
 
     Returns None as soon as a column is not ``'t'`` (the caller falls back to the loop); a
@@ -388,7 +390,7 @@ def _text_tuple_reader(count: int):
             ["def read(data, pos):", *lines, f"    return ({values}), pos",
              "def read_exact(data, pos):", *lines,
              "    if pos != len(data): return None", f"    return ({values})"])
-        namespace = {"kind_length": _KIND_LENGTH}
+        namespace: dict[str, Any] = {"kind_length": _KIND_LENGTH}
         exec(source, namespace)  # noqa: S102 - generated from an int only
         _EXACT_READERS[count] = namespace["read_exact"]
         reader = _TEXT_READERS[count] = namespace["read"]
@@ -401,7 +403,7 @@ _read_tuple = NATIVE.read_tuple if NATIVE is not None else None
 def _tuple(data: bytes, pos: int) -> tuple[TupleData, int]:
     if _read_tuple is not None:
         # The compiled reader; None means malformed, and the Python code says how.
-        result = _read_tuple(data, pos, UNCHANGED_TOAST)
+        result: tuple[TupleData, int] | None = _read_tuple(data, pos, UNCHANGED_TOAST)
         if result is not None:
             return result
     return _tuple_python(data, pos)
@@ -412,7 +414,7 @@ def _tuple_python(data: bytes, pos: int) -> tuple[TupleData, int]:
     if count <= _MAX_UNROLLED:
         reader = _TEXT_READERS.get(count) or _text_tuple_reader(count)
         try:
-            result = reader(data, pos + 2)
+            result: tuple[TupleData, int] | None = reader(data, pos + 2)
         except struct.error:
             result = None
         if result is not None:
@@ -421,21 +423,21 @@ def _tuple_python(data: bytes, pos: int) -> tuple[TupleData, int]:
 
 
 # -- message decoders: (data, pos after tag [and xid]) -> (message, end position) ------------
-def _begin(data: bytes, pos: int):
+def _begin(data: bytes, pos: int) -> tuple[Begin, int]:
     return Begin(*_BEGIN(data, pos)), pos + 20
 
 
-def _commit(data: bytes, pos: int):
+def _commit(data: bytes, pos: int) -> tuple[Commit, int]:
     return Commit(*_COMMIT(data, pos)), pos + 25
 
 
-def _origin(data: bytes, pos: int):
+def _origin(data: bytes, pos: int) -> tuple[Origin, int]:
     (lsn,) = _U64(data, pos)
     name, pos = _string(data, pos + 8)
     return Origin(lsn, name), pos
 
 
-def _relation(data: bytes, pos: int):
+def _relation(data: bytes, pos: int) -> tuple[Relation, int]:
     (relation_id,) = _U32(data, pos)
     namespace, pos = _string(data, pos + 4)
     name, pos = _string(data, pos)
@@ -452,14 +454,14 @@ def _relation(data: bytes, pos: int):
     return Relation(relation_id, namespace, name, replica_identity, tuple(columns)), pos
 
 
-def _type(data: bytes, pos: int):
+def _type(data: bytes, pos: int) -> tuple[Type, int]:
     (type_oid,) = _U32(data, pos)
     namespace, pos = _string(data, pos + 4)
     name, pos = _string(data, pos)
     return Type(type_oid, namespace, name), pos
 
 
-def _insert(data: bytes, pos: int):
+def _insert(data: bytes, pos: int) -> tuple[Insert, int]:
     relation_id, marker = _U32_U8(data, pos)
     if marker != _KIND_NEW:
         raise ProtocolError(f"Insert: expected 'N' before the new tuple, got {chr(marker)!r}")
@@ -467,10 +469,11 @@ def _insert(data: bytes, pos: int):
     return Insert(relation_id, new), pos
 
 
-def _update(data: bytes, pos: int):
+def _update(data: bytes, pos: int) -> tuple[Update, int]:
     relation_id, marker = _U32_U8(data, pos)
     pos += 5
-    old_kind = old = None
+    old_kind: Literal["K", "O"] | None = None
+    old: TupleData | None = None
     if marker == _KIND_KEY or marker == _KIND_OLD:
         old_kind = "K" if marker == _KIND_KEY else "O"
         old, pos = _tuple(data, pos)
@@ -482,7 +485,7 @@ def _update(data: bytes, pos: int):
     return Update(relation_id, old_kind, old, new), pos
 
 
-def _delete(data: bytes, pos: int):
+def _delete(data: bytes, pos: int) -> tuple[Delete, int]:
     relation_id, marker = _U32_U8(data, pos)
     if marker != _KIND_KEY and marker != _KIND_OLD:
         raise ProtocolError(f"Delete: expected 'K' or 'O', got {chr(marker)!r}")
@@ -490,7 +493,7 @@ def _delete(data: bytes, pos: int):
     return Delete(relation_id, "K" if marker == _KIND_KEY else "O", old), pos
 
 
-def _truncate(data: bytes, pos: int):
+def _truncate(data: bytes, pos: int) -> tuple[Truncate, int]:
     count, options = _U32_U8(data, pos)
     pos += 5
     if count > (len(data) - pos) // 4:
@@ -500,7 +503,7 @@ def _truncate(data: bytes, pos: int):
     return Truncate(relation_ids, bool(options & 1), bool(options & 2)), pos + 4 * count
 
 
-def _logical_message(data: bytes, pos: int):
+def _logical_message(data: bytes, pos: int) -> tuple[LogicalMessage, int]:
     flags, lsn = _MESSAGE_HEAD(data, pos)
     prefix, pos = _string(data, pos + 9)
     (length,) = _U32(data, pos)
@@ -512,27 +515,27 @@ def _logical_message(data: bytes, pos: int):
     return LogicalMessage(bool(flags & 1), lsn, prefix, data[pos:end]), end
 
 
-def _stream_start(data: bytes, pos: int):
+def _stream_start(data: bytes, pos: int) -> tuple[StreamStart, int]:
     xid, first = _U32_U8(data, pos)
     return StreamStart(xid, bool(first)), pos + 5
 
 
-def _stream_stop(data: bytes, pos: int):
+def _stream_stop(data: bytes, pos: int) -> tuple[StreamStop, int]:
     return StreamStop(), pos
 
 
-def _stream_commit(data: bytes, pos: int):
+def _stream_commit(data: bytes, pos: int) -> tuple[StreamCommit, int]:
     return StreamCommit(*_STREAM_COMMIT(data, pos)), pos + 29
 
 
-def _stream_abort(data: bytes, pos: int):
+def _stream_abort(data: bytes, pos: int) -> tuple[StreamAbort, int]:
     # The parallel (protocol 4) form is recognisable by its length alone.
     if len(data) - pos == 24:
         return StreamAbort(*_STREAM_ABORT_V4(data, pos)), pos + 24
     return StreamAbort(*_U32_U32(data, pos)), pos + 8
 
 
-_DECODERS = {
+_DECODERS: dict[int, Callable[[bytes, int], tuple[PgoutputMessage, int]]] = {
     ord("B"): _begin,
     ord("C"): _commit,
     ord("O"): _origin,
@@ -603,8 +606,16 @@ def _decode(data: bytes, start: int, streamed: bool) -> tuple[int | None, Pgoutp
 
 _INSERT_HEAD = struct.Struct(">IBH").unpack_from  # relation oid, 'N', column count
 _new_object = object.__new__
-_set_insert_relation_id = Insert.relation_id.__set__  # type: ignore[attr-defined]
-_set_insert_new = Insert.new.__set__  # type: ignore[attr-defined]
+
+
+def _slot_setter(name: str) -> Callable[[Insert, Any], None]:
+    """The slot descriptor's setter of a frozen Insert field."""
+    setter: Callable[[Insert, Any], None] = getattr(Insert, name).__set__
+    return setter
+
+
+_set_insert_relation_id = _slot_setter("relation_id")
+_set_insert_new = _slot_setter("new")
 
 
 def decode_message(data: bytes | bytearray | memoryview, offset: int = 0) -> PgoutputMessage:

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from cdc_platform.errors import ProtocolError
 
@@ -75,11 +76,18 @@ class PrimaryKeepalive:
     reply_requested: bool
 
 
+def _slot_setter(name: str) -> Callable[[XLogData, Any], None]:
+    """The slot descriptor's setter of a frozen XLogData field (one is built per message:
+    the frozen dataclass's __init__ costs several times as much)."""
+    setter: Callable[[XLogData, Any], None] = getattr(XLogData, name).__set__
+    return setter
+
+
 _new_object = object.__new__
-_set_wal_start = XLogData.wal_start.__set__  # type: ignore[attr-defined]
-_set_wal_end = XLogData.wal_end.__set__  # type: ignore[attr-defined]
-_set_send_time = XLogData.send_time.__set__  # type: ignore[attr-defined]
-_set_buffer = XLogData.buffer.__set__  # type: ignore[attr-defined]
+_set_wal_start = _slot_setter("wal_start")
+_set_wal_end = _slot_setter("wal_end")
+_set_send_time = _slot_setter("send_time")
+_set_buffer = _slot_setter("buffer")
 _unpack_xlogdata = _XLOGDATA.unpack_from
 
 

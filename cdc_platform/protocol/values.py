@@ -191,7 +191,7 @@ _BOX_OID = 603
 
 
 # -- arrays --------------------------------------------------------------------------------------
-def parse_array(text: str, convert: Converter = identity, delimiter: str = ",") -> list:
+def parse_array(text: str, convert: Converter = identity, delimiter: str = ",") -> list[Any]:
     """A PostgreSQL array literal as printed by ``array_out`` -> nested lists.
 
     Quoted elements may contain the delimiter, braces, ``"`` and ``\\`` (backslash-escaped);
@@ -212,8 +212,10 @@ def parse_array(text: str, convert: Converter = identity, delimiter: str = ",") 
     return value
 
 
-def _parse_level(text: str, pos: int, convert: Converter, delimiter: str) -> tuple[list, int]:
-    result: list = []
+def _parse_level(text: str, pos: int, convert: Converter, delimiter: str
+                 ) -> tuple[list[Any], int]:
+    result: list[Any] = []
+    value: Any
     pos += 1  # the "{"
     if text[pos] == "}":
         return result, pos + 1
@@ -359,7 +361,7 @@ class TypeRegistry:
             f"{info.namespace}.{info.name}"
 
 
-def convert_row(converters: Sequence[Converter], texts: Sequence[str | None]) -> list:
+def convert_row(converters: Sequence[Converter], texts: Sequence[str | None]) -> list[Any]:
     """Convert one row of texts (None = NULL) with per-column converters."""
     return [None if text is None else convert(text)
             for convert, text in zip(converters, texts, strict=True)]

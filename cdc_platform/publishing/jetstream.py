@@ -889,15 +889,14 @@ class JetStreamPublisher:
         if self._requested_mode == "fast-batch" and not batched:
             raise PublishError(f"stream {self._stream!r} does not allow fast-ingest batches "
                                "(allow_batched); use mode 'per-message' or 'auto'")
-        mode = self._requested_mode
-        if mode == "auto":
-            mode = "fast-batch" if batched else "per-message"
-        self.mode = mode
+        requested = self._requested_mode
+        self.mode = (("fast-batch" if batched else "per-message") if requested == "auto"
+                     else requested)
         self._stream_subjects = list(info.config.subjects or [self._stream])
 
         wire: _Wire = await probe_raw_wire(self._nc) or _PublicWire(self._nc)
         inbox = self._nc.new_inbox()
-        if mode == "fast-batch":
+        if self.mode == "fast-batch":
             self._channel = _FastBatchChannel(
                 self, self._ledger, wire, inbox, self.stats, self._rate,
                 commit_idle=self._commit_idle, commit_max_delay=self._commit_max_delay,
@@ -912,9 +911,9 @@ class JetStreamPublisher:
             pending_msgs_limit=4 * self._max_messages + 10_000,
             pending_bytes_limit=256 * 1024 * 1024)
         self._generation = self._nc.stats["reconnects"]
-        self.stats.mode, self.stats.wire = mode, wire.name
+        self.stats.mode, self.stats.wire = self.mode, wire.name
         self._task = asyncio.create_task(self._run(), name=f"jetstream-publisher:{self._stream}")
-        log.info("publishing to JetStream stream %s: %s mode, %s wire", self._stream, mode,
+        log.info("publishing to JetStream stream %s: %s mode, %s wire", self._stream, self.mode,
                  wire.name)
 
     @property

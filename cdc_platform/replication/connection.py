@@ -20,6 +20,8 @@ import psycopg
 from psycopg import pq
 from psycopg.conninfo import make_conninfo
 from psycopg.pq import ExecStatus
+from psycopg.pq.abc import PGconn as PGconnType
+from psycopg.pq.abc import PGresult as PGresultType
 
 from cdc_platform.errors import ReplicationConfigError, ReplicationError
 from cdc_platform.lsn import format_lsn, parse_lsn
@@ -79,7 +81,7 @@ class CopyBothEnded(ReplicationError):
 class ReplicationConnection:
     """One walsender connection. Not thread-safe; use from one asyncio task."""
 
-    def __init__(self, pgconn: pq.PGconn, description: str) -> None:
+    def __init__(self, pgconn: PGconnType, description: str) -> None:
         self._pgconn = pgconn
         self._description = description
         self._streaming = False
@@ -106,7 +108,7 @@ class ReplicationConnection:
         return cls(pgconn, description)
 
     def close(self) -> None:
-        if self._pgconn.pgconn_ptr is not None:
+        if getattr(self._pgconn, "pgconn_ptr", None) is not None:  # not finished yet
             self._pgconn.finish()
 
     @property
@@ -124,7 +126,10 @@ class ReplicationConnection:
         fileno = self._pgconn.socket
         add, remove = ((self._loop.add_writer, self._loop.remove_writer) if write
                        else (self._loop.add_reader, self._loop.remove_reader))
-        add(fileno, lambda: future.done() or future.set_result(True))
+        def ready() -> None:
+            if not future.done():
+                future.set_result(True)
+        add(fileno, ready)
         try:
             await asyncio.wait_for(future, timeout)
             return True
@@ -176,15 +181,14 @@ class ReplicationConnection:
             if result.status == ExecStatus.FATAL_ERROR:
                 raise _result_error(f"{command.split('(')[0].strip()} failed", result)
             for row in range(result.ntuples):
-                rows.append(tuple(
-                    None if result.get_value(row, col) is None
-                    else result.get_value(row, col).decode()
-                    for col in range(result.nfields)))
+                values = (result.get_value(row, col) for col in range(result.nfields))
+                rows.append(tuple(None if value is None else value.decode() for value in values))
         return rows
 
     async def identify_system(self) -> SystemIdentity:
-        system_id, timeline, xlog_position, database = (await self.execute("IDENTIFY_SYSTEM"))[0]
-        return SystemIdentity(system_id, int(timeline), parse_lsn(xlog_position), database)
+        row = (await self.execute("IDENTIFY_SYSTEM"))[0]
+        system_id, timeline, xlog_position = _required(row[:3], "IDENTIFY_SYSTEM")
+        return SystemIdentity(system_id, int(timeline), parse_lsn(xlog_position), row[3])
 
     async def create_logical_slot(self, slot: str, *, temporary: bool = False,
                                   snapshot: str = "nothing") -> CreatedSlot:
@@ -193,10 +197,11 @@ class ReplicationConnection:
         if snapshot not in ("export", "use", "nothing"):
             raise ValueError(f"snapshot must be export/use/nothing, not {snapshot!r}")
         temp = " TEMPORARY" if temporary else ""
-        name, point, snapshot_name, plugin = (await self.execute(
+        row = (await self.execute(
             f'CREATE_REPLICATION_SLOT "{slot}"{temp} LOGICAL pgoutput (SNAPSHOT \'{snapshot}\')'
         ))[0]
-        return CreatedSlot(name, parse_lsn(point), snapshot_name, plugin)
+        name, point, plugin = _required((row[0], row[1], row[3]), "CREATE_REPLICATION_SLOT")
+        return CreatedSlot(name, parse_lsn(point), row[2], plugin)
 
     async def drop_slot(self, slot: str, *, wait: bool = False) -> None:
         await self.execute(f'DROP_REPLICATION_SLOT "{slot}"{" WAIT" if wait else ""}')
@@ -298,7 +303,15 @@ class ReplicationConnection:
                 break
 
 
-def _result_error(what: str, result: pq.PGresult) -> ReplicationError:
+def _required(values: tuple[str | None, ...], command: str) -> list[str]:
+    """Values the server always sends for ``command`` (a NULL among them is a protocol
+    error, not something to carry on with)."""
+    if any(value is None for value in values):
+        raise ReplicationError(f"{command} answered with a NULL where a value is required")
+    return [value for value in values if value is not None]
+
+
+def _result_error(what: str, result: PGresultType) -> ReplicationError:
     """A FATAL_ERROR result as a ReplicationError (ReplicationConfigError when retrying cannot
     fix it), with the server's message and SQLSTATE."""
     message = (result.error_message or b"").decode(errors="replace").strip()

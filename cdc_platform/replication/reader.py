@@ -201,7 +201,7 @@ class SlotReader:
             kind = type(decoded)
             if kind is Begin:
                 self._in_transaction = True
-            elif kind is Relation:
+            elif isinstance(decoded, Relation):
                 self.received_lsn = received_lsn
                 await self._ensure_types(decoded)
             for event in feed(wal_start, decoded):

@@ -373,6 +373,7 @@ class Chunker:
         with _gc_paused():  # no cycles here; collections during millions of allocations cost
             if self._native_kinds is not None:
                 try:
+                    assert NATIVE is not None  # (_native_kinds is only set with it)
                     rows = NATIVE.pack_rows(fields, count, self._width, self._packed_names,
                                             self._native_kinds, self._converters,
                                             unescape)
@@ -392,6 +393,7 @@ class Chunker:
         written around them, byte for byte what msgpack writes for the chunk's map."""
         number = chunk_number(self.partition, self._next)
         count = len(rows)
+        assert NATIVE is not None  # (only the compiled packer's rows come here)
         raw = b"".join((b"\x88", self._chunk_head, self._chunk_key, NATIVE.packb(number),
                         self._chunk_lsn, _array_header(count), *rows, self._chunk_tail))
         payload = self._compress(raw) if self._compress is not None else raw
@@ -412,9 +414,9 @@ class Chunker:
 
     def _encode_fitting(self, data: list[dict[str, Any]], offset: int,
                         ctids: Sequence[str] | None, out: list[Chunk],
-                        raw: dict[int, list[str]] | None = None) -> None:
+                        raw_cells: dict[int, list[str]] | None = None) -> None:
         """Encode ``data`` as one chunk, or split it in halves until every part fits.
-        ``raw``: the unconverted cells of the whole batch, by row index (``offset`` is
+        ``raw_cells``: the unconverted cells of the whole batch, by row index (``offset`` is
         ``data[0]``'s)."""
         layout = self.layout
         number = chunk_number(self.partition, self._next)
@@ -422,27 +424,30 @@ class Chunker:
             "table": layout.table, "operation": OPERATION, "snapshot_id": layout.snapshot_id,
             "chunk": number, "lsn": layout.lsn, "data": data, "partition": self.partition,
             "schema_fingerprint": layout.schema_fingerprint}
-        cells = [[row_index - offset, column] for row_index, columns in sorted((raw or {}).items())
-                 if offset <= row_index < offset + len(data) for column in columns]
+        cells: list[tuple[int, str]] = [
+            (row_index - offset, column)
+            for row_index, columns in sorted((raw_cells or {}).items())
+            if offset <= row_index < offset + len(data) for column in columns]
         if cells:
-            payload_map["raw_cells"] = cells
+            payload_map["raw_cells"] = [list(cell) for cell in cells]
+            first_row, first_column = cells[0]
             log.error("%s: no converter accepts %d value(s) of snapshot %s, first %s of row %s: "
                       "sent as the text PostgreSQL printed, listed in the chunk's raw_cells",
-                      layout.table, len(cells), layout.snapshot_id, cells[0][1],
-                      self._describe_key(data[cells[0][0]], ctids, offset + cells[0][0]))
-        raw = self._encode(payload_map)
-        payload = self._compress(raw) if self._compress is not None else raw
+                      layout.table, len(cells), layout.snapshot_id, first_column,
+                      self._describe_key(data[first_row], ctids, offset + first_row))
+        encoded = self._encode(payload_map)
+        payload = self._compress(encoded) if self._compress is not None else encoded
         if len(payload) > self._budget:
             if len(data) == 1:
                 self._log_oversized(data[0], ctids, offset, len(payload))
-                self._finish_chunk(number, 1, raw, payload, out, oversized=True)
+                self._finish_chunk(number, 1, encoded, payload, out, oversized=True)
                 return
             self.stats.splits += 1
             half = len(data) // 2
-            self._encode_fitting(data[:half], offset, ctids, out, raw)
-            self._encode_fitting(data[half:], offset + half, ctids, out, raw)
+            self._encode_fitting(data[:half], offset, ctids, out, raw_cells)
+            self._encode_fitting(data[half:], offset + half, ctids, out, raw_cells)
             return
-        self._finish_chunk(number, len(data), raw, payload, out)
+        self._finish_chunk(number, len(data), encoded, payload, out)
 
     def _finish_chunk(self, number: int, rows: int, raw: bytes, payload: bytes,
                       out: list[Chunk], *, oversized: bool = False) -> None:

@@ -111,7 +111,7 @@ async def fetch_dictionary(js: JetStreamContext, table: str, dictionary_id: int,
     """For consumers and tests: the dictionary a chunk names."""
     kv = await js.key_value(bucket)
     entry = await kv.get(dictionary_key(table, dictionary_id))
-    return entry.value
+    return entry.value or b""
 
 
 def decompressor(dictionary: bytes | None) -> zstandard.ZstdDecompressor:

@@ -203,15 +203,17 @@ def _describe(conn: psycopg.Connection, publication: str, table: str) -> _Table:
         if not rows or still == missing:
             break
         missing = still
-    block_size, _kind, reltuples, size = conn.execute(
-        _SIZE_QUERY, (schema.relation_id,)).fetchone()
+    sized = conn.execute(_SIZE_QUERY, (schema.relation_id,)).fetchone()
+    if sized is None:
+        raise SnapshotError(f"{schema.wire_name}: the table went away while it was described")
+    block_size, _kind, reltuples, size = sized
     return _Table(schema, tuple(type_rows), size // block_size, block_size, reltuples)
 
 
 def _select(schema: TableSchema, *, sample: sql.Composable | None = None) -> str:
     """``COPY (SELECT <published columns>[, ctid] FROM t ...) TO STDOUT``. Tasks fill in
     ``{range}``; a sample gets its own clause instead."""
-    fields = [sql.Identifier(c.name) for c in schema.columns]
+    fields: list[sql.Composable] = [sql.Identifier(c.name) for c in schema.columns]
     if not schema.primary_key:
         fields.append(sql.SQL("ctid"))
     target = sql.Identifier(schema.schema, schema.table)
@@ -390,7 +392,7 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
             mark = json.dumps({"snapshot_id": snapshot_id, "table": wire_table})
             watermark_lsn = control.execute(
                 "SELECT pg_logical_emit_message(true, %s, %s)::text",
-                (WATERMARK_PREFIX, mark)).fetchone()[0]
+                (WATERMARK_PREFIX, mark)).fetchone()[0]  # type: ignore[index]  # (a SELECT)
             # 4. guard: ACCESS SHARE until the end; describe again under the lock
             control.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
             control.execute(sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(

@@ -34,8 +34,10 @@ import nats.errors
 import psycopg
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError
-from psycopg import pq, sql
+from psycopg import sql
 from psycopg.pq import ExecStatus
+from psycopg.pq.abc import PGconn as PGconnType
+from psycopg.pq.abc import PGresult as PGresultType
 
 from cdc_platform.errors import (
     ConversionError,
@@ -119,23 +121,26 @@ class RangeStats:
 
 
 # -- COPY from libpq --------------------------------------------------------------------------
-async def _readable(pgconn: pq.PGconn) -> None:
+async def _readable(pgconn: PGconnType) -> None:
     loop = asyncio.get_running_loop()
     future = loop.create_future()
     fileno = pgconn.socket
-    loop.add_reader(fileno, lambda: future.done() or future.set_result(None))
+    def ready() -> None:
+        if not future.done():
+            future.set_result(None)
+    loop.add_reader(fileno, ready)
     try:
         await future
     finally:
         loop.remove_reader(fileno)
 
 
-def _raise_for(result: pq.PGresult, what: str) -> None:
+def _raise_for(result: PGresultType, what: str) -> None:
     message = (result.error_message or b"").decode(errors="replace").strip()
     raise SnapshotError(f"{what} failed: {message}")
 
 
-async def copy_blocks(pgconn: pq.PGconn, command: str) -> AsyncIterator[bytearray]:
+async def copy_blocks(pgconn: PGconnType, command: str) -> AsyncIterator[bytearray]:
     """Run ``COPY ... TO STDOUT`` (text) and yield blocks of complete lines (each ending with
     ``\\n``) of 64 to 512 KiB (the last one may be smaller).
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgpack
@@ -40,10 +41,11 @@ def encode_json(value: Any) -> bytes:
                           ensure_ascii=False).encode()
 
 
-def encoder(fmt: Format):
+def encoder(fmt: Format) -> Callable[[Any], bytes]:
     """``value -> bytes`` for the configured payload format."""
     if fmt == "msgpack":
-        return msgpack.Packer(use_bin_type=True, datetime=False).pack
+        pack: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True, datetime=False).pack
+        return pack
     if fmt == "json":
         return encode_json
     raise ValueError(f"unknown format {fmt!r}")

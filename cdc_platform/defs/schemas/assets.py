@@ -16,9 +16,9 @@ def schemas(context: dg.AssetExecutionContext, postgres: PostgresResource, nats:
     settings = cdc.platform_settings(postgres, nats)
     publication = settings.postgres.publication
     with postgres.connect() as conn:
-        found = [table_schema(conn, publication, schema, table)
-                 for schema, table in published_tables(conn, publication)]
-    found = [s for s in found if s is not None]
+        described = [table_schema(conn, publication, schema, table)
+                     for schema, table in published_tables(conn, publication)]
+    found = [s for s in described if s is not None]
     encode = encoder(settings.encoding.format)
 
     async def put_all() -> None:

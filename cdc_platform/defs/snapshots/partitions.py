@@ -2,4 +2,5 @@
 
 import dagster as dg
 
-published_tables_partitions = dg.DynamicPartitionsDefinition(name="published_tables")
+PUBLISHED_TABLES = "published_tables"  # the dynamic partitions' name
+published_tables_partitions = dg.DynamicPartitionsDefinition(name=PUBLISHED_TABLES)

@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from cdc_platform.defs.snapshots.partitions import published_tables_partitions
+from cdc_platform.defs.snapshots.partitions import PUBLISHED_TABLES
 
 
 def build_snapshot_refresh_schedule(snapshot_job, cron: str, timezone: str):
@@ -11,7 +11,7 @@ def build_snapshot_refresh_schedule(snapshot_job, cron: str, timezone: str):
                  description="A fresh INIT snapshot of every published table "
                  "(cron: CDC_SNAPSHOT_CRON). Off until turned on.")
     def snapshot_refresh_schedule(context: dg.ScheduleEvaluationContext):
-        tables = context.instance.get_dynamic_partitions(published_tables_partitions.name)
+        tables = context.instance.get_dynamic_partitions(PUBLISHED_TABLES)
         if not tables:
             return dg.SkipReason("no published tables known yet (publication_sync_sensor)")
         stamp = context.scheduled_execution_time.isoformat()

@@ -18,7 +18,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from cdc_platform.defs.resources import NatsResource, PostgresResource
 from cdc_platform.defs.snapshots.assets import REPLIES_TAG
-from cdc_platform.defs.snapshots.partitions import published_tables_partitions
+from cdc_platform.defs.snapshots.partitions import PUBLISHED_TABLES, published_tables_partitions
 from cdc_platform.jetstream.connection import fetch_available
 from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import published_tables
@@ -50,11 +50,11 @@ def _published_wire_names(postgres: PostgresResource) -> list[str]:
 def publication_sync_sensor(context: dg.SensorEvaluationContext,
                             postgres: PostgresResource) -> dg.SensorResult | dg.SkipReason:
     wanted = set(_published_wire_names(postgres))
-    existing = set(context.instance.get_dynamic_partitions(published_tables_partitions.name))
+    existing = set(context.instance.get_dynamic_partitions(PUBLISHED_TABLES))
     added, removed = sorted(wanted - existing), sorted(existing - wanted)
     if not added and not removed:
         return dg.SkipReason(f"partitions match the publication ({len(wanted)} tables)")
-    requests = []
+    requests: list[dg.AddDynamicPartitionsRequest | dg.DeleteDynamicPartitionsRequest] = []
     if added:
         requests.append(published_tables_partitions.build_add_request(added))
     if removed:
@@ -82,7 +82,7 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
             context.log.info(note)
         if not runs:  # say why in the tick itself, not only in its logs
             return dg.SensorResult(cursor=str(highest), skip_reason="; ".join(notes)[:1000])
-        known = set(context.instance.get_dynamic_partitions(published_tables_partitions.name))
+        known = set(context.instance.get_dynamic_partitions(PUBLISHED_TABLES))
         new_partitions = sorted(set(runs) - known)
         return dg.SensorResult(
             run_requests=[dg.RunRequest(
