@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
@@ -50,18 +51,19 @@ from cdc_platform.settings import MirrorSettings, PlatformSettings
 from cdc_platform.snapshot.requests import reusable_snapshot
 from cdc_platform.wire import (
     CDC_PREFIX,
+    CHANGE_OPERATIONS,
     HEADER_CLAIM_CHECK,
     SCHEMA_OPERATION,
-    SNAPSHOT_REQUEST_PREFIX,
     commit_ts_epoch,
     decode_payload,
     payload_format,
+    snapshot_request_subject,
 )
 
 log = logging.getLogger(__name__)
 
 Report = Callable[[str], None]
-_OPERATIONS = frozenset({"INSERT", "UPDATE", "DELETE", "TRUNCATE", SCHEMA_OPERATION})
+_OPERATIONS = frozenset({*CHANGE_OPERATIONS, SCHEMA_OPERATION})
 
 
 class _Restart(Exception):
@@ -253,7 +255,7 @@ class Mirror:
                     "max_age_seconds": self.options.snapshot_max_age_seconds}
             if min_lsn:
                 body["min_lsn"] = format_lsn(min_lsn)
-            await js.publish(f"{SNAPSHOT_REQUEST_PREFIX}.{table}", json.dumps(body).encode(),
+            await js.publish(snapshot_request_subject(table), json.dumps(body).encode(),
                              stream=self.settings.topology.requests.name)
             self.report(f"{table}: requested a snapshot (request {request_id})")
             started = last_report = time.monotonic()
@@ -329,7 +331,14 @@ class Mirror:
                     raise _Restart from None
                 for message in messages:
                     if message.has_header(HEADER_CLAIM_CHECK):  # in the object store
-                        await follow.claim_checked(message)
+                        try:
+                            await follow.claim_checked(message)
+                        except (NatsError, TimeoutError) as exc:
+                            log.warning("reading the object of claim check %s on %s failed "
+                                        "(%s): following again from the last commit",
+                                        message.stream_seq, message.subject, exc)
+                            await asyncio.sleep(1.0)
+                            raise _Restart from None
                     else:  # most messages: no await per message
                         follow.payload(message, message.data)
                     if follow.stale:

@@ -1,0 +1,136 @@
+"""deploy/nats/nats-server.conf on a real nats-server: the bridge (user ``bridge``) provisions
+and streams, a mirror (user ``consumer``) bootstraps and follows, and the consumer can forge
+nothing every mirror would apply: no change event, no snapshot chunk or meta, no schema."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import subprocess
+from pathlib import Path
+
+import nats
+import pytest
+
+from cdc_platform.dev.servers import find_nats_server, free_port, port_is_open
+from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.jetstream.provision import provision
+from cdc_platform.mirror.follower import Mirror
+from cdc_platform.replication.slots import read_slot
+from cdc_platform.settings import MirrorSettings, NatsSettings, NatsTopology
+from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
+from cdc_platform_tests.fixtures.responder import snapshot_responder
+from cdc_platform_tests.fixtures.services import platform_settings, random_name
+from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
+
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "nats-server.conf"
+
+
+@pytest.fixture
+def secured_nats(tmp_path):
+    """nats-server started from the deploy config; yields (url, bridge password, consumer
+    password)."""
+    port, monitor = free_port(), free_port()
+    passwords = (secrets.token_urlsafe(12), secrets.token_urlsafe(12))
+    env = {**os.environ, "NATS_PORT": str(port), "NATS_MONITOR_LISTEN": f"127.0.0.1:{monitor}",
+           "NATS_STORE_DIR": str(tmp_path / "jetstream"),
+           "NATS_BRIDGE_PASSWORD": passwords[0], "NATS_CONSUMER_PASSWORD": passwords[1]}
+    log = tmp_path / "nats.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([str(find_nats_server()), "-c", str(CONFIG)], env=env,
+                                   stdout=out, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(100):
+            if port_is_open("127.0.0.1", port) or process.poll() is not None:
+                break
+            import time
+            time.sleep(0.1)
+        assert process.poll() is None, log.read_text()
+        yield f"nats://127.0.0.1:{port}", *passwords
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _as(settings, user: str, password: str):
+    nats_settings = NatsSettings(url=settings.nats.url.get_secret_value(), user=user,
+                                 password=password)
+    return settings.model_copy(update={"nats": nats_settings})
+
+
+async def _refused(publish) -> bool:
+    """Whether a JetStream publish was refused (the server answers a publish it does not
+    permit with a permissions error and no ack: nats-py times out or raises)."""
+    try:
+        await publish()
+    except Exception:  # noqa: BLE001 - any refusal will do; the stream's count is checked
+        return True
+    return False
+
+
+async def test_a_consumer_reads_everything_and_can_forge_nothing(
+        secured_nats, cdc_database, pg_admin, tmp_path):
+    url, bridge_password, consumer_password = secured_nats
+    table = random_name("guarded")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 50) g")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, url)
+    bridge = _as(settings, "bridge", bridge_password)
+    consumer = _as(settings, "consumer", consumer_password)
+
+    client = await connect_nats(bridge.nats)  # the bridge's user provisions
+    await provision(client.jetstream(), NatsTopology())
+    await client.close()
+
+    db = tmp_path / "mirror.db"
+    async with running_bridge(bridge), snapshot_responder(bridge):
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        await Mirror(consumer, [table], db, options=MirrorSettings(status_interval_seconds=1.0),
+                     report=lambda line: None).run(until_caught_up=True)
+        pg_admin.execute(f"UPDATE {table} SET v = 'changed' WHERE id <= 5")
+        pg_admin.execute(f"DELETE FROM {table} WHERE id > 45")
+        # a value over max_payload: a claim check in the object store, written by the bridge
+        pg_admin.execute(f"INSERT INTO {table} VALUES (1000, repeat('x', 1500000))")
+        await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
+
+        # the consumer tries to forge: a DELETE of a row, a chunk, a meta, a schema
+        errors: list[Exception] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(exc)
+
+        forger = await nats.connect(url, user="consumer", password=consumer_password,
+                                    error_cb=on_error, allow_reconnect=False)
+        js = forger.jetstream(timeout=2.0)
+        before = (await js.stream_info("CDC")).state.messages
+        assert await _refused(lambda: js.publish(
+            f"cdc.{table}.delete", b'{"table": "%s", "operation": "DELETE"}' % table.encode(),
+            headers={"Nats-Msg-Id": "0/FFFFFFFF:0"}))
+        assert await _refused(lambda: js.publish(f"init.snap.{table}.x.1", b"{}"))
+        assert await _refused(lambda: js.publish(f"init.meta.{table}", b"{}"))
+        kv = await js.key_value("schemas")
+        assert await _refused(lambda: kv.put(table, b'{"table": "forged"}'))
+        assert await _refused(lambda: js.purge_stream("CDC"))
+        assert (await js.stream_info("CDC")).state.messages == before
+        assert any("permissions violation" in str(e).lower() for e in errors), errors
+        assert (await kv.get(table)).value != b'{"table": "forged"}'
+        with contextlib.suppress(Exception):
+            await forger.close()
+
+        # and it still follows: the changes made above are mirrored
+        await Mirror(consumer, [table], db, options=MirrorSettings(status_interval_seconds=1.0),
+                     report=lambda line: None).run(until_caught_up=True)
+    assert mirror_rows(db, table, ["id", "v"]) == source_rows(
+        cdc_database.server.superuser_conninfo(), table, ["id", "v"])
+
+
+async def test_a_wrong_password_is_refused_clearly(secured_nats):
+    from cdc_platform.errors import NatsAuthError
+
+    url, _bridge_password, _consumer_password = secured_nats
+    with pytest.raises(NatsAuthError, match="refused our credentials"):
+        await connect_nats(NatsSettings(url=url, user="consumer", password="not-it"))
+    await asyncio.sleep(0)
