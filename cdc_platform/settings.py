@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
@@ -149,6 +150,11 @@ class NatsSettings(_Settings):
     )
     token: SecretStr | None = Field(None, validation_alias=_env("CDC_NATS_TOKEN", "NATS_TOKEN"))
     creds_file: str | None = Field(None, validation_alias=_env("CDC_NATS_CREDS", "NATS_CREDS"))
+    # TLS: the CA that signed the server's certificate, and this client's certificate and key
+    # when the server verifies clients (a tls:// URL or any of these turns TLS on)
+    tls_ca_file: str | None = Field(None, validation_alias=_env("CDC_NATS_TLS_CA"))
+    tls_cert_file: str | None = Field(None, validation_alias=_env("CDC_NATS_TLS_CERT"))
+    tls_key_file: str | None = Field(None, validation_alias=_env("CDC_NATS_TLS_KEY"))
     connect_timeout: float = Field(5.0, gt=0, validation_alias=_env("CDC_NATS_CONNECT_TIMEOUT"))
 
     @field_validator("url")
@@ -181,7 +187,34 @@ class NatsSettings(_Settings):
             options["token"] = self.token.get_secret_value()
         if self.creds_file is not None:
             options["user_credentials"] = self.creds_file
+        tls = self.tls_context()
+        if tls is not None:
+            options["tls"] = tls
         return options
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The client's TLS context (None: no TLS asked for); ConfigError naming the file a
+        certificate or key could not be read from."""
+        wanted = (self.tls_ca_file, self.tls_cert_file, self.tls_key_file)
+        uses_tls = any(server.startswith(("tls://", "wss://")) for server in self.servers())
+        if not uses_tls and all(value is None for value in wanted):
+            return None
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("CDC_NATS_TLS_CERT and CDC_NATS_TLS_KEY go together (a client "
+                              "certificate and its key)")
+        try:
+            context = ssl.create_default_context(cafile=self.tls_ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"CDC_NATS_TLS_CA {self.tls_ca_file}: not a readable CA "
+                              f"certificate ({exc.__class__.__name__})") from None
+        if self.tls_cert_file is not None:
+            try:
+                context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(f"CDC_NATS_TLS_CERT {self.tls_cert_file} / CDC_NATS_TLS_KEY "
+                                  f"{self.tls_key_file}: not a readable certificate and key "
+                                  f"({exc.__class__.__name__})") from None
+        return context
 
     def describe(self) -> str:
         """Server list for logs, credentials inside URLs redacted."""

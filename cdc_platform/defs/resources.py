@@ -55,7 +55,12 @@ class NatsResource(ConfigurableResource):
 
     url: str | None = None
     user: str | None = None
-    password: str | None = None
+    password: str | None = None  # (set it from dg.EnvVar: the UI shows no secret then)
+    token: str | None = None
+    creds_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
 
     def settings(self) -> NatsSettings:
         return load_settings(NatsSettings, **_overrides(self))

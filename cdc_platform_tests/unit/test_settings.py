@@ -116,3 +116,27 @@ def test_defaults_keep_cdc_well_beyond_seed_minute():
     settings = PlatformSettings()
     assert settings.topology.cdc.max_age_seconds >= 86400
     assert settings.encoding == EncodingSettings()
+
+
+def test_the_deploy_env_example_is_valid_settings(monkeypatch):
+    """deploy/cdc-platform.env.example loads as it is (every name known, every value valid)."""
+    from pathlib import Path
+
+    import cdc_platform.settings as settings_module
+
+    known = {"DAGSTER_HOME"}  # (Dagster's own)
+    for model in vars(settings_module).values():
+        if isinstance(model, type) and issubclass(model, settings_module._Settings):
+            for field in model.model_fields.values():
+                alias = field.validation_alias
+                known.update(getattr(alias, "choices", [alias]))
+    example = Path(__file__).resolve().parents[2] / "deploy" / "cdc-platform.env.example"
+    for line in example.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            name, _, value = line.partition("=")
+            assert name.strip() in known, f"{name} is no setting"
+            monkeypatch.setenv(name.strip(), value.strip())
+    settings = load_settings(PlatformSettings)
+    assert settings.nats.servers()[0].startswith("tls://")
+    assert settings.nats.tls_ca_file == "/etc/cdc-platform/nats-ca.pem"
+    assert settings.postgres.sslmode == "verify-full"
