@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import secrets
 import subprocess
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings, NatsSettings, NatsTopology
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
 from cdc_platform_tests.fixtures.responder import snapshot_responder
-from cdc_platform_tests.fixtures.services import platform_settings, random_name
+from cdc_platform_tests.fixtures.services import platform_settings, random_name, secret_for_test
 from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "nats-server.conf"
@@ -33,7 +32,7 @@ def secured_nats(tmp_path):
     """nats-server started from the deploy config; yields (url, bridge password, consumer
     password)."""
     port, monitor = free_port(), free_port()
-    passwords = (secrets.token_urlsafe(12), secrets.token_urlsafe(12))
+    passwords = (secret_for_test(), secret_for_test())
     env = {**os.environ, "NATS_PORT": str(port), "NATS_MONITOR_LISTEN": f"127.0.0.1:{monitor}",
            "NATS_STORE_DIR": str(tmp_path / "jetstream"),
            "NATS_BRIDGE_PASSWORD": passwords[0], "NATS_CONSUMER_PASSWORD": passwords[1]}
