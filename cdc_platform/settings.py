@@ -430,6 +430,22 @@ def _env_name(model: type[BaseSettings], field: str) -> str:
     return f"{prefix}{field}".upper()
 
 
+def variable_names() -> set[str]:
+    """Every environment variable some setting reads (its own name and the seed's)."""
+    names: set[str] = set()
+    models: list[type[_Settings]] = list(_Settings.__subclasses__())
+    while models:
+        model = models.pop()
+        models.extend(model.__subclasses__())
+        for field in model.model_fields.values():
+            alias = field.validation_alias
+            if isinstance(alias, AliasChoices):
+                names.update(choice for choice in alias.choices if isinstance(choice, str))
+            elif isinstance(alias, str):
+                names.add(alias)
+    return names
+
+
 def load_settings(model: type[_Settings] = PlatformSettings, **overrides: Any) -> Any:
     """Build ``model`` from the environment; one ``ConfigError`` line on bad input."""
     try:

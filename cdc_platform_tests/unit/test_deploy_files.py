@@ -11,20 +11,10 @@ from pathlib import Path
 
 import yaml
 
+from cdc_platform.settings import variable_names
+
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-
-
-def _known_settings() -> set[str]:
-    import cdc_platform.settings as settings_module
-
-    known: set[str] = set()
-    for model in vars(settings_module).values():
-        if isinstance(model, type) and issubclass(model, settings_module._Settings):
-            for field in model.model_fields.values():
-                alias = field.validation_alias
-                known.update(getattr(alias, "choices", [alias]))
-    return known
 
 
 def test_the_compose_file_names_files_that_exist_and_known_settings():
@@ -42,7 +32,7 @@ def test_the_compose_file_names_files_that_exist_and_known_settings():
             assert (context / build["dockerfile"]).is_file()
         for variable in service.get("environment", {}):
             if variable.startswith("CDC_") and name not in ("postgres",):
-                assert variable in _known_settings(), f"{name}: {variable} is no setting"
+                assert variable in variable_names(), f"{name}: {variable} is no setting"
         for port in service.get("ports", []):
             # published ports: the UI only on localhost; NATS for mirrors (it has users)
             assert port.startswith("127.0.0.1:") or name == "nats", (name, port)
