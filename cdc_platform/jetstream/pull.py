@@ -151,7 +151,6 @@ class PullReader:
         self._received: collections.deque[PulledMessage] = collections.deque()
         self._arrived = asyncio.Event()
         self._open: collections.deque[list[Any]] = collections.deque()  # [token, remaining]
-        self._asked = 0  # messages asked for by the open requests, not yet delivered
         self._request_number = 0
         self._failure: str | None = None
         self._subscription: Any = None
@@ -215,12 +214,11 @@ class PullReader:
 
     async def _ask(self, expires: float) -> None:
         """Keep up to two batches asked for (the server streams while the caller works)."""
-        if self._asked >= self.batch:
+        if sum(remaining for _, remaining in self._open) >= self.batch:
             return
         self._request_number += 1
         token = str(self._request_number).encode()
         self._open.append([token, self.batch])
-        self._asked += self.batch
         request = json.dumps({"batch": self.batch, "max_bytes": self.max_bytes,
                               "expires": int(expires * 1e9)}).encode()
         await self.client.publish(self._next_subject, request,
@@ -239,7 +237,6 @@ class PullReader:
         if self._open:
             head = self._open[0]
             head[1] -= 1
-            self._asked -= 1
             if head[1] == 0:
                 self._open.popleft()
         self._arrived.set()
@@ -250,7 +247,6 @@ class PullReader:
         for request in self._open:
             if request[0] == token:
                 self._open.remove(request)
-                self._asked -= request[1]
                 break
         if code not in (404, 408) and description.lower() not in _REQUEST_ENDED:
             # the consumer is gone or moved (deleted, leader change, server shutdown), or

@@ -174,9 +174,7 @@ class Mirror:
 
     async def _bootstrap(self, js: JetStreamContext, store: MirrorStore, table: str,
                          meta: SnapshotMeta, start_seq: int, stop: asyncio.Event) -> None:
-        if meta.table_schema is None:
-            raise MirrorError(f"{table}: snapshot {meta.snapshot_id} was written by a platform "
-                              "too old to carry table_schema; request a new one")
+        assert meta.table_schema is not None  # (_snapshot returns only metas that carry it)
         shape = TableShape.from_schema(meta.table_schema)
         store.begin_bootstrap(shape, meta.snapshot_id, meta.lsn)
         progress = BootstrapProgress(table, meta.row_count, meta.batch_count, time.monotonic())

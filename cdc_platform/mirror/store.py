@@ -148,6 +148,11 @@ def quote(identifier: str) -> str:
     return '"' + identifier.replace('"', '""') + '"'
 
 
+def _insert_statement(table: str, names: Sequence[str]) -> str:
+    return (f"INSERT INTO {quote(table)} ({', '.join(quote(n) for n in names)}) "
+            f"VALUES ({', '.join('?' * len(names))})")
+
+
 # JSON payloads carry bytea as base64 and non-finite floats as strings (README "Payload
 # encoding"): the columns whose values a JSON consumer must turn back, by type oid.
 _JSON_BYTES_OIDS = frozenset({17, 1001})  # bytea, bytea[]
@@ -295,8 +300,8 @@ class MirrorStore:
             raise MirrorError(f"{self.path} is not a usable mirror database ({exc}): move it "
                               "away and start the mirror again to rebuild it") from exc
         self._shapes: dict[str, TableShape] = shapes
-        self._statements: dict[tuple, Any] = {}
-        self._inserts: dict[tuple, tuple[str, Any]] = {}
+        # ("INSERT"|"UPDATE", table, column names) -> (statement, row map -> values)
+        self._prepared: dict[tuple[str, str, tuple[str, ...]], tuple[str, Any]] = {}
         self._states: dict[str, TableState | None] = {}  # committed states, cached
         self._open: Applied | None = None  # the transaction begin() opened
         # consecutive inserts (rows) or keyed updates (parameters) of one table and column
@@ -388,10 +393,8 @@ class MirrorStore:
         """
         existing = self._existing_columns(shape.table)
         self._shapes[shape.table] = shape
-        self._inserts = {key: value for key, value in self._inserts.items()
-                         if key[0] != shape.table}
-        self._statements = {key: value for key, value in self._statements.items()
-                            if key[1] != shape.table}  # (their converters know the types)
+        self._prepared = {key: value for key, value in self._prepared.items()
+                          if key[1] != shape.table}  # (their converters know the types)
         if not existing:
             self._create(shape)
             return SchemaChange.CREATED
@@ -440,8 +443,7 @@ class MirrorStore:
         """One snapshot chunk's rows as tuples in ``columns`` order, in one transaction.
         Bound as they are unless a column needs converting or a value is NaN."""
         convert_values, always = self._values_converter(table, columns)
-        statement = (f"INSERT INTO {quote(table)} ({', '.join(quote(n) for n in columns)}) "
-                     f"VALUES ({', '.join('?' * len(columns))})")
+        statement = _insert_statement(table, columns)
         with self._transaction():
             try:
                 self._db.execute("SAVEPOINT cdc_load")
@@ -572,7 +574,7 @@ class MirrorStore:
         if kind == "INSERT":
             self._insert_rows(table, batched)
             return
-        statement = self._statements[("UPDATE", table, names)][0]
+        statement = self._prepared[("UPDATE", table, names)][0]
         self._db.execute("SAVEPOINT cdc_update")
         try:
             changed = self._execute_many_unique(statement, batched)
@@ -595,11 +597,11 @@ class MirrorStore:
         key = self.shape(table).key_columns
         if not key:
             return None
-        prepared = self._statements.get(batch_key)
+        prepared = self._prepared.get(batch_key)
         if prepared is None:
             sets = ", ".join(f"{quote(name)} = ?" for name in names)
             where = " AND ".join(f"{quote(name)} = ?" for name in key)
-            prepared = self._statements[batch_key] = (
+            prepared = self._prepared[batch_key] = (
                 f"UPDATE {quote(table)} SET {sets} WHERE {where}",
                 self._row_converter(table, names))
         data = event["data"]
@@ -619,8 +621,7 @@ class MirrorStore:
         self._states.clear()
         # shapes changed by rolled-back schema events: back to the committed ones
         self._shapes = self._load_shapes()
-        self._inserts.clear()
-        self._statements.clear()
+        self._prepared.clear()
 
     def _cached_state(self, table: str) -> TableState | None:
         if table not in self._states:
@@ -665,7 +666,7 @@ class MirrorStore:
             if shape.key_columns:  # one statement; the row must be there
                 parameters = self._update_parameters(event, ("UPDATE", table, names))
                 assert parameters is not None  # (None only for a table without a key)
-                if self._execute_unique(self._statements[("UPDATE", table, names)][0],
+                if self._execute_unique(self._prepared[("UPDATE", table, names)][0],
                                         parameters) != 1:
                     self._find_row(shape, identity, event)  # raises, naming the row
             else:
@@ -721,9 +722,10 @@ class MirrorStore:
         if not rows:
             return
         names = tuple(rows[0])
-        prepared = self._inserts.get((table, names))
+        prepared = self._prepared.get(("INSERT", table, names))
         if prepared is None:
-            prepared = self._inserts[(table, names)] = self._prepare_insert(table, names)
+            prepared = self._prepared[("INSERT", table, names)] = (
+                _insert_statement(table, names), self._row_converter(table, names))
         statement, convert = prepared
         try:
             self._db.execute("SAVEPOINT cdc_insert")
@@ -734,22 +736,13 @@ class MirrorStore:
                 # it, then row by row with every value converted
                 self._db.execute("ROLLBACK TO cdc_insert")
                 for row in rows:
-                    names = tuple(row)
-                    self._db.execute(
-                        f"INSERT INTO {quote(table)} ({', '.join(quote(n) for n in names)}) "
-                        f"VALUES ({', '.join('?' * len(names))})",
-                        [to_sqlite(value) for value in row.values()])
+                    self._db.execute(_insert_statement(table, tuple(row)),
+                                     [to_sqlite(value) for value in row.values()])
             finally:
                 self._db.execute("RELEASE cdc_insert")
         except sqlite3.IntegrityError as exc:
             raise DivergenceError(f"{table}: an inserted row is already mirrored ({exc})") \
                 from exc
-
-    def _prepare_insert(self, table: str, names: tuple[str, ...]):
-        """The INSERT of ``names`` and its row -> values function."""
-        statement = (f"INSERT INTO {quote(table)} ({', '.join(quote(n) for n in names)}) "
-                     f"VALUES ({', '.join('?' * len(names))})")
-        return statement, self._row_converter(table, names)
 
     def _row_converter(self, table: str, names: tuple[str, ...]) -> Callable[[Mapping], tuple]:
         """A row map -> values (in ``names`` order) function; a row of other columns raises

@@ -4,16 +4,14 @@ nothing every mirror would apply: no change event, no snapshot chunk or meta, no
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-import subprocess
 from pathlib import Path
 
 import nats
 import pytest
 
-from cdc_platform.dev.servers import find_nats_server, free_port, port_is_open
+from cdc_platform.dev.servers import free_port
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision
 from cdc_platform.mirror.follower import Mirror
@@ -21,7 +19,12 @@ from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings, NatsSettings, NatsTopology
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
 from cdc_platform_tests.fixtures.responder import snapshot_responder
-from cdc_platform_tests.fixtures.services import platform_settings, random_name, secret_for_test
+from cdc_platform_tests.fixtures.services import (
+    nats_server_from,
+    platform_settings,
+    random_name,
+    secret_for_test,
+)
 from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "nats-server.conf"
@@ -36,21 +39,8 @@ def secured_nats(tmp_path):
     env = {**os.environ, "NATS_PORT": str(port), "NATS_MONITOR_LISTEN": f"127.0.0.1:{monitor}",
            "NATS_STORE_DIR": str(tmp_path / "jetstream"),
            "NATS_BRIDGE_PASSWORD": passwords[0], "NATS_CONSUMER_PASSWORD": passwords[1]}
-    log = tmp_path / "nats.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([str(find_nats_server()), "-c", str(CONFIG)], env=env,
-                                   stdout=out, stderr=subprocess.STDOUT)
-    try:
-        for _ in range(100):
-            if port_is_open("127.0.0.1", port) or process.poll() is not None:
-                break
-            import time
-            time.sleep(0.1)
-        assert process.poll() is None, log.read_text()
+    with nats_server_from(CONFIG, port, tmp_path / "nats.log", env):
         yield f"nats://127.0.0.1:{port}", *passwords
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 def _as(settings, user: str, password: str):
@@ -132,4 +122,3 @@ async def test_a_wrong_password_is_refused_clearly(secured_nats):
     url, _bridge_password, _consumer_password = secured_nats
     with pytest.raises(NatsAuthError, match="refused our credentials"):
         await connect_nats(NatsSettings(url=url, user="consumer", password="not-it"))
-    await asyncio.sleep(0)

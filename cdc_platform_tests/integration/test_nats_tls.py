@@ -5,16 +5,16 @@ certificate is missing or unreadable."""
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from cdc_platform.dev.servers import find_nats_server, free_port, port_is_open
+from cdc_platform.dev.servers import free_port
 from cdc_platform.errors import ConfigError, NatsUnreachable
 from cdc_platform.jetstream.connection import close_nats, connect_nats
 from cdc_platform.jetstream.provision import provision
 from cdc_platform.settings import NatsSettings, NatsTopology
+from cdc_platform_tests.fixtures.services import nats_server_from
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -45,19 +45,8 @@ def tls_nats(tmp_path):
         f'jetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
         f'tls {{ cert_file: "{certs / "server.pem"}", key_file: "{certs / "server.key"}", '
         f'ca_file: "{certs / "ca.pem"}", verify: true, timeout: 2 }}\n')
-    log = tmp_path / "nats.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([str(find_nats_server()), "-c", str(config)], stdout=out,
-                                   stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 10
-        while not port_is_open("127.0.0.1", port) and time.monotonic() < deadline:
-            assert process.poll() is None, log.read_text()
-            time.sleep(0.1)
+    with nats_server_from(config, port, tmp_path / "nats.log"):
         yield f"tls://127.0.0.1:{port}", certs
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 async def test_the_platform_connects_with_a_client_certificate(tls_nats):
