@@ -140,7 +140,7 @@ class TelemetryServer:
             def _json(self, code: int, value: dict) -> None:
                 self._send(code, json.dumps(value).encode(), "application/json")
 
-            def do_GET(self) -> None:
+            def do_GET(self) -> None:  # (stdlib name)
                 path = self.path.split("?")[0]
                 if path == "/metrics":
                     self._send(200, telemetry.metrics.exposition(), CONTENT_TYPE_LATEST)
@@ -151,7 +151,7 @@ class TelemetryServer:
                 else:
                     self._json(404, {"error": "not found"})
 
-            def do_POST(self) -> None:
+            def do_POST(self) -> None:  # (stdlib name)
                 if self.path != "/shutdown":
                     self._json(404, {"error": "not found"})
                 elif admin_token is None or on_shutdown is None:

@@ -134,7 +134,7 @@ class CdcBridge:
             self.telemetry = TelemetryServer(
                 self.metrics, host=self.options.http_host, port=self.options.http_port,
                 admin_token=token.get_secret_value() if token else None,
-                on_shutdown=lambda: _ignore(loop.call_soon_threadsafe(self.request_stop)))
+                on_shutdown=self._stop_from(loop))
             self.telemetry.start()
             log.info("telemetry on http://%s:%s/metrics", self.options.http_host,
                      self.telemetry.port)
@@ -181,8 +181,14 @@ class CdcBridge:
         if self.fatal is not None:
             raise self.fatal
 
+    def _stop_from(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+        """``request_stop`` as called from another thread (the telemetry server's)."""
+        def stop() -> None:
+            loop.call_soon_threadsafe(self.request_stop)
+        return stop
+
     def _watch_nats(self, nc) -> None:
-        previous_disconnect = nc._disconnected_cb
+        previous_disconnect = nc._disconnected_cb  # chain them, do not replace
         previous_reconnect = nc._reconnected_cb
 
         async def on_disconnect() -> None:
@@ -397,7 +403,7 @@ class CdcBridge:
                             "shape again", table, exc)
                 found = None
                 break
-            except Exception as exc:
+            except Exception as exc:  # NATS away: retry until it is back
                 if self.stop_requested.is_set():
                     raise
                 log.warning("could not read the last schema event of %s (%s); retrying",
@@ -594,6 +600,3 @@ def schema_from_relation(relation: Relation, current: TableSchema | None) -> Tab
                        relation.replica_identity, tuple(columns),
                        storage=current.storage if current else 0)
 
-
-def _ignore(_: object) -> None:
-    """(a callback's result nobody reads)"""

@@ -474,7 +474,7 @@ def _chunkers(columns, **overrides):
     settings_.update(overrides)
     layout = ChunkLayout(**settings_)
     compiled, python = Chunker(layout, converters, 3), Chunker(layout, converters, 3)
-    python._native_kinds = None
+    python._native_kinds = None  # the pure-Python path
     return compiled, python
 
 
@@ -544,7 +544,7 @@ def _publisher(max_payload: int = 1 << 20):
             return None
 
     publisher = JetStreamPublisher(_Connection(), stream="CDC")
-    publisher._stream_subjects = ["cdc.>"]
+    publisher._stream_subjects = ["cdc.>"]  # as start() reads them
     return publisher
 
 
