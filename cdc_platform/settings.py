@@ -238,6 +238,8 @@ class StreamLimits(_Settings):
     max_msgs: int = Field(-1, ge=-1)
     replicas: int = Field(1, ge=1, le=5)
     duplicate_window_seconds: Seconds = 120.0
+    max_message_bytes: int = Field(-1, ge=-1)  # headers and payload; -1: the server's limit
+    max_msgs_per_subject: int = Field(-1, ge=-1)
     # ADR-50 fast-ingest batch publishing (nats-server >= 2.14); the CDC bridge's fast path.
     allow_batched: bool = False
 
@@ -282,6 +284,13 @@ class RequestStreamSettings(StreamLimits):
     max_bytes: Bytes = Field(64 * 1024**2, validation_alias=_env("CDC_REQUESTS_MAX_BYTES"))
     max_msgs: int = Field(100_000, ge=-1, validation_alias=_env("CDC_REQUESTS_MAX_MSGS"))
     replicas: int = Field(1, ge=1, le=5, validation_alias=_env("CDC_REQUESTS_REPLICAS"))
+    # Hostile input: nats-server refuses a request larger than a body can be (4 KB, with room
+    # for headers), and a flood on one table's subject only pushes out older requests of that
+    # table (which one snapshot answers anyway), never another table's.
+    max_message_bytes: int = Field(8192, ge=-1,
+                                   validation_alias=_env("CDC_REQUESTS_MAX_MESSAGE_BYTES"))
+    max_msgs_per_subject: int = Field(100, ge=-1,
+                                      validation_alias=_env("CDC_REQUESTS_MAX_PER_TABLE"))
 
 
 class SchemaBucketSettings(_Settings):

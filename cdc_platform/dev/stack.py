@@ -204,7 +204,10 @@ class DevStack:
     async def _provision_nats(self, settings: NatsSettings, topology) -> None:
         client = await connect_nats(settings, name="cdc-platform-dev")
         try:
-            report = await provision(client.jetstream(), topology)
+            # the embedded server is ours: bring a store from an older version up to date;
+            # an external one is only verified
+            report = await provision(client.jetstream(), topology,
+                                     update=self.nats is not None)
             log.info("JetStream: %s", report.summary())
         finally:
             await client.close()

@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 # Fields we own and compare; anything else on an existing stream is the operator's business.
 _COMPARED = ("subjects", "retention", "storage", "max_age", "max_bytes", "max_msgs",
-             "num_replicas", "duplicate_window", "discard", "allow_batched")
+             "max_msg_size", "max_msgs_per_subject", "num_replicas", "duplicate_window",
+             "discard", "allow_batched")
 _IMMUTABLE = ("storage", "retention")
 
 
@@ -63,6 +64,8 @@ def stream_config(limits: StreamLimits) -> StreamConfig:
         max_age=limits.max_age_seconds,
         max_bytes=limits.max_bytes,
         max_msgs=limits.max_msgs,
+        max_msg_size=limits.max_message_bytes,
+        max_msgs_per_subject=limits.max_msgs_per_subject,
         num_replicas=limits.replicas,
         # JetStream refuses a dedupe window longer than the retention.
         duplicate_window=min(limits.duplicate_window_seconds, limits.max_age_seconds),
@@ -157,6 +160,8 @@ def config_differences(existing: StreamConfig, wanted: StreamConfig) -> dict[str
             have = 120.0  # server default when unset
         if name == "allow_batched":
             have, want = bool(have), bool(want)
+        if name in ("max_msg_size", "max_msgs_per_subject") and have in (None, 0):
+            have = -1  # unset on the server: no limit
         if _normalized(have) != _normalized(want):
             differences[name] = (have, want)
     return differences

@@ -64,6 +64,8 @@ log = logging.getLogger(__name__)
 
 Report = Callable[[str], None]
 _OPERATIONS = frozenset({*CHANGE_OPERATIONS, SCHEMA_OPERATION})
+# while waiting for "done", how often the mirror also looks for the snapshot in INIT
+_LOOK_FOR_SNAPSHOT_SECONDS = 5.0
 
 
 class _Restart(Exception):
@@ -256,12 +258,23 @@ class Mirror:
             await js.publish(snapshot_request_subject(table), json.dumps(body).encode(),
                              stream=self.settings.topology.requests.name)
             self.report(f"{table}: requested a snapshot (request {request_id})")
-            started = last_report = time.monotonic()
+            started = last_report = last_look = time.monotonic()
+            asked_at = time.time()
             while not stop.is_set():
                 try:
                     message = await asyncio.wait_for(replies.get(), 1.0)
                 except TimeoutError:
                     now = time.monotonic()
+                    if now - last_look >= _LOOK_FOR_SNAPSHOT_SECONDS:
+                        # a request that joined a run already in flight, or one the stream
+                        # let go in a flood, gets no "done": the snapshot shows up in INIT
+                        last_look = now
+                        found = await reusable_snapshot(
+                            js, table, max(self.options.snapshot_max_age_seconds,
+                                           time.time() - asked_at + 5),
+                            self.settings.topology.init.name, min_lsn)
+                        if found is not None:
+                            return found
                     if now - started > wait:
                         raise MirrorError(
                             f"{table}: no snapshot within {wait:.0f}s of the request: is the "

@@ -95,6 +95,29 @@ def parse_request(subject: str, data: bytes, seq: int) -> SnapshotRequest:
                            "; ".join(problems) or None, min_lsn)
 
 
+@dataclass(frozen=True)
+class RunInFlight:
+    """A snapshot run of one table already queued or running."""
+
+    table: str
+    run_key: str
+    started: bool  # already reading: its snapshot LSN may be older than a request's min_lsn
+
+    def answers(self, request: SnapshotRequest) -> bool:
+        """Whether this run's snapshot serves ``request``: a run not started yet always does
+        (its LSN will be later than the request); a running one unless the request asks
+        for a snapshot after a given LSN."""
+        return not self.started or request.min_lsn == 0
+
+
+def summarize(notes: list[str], limit: int = 5) -> list[str]:
+    """At most ``limit`` notes and a count of the rest: a flood of requests must not become
+    a flood of log lines."""
+    if len(notes) <= limit:
+        return notes
+    return [*notes[:limit], f"... and {len(notes) - limit:,} more like these"]
+
+
 @dataclass
 class Reply:
     status: str

@@ -131,6 +131,76 @@ async def test_snapshot_requests_become_runs_once(dagster_env, cdc_database, pg_
         assert isinstance(again, dg.SkipReason)
 
 
+async def test_a_request_flood_starts_one_run_per_table(dagster_env, cdc_database, pg_admin,
+                                                        nats_client):
+    """Issue 13: a flood of requests (genuine, garbage, for unknown tables) starts one run per
+    table; while that run is queued or running, more requests join it (``accepted`` with
+    ``coalesced``) instead of queueing more runs; a request that needs a snapshot after a given
+    LSN does not join a run that is already reading."""
+    import json as jsonlib
+
+    from cdc_platform.definitions import build_definitions
+
+    table = random_name("flooded")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    cdc_database.add_tables(pg_admin, table)
+    inbox = f"replies.{random_name('r')}"
+    replies: list[dict] = []
+
+    async def collect(message):
+        replies.append(jsonlib.loads(message.data))
+
+    await nats_client.subscribe(inbox, cb=collect)
+
+    async def flood(count: int, **body) -> None:
+        for number in range(count):
+            await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
+                {"reply_to": inbox, "request_id": f"r{number}", **body}).encode())
+        await nats_client.flush()
+
+    await flood(150)
+    for _ in range(40):
+        await nats_client.publish(f"snapshot.request.{random_name('nope')}", b"")
+        await nats_client.publish(f"snapshot.request.{table}", b"{not json")
+    await nats_client.flush()
+    defs = build_definitions()
+    sensor = defs.resolve_sensor_def("snapshot_request_sensor")
+    job = defs.resolve_job_def("snapshot_job")
+    with dg.instance_for_test() as instance:
+        def evaluate(cursor):
+            return sensor(dg.build_sensor_context(instance=instance, cursor=cursor,
+                                                  resources=resources(dagster_env),
+                                                  definitions=defs))
+
+        first = await asyncio.to_thread(evaluate, None)
+        assert [r.partition_key for r in first.run_requests] == [table]
+        # the run Dagster launches from it, not started yet (queued behind the limits)
+        run_key = first.run_requests[0].run_key
+        tags = {"dagster/partition": table, "dagster/run_key": run_key}
+        waiting = instance.create_run_for_job(
+            job_def=job, status=dg.DagsterRunStatus.NOT_STARTED, tags=tags)
+        await nats_client.flush()  # the first tick's replies are in before counting anew
+        await asyncio.sleep(0.2)
+        replies.clear()
+        await flood(60)  # (within the stream's per-table cap of 100 kept requests)
+        await flood(5, min_lsn="0/1")
+        second = await asyncio.to_thread(evaluate, first.cursor)
+        assert not second.run_requests  # everything joined the queued run
+        deadline = time.monotonic() + 10
+        while len(replies) < 65:
+            assert time.monotonic() < deadline, len(replies)
+            await asyncio.sleep(0.05)
+        assert {(r["status"], r.get("coalesced"), r.get("run_key")) for r in replies} == {
+            ("accepted", True, run_key)}
+        # once it reads, a request for a snapshot after some LSN needs a run of its own
+        instance.delete_run(waiting.run_id)
+        instance.create_run_for_job(job_def=job, status=dg.DagsterRunStatus.STARTED, tags=tags)
+        await flood(3)
+        await flood(2, min_lsn="0/1")
+        third = await asyncio.to_thread(evaluate, second.cursor)
+        assert [r.partition_key for r in third.run_requests] == [table]
+
+
 def test_cdc_sensor_keeps_exactly_one_run(dagster_env):
     from cdc_platform.definitions import build_definitions
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
+from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.mirror.follower import Mirror
 from cdc_platform.mirror.store import MirrorError
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings
+from cdc_platform.snapshot import snapshot_table
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
@@ -70,6 +73,43 @@ async def test_mirrors_asking_for_one_table_at_once_share_one_snapshot(
     for index in range(20):
         assert mirror_rows(tmp_path / f"m{index}.db", table, ["id", "v"]) == source_rows(
             cdc_database.server.superuser_conninfo(), table, ["id", "v"])
+
+
+async def test_a_request_that_joined_a_run_in_flight_finds_its_snapshot_in_init(
+        cdc_database, pg_admin, provisioned_nats, tmp_path):
+    """A request the sensor answers with ``accepted``/``coalesced`` (it joined a run already
+    queued or running) gets no ``done``: the mirror finds the snapshot in INIT."""
+    table = random_name("joined")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 200) g")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    client = await connect_nats(settings.nats, name="cdc-tests-in-flight")
+    asked = asyncio.Event()
+
+    async def answer(message) -> None:
+        body = json.loads(message.data)
+        await client.publish(body["reply_to"], json.dumps({
+            "request_id": body["request_id"], "table": table, "status": "accepted",
+            "run_key": "earlier-run", "coalesced": True}).encode())
+        asked.set()
+
+    await client.subscribe(f"snapshot.request.{table}", cb=answer)
+    lines: list[str] = []
+    try:
+        async with running_bridge(settings):
+            await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+            mirror = Mirror(settings, [table], tmp_path / "m.db", options=FAST,
+                            report=lines.append)
+            following = asyncio.create_task(mirror.run(until_caught_up=True))
+            await asyncio.wait_for(asked.wait(), 30)
+            await snapshot_table(None, settings, table)  # what the earlier run publishes
+            await asyncio.wait_for(following, 60)
+    finally:
+        await client.close()
+    assert mirror_rows(tmp_path / "m.db", table, ["id", "v"]) == source_rows(
+        cdc_database.server.superuser_conninfo(), table, ["id", "v"])
+    assert any("snapshot request accepted" in line for line in lines), lines
 
 
 async def test_events_gone_by_retention_make_the_mirror_bootstrap_again(

@@ -1,11 +1,16 @@
 """Provisioning of streams and the KV bucket on a real nats-server."""
 
+import asyncio
+import time
+
 import pytest
 from nats.js.api import RetentionPolicy, StorageType
+from nats.js.errors import APIError, NotFoundError
 
 from cdc_platform.errors import ProvisioningError
 from cdc_platform.jetstream.provision import provision
 from cdc_platform.settings import NatsTopology
+from cdc_platform_tests.fixtures.services import random_name
 
 
 def _isolated_topology(suffix: str, **cdc) -> NatsTopology:
@@ -65,6 +70,47 @@ async def test_default_topology_and_requests_kept_while_nobody_listens(provision
     await nats_client.flush()
     message = await js.get_last_msg("SNAPSHOT_REQUESTS", "snapshot.request.kept_table")
     assert message.subject == "snapshot.request.kept_table"
+
+
+async def _last_data(js, stream: str, subject: str) -> bytes | None:
+    try:
+        return (await js.get_last_msg(stream, subject)).data
+    except NotFoundError:
+        return None
+
+
+async def test_a_request_flood_pushes_out_no_other_tables_requests(provisioned_nats,
+                                                                    nats_client):
+    """Issue 13's flood: ~1 MB messages on ``snapshot.request.x`` pushed the genuine requests
+    out of SNAPSHOT_REQUESTS in 0.7 s. Now the server refuses messages larger than a request
+    can be, and a flood on one subject only displaces that subject's older messages."""
+    js = nats_client.jetstream()
+    stream = "SNAPSHOT_REQUESTS"
+    genuine = f"snapshot.request.{random_name('genuine')}"
+    flooded = f"snapshot.request.{random_name('flooded')}"
+    try:
+        await nats_client.publish(genuine, b'{"request_id": "mine"}')
+        await nats_client.flush()
+        before = (await js.stream_info(stream)).state.messages
+        with pytest.raises(APIError, match="message size exceeds maximum allowed"):
+            await js.publish(flooded, b"x" * 1_000_000, stream=stream)
+        for _ in range(70):  # core NATS, as an attacker would: not stored, no error to see
+            await nats_client.publish(flooded, b"x" * 1_000_000)
+        for number in range(500):
+            await nats_client.publish(flooded, str(number).encode())
+        await nats_client.flush()
+        deadline = time.monotonic() + 10  # (core publishes: stored a moment after the flush)
+        while await _last_data(js, stream, flooded) != b"499":
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        state = (await js.stream_info(stream)).state
+        assert state.messages <= before + 100  # the per-subject cap
+        assert state.bytes < 1_000_000
+        kept = await js.get_last_msg(stream, genuine)
+        assert kept.data == b'{"request_id": "mine"}'
+    finally:  # (other tests' sensors read this stream)
+        for subject in (genuine, flooded):
+            await js.purge_stream(stream, subject=subject)
 
 
 async def test_conflicting_config_is_reported_field_by_field(nats_client):

@@ -7,7 +7,10 @@
   consumer and acks a message only on the tick AFTER the one that returned its RunRequest:
   Dagster records the run requests of a tick after the sensor returns, and the cursor (the
   highest stream sequence handled) says what was recorded. Repeated requests for one table
-  in one tick become one run; unknown or unpublished tables are skipped with a reason.
+  in one tick become one run, and a request for a table whose snapshot run is already queued
+or running joins that run (``accepted`` with ``coalesced``) instead of starting another, so a
+flood of requests starts at most one run per table (README "Snapshots"). Unknown or
+unpublished tables are skipped with a reason.
 """
 
 import asyncio
@@ -25,12 +28,17 @@ from cdc_platform.postgres.catalog import published_tables
 from cdc_platform.settings import NatsTopology, OrchestrationSettings, load_settings
 from cdc_platform.snapshot.requests import (
     Reply,
+    RunInFlight,
     SnapshotRequest,
     parse_request,
     reusable_snapshot,
     send_replies,
+    summarize,
 )
 from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX
+
+PARTITION_TAG = "dagster/partition"
+RUN_KEY_TAG = "dagster/run_key"
 
 DURABLE = "cdc_platform_snapshot_requests"
 FETCH_LIMIT = 500
@@ -63,6 +71,26 @@ def publication_sync_sensor(context: dg.SensorEvaluationContext,
     return dg.SensorResult(dynamic_partitions_requests=requests)
 
 
+_IN_FLIGHT = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED,
+              dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
+_STARTED = {dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED}
+
+
+def _runs_in_flight(instance: dg.DagsterInstance, job_name: str) -> dict[str, RunInFlight]:
+    """Table -> its snapshot run already queued or running (a queued one when there are
+    both: it answers every request)."""
+    in_flight: dict[str, RunInFlight] = {}
+    for run in instance.get_runs(filters=dg.RunsFilter(job_name=job_name, statuses=_IN_FLIGHT)):
+        table = run.tags.get(PARTITION_TAG)
+        if table is None:
+            continue
+        candidate = RunInFlight(table, run.tags.get(RUN_KEY_TAG) or run.run_id,
+                                run.status in _STARTED)
+        if table not in in_flight or in_flight[table].started:
+            in_flight[table] = candidate
+    return in_flight
+
+
 def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
     @dg.sensor(job=snapshot_job, minimum_interval_seconds=2,
                default_status=dg.DefaultSensorStatus.RUNNING,
@@ -74,7 +102,8 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
         reuse_seconds = load_settings(OrchestrationSettings).snapshot_reuse_seconds
         outcome = asyncio.run(_handle_requests(
             nats, recorded_through, set(_published_wire_names(postgres)),
-            postgres.settings().publication, reuse_seconds))
+            postgres.settings().publication, reuse_seconds,
+            _runs_in_flight(context.instance, snapshot_job.name)))
         if outcome is None:
             return dg.SkipReason("no new snapshot requests")
         highest, runs, notes = outcome
@@ -99,7 +128,8 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
 
 
 async def _handle_requests(nats: NatsResource, recorded_through: int, published: set[str],
-                           publication: str, reuse_seconds: float):
+                           publication: str, reuse_seconds: float,
+                           in_flight: dict[str, RunInFlight]):
     """(highest stream seq seen, {table: (seq, requesters)} to run, notes), or None when
     nothing is new. Refusals and reused snapshots are answered here; accepted requests get
     ``accepted`` now and ``done``/``failed`` from the run."""
@@ -113,13 +143,15 @@ async def _handle_requests(nats: NatsResource, recorded_through: int, published:
         replies: list[tuple[str | None, Reply]] = []
         accepted: list[SnapshotRequest] = []
         notes: list[str] = []
+        refusals: list[str] = []
+        joined: dict[str, int] = {}
         for request in requests:
             reason = request.refused or (
                 None if request.table in published
                 else f"{request.table!r} is not a table of publication {publication}")
             if reason is not None:
-                notes.append(f"refused snapshot request for {request.table!r} (stream seq "
-                             f"{request.seq}): {reason}")
+                refusals.append(f"refused snapshot request for {request.table[:200]!r} "
+                                f"(stream seq {request.seq}): {reason}")
                 replies.append((request.reply_to, Reply("refused", request.table,
                                                         request.request_id,
                                                         {"reason": reason})))
@@ -134,6 +166,13 @@ async def _handle_requests(nats: NatsResource, recorded_through: int, published:
                 replies.append((request.reply_to, Reply("done", request.table,
                                                         request.request_id, reused)))
                 continue
+            running = in_flight.get(request.table)
+            if running is not None and running.answers(request):
+                joined[request.table] = joined.get(request.table, 0) + 1
+                replies.append((request.reply_to, Reply(
+                    "accepted", request.table, request.request_id,
+                    {"run_key": running.run_key, "coalesced": True})))
+                continue
             _, requesters = runs.get(request.table, (0, []))
             if request.requester is not None:
                 requesters.append(request.requester)
@@ -146,6 +185,10 @@ async def _handle_requests(nats: NatsResource, recorded_through: int, published:
             for request in accepted]
         notes += [f"snapshot run for {table!r} (request seq {seq}, {len(requesters)} "
                   "awaiting a reply)" for table, (seq, requesters) in runs.items()]
+        notes += [f"{count} request(s) for {table!r} joined its run already in flight "
+                  f"({in_flight[table].run_key})" for table, count in joined.items()]
+        if refusals:
+            notes[:0] = summarize(refusals)
         await send_replies(client, replies)
         return max(r.seq for r in requests), runs, notes
 

@@ -1,0 +1,45 @@
+"""Snapshot requests as the sensor reads them: parsing hostile bodies, which runs in flight
+answer a request, and a flood of refusals kept to a few log lines."""
+
+from __future__ import annotations
+
+import pytest
+
+from cdc_platform.snapshot.requests import RunInFlight, parse_request, summarize
+
+
+@pytest.mark.parametrize(("subject", "data", "reason"), [
+    ("snapshot.request.a.b.c", b"", "not a wire table name"),
+    ("snapshot.request.", b"", "not a wire table name"),
+    ("snapshot.request.users", b"\xff\xfe garbage", "not JSON"),
+    ("snapshot.request.users", b"[1, 2]", "not a JSON object"),
+    ("snapshot.request.users", b"{" + b" " * 5000 + b"}", "over 4096 bytes"),
+    ("snapshot.request.users", b'{"reply_to": "a.*"}', "reply_to must be a NATS subject"),
+    ("snapshot.request.users", b'{"request_id": "' + b"x" * 200 + b'"}', "request_id must"),
+    ("snapshot.request.users", b'{"max_age_seconds": true}', "max_age_seconds must"),
+    ("snapshot.request.users", b'{"min_lsn": "yesterday"}', "min_lsn must"),
+])
+def test_hostile_requests_are_refused_with_the_reason(subject, data, reason):
+    request = parse_request(subject, data, 7)
+    assert request.refused is not None and reason in request.refused
+
+
+def test_a_refused_request_keeps_what_its_refusal_can_be_sent_with():
+    request = parse_request("snapshot.request.users",
+                            b'{"reply_to": "inbox.1", "request_id": "r1", "min_lsn": 5}', 3)
+    assert request.refused and (request.reply_to, request.request_id) == ("inbox.1", "r1")
+
+
+def test_which_run_in_flight_answers_a_request():
+    plain = parse_request("snapshot.request.users", b"", 1)
+    after = parse_request("snapshot.request.users", b'{"min_lsn": "0/10"}', 2)
+    waiting, reading = RunInFlight("users", "k", started=False), RunInFlight("users", "k", True)
+    assert waiting.answers(plain) and waiting.answers(after)
+    assert reading.answers(plain)
+    assert not reading.answers(after)  # it may have read before that LSN
+
+
+def test_a_flood_of_notes_is_summarized():
+    notes = [f"refused {n}" for n in range(1000)]
+    assert summarize(notes) == [*notes[:5], "... and 995 more like these"]
+    assert summarize(notes[:5]) == notes[:5]
