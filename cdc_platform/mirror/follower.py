@@ -446,9 +446,13 @@ class _Following:
         seq = message.stream_seq
         if self.mirror.first_event_at is None:
             self.mirror.first_event_at = time.monotonic()
+        fmt = payload_format(data)
         try:
-            fmt = payload_format(data)
-            decoded = decode_payload(data, fmt)
+            try:
+                decoded = decode_payload(data, fmt)
+            except ValueError as exc:  # (msgpack's and json's errors are ValueErrors)
+                detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                raise ValueError(f"not a {fmt} payload ({detail})") from None
             events = decoded if isinstance(decoded, list) else [decoded]
             from_json = fmt == "json"
             for event in events:
@@ -522,7 +526,7 @@ class _Following:
 def _check_event(event: Any, subject: str, followed: set[str]) -> None:
     """What the mirror relies on before an event goes near the database."""
     if not isinstance(event, dict):
-        raise TypeError(f"not an event map but {type(event).__name__}")
+        raise TypeError(f"not an event map (nor a batch of them) but {type(event).__name__}")
     table = event.get("table")
     if table not in followed or not subject.startswith(f"{CDC_PREFIX}.{table}."):
         raise ValueError(f"an event of table {table!r} on subject {subject}")

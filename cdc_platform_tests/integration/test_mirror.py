@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
+import msgpack
 import pytest
 
 from cdc_platform.jetstream.connection import connect_nats
@@ -110,6 +112,55 @@ async def test_a_request_that_joined_a_run_in_flight_finds_its_snapshot_in_init(
     assert mirror_rows(tmp_path / "m.db", table, ["id", "v"]) == source_rows(
         cdc_database.server.superuser_conninfo(), table, ["id", "v"])
     assert any("snapshot request accepted" in line for line in lines), lines
+
+
+async def test_malformed_messages_on_the_stream_are_refused_and_change_nothing(
+        cdc_database, pg_admin, provisioned_nats, tmp_path, caplog):
+    """Messages a forger could store on a server without the deploy/ permissions (or a
+    broken producer): none reaches the database, each is refused with a log line naming it,
+    and the mirror goes on following the genuine changes."""
+    table = random_name("guarded")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 50) g")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    db = tmp_path / "m.db"
+    lines: list[str] = []
+    subject = f"cdc.{table}.insert"
+    genuine_shape = {"table": table, "operation": "INSERT", "commit_lsn": "0/1", "ordinal": 0}
+    forged = [
+        b"\xc1 not msgpack",
+        b"{not json",
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({**genuine_shape, "operation": "EXPLODE", "data": {"id": 1}}),
+        msgpack.packb({**genuine_shape, "table": "someone_else", "data": {"id": 1}}),
+        msgpack.packb({**genuine_shape, "data": "not a row"}),
+        msgpack.packb({**genuine_shape, "commit_lsn": "yesterday", "data": {"id": 1}}),
+        msgpack.packb({**genuine_shape, "ordinal": -1, "data": {"id": 1}}),
+        msgpack.packb({"table": table}),
+    ]
+    async with running_bridge(settings), snapshot_responder(settings):
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
+            until_caught_up=True)
+        client = await connect_nats(settings.nats, name="cdc-tests-forger")
+        try:
+            for payload in forged:
+                await client.jetstream().publish(subject, payload, stream="CDC")
+        finally:
+            await client.close()
+        pg_admin.execute(f"UPDATE {table} SET v = 'after' WHERE id <= 5")
+        pg_admin.execute(f"INSERT INTO {table} VALUES (51, 'new')")
+        await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
+        with caplog.at_level(logging.ERROR, logger="cdc_platform.mirror.follower"):
+            await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
+                until_caught_up=True)
+    assert mirror_rows(db, table, ["id", "v"]) == source_rows(
+        cdc_database.server.superuser_conninfo(), table, ["id", "v"])
+    refusals = [r.getMessage() for r in caplog.records if "refused message" in r.getMessage()]
+    assert len(refusals) == len(forged), refusals
+    assert all(subject in refusal for refusal in refusals)
+    assert not any("bootstrapping again" in line for line in lines), lines
 
 
 async def test_events_gone_by_retention_make_the_mirror_bootstrap_again(
