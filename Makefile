@@ -13,7 +13,8 @@ prereqs:
 	@$(JAVA) -version 2>&1 | awk -F'"' '/version/ { split($$2, v, "."); if (v[1] < 17) { print "cdc_platform needs Java 17+ for Spark snapshots, found " $$2; exit 1 } }'
 
 # The compiled accelerators are rebuilt when its source changes (editable install).
-$(VENV)/.installed: pyproject.toml setup.py cdc_platform/protocol/_native.pyx cdc_platform/mirror/_rows.pyx | prereqs
+$(VENV)/.installed: pyproject.toml setup.py cdc_platform/protocol/_native.pyx cdc_platform/mirror/_rows.pyx \
+		cdc_platform/jetstream/_frames.pyx | prereqs
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'

@@ -1,5 +1,5 @@
 """Builds the optional compiled accelerators (``cdc_platform/protocol/_native.pyx``,
-``cdc_platform/mirror/_rows.pyx``).
+``cdc_platform/mirror/_rows.pyx``, ``cdc_platform/jetstream/_frames.pyx``).
 
 Everything else is in pyproject.toml. The extension is ``optional``: without a C compiler
 the install still succeeds and the pure-Python code runs (slower; see ``native.py``).
@@ -12,5 +12,7 @@ setup(ext_modules=cythonize(
     [Extension("cdc_platform.protocol._native", ["cdc_platform/protocol/_native.pyx"],
                optional=True),
      Extension("cdc_platform.mirror._rows", ["cdc_platform/mirror/_rows.pyx"],
+               optional=True),
+     Extension("cdc_platform.jetstream._frames", ["cdc_platform/jetstream/_frames.pyx"],
                optional=True)],
     compiler_directives={"language_level": "3"}))

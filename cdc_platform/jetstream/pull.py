@@ -14,9 +14,13 @@ the request it belongs to. Requests are kept ahead of the reader (up to twice ``
 asked for) so the server streams while the caller works. The server serves pull requests first
 come first served, so a delivered message counts against the oldest open request.
 
-Messages reach the reader through a hook on nats-py's (private) ``Client._process_msg``; if a
-nats-py release stops calling it, the subscription's own callback receives them instead
-(slower, the same result): see :func:`_install_hook`.
+Messages reach the reader without nats-py's parser: :class:`~cdc_platform.jetstream.frames.
+FrameReader` takes the place of nats-py's (private) ``Client._ps`` and hands this reader's
+frames straight to it (measured reading 200K changes: ~10 µs of CPU per message with nats-py's
+parser, ~5.5 µs with this one). Where a nats-py release has no such parser, a hook on its
+(private) ``Client._process_msg`` takes them; where it stops calling that too, the
+subscription's own callback receives them (slower, the same result): see
+:func:`_install_hook`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from cdc_platform.errors import CdcError
+from cdc_platform.jetstream.frames import FrameReader, Sink, can_replace
 
 
 class PullConsumerGone(CdcError):
@@ -77,16 +82,16 @@ _ENCODED_NAMES: dict[str, bytes] = {}
 _REQUEST_ENDED = frozenset({"message size exceeds maxbytes", "exceeded maxwaiting",
                             "batch completed"})
 
-_Sink = Callable[[bytes, bytes, bytes, bytes | None], None]
 _SINKS_ATTRIBUTE = "_cdc_platform_pull_sinks"
 
 
-def _install_hook(client: NatsClient) -> dict[int, _Sink]:
+def _install_hook(client: NatsClient) -> dict[int, Sink]:
     """The per-client table of subscription id -> sink, with the hook that feeds it (installed
-    once per client). nats-py's parser calls ``client._process_msg(sid, subject, reply, data,
-    headers)`` for every MSG/HMSG; for our sids the raw parts go to the sink and nats-py's
-    header parsing, ``Msg`` and queue are skipped."""
-    sinks: dict[int, _Sink] | None = getattr(client, _SINKS_ATTRIBUTE, None)
+    once per client). The frame reader calls the sink of a frame's sid directly; nats-py's
+    parser, where it still reads, calls ``client._process_msg(sid, subject, reply, data,
+    headers)`` for every MSG/HMSG, and the hook sends our sids' raw parts to the sink. Either
+    way nats-py's header parsing, ``Msg`` and queue are skipped."""
+    sinks: dict[int, Sink] | None = getattr(client, _SINKS_ATTRIBUTE, None)
     if sinks is not None:
         return sinks
     sinks = {}
@@ -102,6 +107,8 @@ def _install_hook(client: NatsClient) -> dict[int, _Sink]:
 
     setattr(client, _SINKS_ATTRIBUTE, sinks)
     client._process_msg = process_msg  # type: ignore[method-assign]
+    if can_replace(client._ps):
+        client._ps = FrameReader(client, client._ps, sinks)  # type: ignore[assignment]
     return sinks
 
 
