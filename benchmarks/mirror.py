@@ -11,7 +11,8 @@ Starts its own PostgreSQL and nats-server in a temp dir, a ``--rows``-row table,
    SQLite file; its own progress line gives rows/s, and the child's peak RSS is read from
    ``getrusage``. Baseline: the same rows (as the snapshot decodes them) inserted with one
    ``executemany`` into the same ``CREATE TABLE`` with the mirror's pragmas.
-2. apply: ``--events`` changes (half inserts, half updates, 100 per transaction) are published
+2. apply: ``--events`` changes (half inserts, half updates, ``--tx-size`` per transaction,
+   100 by default) are published
    by the bridge; the bridge stops; a mirror in this process applies them (events/s, from the
    first event to the last commit). Baseline: the same number of rows upserted with
    ``executemany`` (``INSERT OR REPLACE``) in one transaction.
@@ -84,6 +85,8 @@ async def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--events", type=int, default=200_000)
     parser.add_argument("--profile", action="store_true", help="cProfile the apply phase")
+    parser.add_argument("--tx-size", type=int, default=100,
+                        help="changes per source transaction in the apply phase")
     parser.add_argument("--mode", choices=["per-change", "batched"], default="per-change",
                         help="the bridge's message mode for the apply phase")
     args = parser.parse_args()
@@ -192,14 +195,15 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
     with psycopg.connect(admin_conninfo, autocommit=True) as admin:
         half = args.events // 2
         base = args.rows + 1
-        for start in range(0, half, 100):
+        size = args.tx_size
+        for start in range(0, half, size):
             with admin.transaction():
                 admin.execute(f"INSERT INTO {TABLE} SELECT g, g %% 1000, 'new ' || g, 1.5, "
                               "now(), 0.25, true FROM generate_series(%s::bigint, %s::bigint) g",
-                              (base + start, base + start + 99))
-        for start in range(0, half, 100):
+                              (base + start, base + start + size - 1))
+        for start in range(0, half, size):
             admin.execute(f"UPDATE {TABLE} SET n = n + 1, name = name || '+' "
-                          "WHERE id BETWEEN %s AND %s", (start + 1, start + 100))
+                          "WHERE id BETWEEN %s AND %s", (start + 1, start + size))
     await _bridge_caught_up(admin_conninfo)
     bridge.request_stop()
     await asyncio.shield(bridging)

@@ -64,6 +64,8 @@ log = logging.getLogger(__name__)
 
 Report = Callable[[str], None]
 _OPERATIONS = frozenset({*CHANGE_OPERATIONS, SCHEMA_OPERATION})
+# whole transactions committed together at most (else: what one batch read held)
+_GROUP_EVENTS = 10_000
 # while waiting for "done", how often the mirror also looks for the snapshot in INIT
 _LOOK_FOR_SNAPSHOT_SECONDS = 5.0
 
@@ -352,8 +354,11 @@ class Mirror:
                             raise _Restart from None
                     else:  # most messages: no await per message
                         follow.payload(message, message.data)
-                    if follow.stale:
+                    if follow.stale or follow.must_restart:
                         raise _Restart  # what this batch held after it comes again
+                follow.commit()
+                if follow.stale or follow.must_restart:
+                    raise _Restart
                 if messages and self.durable:
                     with contextlib.suppress(Exception):
                         await reader.ack(messages[-1])  # the server's view of progress only
@@ -427,8 +432,17 @@ class _Following:
         self.collector = collector
         self.followed = list(followed)
         self._followed = set(followed)
-        self.open = False  # an SQLite transaction holds the open PostgreSQL transaction
-        self.applied_in_open = 0
+        # One SQLite transaction holds whole PostgreSQL transactions (and then, maybe, the
+        # one being read) until commit(): a commit per batch read instead of one per
+        # transaction, which is most of the cost of small transactions. It commits only
+        # between transactions, so the mirror still holds all of one or none.
+        self.open = False
+        self.applied_in_open = 0  # events of the transaction being read, applied in it
+        self.group_seq: int | None = None  # the last stream sequence of its whole ones
+        self.group_transactions = 0
+        self.group_commit_lsn = 0
+        self.group_commit_ts: str | None = None
+        self.must_restart = False  # whole transactions were rolled back: read them again
         self.first = True  # the first transaction of this pass may have begun before it
         self.stale: dict[str, str] = {}
 
@@ -497,23 +511,48 @@ class _Following:
             self.applied_in_open += 1
         if done is not None:
             self.first = False
+            self.applied_in_open = 0
             if self.open:
-                applied = self.store.commit(done.last_seq, self.followed)
-                self.open = False
-                self.mirror.applied_events += applied.events
-                self.mirror.applied_transactions += 1
-                self.mirror.last_commit_at = time.monotonic()
-                self.mirror.position = max(self.mirror.position, done.last_seq)
-                self.mirror._last_commit_ts = event.get("commit_ts")
-                for table, reason in applied.stale.items():
-                    self.stale[table] = reason
-                    self.mirror.report(f"{table}: {reason}; bootstrapping again")
+                self.group_seq = done.last_seq
+                self.group_transactions += 1
+                self.group_commit_lsn = done.commit_lsn
+                self.group_commit_ts = event.get("commit_ts")
+                if self.store.open_events >= _GROUP_EVENTS:
+                    self.commit()
+
+    def commit(self) -> None:
+        """Commit the whole transactions applied since the last commit, with the positions
+        they reached (nothing while a transaction is still being read)."""
+        if not self.open or self.group_seq is None or self.collector.pending is not None:
+            return
+        try:
+            applied = self.store.commit(self.group_seq, self.followed)
+        except DivergenceError as exc:  # a batch flushed at commit did not fit
+            self.open = False  # (the store rolled back)
+            self.abandon()
+            self._mark_stale([exc.table] if exc.table else list(self.followed), str(exc),
+                             self.group_commit_lsn)
+            return
+        self.open = False
+        mirror = self.mirror
+        mirror.applied_events += applied.events
+        mirror.applied_transactions += self.group_transactions
+        mirror.last_commit_at = time.monotonic()
+        mirror.position = max(mirror.position, self.group_seq)
+        mirror._last_commit_ts = self.group_commit_ts
+        self.group_seq, self.group_transactions = None, 0
+        for table, reason in applied.stale.items():
+            self.stale[table] = reason
+            mirror.report(f"{table}: {reason}; bootstrapping again")
 
     def abandon(self) -> None:
         """Roll back the open transaction (its events come again on the next pass)."""
         if self.open:
             self.store.rollback()
             self.open = False
+        if self.group_seq is not None:
+            self.must_restart = True  # whole transactions went with it
+        self.group_seq, self.group_transactions, self.applied_in_open = None, 0, 0
         self.collector.reset()
 
     def _mark_stale(self, tables: list[str], reason: str, at_lsn: int) -> None:

@@ -72,6 +72,10 @@ class DivergenceError(MirrorError):
     """A change does not fit the mirrored rows (a missing row, a duplicate key): the mirror
     no longer equals the source and must bootstrap that table again."""
 
+    def __init__(self, message: str, table: str | None = None) -> None:
+        super().__init__(message)
+        self.table = table  # when known where it is raised (a batch flushed at commit)
+
 
 @dataclass
 class Applied:
@@ -542,6 +546,11 @@ class MirrorStore:
         state.applied_commit_lsn, state.applied_ordinal = commit_lsn, event["ordinal"]
         self._open.events += 1
 
+    @property
+    def open_events(self) -> int:
+        """Events applied in the open transaction so far."""
+        return self._open.events if self._open is not None else 0
+
     def commit(self, stream_seq: int, followed: Iterable[str] = ()) -> Applied:
         """Commit the open transaction with the new positions: each table's high-water mark,
         and ``stream_seq`` for the tables of ``followed`` (all were read up to it)."""
@@ -572,7 +581,11 @@ class MirrorStore:
         batched, self._batched = self._batched, []
         kind, table, names = self._batch_key
         if kind == "INSERT":
-            self._insert_rows(table, batched)
+            try:
+                self._insert_rows(table, batched)
+            except DivergenceError as exc:
+                exc.table = exc.table or table
+                raise
             return
         statement = self._prepared[("UPDATE", table, names)][0]
         self._db.execute("SAVEPOINT cdc_update")
@@ -585,7 +598,10 @@ class MirrorStore:
                     if self._execute_unique(statement, parameters) != 1:
                         raise DivergenceError(
                             f"{table}: an UPDATE names a row the mirror does not hold: "
-                            f"{dict(zip(key, parameters[-len(key):], strict=True))}")
+                            f"{dict(zip(key, parameters[-len(key):], strict=True))}", table)
+        except DivergenceError as exc:
+            exc.table = exc.table or table
+            raise
         finally:
             self._db.execute("RELEASE cdc_update")
 

@@ -163,6 +163,38 @@ async def test_malformed_messages_on_the_stream_are_refused_and_change_nothing(
     assert not any("bootstrapping again" in line for line in lines), lines
 
 
+async def test_a_row_missing_from_the_mirror_makes_the_table_bootstrap_again(
+        cdc_database, pg_admin, provisioned_nats, tmp_path):
+    """Someone deleted a row from the mirror's file by hand: the next UPDATE of it (a batch of
+    updates, checked when it is committed) does not fit; the mirror says so and bootstraps
+    the table again instead of stopping or diverging."""
+    import sqlite3
+
+    table = random_name("tampered")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 100) g")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    db = tmp_path / "m.db"
+    lines: list[str] = []
+    async with running_bridge(settings), snapshot_responder(settings,
+                                                            max_age_seconds=0) as taken:
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
+            until_caught_up=True)
+        with sqlite3.connect(db) as tampering:
+            tampering.execute(f"DELETE FROM {table} WHERE id = 50")
+        pg_admin.execute(f"UPDATE {table} SET v = 'changed' WHERE id BETWEEN 40 AND 60")
+        await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
+        await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
+            until_caught_up=True)
+    assert len(taken) == 2
+    assert any("does not hold" in line and "bootstrapping again" in line for line in lines), \
+        lines
+    assert mirror_rows(db, table, ["id", "v"]) == source_rows(
+        cdc_database.server.superuser_conninfo(), table, ["id", "v"])
+
+
 async def test_events_gone_by_retention_make_the_mirror_bootstrap_again(
         cdc_database, pg_admin, tmp_path):
     """A mirror stopped while the stream dropped events it needed says so and bootstraps
