@@ -17,6 +17,9 @@ Starts its own PostgreSQL and nats-server in a temp dir, a ``--rows``-row table,
    first event to the last commit). Baseline: the same number of rows upserted with
    ``executemany`` (``INSERT OR REPLACE``) in one transaction.
 
+3. read ceiling: the same messages read again by the mirror's pull reader alone (nothing
+   applied): how fast this machine's nats-server and client deliver them, the bound on apply.
+
 Targets (issue 12): bootstrap >= 0.7 x baseline, apply >= 50K events/s, RSS <= 200 MB.
 """
 
@@ -227,6 +230,7 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     apply_rate = mirror.applied_events / apply_seconds
+    read_rate, read_cpu = await _read_ceiling(client)
     upserts = [tuple(to_sqlite(v) for v in row) for row in values[:mirror.applied_events]]
     with sqlite3.connect(baseline_db, isolation_level=None) as conn:
         started = time.perf_counter()
@@ -246,6 +250,34 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
           f"sqlite3 executemany upsert baseline {apply_baseline:,.0f} rows/s, ratio "
           f"{apply_rate / apply_baseline:.2f} (target >= 50,000 events/s); mirror CPU "
           f"{cpu_seconds / mirror.applied_events * 1e6:.1f} µs per event over the whole run")
+    print(f"read ceiling: the mirror's pull reader alone, reading the same messages and "
+          f"dropping them: {read_rate:,.0f} msgs/s, {read_cpu:.1f} µs CPU per message; the "
+          f"mirror applies at {apply_rate / read_rate:.2f} of it")
+
+
+async def _read_ceiling(client) -> tuple[float, float]:
+    """(messages/s, CPU µs per message) of reading the apply phase's messages again with the
+    mirror's pull reader and nothing else: what this machine's nats-server and client
+    leave for applying."""
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    from cdc_platform.jetstream.pull import PullReader
+
+    js = client.jetstream()
+    info = await js.add_consumer("CDC", ConsumerConfig(
+        filter_subject=f"cdc.{TABLE}.>", deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.NONE, inactive_threshold=60.0))
+    reader = PullReader(client, "CDC", info.name, batch=MirrorSettings().fetch_batch)
+    await reader.start()
+    wanted, got = info.num_pending, 0
+    started, cpu_started = time.perf_counter(), time.process_time()
+    try:
+        while got < wanted:
+            got += len(await reader.fetch(MirrorSettings().fetch_batch, timeout=5.0))
+    finally:
+        await reader.stop()
+    cpu = time.process_time() - cpu_started
+    return got / (time.perf_counter() - started), cpu / got * 1e6
 
 
 if __name__ == "__main__":
