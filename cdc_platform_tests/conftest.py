@@ -20,3 +20,34 @@ def pytest_runtest_makereport(item, call):
             report.longrepr = (f"{title} holds a test password (a secret reached an output): "
                                f"{content[max(0, content.find(leaked[0]) - 200):][:400]!r}")
             return
+
+
+_SCANNED_BYTES = 64 << 20  # larger files are data, not logs
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Never log secrets, child processes included: what Dagster runs, the dev stack and the
+    CLI wrote under the session's temp dir (run logs, compute logs, Dagster's event log and
+    run storage, mirror files) may not hold a password a fixture handed to the platform."""
+    from cdc_platform_tests.fixtures.services import TEST_SECRETS
+
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is None or not TEST_SECRETS:
+        return
+    secrets = [secret.encode() for secret in TEST_SECRETS]
+    leaks = []
+    for path in factory.getbasetemp().rglob("*"):
+        try:
+            if not path.is_file() or path.is_symlink() or path.stat().st_size > _SCANNED_BYTES:
+                continue
+            data = path.read_bytes()
+        except OSError:
+            continue  # (removed meanwhile, or a socket)
+        if any(secret in data for secret in secrets):
+            leaks.append(str(path))
+    if leaks:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line("a test password reached files written during the tests: "
+                                + ", ".join(leaks), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -49,6 +49,12 @@ def test_dev_stack_comes_up_and_stops_cleanly(state_root):
     password = secrets_file.read_text().split("CDC_PG_PASSWORD=")[1].splitlines()[0]
     assert password not in output  # secrets never printed
     assert oct(secrets_file.stat().st_mode & 0o777) == "0o600"
+    # ... nor written by a child process (Dagster's logs and storage, the servers' logs): only
+    # the .env files that hand the secrets over hold them
+    holding = [str(path) for path in (tmp_path / "state").rglob("*")
+               if path.is_file() and not path.is_symlink() and path.suffix != ".env"
+               and path.stat().st_size < 64 << 20 and password.encode() in path.read_bytes()]
+    assert holding == [], holding
     # nothing left running (processes that were told to stop get a moment to exit)
     deadline = time.monotonic() + 10
     while True:
