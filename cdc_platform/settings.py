@@ -66,6 +66,16 @@ Seconds = Annotated[float, BeforeValidator(parse_duration_seconds)]
 Bytes = Annotated[int, BeforeValidator(parse_size_bytes)]
 
 
+def _readable(path: str, variable: str) -> str:
+    """``path`` when it names a readable file, else a ConfigError naming the variable (nats-py
+    would only fail later, inside its connect, with a less helpful message)."""
+    try:
+        with open(path, "rb"):
+            return path
+    except OSError as exc:
+        raise ConfigError(f"{variable} {path}: not readable ({exc.strerror})") from None
+
+
 def _env(*names: str) -> AliasChoices:
     return AliasChoices(*names)
 
@@ -149,7 +159,9 @@ class NatsSettings(_Settings):
         None, validation_alias=_env("CDC_NATS_PASSWORD", "NATS_BRIDGE_PASSWORD")
     )
     token: SecretStr | None = Field(None, validation_alias=_env("CDC_NATS_TOKEN", "NATS_TOKEN"))
+    # a .creds file (user JWT + nkey seed, decentralized auth) or a bare nkey seed file
     creds_file: str | None = Field(None, validation_alias=_env("CDC_NATS_CREDS", "NATS_CREDS"))
+    nkey_seed_file: str | None = Field(None, validation_alias=_env("CDC_NATS_NKEY_SEED"))
     # TLS: the CA that signed the server's certificate, and this client's certificate and key
     # when the server verifies clients (a tls:// URL or any of these turns TLS on)
     tls_ca_file: str | None = Field(None, validation_alias=_env("CDC_NATS_TLS_CA"))
@@ -186,7 +198,9 @@ class NatsSettings(_Settings):
         if self.token is not None:
             options["token"] = self.token.get_secret_value()
         if self.creds_file is not None:
-            options["user_credentials"] = self.creds_file
+            options["user_credentials"] = _readable(self.creds_file, "CDC_NATS_CREDS")
+        if self.nkey_seed_file is not None:
+            options["nkeys_seed"] = _readable(self.nkey_seed_file, "CDC_NATS_NKEY_SEED")
         tls = self.tls_context()
         if tls is not None:
             options["tls"] = tls

@@ -58,6 +58,7 @@ class NatsResource(ConfigurableResource):
     password: str | None = None  # (set it from dg.EnvVar: the UI shows no secret then)
     token: str | None = None
     creds_file: str | None = None
+    nkey_seed_file: str | None = None
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
