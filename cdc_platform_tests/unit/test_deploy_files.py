@@ -1,7 +1,8 @@
 """deploy/ kept honest without Docker: the compose file parses and names files that exist,
 every platform variable it sets is a setting, the Dockerfile copies what exists, the Dagster
 instance config in deploy/ loads, the workspace points at the compose code location, the
-init script is valid sh. (The NATS config is started for real in test_nats_permissions.)"""
+init script is valid sh, the Helm values use only the official chart's keys and agree with
+the instance config and the image. (The NATS config is started for real in test_nats_permissions.)"""
 
 from __future__ import annotations
 
@@ -66,3 +67,122 @@ def test_the_deploy_dagster_instance_config_loads(monkeypatch):
 
 def test_the_postgres_init_script_is_valid_sh():
     subprocess.run(["sh", "-n", str(DEPLOY / "postgres" / "30_role_password.sh")], check=True)
+
+
+# The keys of the official Dagster chart's values.schema.json (dagster-io/dagster,
+# helm/dagster/values.schema.json at bdb8547) under the sections deploy/helm/values.yaml sets.
+# A dict lists a section's keys; FREE marks a value the chart takes as it is (a Kubernetes
+# object, a list of them, or a map it passes on).
+FREE = None
+_SECRET_REFS = FREE
+CHART_KEYS = {
+    "dagsterWebserver": {
+        "replicaCount": FREE, "image": FREE, "nameOverride": FREE, "pathPrefix": FREE,
+        "service": {"type": FREE, "port": FREE, "annotations": FREE}, "workspace": FREE,
+        "env": FREE, "envConfigMaps": _SECRET_REFS, "envSecrets": _SECRET_REFS,
+        "deploymentLabels": FREE, "labels": FREE, "nodeSelector": FREE, "affinity": FREE,
+        "tolerations": FREE, "podSecurityContext": FREE, "securityContext": FREE,
+        "resources": FREE, "readinessProbe": FREE, "livenessProbe": FREE, "startupProbe": FREE,
+        "annotations": FREE, "enableReadOnly": FREE, "dbStatementTimeout": FREE,
+        "dbPoolRecycle": FREE, "logLevel": FREE, "schedulerName": FREE, "volumeMounts": FREE,
+        "volumes": FREE, "initContainerResources": FREE},
+    "dagster-user-deployments": {
+        "enabled": FREE, "enableSubchart": FREE, "imagePullSecrets": FREE,
+        "deployments": [{
+            "name": FREE, "image": {"repository": FREE, "tag": FREE, "pullPolicy": FREE},
+            "dagsterApiGrpcArgs": FREE, "codeServerArgs": FREE,
+            "includeConfigInLaunchedRuns": {"enabled": FREE}, "deploymentNamespace": FREE,
+            "port": FREE, "env": FREE, "envConfigMaps": FREE, "envSecrets": FREE,
+            "annotations": FREE, "nodeSelector": FREE, "affinity": FREE, "tolerations": FREE,
+            "podSecurityContext": FREE, "securityContext": FREE, "resources": FREE,
+            "livenessProbe": FREE, "readinessProbe": FREE, "startupProbe": FREE,
+            "labels": FREE, "volumeMounts": FREE, "volumes": FREE, "schedulerName": FREE,
+            "initContainers": FREE, "sidecarContainers": FREE}]},
+    "postgresql": {
+        "image": FREE, "enabled": FREE, "postgresqlHost": FREE, "postgresqlUsername": FREE,
+        "postgresqlPassword": FREE, "postgresqlDatabase": FREE, "postgresqlParams": FREE,
+        "postgresqlScheme": FREE, "service": {"port": FREE}},
+    "generatePostgresqlPasswordSecret": FREE,
+    "global": {"postgresqlSecretName": FREE, "dagsterHome": FREE, "serviceAccountName": FREE,
+               "celeryConfigSecretName": FREE},
+    "runLauncher": {"type": FREE, "config": {"k8sRunLauncher": {
+        "image": FREE, "imagePullPolicy": FREE, "jobNamespace": FREE,
+        "loadInclusterConfig": FREE, "kubeconfigFile": FREE, "envConfigMaps": FREE,
+        "envSecrets": FREE, "envVars": FREE, "volumeMounts": FREE, "volumes": FREE,
+        "labels": FREE, "failPodOnRunFailure": FREE, "resources": FREE,
+        "schedulerName": FREE, "securityContext": FREE, "runK8sConfig": FREE}}},
+    "dagsterDaemon": {
+        "enabled": FREE, "image": FREE, "heartbeatTolerance": FREE, "env": FREE,
+        "envConfigMaps": FREE, "envSecrets": FREE, "deploymentLabels": FREE, "labels": FREE,
+        "nodeSelector": FREE, "affinity": FREE, "tolerations": FREE,
+        "podSecurityContext": FREE, "securityContext": FREE, "resources": FREE,
+        "livenessProbe": FREE, "readinessProbe": FREE, "startupProbe": FREE,
+        "annotations": FREE, "runMonitoring": FREE, "runRetries": FREE, "sensors": FREE,
+        "schedules": FREE, "schedulerName": FREE, "volumeMounts": FREE, "volumes": FREE,
+        "initContainerResources": FREE,
+        "runCoordinator": {"enabled": FREE, "type": FREE, "config": {"queuedRunCoordinator": {
+            "maxConcurrentRuns": FREE, "dequeueIntervalSeconds": FREE,
+            "dequeueNumWorkers": FREE, "dequeueUseThreads": FREE,
+            "blockOpConcurrencyLimitedRuns": FREE,
+            "tagConcurrencyLimits": [{"key": FREE, "limit": FREE,
+                                      "value": FREE}]}}}},
+    "rabbitmq": {"enabled": FREE, "image": FREE, "rabbitmq": FREE, "service": FREE,
+                 "volumePermissions": FREE},
+    "redis": {"enabled": FREE, "internal": FREE, "usePassword": FREE, "password": FREE,
+              "host": FREE, "port": FREE, "brokerDbNumber": FREE, "backendDbNumber": FREE,
+              "brokerUrl": FREE, "backendUrl": FREE},
+    "flower": {"enabled": FREE, "image": FREE, "service": FREE, "nodeSelector": FREE,
+               "affinity": FREE, "tolerations": FREE, "podSecurityContext": FREE,
+               "securityContext": FREE, "resources": FREE, "livenessProbe": FREE,
+               "startupProbe": FREE, "annotations": FREE},
+    "telemetry": {"enabled": FREE},
+}
+
+
+def _unknown_keys(values, documented, path="") -> list[str]:
+    if documented is FREE:
+        return []
+    if isinstance(documented, list):
+        assert isinstance(values, list), f"{path} must be a list"
+        return [bad for index, item in enumerate(values)
+                for bad in _unknown_keys(item, documented[0], f"{path}[{index}]")]
+    assert isinstance(values, dict), f"{path} must be a map"
+    unknown = [f"{path}.{key}".lstrip(".") for key in values if key not in documented]
+    return unknown + [bad for key, value in values.items() if key in documented
+                      for bad in _unknown_keys(value, documented[key], f"{path}.{key}")]
+
+
+def test_the_helm_values_use_the_charts_keys_and_agree_with_the_platform():
+    import importlib
+
+    import dagster as dg
+
+    values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
+    assert _unknown_keys(values, CHART_KEYS) == []
+    (deployment,) = values["dagster-user-deployments"]["deployments"]
+    # the code location loads: the module and attribute its gRPC server is given
+    arguments = deployment["dagsterApiGrpcArgs"]
+    module = arguments[arguments.index("--module-name") + 1]
+    attribute = arguments[arguments.index("--attribute") + 1]
+    assert isinstance(getattr(importlib.import_module(module), attribute), dg.Definitions)
+    # runs as the image's own user
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    uid = re.search(r"useradd .*--uid (\d+)", dockerfile).group(1)
+    assert str(deployment["podSecurityContext"]["runAsUser"]) == uid
+    # every pod that runs platform code reads the same settings
+    sources = [deployment, values["dagsterWebserver"], values["dagsterDaemon"],
+               values["runLauncher"]["config"]["k8sRunLauncher"]]
+    assert len({yaml.safe_dump([s["envConfigMaps"], s["envSecrets"]]) for s in sources}) == 1
+    assert "postgresqlPassword" not in values["postgresql"]  # from the Secret, not a value
+    # the run coordination is the instance's in deploy/dagster/dagster.yaml
+    instance = yaml.safe_load((DEPLOY / "dagster" / "dagster.yaml").read_text())
+    coordinator = instance["run_coordinator"]["config"]
+    queued = values["dagsterDaemon"]["runCoordinator"]["config"]["queuedRunCoordinator"]
+    assert queued["maxConcurrentRuns"] == coordinator["max_concurrent_runs"]
+    assert queued["tagConcurrencyLimits"] == coordinator["tag_concurrency_limits"]
+    monitoring = values["dagsterDaemon"]["runMonitoring"]
+    for chart_key, instance_key in (("enabled", "enabled"),
+                                    ("startTimeoutSeconds", "start_timeout_seconds"),
+                                    ("maxResumeRunAttempts", "max_resume_run_attempts"),
+                                    ("pollIntervalSeconds", "poll_interval_seconds")):
+        assert monitoring[chart_key] == instance["run_monitoring"][instance_key], chart_key
