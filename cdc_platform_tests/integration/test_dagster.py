@@ -16,7 +16,7 @@ import yaml
 from cdc_platform.defs.resources import CdcResource, NatsResource, PostgresResource
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.replication.slots import read_slot
-from cdc_platform_tests.fixtures.services import random_name, read_subjects
+from cdc_platform_tests.fixtures.services import TEST_SECRETS, random_name, read_subjects
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,6 +59,18 @@ def test_definitions_load_with_everything(dagster_env):
     assert {s.name for s in defs.sensors} == {
         "cdc_sensor", "snapshot_request_sensor", "publication_sync_sensor"}
     assert defs.resolve_schedule_def("snapshot_refresh_schedule").cron_schedule == "0 3 * * *"
+
+
+def test_what_the_ui_shows_of_the_resources_holds_no_secret(dagster_env):
+    """The UI shows each resource's configuration: the password is an EnvVar there (its
+    name), never its value, though the value is in the environment."""
+    from cdc_platform.definitions import build_definitions
+
+    assert dagster_env["CDC_PG_PASSWORD"] in TEST_SECRETS
+    shown = {name: resource.model_dump() if hasattr(resource, "model_dump") else repr(resource)
+             for name, resource in build_definitions().resources.items()}
+    assert shown["postgres"]["password"] == "CDC_PG_PASSWORD"
+    assert not any(secret in repr(shown) for secret in TEST_SECRETS), shown
 
 
 def test_instance_config_limits_one_cdc_run_per_slot():
@@ -295,6 +307,7 @@ async def test_init_snapshot_materialization_records_the_cutover(
         await asyncio.wait_for(bridge_task, 60)
     assert metadata["row_count"] == 2500
     assert metadata["batch_count"] >= 1
+    assert not any(secret in repr(metadata) for secret in TEST_SECRETS)  # shown in the UI
     assert parse_lsn(metadata["lsn"]) > parse_lsn(metadata["watermark_lsn"])
     meta_messages = await read_subjects(nats_client, "INIT", f"init.meta.{table}", expect=1)
     meta = msgpack.unpackb(meta_messages[-1].data)
