@@ -35,7 +35,7 @@ from nats.js.errors import NotFoundError
 from cdc_platform.dev.servers import LocalNatsServer
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.publishing import JetStreamPublisher, OutgoingMessage
-from cdc_platform.publishing.jetstream import PublishMode
+from cdc_platform.publishing.messages import PublishMode
 from cdc_platform.settings import NatsSettings
 
 STREAM = "BENCH"

@@ -25,20 +25,18 @@ from cdc_platform.protocol.changes import (
 )
 from cdc_platform.protocol.native import NATIVE
 from cdc_platform.protocol.pgoutput import Relation, RelationColumn
+from cdc_platform.settings import EncodingSettings
 from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
+from cdc_platform.snapshot.meta import snapshot_meta
+from cdc_platform.snapshot.reader import RangeStats
 from cdc_platform.wire import (
     CONTENT_TYPES,
     HEADER_CONTENT_TYPE,
     HEADER_MSG_ID,
     WATERMARK_PREFIX,
-    SnapshotMetaPayload,
-    cutover_rule_text,
     encoder,
-    in_field_order,
     meta_msg_id,
-    snapshot_chunk_prefix,
     snapshot_meta_subject,
-    watermark_subject,
 )
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
@@ -154,20 +152,15 @@ def chunk(fmt: str, implementation: str) -> list[Message]:
 def meta(fmt: str, implementation: str) -> list[Message]:
     schema = table_schema()
     snapshot_id = "20261122T100000Z-0a0b0c0d"
-    prefix = snapshot_chunk_prefix("users", snapshot_id)
-    payload = in_field_order(SnapshotMetaPayload, {
-        "snapshot_id": snapshot_id, "lsn": "1/900", "timestamp": 1795000100,
-        "batch_count": 2, "row_count": 4, "table": "users", "cdc_stream": "CDC",
-        "cdc_start_seq": 41, "watermark_subject": watermark_subject(snapshot_id),
-        "watermark_lsn": "1/980",
-        "cutover_rule": cutover_rule_text(chunk_subject_prefix=prefix, cdc_stream="CDC",
-                                          watermark_subject=watermark_subject(snapshot_id),
-                                          table="users", lsn="1/900"),
-        "format": fmt, "compression": None, "dictionary_id": None, "dictionary_bucket": None,
-        "dictionary_key": None, "schema_fingerprint": schema.fingerprint,
-        "table_schema": schema.to_wire(), "partitions": 3, "chunks": [[2, 2000000, 2]],
-        "bytes_raw": 700, "bytes_compressed": 700, "duration_seconds": 1.5,
-        "chunk_subject_prefix": prefix})
+    payload = snapshot_meta(  # the snapshot job's own writer
+        snapshot_id=snapshot_id, lsn="1/900", watermark_lsn="1/980", cdc_stream="CDC",
+        cdc_start_seq=41, schema=schema, partitions=3,
+        stats=[RangeStats(0), RangeStats(1),
+               RangeStats(2, rows=4, chunks=2, first_chunk=2000000, bytes_raw=700,
+                          bytes_compressed=700)],
+        encoding=EncodingSettings(format=fmt, zstd=False), dictionary_id=None,
+        dictionary_bucket="zstd_dictionaries", dictionary_key=None, duration=1.5,
+        timestamp=1795000100)
     return [{"subject": snapshot_meta_subject("users"), "msg_id": meta_msg_id(snapshot_id),
              "headers": [[HEADER_CONTENT_TYPE, CONTENT_TYPES[fmt]]],
              "payload": encoder(fmt)(payload)}]

@@ -26,7 +26,7 @@ from cdc_platform.protocol.changes import (
 )
 from cdc_platform.protocol.native import NATIVE
 from cdc_platform.protocol.pgoutput import Relation
-from cdc_platform.publishing.jetstream import OutgoingMessage
+from cdc_platform.publishing.messages import OutgoingMessage
 from cdc_platform.wire import (
     HEADER_SCHEMA_FINGERPRINT,
     SCHEMA_OPERATION,

@@ -43,7 +43,8 @@ from cdc_platform.postgres.catalog import (
 )
 from cdc_platform.protocol.pgoutput import Relation
 from cdc_platform.publishing.claim_check import ClaimChecks
-from cdc_platform.publishing.jetstream import JetStreamPublisher
+from cdc_platform.publishing.publisher import JetStreamPublisher
+from cdc_platform.publishing.schemas import schema_entry
 from cdc_platform.replication.reader import SlotReader
 from cdc_platform.replication.slots import WAL_STATUS_LEVELS, read_slot_async, slot_alerts
 from cdc_platform.settings import PlatformSettings
@@ -413,10 +414,9 @@ class CdcBridge:
         return found
 
     async def _put_schema(self, schema: TableSchema) -> None:
-        key = schema.wire_name
-        if self._published_fingerprints.get(key) == schema.fingerprint:
+        if self._published_fingerprints.get(schema.wire_name) == schema.fingerprint:
             return
-        value = self.encode(schema.to_wire())
+        key, value = schema_entry(schema, self.encode)
         assert self._kv is not None  # (opened before the first batch)
         while True:
             try:

@@ -964,7 +964,7 @@ def frame_sequence(list held not None, bytes reply_prefix not None,
     """The NATS protocol bytes of ``held`` messages (``(subject, header or None, payload,
     ...)``) with reply subjects ``reply_prefix + str(seq) + reply_suffix``, seq counting up
     from ``first_seq``: ``HPUB subject reply header_size total_size\\r\\n header payload
-    \\r\\n`` each (``PUB`` without headers). The pure twin is ``publishing.jetstream.
+    \\r\\n`` each (``PUB`` without headers). The pure twin is ``publishing.framing.
     frame_sequence``."""
     cdef Buffer out
     cdef Py_ssize_t index, count = len(held), header_size, payload_size

@@ -24,7 +24,7 @@ from nats.js.api import ObjectMeta, ObjectMetaOptions, ObjectStoreConfig, Storag
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from cdc_platform.errors import PublishError
-from cdc_platform.publishing.jetstream import OutgoingMessage
+from cdc_platform.publishing.messages import OutgoingMessage
 from cdc_platform.wire import (
     HEADER_CLAIM_CHECK,
     Format,

@@ -9,7 +9,9 @@ look-ups for non-builtin types, slot state). It:
   at least every ``status_interval`` seconds;
 * reports as flushed only what the caller confirmed with :meth:`confirm` (the bridge confirms
   a transaction's end LSN once JetStream stored all of it), except that when nothing is in
-  flight it may confirm the server's keepalive position, so idle slots advance.
+  flight it may confirm the server's keepalive position, so idle slots advance. Those rules
+  are :class:`~cdc_platform.replication.feedback.Feedback` (pure, unit-tested on its own);
+  this class does the I/O.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from cdc_platform.replication.connection import (
     ReplicationConnection,
     is_config_error,
 )
+from cdc_platform.replication.feedback import Feedback
 from cdc_platform.replication.slots import SlotState, check_slot_usable, read_slot_async
 from cdc_platform.settings import PostgresSettings
 
@@ -74,15 +77,22 @@ class SlotReader:
         self.replication: ReplicationConnection | None = None
         self.catalog: psycopg.AsyncConnection | None = None
         self.start_lsn = 0
-        self.received_lsn = 0  # highest WAL position received (write position)
-        self.last_commit_end_lsn = 0  # end of the last transaction fully received
-        self.confirmed_lsn = 0  # what we report as flushed
-        self.reported_lsn = 0  # the flush LSN of the last status update sent
-        self.server_wal_end = 0
+        self.feedback = Feedback()
         self._last_status = 0.0
-        # Between Begin and Commit a keepalive may carry a position past the commit being
-        # sent to us; confirming it then would lose that transaction on a crash.
-        self._in_transaction = False
+
+    @property
+    def confirmed_lsn(self) -> int:
+        """What status updates report as flushed."""
+        return self.feedback.confirmed_lsn
+
+    @property
+    def received_lsn(self) -> int:
+        """The highest WAL position received."""
+        return self.feedback.received_lsn
+
+    @property
+    def server_wal_end(self) -> int:
+        return self.feedback.server_wal_end
 
     # -- lifecycle -----------------------------------------------------------------------
     async def open(self) -> SlotState:
@@ -124,8 +134,7 @@ class SlotReader:
         check_slot_usable(state, database=identity.database or self.settings.database)
         # The slot's confirmed position is the only correct resume point.
         self.start_lsn = state.confirmed_flush_lsn or 0
-        self.confirmed_lsn = self.last_commit_end_lsn = self.start_lsn
-        self.received_lsn = self.start_lsn
+        self.feedback = Feedback(self.start_lsn)
         await self.replication.start_replication(self.slot, self.start_lsn, self.publications)
         log.info("streaming slot %s from %s (publications %s)", self.slot,
                  format_lsn(self.start_lsn), ",".join(self.publications))
@@ -165,13 +174,14 @@ class SlotReader:
         events: list = []
         feed = self.assembler.feed
         take_changes = self.assembler.take_changes if self.assembler.takes_changes else None
-        received_lsn = self.received_lsn
+        feedback = self.feedback
+        received_lsn = feedback.received_lsn
         index, count = 0, len(raw)
         refused = -1  # where the last run stopped: that message is the general path's
         while index < count:
             payload = raw[index]
             # A run of row changes (bulk writes, busy tables): one compiled call.
-            if take_changes is not None and index != refused and self._in_transaction \
+            if take_changes is not None and index != refused and feedback.in_transaction \
                     and payload[0] == 0x77 and len(payload) > XLOGDATA_HEADER_SIZE \
                     and payload[XLOGDATA_HEADER_SIZE] in _ROW_TAGS:  # the message's tag
                 taken, wal_end = take_changes(raw, index, events)
@@ -186,12 +196,8 @@ class SlotReader:
             else:
                 message = parse_copy_data(payload)
                 if isinstance(message, PrimaryKeepalive):
-                    self.received_lsn = received_lsn
-                    self.server_wal_end = max(self.server_wal_end, message.wal_end)
-                    if not self._in_transaction and \
-                            self.confirmed_lsn >= self.last_commit_end_lsn:
-                        # Nothing in flight: everything up to the server's position is done.
-                        self._advance_idle(message.wal_end)
+                    feedback.received(received_lsn)
+                    feedback.keepalive(message.wal_end)
                     if message.reply_requested:
                         await self.send_status(reply_requested=False)
                     continue
@@ -200,16 +206,15 @@ class SlotReader:
             decoded = decode_message(payload, XLOGDATA_HEADER_SIZE)
             kind = type(decoded)
             if kind is Begin:
-                self._in_transaction = True
+                feedback.began()
             elif isinstance(decoded, Relation):
-                self.received_lsn = received_lsn
+                feedback.received(received_lsn)
                 await self._ensure_types(decoded)
             for event in feed(wal_start, decoded):
                 events.append(event)
                 if type(event) is TransactionCommitted:
-                    self.last_commit_end_lsn = event.end_lsn
-                    self._in_transaction = False
-        self.received_lsn = received_lsn
+                    feedback.committed(event.end_lsn)
+        feedback.received(received_lsn)
         if time.monotonic() - self._last_status >= self.status_interval:
             await self.send_status()
         return ReadBatch(events, len(raw))
@@ -232,24 +237,19 @@ class SlotReader:
     # -- acknowledging -------------------------------------------------------------------
     def confirm(self, lsn: int) -> None:
         """Everything up to ``lsn`` (a commit's end LSN) is durably handled downstream."""
-        self.confirmed_lsn = max(self.confirmed_lsn, lsn)
-
-    def _advance_idle(self, wal_end: int) -> None:
-        if wal_end > self.confirmed_lsn:
-            self.confirmed_lsn = wal_end
-            self.last_commit_end_lsn = max(self.last_commit_end_lsn, wal_end)
+        self.feedback.confirm(lsn)
 
     @property
     def in_flight(self) -> bool:
         """Received transactions not yet confirmed."""
-        return self.confirmed_lsn < self.last_commit_end_lsn
+        return self.feedback.in_flight
 
     async def send_status(self, *, reply_requested: bool = False) -> None:
         assert self.replication is not None
-        write = max(self.received_lsn, self.confirmed_lsn)
+        write, flush, apply = self.feedback.status()
         await self.replication.send(standby_status_update(
-            write, self.confirmed_lsn, self.confirmed_lsn, reply_requested=reply_requested))
-        self.reported_lsn = self.confirmed_lsn
+            write, flush, apply, reply_requested=reply_requested))
+        self.feedback.reported(flush)
         self._last_status = time.monotonic()
 
     async def report_progress(self) -> None:
@@ -258,7 +258,7 @@ class SlotReader:
         For when the stream is idle: the last acknowledgement of a burst then reaches the
         server at once instead of up to ``status_interval`` later, so the slot (and what
         ``pg_replication_slots`` shows) does not lag behind what is stored."""
-        if self.confirmed_lsn > self.reported_lsn:
+        if self.feedback.unreported:
             await self.send_status()
 
     async def slot_state(self) -> SlotState | None:

@@ -76,6 +76,7 @@ from cdc_platform.replication.connection import SESSION_OPTIONS, ReplicationConn
 from cdc_platform.settings import PlatformSettings
 from cdc_platform.snapshot import dictionary as dictionaries
 from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
+from cdc_platform.snapshot.meta import publish_meta, snapshot_meta
 from cdc_platform.snapshot.plan import BlockRange, plan_ranges, range_count
 from cdc_platform.snapshot.reader import (
     RangeStats,
@@ -85,17 +86,7 @@ from cdc_platform.snapshot.reader import (
     run_partition,
 )
 from cdc_platform.wire import (
-    CONTENT_ENCODING_ZSTD,
-    CONTENT_TYPES,
-    HEADER_CONTENT_TYPE,
-    HEADER_MSG_ID,
     WATERMARK_PREFIX,
-    SnapshotMetaPayload,
-    cutover_rule_text,
-    encoder,
-    in_field_order,
-    meta_msg_id,
-    snapshot_chunk_prefix,
     snapshot_meta_subject,
     watermark_subject,
 )
@@ -479,57 +470,33 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
                 marker.cancel()
 
             # 7. meta
-            row_count = sum(s.rows for s in stats)
-            batch_count = sum(s.chunks for s in stats)
-            bytes_raw = sum(s.bytes_raw for s in stats)
-            bytes_compressed = sum(s.bytes_compressed for s in stats)
-            chunk_prefix = snapshot_chunk_prefix(wire_table, snapshot_id)
-            w_subject = watermark_subject(snapshot_id)
-            rule = cutover_rule_text(chunk_subject_prefix=chunk_prefix, cdc_stream=cdc_stream,
-                                     watermark_subject=w_subject, table=wire_table, lsn=lsn)
-            timestamp = int(time.time())
             duration = time.monotonic() - started
-            meta = in_field_order(SnapshotMetaPayload, {
-                "snapshot_id": snapshot_id, "lsn": lsn, "timestamp": timestamp,
-                "batch_count": batch_count, "row_count": row_count, "table": wire_table,
-                "cdc_stream": cdc_stream, "cdc_start_seq": cdc_start_seq,
-                "watermark_subject": w_subject, "watermark_lsn": watermark_lsn,
-                "cutover_rule": rule, "format": encoding.format,
-                "compression": CONTENT_ENCODING_ZSTD if encoding.zstd else None,
-                "dictionary_id": trained.dictionary_id if trained else None,
-                "dictionary_bucket": settings.topology.dictionaries.bucket if trained else None,
-                "dictionary_key": dictionary_key,
-                "schema_fingerprint": described.schema.fingerprint,
-                # the shape of the rows, read under the lock the snapshot holds: a consumer
-                # creates its table from it (the KV schema may already be newer)
-                "table_schema": described.schema.to_wire(),
-                "partitions": len(ranges),
-                # [partition, first chunk number, chunk count] for every partition with chunks
-                "chunks": [[s.partition, s.first_chunk, s.chunks] for s in stats if s.chunks],
-                "bytes_raw": bytes_raw, "bytes_compressed": bytes_compressed,
-                "duration_seconds": round(duration, 3),
-                "chunk_subject_prefix": chunk_prefix,
-            })
-            meta_subject = snapshot_meta_subject(wire_table)
-            ack = await js.publish(meta_subject, encoder(encoding.format)(meta), headers={
-                HEADER_MSG_ID: meta_msg_id(snapshot_id),
-                HEADER_CONTENT_TYPE: CONTENT_TYPES[encoding.format]})
+            meta = snapshot_meta(
+                snapshot_id=snapshot_id, lsn=lsn, watermark_lsn=watermark_lsn,
+                cdc_stream=cdc_stream, cdc_start_seq=cdc_start_seq, schema=described.schema,
+                stats=stats, partitions=len(ranges), encoding=encoding,
+                dictionary_id=trained.dictionary_id if trained else None,
+                dictionary_bucket=settings.topology.dictionaries.bucket,
+                dictionary_key=dictionary_key, duration=duration)
+            meta_seq = await publish_meta(js, meta, encoding.format)
         finally:
             await client.close()
 
     log.info("snapshot %s of %s: %d rows in %d chunks, %.1fs (Spark %.1fs), cutover lsn %s, "
-             "marker seq %s", snapshot_id, wire_table, row_count, batch_count, duration,
-             spark_seconds, lsn, cdc_start_seq)
+             "marker seq %s", snapshot_id, wire_table, meta["row_count"], meta["batch_count"],
+             duration, spark_seconds, lsn, cdc_start_seq)
     return SnapshotResult(
         snapshot_id=snapshot_id, table=wire_table, lsn=lsn, watermark_lsn=watermark_lsn,
-        watermark_subject=w_subject, cdc_stream=cdc_stream, cdc_start_seq=cdc_start_seq,
-        cutover_rule=rule, row_count=row_count, batch_count=batch_count,
-        partitions=len(ranges), bytes_raw=bytes_raw, bytes_compressed=bytes_compressed,
+        watermark_subject=meta["watermark_subject"], cdc_stream=cdc_stream,
+        cdc_start_seq=cdc_start_seq, cutover_rule=meta["cutover_rule"],
+        row_count=meta["row_count"], batch_count=meta["batch_count"], partitions=len(ranges),
+        bytes_raw=meta["bytes_raw"], bytes_compressed=meta["bytes_compressed"],
         format=encoding.format, compression=meta["compression"],
         dictionary_id=meta["dictionary_id"], dictionary_key=dictionary_key,
-        schema_fingerprint=described.schema.fingerprint, chunk_subject_prefix=chunk_prefix,
-        meta_subject=meta_subject, meta_seq=ack.seq, duration_seconds=duration,
-        spark_seconds=spark_seconds, timestamp=timestamp,
+        schema_fingerprint=described.schema.fingerprint,
+        chunk_subject_prefix=meta["chunk_subject_prefix"],
+        meta_subject=snapshot_meta_subject(wire_table), meta_seq=meta_seq,
+        duration_seconds=duration, spark_seconds=spark_seconds, timestamp=meta["timestamp"],
         sample_ratio_with_dictionary=trained.sample_ratio_with if trained else None,
         sample_ratio_without_dictionary=trained.sample_ratio_without if trained else None,
         ranges=tuple(stats))

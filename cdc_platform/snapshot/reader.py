@@ -50,7 +50,7 @@ from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.postgres.catalog import ColumnInfo
 from cdc_platform.protocol.values import TypeRegistry
 from cdc_platform.publishing.claim_check import ClaimChecks
-from cdc_platform.publishing.jetstream import OutgoingMessage
+from cdc_platform.publishing.messages import OutgoingMessage
 from cdc_platform.settings import NatsSettings
 from cdc_platform.snapshot.chunks import Chunk, Chunker, ChunkLayout
 from cdc_platform.snapshot.plan import BlockRange

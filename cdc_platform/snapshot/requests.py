@@ -23,7 +23,9 @@ from typing import Any
 
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
 
+from cdc_platform.jetstream.connection import fetch_available
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.mirror.snapshots import SnapshotUnusable, cutover_start_seq, latest_meta
 from cdc_platform.naming import parse_wire_name
@@ -165,3 +167,104 @@ def done_fields(result: Any) -> dict[str, Any]:
     return {"snapshot_id": result.snapshot_id, "lsn": result.lsn,
             "cdc_stream": result.cdc_stream, "cdc_start_seq": result.cdc_start_seq,
             "meta_subject": result.meta_subject, "meta_seq": result.meta_seq, "reused": False}
+
+
+def request_run_key(table: str, seq: int) -> str:
+    """The run key of the snapshot run that a table's request at stream ``seq`` starts."""
+    return f"snapshot-request-{table}-{seq}"
+
+
+@dataclass(frozen=True)
+class HandledRequests:
+    """What one pass over new requests decided."""
+
+    highest_seq: int  # the highest stream sequence handled
+    runs: dict[str, tuple[int, list]]  # table -> (seq of its last request, requesters)
+    notes: list[str]  # what was decided, for the log (refusals summarized)
+
+
+async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *,
+                          published: set[str], publication: str, reuse_seconds: float,
+                          in_flight: dict[str, RunInFlight],
+                          init_stream: str = "INIT") -> HandledRequests:
+    """Decide every request (in stream order) and send the replies that are due now:
+    refusals (malformed, unknown or unpublished table), ``done`` with a recent snapshot,
+    ``accepted``/``coalesced`` for a table whose run is in flight (``in_flight``), and
+    ``accepted`` for the runs to start (one per table, named by its last request); the run
+    answers those with ``done`` or ``failed``."""
+    js = client.jetstream()
+    runs: dict[str, tuple[int, list]] = {}
+    replies: list[tuple[str | None, Reply]] = []
+    accepted: list[SnapshotRequest] = []
+    notes: list[str] = []
+    refusals: list[str] = []
+    joined: dict[str, int] = {}
+    for request in requests:
+        reason = request.refused or (
+            None if request.table in published
+            else f"{request.table!r} is not a table of publication {publication}")
+        if reason is not None:
+            refusals.append(f"refused snapshot request for {request.table[:200]!r} "
+                            f"(stream seq {request.seq}): {reason}")
+            replies.append((request.reply_to, Reply("refused", request.table,
+                                                    request.request_id,
+                                                    {"reason": reason})))
+            continue
+        max_age = reuse_seconds if request.max_age_seconds is None \
+            else request.max_age_seconds
+        reused = await reusable_snapshot(js, request.table, max_age, init_stream,
+                                         request.min_lsn)
+        if reused is not None:
+            notes.append(f"request for {request.table!r} (stream seq {request.seq}) "
+                         f"answered with snapshot {reused['snapshot_id']}")
+            replies.append((request.reply_to, Reply("done", request.table,
+                                                    request.request_id, reused)))
+            continue
+        running = in_flight.get(request.table)
+        if running is not None and running.answers(request):
+            joined[request.table] = joined.get(request.table, 0) + 1
+            replies.append((request.reply_to, Reply(
+                "accepted", request.table, request.request_id,
+                {"run_key": running.run_key, "coalesced": True})))
+            continue
+        _, requesters = runs.get(request.table, (0, []))
+        if request.requester is not None:
+            requesters.append(request.requester)
+        # repeated requests for one table coalesce into one run
+        runs[request.table] = (request.seq, requesters)
+        accepted.append(request)
+    # the run key names the table's last request: known once all are read
+    replies += [(request.reply_to, Reply("accepted", request.table, request.request_id, {
+        "run_key": request_run_key(request.table, runs[request.table][0])}))
+        for request in accepted]
+    notes += [f"snapshot run for {table!r} (request seq {seq}, {len(requesters)} "
+              "awaiting a reply)" for table, (seq, requesters) in runs.items()]
+    notes += [f"{count} request(s) for {table!r} joined its run already in flight "
+              f"({in_flight[table].run_key})" for table, count in joined.items()]
+    if refusals:
+        notes[:0] = summarize(refusals)
+    await send_replies(client, replies)
+    return HandledRequests(max(r.seq for r in requests), runs, notes)
+
+
+async def fetch_requests(client: NatsClient, stream: str, durable: str,
+                         recorded_through: int, limit: int) -> list[SnapshotRequest]:
+    """New requests (stream sequence above ``recorded_through``), read with the durable
+    consumer ``durable``; acks those a previous pass already recorded."""
+    js = client.jetstream()
+    subscription = await js.pull_subscribe(
+        f"{SNAPSHOT_REQUEST_PREFIX}.>", durable=durable, stream=stream,
+        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=60,
+                              max_ack_pending=limit * 4))
+    messages = await fetch_available(subscription, limit, 1.0)
+    fresh = []
+    for message in messages:
+        seq = message.metadata.sequence.stream
+        if seq <= recorded_through:
+            await message.ack()  # its RunRequest was recorded: done with it
+            continue
+        fresh.append(parse_request(message.subject, message.data, seq))
+        # not acked now: redelivered after ack_wait, and acked on the tick that sees
+        # the cursor past it. A crash before the cursor is saved loses nothing.
+        await message.in_progress()
+    return fresh

@@ -122,3 +122,17 @@ async def test_a_wrong_password_is_refused_clearly(secured_nats):
     url, _bridge_password, _consumer_password = secured_nats
     with pytest.raises(NatsAuthError, match="refused our credentials"):
         await connect_nats(NatsSettings(url=url, user="consumer", password="not-it"))
+
+
+async def test_a_password_starting_with_a_digit_works_quoted_as_the_config_says(tmp_path):
+    """nats-server parses an environment value as a config value: "12-..." reads as a date
+    and the server does not start; quoted inside the value it is a string again."""
+    port, monitor = free_port(), free_port()
+    password = "12-34-" + secret_for_test()
+    env = {**os.environ, "NATS_PORT": str(port), "NATS_MONITOR_LISTEN": f"127.0.0.1:{monitor}",
+           "NATS_STORE_DIR": str(tmp_path / "jetstream"),
+           "NATS_BRIDGE_PASSWORD": f'"{password}"', "NATS_CONSUMER_PASSWORD": "unused"}
+    with nats_server_from(CONFIG, port, tmp_path / "nats.log", env):
+        client = await connect_nats(NatsSettings(url=f"nats://127.0.0.1:{port}", user="bridge",
+                                                 password=password))
+        await client.close()

@@ -31,8 +31,8 @@ from nats.js.errors import NotFoundError
 from cdc_platform.dev.servers import LocalNatsServer
 from cdc_platform.errors import PublishError
 from cdc_platform.jetstream.connection import connect_nats
-from cdc_platform.publishing import JetStreamPublisher, OutgoingMessage, PublishRejected
-from cdc_platform.publishing import jetstream as jetstream_module
+from cdc_platform.publishing import JetStreamPublisher, OutgoingMessage, PublishRejected, framing
+from cdc_platform.publishing import publisher as publisher_module
 from cdc_platform.settings import NatsSettings
 
 MODES = ["fast-batch", "per-message"]
@@ -455,7 +455,7 @@ async def test_public_api_wire_when_the_raw_wire_is_unavailable(nats_client, js,
     async def no_raw_wire(nc, timeout=2.0):
         return None
 
-    monkeypatch.setattr(jetstream_module, "probe_raw_wire", no_raw_wire)
+    monkeypatch.setattr(publisher_module, "probe_raw_wire", no_raw_wire)
     stream = await create_stream(js)
     streams.append(stream)
     publisher = JetStreamPublisher(nats_client, stream=stream.name)
@@ -469,7 +469,7 @@ async def test_public_api_wire_when_the_raw_wire_is_unavailable(nats_client, js,
 
 
 def test_subject_matching_follows_nats_wildcards():
-    matches = jetstream_module.subject_matches
+    matches = framing.subject_matches
     assert matches("cdc.>", "cdc.public.users") and matches("cdc.*.users", "cdc.public.users")
     assert not matches("cdc.>", "cdc") and not matches("cdc.*", "cdc.public.users")
     assert matches("cdc", "cdc") and not matches("cdc", "cdcx")

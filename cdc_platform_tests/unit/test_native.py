@@ -534,7 +534,7 @@ def test_snapshot_values_no_converter_accepts_stay_text_in_both():
 
 # -- NATS framing -----------------------------------------------------------------------------
 def _publisher(max_payload: int = 1 << 20):
-    from cdc_platform.publishing.jetstream import JetStreamPublisher
+    from cdc_platform.publishing.publisher import JetStreamPublisher
 
     class _Connection:  # what the framing reads of a nats-py client
         def __init__(self) -> None:
@@ -550,13 +550,13 @@ def _publisher(max_payload: int = 1 << 20):
 
 def _framed_in_python(publisher, messages):
     """``_frame_all`` with the compiled loop switched off."""
-    from cdc_platform.publishing import jetstream
+    from cdc_platform.publishing import publisher as publisher_module
 
-    saved, jetstream.NATIVE = jetstream.NATIVE, None
+    saved, publisher_module.NATIVE = publisher_module.NATIVE, None
     try:
         return publisher._frame_all(messages)
     finally:
-        jetstream.NATIVE = saved
+        publisher_module.NATIVE = saved
 
 
 msg_ids = st.one_of(st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126),
@@ -564,7 +564,7 @@ msg_ids = st.one_of(st.text(alphabet=st.characters(min_codepoint=32, max_codepoi
                     st.sampled_from(["", "a\tb", "é", "x\r\ny", "0/1A2B:7"]))
 outgoing = st.builds(
     lambda table, msg_id, payload, fingerprint: __import__(
-        "cdc_platform.publishing.jetstream", fromlist=["OutgoingMessage"]).OutgoingMessage(
+        "cdc_platform.publishing.messages", fromlist=["OutgoingMessage"]).OutgoingMessage(
             f"cdc.{table}.insert", msg_id, payload,
             (("Cdc-Schema-Fingerprint", fingerprint),) if fingerprint else ()),
     st.sampled_from(["users", "orders"]), msg_ids, st.binary(max_size=300),
@@ -609,7 +609,7 @@ def _framed_or_error(publisher, messages):
        st.binary(min_size=1, max_size=40), st.integers(0, 2**63),
        st.sampled_from([b"", b".1.$FI"]))
 def test_frame_sequence_equals_protocol_bytes(frames, prefix, first_seq, suffix):
-    from cdc_platform.publishing.jetstream import frame_sequence, protocol_bytes
+    from cdc_platform.publishing.framing import frame_sequence, protocol_bytes
 
     held = [(subject, header, payload, None, 0) for subject, header, payload in frames]
     assert NATIVE.frame_sequence(held, prefix, first_seq, suffix) == protocol_bytes(
@@ -617,7 +617,7 @@ def test_frame_sequence_equals_protocol_bytes(frames, prefix, first_seq, suffix)
 
 
 def test_protocol_bytes_are_nats_protocol():
-    from cdc_platform.publishing.jetstream import frame_sequence, protocol_bytes
+    from cdc_platform.publishing.framing import frame_sequence, protocol_bytes
 
     held = [(b"cdc.users.insert", b"NATS/1.0\r\nNats-Msg-Id: 0/10:0\r\n\r\n", b"abc", None, 0),
             (b"cdc.x.y", None, b"", None, 0)]

@@ -1,13 +1,10 @@
 """`cdc_job`: one long-running op that runs the CDC bridge until the run is cancelled."""
 
-import asyncio
-import queue
-import threading
 import time
 
 import dagster as dg
 
-from cdc_platform.bridge.runner import CdcBridge
+from cdc_platform.bridge.thread import BridgeThread
 from cdc_platform.defs.cdc.assets import CDC_STREAM_KEY
 from cdc_platform.defs.resources import CdcResource, NatsResource, PostgresResource
 from cdc_platform.settings import OrchestrationSettings, load_settings
@@ -22,63 +19,31 @@ def run_cdc_bridge(context: dg.OpExecutionContext, postgres: PostgresResource,
                    nats: NatsResource, cdc: CdcResource) -> None:
     settings = cdc.platform_settings(postgres, nats)
     orchestration = load_settings(OrchestrationSettings)
-    observe_every = orchestration.cdc_observe_interval_seconds
-    observations: queue.Queue = queue.Queue()
-    bridge_box: dict = {}
-    failure: list[BaseException] = []
-    ready = threading.Event()
-
-    def serve() -> None:
-        # The bridge gets its own thread and event loop, so that Dagster's interrupt
-        # (run cancelled -> DagsterExecutionInterruptedError in this op's thread) can be
-        # turned into a graceful stop: drain, final ack, disconnect.
-        async def main() -> None:
-            bridge = CdcBridge(settings, observer=observations.put,
-                               observe_interval=observe_every)
-            bridge_box["bridge"], bridge_box["loop"] = bridge, asyncio.get_running_loop()
-            ready.set()
-            await bridge.run()
-
-        try:
-            asyncio.run(main())
-        except BaseException as exc:  # noqa: BLE001 - handed to the op's thread
-            failure.append(exc)
-        finally:
-            ready.set()
-
-    thread = threading.Thread(target=serve, name="cdc-bridge", daemon=True)
-    thread.start()
+    bridge = BridgeThread(settings, observe_interval=orchestration.cdc_observe_interval_seconds)
+    bridge.start()
     context.log.info(f"CDC bridge started: slot {settings.postgres.slot}, publication "
                      f"{settings.postgres.publication}, {settings.postgres.describe()} -> "
                      f"{settings.nats.describe()}")
     next_liveness = 0.0
     try:
-        while thread.is_alive():
-            thread.join(1.0)
-            _report(context, observations)
+        while bridge.is_alive():
+            bridge.join(1.0)
+            _report(context, bridge.observed())
             if time.monotonic() >= next_liveness:  # cdc_sensor's proof that we are alive
                 context.instance.add_run_tags(context.run_id,
                                               {LIVENESS_TAG: str(int(time.time()))})
                 next_liveness = time.monotonic() + orchestration.cdc_liveness_interval_seconds
-    except BaseException:
+    except BaseException:  # a cancelled run interrupts this thread
         context.log.info("run cancelled: stopping the CDC bridge gracefully (final ack)")
-        ready.wait(10)
-        if "bridge" in bridge_box:
-            bridge_box["loop"].call_soon_threadsafe(bridge_box["bridge"].request_stop)
-        thread.join(settings.bridge.shutdown_timeout_seconds + 10)
-        _report(context, observations)
+        bridge.stop(settings.bridge.shutdown_timeout_seconds + 10)
+        _report(context, bridge.observed())
         raise
-    _report(context, observations)
-    if failure:
-        raise failure[0]
+    _report(context, bridge.observed())
+    bridge.raise_failure()
 
 
-def _report(context: dg.OpExecutionContext, observations: queue.Queue) -> None:
-    while True:
-        try:
-            figures = observations.get_nowait()
-        except queue.Empty:
-            return
+def _report(context: dg.OpExecutionContext, observations: list[dict]) -> None:
+    for figures in observations:
         context.log_event(dg.AssetObservation(
             asset_key=CDC_STREAM_KEY,
             metadata={

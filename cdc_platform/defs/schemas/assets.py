@@ -5,7 +5,7 @@ import asyncio
 import dagster as dg
 
 from cdc_platform.defs.resources import CdcResource, NatsResource, PostgresResource
-from cdc_platform.postgres.catalog import published_tables, table_schema
+from cdc_platform.publishing.schemas import describe_published, publish_schemas
 from cdc_platform.wire import encoder
 
 
@@ -16,16 +16,12 @@ def schemas(context: dg.AssetExecutionContext, postgres: PostgresResource, nats:
     settings = cdc.platform_settings(postgres, nats)
     publication = settings.postgres.publication
     with postgres.connect() as conn:
-        described = [table_schema(conn, publication, schema, table)
-                     for schema, table in published_tables(conn, publication)]
-    found = [s for s in described if s is not None]
-    encode = encoder(settings.encoding.format)
+        found = describe_published(conn, publication)
 
     async def put_all() -> None:
         async with nats.connect("cdc-platform-schemas") as client:
-            kv = await client.jetstream().key_value(settings.topology.schemas.bucket)
-            for table_schema_ in found:
-                await kv.put(table_schema_.wire_name, encode(table_schema_.to_wire()))
+            await publish_schemas(client.jetstream(), settings.topology.schemas.bucket, found,
+                                  encoder(settings.encoding.format))
 
     asyncio.run(put_all())
     context.log.info(f"published {len(found)} schemas from publication {publication}")

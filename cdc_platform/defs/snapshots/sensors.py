@@ -17,25 +17,20 @@ import asyncio
 import json
 
 import dagster as dg
-from nats.js.api import AckPolicy, ConsumerConfig
 
 from cdc_platform.defs.resources import NatsResource, PostgresResource
 from cdc_platform.defs.snapshots.assets import REPLIES_TAG
 from cdc_platform.defs.snapshots.partitions import PUBLISHED_TABLES, published_tables_partitions
-from cdc_platform.jetstream.connection import fetch_available
 from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import published_tables
 from cdc_platform.settings import NatsTopology, OrchestrationSettings, load_settings
 from cdc_platform.snapshot.requests import (
-    Reply,
+    HandledRequests,
     RunInFlight,
-    SnapshotRequest,
-    parse_request,
-    reusable_snapshot,
-    send_replies,
-    summarize,
+    answer_requests,
+    fetch_requests,
+    request_run_key,
 )
-from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX
 
 PARTITION_TAG = "dagster/partition"
 RUN_KEY_TAG = "dagster/run_key"
@@ -106,7 +101,7 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
             _runs_in_flight(context.instance, snapshot_job.name)))
         if outcome is None:
             return dg.SkipReason("no new snapshot requests")
-        highest, runs, notes = outcome
+        highest, runs, notes = outcome.highest_seq, outcome.runs, outcome.notes
         for note in notes:
             context.log.info(note)
         if not runs:  # say why in the tick itself, not only in its logs
@@ -115,7 +110,7 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
         new_partitions = sorted(set(runs) - known)
         return dg.SensorResult(
             run_requests=[dg.RunRequest(
-                run_key=f"snapshot-request-{table}-{seq}", partition_key=table,
+                run_key=request_run_key(table, seq), partition_key=table,
                 tags={"cdc_platform/request_seq": str(seq),
                       REPLIES_TAG: json.dumps(requesters[:MAX_REPLIES_PER_RUN])})
                 for table, (seq, requesters) in runs.items()],
@@ -129,87 +124,14 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
 
 async def _handle_requests(nats: NatsResource, recorded_through: int, published: set[str],
                            publication: str, reuse_seconds: float,
-                           in_flight: dict[str, RunInFlight]):
-    """(highest stream seq seen, {table: (seq, requesters)} to run, notes), or None when
-    nothing is new. Refusals and reused snapshots are answered here; accepted requests get
-    ``accepted`` now and ``done``/``failed`` from the run."""
+                           in_flight: dict[str, RunInFlight]) -> HandledRequests | None:
+    """What the new requests decided (None: nothing new); see ``answer_requests``."""
     topology = load_settings(NatsTopology)
     async with nats.connect("cdc-platform-snapshot-sensor") as client:
-        requests = await _fetch_requests(client, topology, recorded_through)
+        requests = await fetch_requests(client, topology.requests.name, DURABLE,
+                                        recorded_through, FETCH_LIMIT)
         if not requests:
             return None
-        js = client.jetstream()
-        runs: dict[str, tuple[int, list]] = {}
-        replies: list[tuple[str | None, Reply]] = []
-        accepted: list[SnapshotRequest] = []
-        notes: list[str] = []
-        refusals: list[str] = []
-        joined: dict[str, int] = {}
-        for request in requests:
-            reason = request.refused or (
-                None if request.table in published
-                else f"{request.table!r} is not a table of publication {publication}")
-            if reason is not None:
-                refusals.append(f"refused snapshot request for {request.table[:200]!r} "
-                                f"(stream seq {request.seq}): {reason}")
-                replies.append((request.reply_to, Reply("refused", request.table,
-                                                        request.request_id,
-                                                        {"reason": reason})))
-                continue
-            max_age = reuse_seconds if request.max_age_seconds is None \
-                else request.max_age_seconds
-            reused = await reusable_snapshot(js, request.table, max_age, topology.init.name,
-                                             request.min_lsn)
-            if reused is not None:
-                notes.append(f"request for {request.table!r} (stream seq {request.seq}) "
-                             f"answered with snapshot {reused['snapshot_id']}")
-                replies.append((request.reply_to, Reply("done", request.table,
-                                                        request.request_id, reused)))
-                continue
-            running = in_flight.get(request.table)
-            if running is not None and running.answers(request):
-                joined[request.table] = joined.get(request.table, 0) + 1
-                replies.append((request.reply_to, Reply(
-                    "accepted", request.table, request.request_id,
-                    {"run_key": running.run_key, "coalesced": True})))
-                continue
-            _, requesters = runs.get(request.table, (0, []))
-            if request.requester is not None:
-                requesters.append(request.requester)
-            # repeated requests for one table coalesce into one run
-            runs[request.table] = (request.seq, requesters)
-            accepted.append(request)
-        # the run key names the table's last request: known once all are read
-        replies += [(request.reply_to, Reply("accepted", request.table, request.request_id, {
-            "run_key": f"snapshot-request-{request.table}-{runs[request.table][0]}"}))
-            for request in accepted]
-        notes += [f"snapshot run for {table!r} (request seq {seq}, {len(requesters)} "
-                  "awaiting a reply)" for table, (seq, requesters) in runs.items()]
-        notes += [f"{count} request(s) for {table!r} joined its run already in flight "
-                  f"({in_flight[table].run_key})" for table, count in joined.items()]
-        if refusals:
-            notes[:0] = summarize(refusals)
-        await send_replies(client, replies)
-        return max(r.seq for r in requests), runs, notes
-
-
-async def _fetch_requests(client, topology: NatsTopology,
-                          recorded_through: int) -> list[SnapshotRequest]:
-    """New requests; acks those a previous tick already recorded."""
-    js = client.jetstream()
-    subscription = await js.pull_subscribe(
-        f"{SNAPSHOT_REQUEST_PREFIX}.>", durable=DURABLE, stream=topology.requests.name,
-        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=60,
-                              max_ack_pending=FETCH_LIMIT * 4))
-    messages = await fetch_available(subscription, FETCH_LIMIT, 1.0)
-    fresh = []
-    for message in messages:
-        seq = message.metadata.sequence.stream
-        if seq <= recorded_through:
-            await message.ack()  # its RunRequest was recorded: done with it
-            continue
-        fresh.append(parse_request(message.subject, message.data, seq))
-        # not acked now: redelivered after ack_wait, and acked on the tick that sees
-        # the cursor past it. A crash before the cursor is saved loses nothing.
-        await message.in_progress()
-    return fresh
+        return await answer_requests(client, requests, published=published,
+                                     publication=publication, reuse_seconds=reuse_seconds,
+                                     in_flight=in_flight, init_stream=topology.init.name)

@@ -1,0 +1,77 @@
+"""A snapshot's meta message on ``init.meta.{table}`` (README "Snapshots"): everything a
+consumer needs to load the chunks and to know exactly where the CDC stream takes over. Built
+from the finished tasks' figures, published once every chunk is acknowledged."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, cast
+
+from nats.js import JetStreamContext
+
+from cdc_platform.postgres.catalog import TableSchema
+from cdc_platform.settings import EncodingSettings
+from cdc_platform.snapshot.reader import RangeStats
+from cdc_platform.wire import (
+    CONTENT_ENCODING_ZSTD,
+    CONTENT_TYPES,
+    HEADER_CONTENT_TYPE,
+    HEADER_MSG_ID,
+    SnapshotMetaPayload,
+    cutover_rule_text,
+    encoder,
+    in_field_order,
+    meta_msg_id,
+    snapshot_chunk_prefix,
+    snapshot_meta_subject,
+    watermark_subject,
+)
+from cdc_platform.wire.encoding import Format
+
+
+def snapshot_meta(*, snapshot_id: str, lsn: str, watermark_lsn: str, cdc_stream: str,
+                  cdc_start_seq: int | None, schema: TableSchema, stats: Sequence[RangeStats],
+                  partitions: int, encoding: EncodingSettings, dictionary_id: int | None,
+                  dictionary_bucket: str | None, dictionary_key: str | None,
+                  duration: float, timestamp: int | None = None) -> SnapshotMetaPayload:
+    """The meta payload, in the contract's field order (a field the type does not name, or
+    one it misses, fails here, not in a consumer)."""
+    wire_table = schema.wire_name
+    chunk_prefix = snapshot_chunk_prefix(wire_table, snapshot_id)
+    marker_subject = watermark_subject(snapshot_id)
+    fields: dict[str, Any] = {
+        "snapshot_id": snapshot_id, "lsn": lsn, "timestamp": int(time.time()) if timestamp is None else timestamp,
+        "batch_count": sum(s.chunks for s in stats), "row_count": sum(s.rows for s in stats),
+        "table": wire_table, "cdc_stream": cdc_stream, "cdc_start_seq": cdc_start_seq,
+        "watermark_subject": marker_subject, "watermark_lsn": watermark_lsn,
+        "cutover_rule": cutover_rule_text(chunk_subject_prefix=chunk_prefix,
+                                          cdc_stream=cdc_stream,
+                                          watermark_subject=marker_subject,
+                                          table=wire_table, lsn=lsn),
+        "format": encoding.format,
+        "compression": CONTENT_ENCODING_ZSTD if encoding.zstd else None,
+        "dictionary_id": dictionary_id,
+        "dictionary_bucket": dictionary_bucket if dictionary_id is not None else None,
+        "dictionary_key": dictionary_key,
+        "schema_fingerprint": schema.fingerprint,
+        # the shape of the rows, read under the lock the snapshot holds: a consumer creates
+        # its table from it (the KV schema may already be newer)
+        "table_schema": schema.to_wire(),
+        "partitions": partitions,
+        # [partition, first chunk number, chunk count] for every partition with chunks
+        "chunks": [[s.partition, s.first_chunk, s.chunks] for s in stats if s.chunks],
+        "bytes_raw": sum(s.bytes_raw for s in stats),
+        "bytes_compressed": sum(s.bytes_compressed for s in stats),
+        "duration_seconds": round(duration, 3),
+        "chunk_subject_prefix": chunk_prefix,
+    }
+    return cast(SnapshotMetaPayload, in_field_order(SnapshotMetaPayload, fields))
+
+
+async def publish_meta(js: JetStreamContext, meta: SnapshotMetaPayload, fmt: Format) -> int:
+    """Store ``meta`` on ``init.meta.{table}`` (deduplicated by snapshot id); its sequence."""
+    ack = await js.publish(snapshot_meta_subject(meta["table"]), encoder(fmt)(meta), headers={
+        HEADER_MSG_ID: meta_msg_id(meta["snapshot_id"]),
+        HEADER_CONTENT_TYPE: CONTENT_TYPES[fmt]})
+    return ack.seq
