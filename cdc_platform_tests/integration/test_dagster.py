@@ -45,6 +45,16 @@ def resources(env) -> dict:
             "nats": NatsResource(), "cdc": CdcResource()}
 
 
+def request_sensor_tick(defs, instance, env):
+    """``tick(cursor)``: one evaluation of snapshot_request_sensor, as the daemon runs it."""
+    sensor = defs.resolve_sensor_def("snapshot_request_sensor")
+
+    def tick(cursor):
+        return sensor(dg.build_sensor_context(instance=instance, cursor=cursor,
+                                              resources=resources(env), definitions=defs))
+    return tick
+
+
 def test_definitions_load_with_everything(dagster_env):
     from cdc_platform.definitions import build_definitions
 
@@ -124,16 +134,11 @@ async def test_snapshot_requests_become_runs_once(dagster_env, cdc_database, pg_
     pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
     cdc_database.add_tables(pg_admin, table)
     defs = build_definitions()
-    sensor = defs.resolve_sensor_def("snapshot_request_sensor")
     for subject in (table, table, "no_such_table"):
         await nats_client.publish(f"snapshot.request.{subject}", b"")
     await nats_client.flush()
     with dg.instance_for_test() as instance:
-        def evaluate(cursor):
-            context = dg.build_sensor_context(instance=instance, cursor=cursor,
-                                              resources=resources(dagster_env),
-                                              definitions=defs)
-            return sensor(context)
+        evaluate = request_sensor_tick(defs, instance, dagster_env)
 
         result = await asyncio.to_thread(evaluate, None)
         assert [r.partition_key for r in result.run_requests] == [table]  # coalesced
@@ -176,13 +181,9 @@ async def test_a_request_flood_starts_one_run_per_table(dagster_env, cdc_databas
         await nats_client.publish(f"snapshot.request.{table}", b"{not json")
     await nats_client.flush()
     defs = build_definitions()
-    sensor = defs.resolve_sensor_def("snapshot_request_sensor")
     job = defs.resolve_job_def("snapshot_job")
     with dg.instance_for_test() as instance:
-        def evaluate(cursor):
-            return sensor(dg.build_sensor_context(instance=instance, cursor=cursor,
-                                                  resources=resources(dagster_env),
-                                                  definitions=defs))
+        evaluate = request_sensor_tick(defs, instance, dagster_env)
 
         first = await asyncio.to_thread(evaluate, None)
         assert [r.partition_key for r in first.run_requests] == [table]
@@ -325,14 +326,10 @@ async def test_refused_requests_say_why_in_the_tick(dagster_env, nats_client):
     from cdc_platform.definitions import build_definitions
 
     defs = build_definitions()
-    sensor = defs.resolve_sensor_def("snapshot_request_sensor")
     await nats_client.publish("snapshot.request.no_such_table", b"")
     await nats_client.flush()
     with dg.instance_for_test() as instance:
-        def evaluate(cursor):
-            return sensor(dg.build_sensor_context(instance=instance, cursor=cursor,
-                                                  resources=resources(dagster_env),
-                                                  definitions=defs))
+        evaluate = request_sensor_tick(defs, instance, dagster_env)
 
         result = await asyncio.to_thread(evaluate, None)
         assert result.run_requests == [] or result.run_requests is None
@@ -377,17 +374,13 @@ async def test_snapshot_requests_get_replies(dagster_env, cdc_database, pg_admin
             await asyncio.sleep(0.1)
 
     defs = build_definitions()
-    sensor = defs.resolve_sensor_def("snapshot_request_sensor")
     bridge = CdcBridge(load_settings())  # the watermark marker: a cutover point to reuse
     bridge_task = asyncio.create_task(bridge.run())
     try:
         with dg.instance_for_test() as instance:
             instance.add_dynamic_partitions("published_tables", [table, doomed])
 
-            def evaluate(cursor):
-                return sensor(dg.build_sensor_context(instance=instance, cursor=cursor,
-                                                      resources=resources(dagster_env),
-                                                      definitions=defs))
+            evaluate = request_sensor_tick(defs, instance, dagster_env)
 
             def run(run_request):
                 return dg.materialize([init_snapshot], partition_key=run_request.partition_key,

@@ -23,6 +23,15 @@ from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
 FAST = MirrorSettings(status_interval_seconds=1.0, snapshot_wait_seconds=120.0)
 
 
+def _published_table(pg_admin, cdc_database, prefix: str, rows: int) -> str:
+    """A new table ``(id int PRIMARY KEY, v text)`` of ``rows`` rows, in the publication."""
+    table = random_name(prefix)
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, {rows}) g")
+    cdc_database.add_tables(pg_admin, table)
+    return table
+
+
 async def test_a_mirror_bootstraps_follows_and_equals_the_source(
         cdc_database, pg_admin, provisioned_nats, tmp_path):
     table = random_name("mirrored")
@@ -61,10 +70,7 @@ async def test_a_table_that_is_not_published_is_a_clear_error(
 
 async def test_mirrors_asking_for_one_table_at_once_share_one_snapshot(
         cdc_database, pg_admin, provisioned_nats, tmp_path):
-    table = random_name("shared")
-    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
-    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' FROM generate_series(1, 300) g")
-    cdc_database.add_tables(pg_admin, table)
+    table = _published_table(pg_admin, cdc_database, "shared", 300)
     settings = platform_settings(cdc_database, provisioned_nats.url)
     async with running_bridge(settings), snapshot_responder(settings) as taken:
         await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
@@ -81,10 +87,7 @@ async def test_a_request_that_joined_a_run_in_flight_finds_its_snapshot_in_init(
         cdc_database, pg_admin, provisioned_nats, tmp_path):
     """A request the sensor answers with ``accepted``/``coalesced`` (it joined a run already
     queued or running) gets no ``done``: the mirror finds the snapshot in INIT."""
-    table = random_name("joined")
-    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
-    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 200) g")
-    cdc_database.add_tables(pg_admin, table)
+    table = _published_table(pg_admin, cdc_database, "joined", 200)
     settings = platform_settings(cdc_database, provisioned_nats.url)
     client = await connect_nats(settings.nats, name="cdc-tests-in-flight")
     asked = asyncio.Event()
@@ -119,10 +122,7 @@ async def test_malformed_messages_on_the_stream_are_refused_and_change_nothing(
     """Messages a forger could store on a server without the deploy/ permissions (or a
     broken producer): none reaches the database, each is refused with a log line naming it,
     and the mirror goes on following the genuine changes."""
-    table = random_name("guarded")
-    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
-    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 50) g")
-    cdc_database.add_tables(pg_admin, table)
+    table = _published_table(pg_admin, cdc_database, "guarded", 50)
     settings = platform_settings(cdc_database, provisioned_nats.url)
     db = tmp_path / "m.db"
     lines: list[str] = []
@@ -170,10 +170,7 @@ async def test_a_row_missing_from_the_mirror_makes_the_table_bootstrap_again(
     the table again instead of stopping or diverging."""
     import sqlite3
 
-    table = random_name("tampered")
-    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
-    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 100) g")
-    cdc_database.add_tables(pg_admin, table)
+    table = _published_table(pg_admin, cdc_database, "tampered", 100)
     settings = platform_settings(cdc_database, provisioned_nats.url)
     db = tmp_path / "m.db"
     lines: list[str] = []
@@ -209,10 +206,7 @@ async def test_events_gone_by_retention_make_the_mirror_bootstrap_again(
     try:
         client = await connect_nats(NatsSettings(url=nats.url))
         await provision(client.jetstream(), NatsTopology())
-        table = random_name("retained")
-        pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
-        pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' FROM generate_series(1, 100) g")
-        cdc_database.add_tables(pg_admin, table)
+        table = _published_table(pg_admin, cdc_database, "retained", 100)
         settings = platform_settings(cdc_database, nats.url)
         db = tmp_path / "mirror.db"
         lines: list[str] = []

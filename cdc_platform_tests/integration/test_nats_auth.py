@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -89,9 +90,10 @@ def _operator_mode(base: Path) -> tuple[str, Path, Path]:
 def authenticated_nats(request, tmp_path):
     """(url, the settings' auth fields that get in, the same with a wrong credential)."""
     port = free_port()
+    env = dict(os.environ)
     if request.param == "token":
-        token = secret_for_test()
-        auth = f'authorization {{ token: "{token}" }}\n'
+        token = env["NATS_TOKEN"] = secret_for_test()  # from the environment, as deployed
+        auth = "authorization { token: $NATS_TOKEN }\n"
         good, bad = {"token": token}, {"token": "not-the-token"}
     elif request.param == "nkey":
         key, other = _new_key(nkeys.PREFIX_BYTE_USER), _new_key(nkeys.PREFIX_BYTE_USER)
@@ -109,7 +111,7 @@ def authenticated_nats(request, tmp_path):
     config = tmp_path / "nats.conf"
     config.write_text(f"listen: 127.0.0.1:{port}\n"
                       f'jetstream {{ store_dir: "{tmp_path / "js"}" }}\n{auth}')
-    with nats_server_from(config, port, tmp_path / "nats.log"):
+    with nats_server_from(config, port, tmp_path / "nats.log", env):
         yield f"nats://127.0.0.1:{port}", good, bad
 
 
