@@ -364,20 +364,9 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
             max_payload = client.max_payload
             wire_table = described.schema.wire_name
 
-            trained = None
-            dictionary_key = None
-            if encoding.zstd and encoding.zstd_dictionary:
-                layout = _layout(described, settings, snapshot_id, "0/0", max_payload, None)
-                converters = _converters(described)
-                sample = await asyncio.to_thread(_sample_rows, control, described, layout,
-                                                 converters, options.dictionary_sample_rows)
-                trained = await asyncio.to_thread(
-                    dictionaries.train, sample, encoding.format, level=encoding.zstd_level,
-                    dictionary_bytes=options.dictionary_bytes, chunk_rows=encoding.chunk_rows)
-                if trained is not None:
-                    dictionary_key = await dictionaries.publish_dictionary(
-                        js, wire_table, trained, bucket=settings.topology.dictionaries.bucket,
-                        replicas=settings.topology.dictionaries.replicas)
+            # 2. dictionary
+            trained, dictionary_key = await _dictionary(control, js, described, settings,
+                                                        snapshot_id, max_payload, options)
 
             # 3. watermark, in its own transaction (autocommit)
             mark = json.dumps({"snapshot_id": snapshot_id, "table": wire_table})
@@ -426,36 +415,18 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
                 log.info("snapshot %s of %s: lsn %s, %d blocks in %d ranges", snapshot_id,
                          qualified_name(described.schema.schema, described.schema.table), lsn,
                          described.blocks, len(ranges))
-                # 6. Spark, while polling for the watermark marker
+                # 6. the tasks (Spark, or here), while polling for the watermark marker
                 job_done = asyncio.Event()
                 marker = asyncio.create_task(_wait_for_marker(
                     js, cdc_stream, watermark_subject(snapshot_id), job_done,
                     options.watermark_wait_seconds))
-                group = f"{JOB_GROUP_PREFIX}{snapshot_id}"
                 spark_started = time.monotonic()
-                executor = ThreadPoolExecutor(1, thread_name_prefix="cdc-snapshot-spark")
                 try:
-                    if spark is None:
-                        rows = await _run_here(spec, ranges, options.local_parallelism)
-                    else:
-                        rows = await asyncio.get_running_loop().run_in_executor(
-                            executor, _run_spark_job, spark, spec, ranges, group)
-                except asyncio.CancelledError:
-                    if spark is not None:
-                        spark.sparkContext.cancelJobGroup(group)
+                    rows = await _run_tasks(spark, spec, ranges, options, snapshot_id,
+                                            wire_table)
+                except BaseException:
                     marker.cancel()
                     raise
-                except Exception as exc:  # Py4J errors: keep the task's line
-                    marker.cancel()
-                    failure = (f"{type(exc).__name__}: {exc}" if spark is None
-                               else _spark_failure(exc))
-                    kind = (TableLockWaitError if TableLockWaitError.__name__ in failure
-                            else SnapshotError)
-                    raise kind(f"snapshot {snapshot_id} of {wire_table}: "
-                               f"{'tasks' if spark is None else 'Spark job'} failed: "
-                               f"{failure}") from exc
-                finally:
-                    executor.shutdown(wait=False)
                 spark_seconds = time.monotonic() - spark_started
             finally:
                 replication.close()  # ends the exported snapshot, drops the temporary slot
@@ -500,6 +471,55 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
         sample_ratio_with_dictionary=trained.sample_ratio_with if trained else None,
         sample_ratio_without_dictionary=trained.sample_ratio_without if trained else None,
         ranges=tuple(stats))
+
+
+async def _dictionary(control: psycopg.Connection, js: JetStreamContext, described: _Table,
+                      settings: PlatformSettings, snapshot_id: str, max_payload: int,
+                      options: SnapshotOptions
+                      ) -> tuple[dictionaries.TrainedDictionary | None, str | None]:
+    """(the table's trained zstd dictionary, its KV key), or (None, None) when the encoding
+    asks for none or the sample does not train one."""
+    encoding = settings.encoding
+    if not (encoding.zstd and encoding.zstd_dictionary):
+        return None, None
+    layout = _layout(described, settings, snapshot_id, "0/0", max_payload, None)
+    sample = await asyncio.to_thread(_sample_rows, control, described, layout,
+                                     _converters(described), options.dictionary_sample_rows)
+    trained = await asyncio.to_thread(
+        dictionaries.train, sample, encoding.format, level=encoding.zstd_level,
+        dictionary_bytes=options.dictionary_bytes, chunk_rows=encoding.chunk_rows)
+    if trained is None:
+        return None, None
+    key = await dictionaries.publish_dictionary(
+        js, described.schema.wire_name, trained, bucket=settings.topology.dictionaries.bucket,
+        replicas=settings.topology.dictionaries.replicas)
+    return trained, key
+
+
+async def _run_tasks(spark: Any, spec: TaskSpec, ranges: list[BlockRange],
+                     options: SnapshotOptions, snapshot_id: str, wire_table: str) -> list:
+    """Every range task's rows of statistics: a Spark job, or (``spark`` None) the same tasks
+    in this process. A failure is one :class:`SnapshotError` with the task's own line
+    (:class:`TableLockWaitError` when it gave way to DDL); a cancellation cancels the job."""
+    group = f"{JOB_GROUP_PREFIX}{snapshot_id}"
+    executor = ThreadPoolExecutor(1, thread_name_prefix="cdc-snapshot-spark")
+    try:
+        if spark is None:
+            return await _run_here(spec, ranges, options.local_parallelism)
+        return await asyncio.get_running_loop().run_in_executor(
+            executor, _run_spark_job, spark, spec, ranges, group)
+    except asyncio.CancelledError:
+        if spark is not None:
+            spark.sparkContext.cancelJobGroup(group)
+        raise
+    except Exception as exc:  # Py4J errors: keep the task's line
+        failure = (f"{type(exc).__name__}: {exc}" if spark is None
+                   else _spark_failure(exc))
+        kind = TableLockWaitError if TableLockWaitError.__name__ in failure else SnapshotError
+        raise kind(f"snapshot {snapshot_id} of {wire_table}: "
+                   f"{'tasks' if spark is None else 'Spark job'} failed: {failure}") from exc
+    finally:
+        executor.shutdown(wait=False)
 
 
 def _converters(described: _Table) -> list:
