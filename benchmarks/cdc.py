@@ -284,8 +284,10 @@ async def publish_ceiling(nats, events: int) -> dict:
     for buffer in [*preamble, *buffers]:
         records.extend(assembler.feed(parse_copy_data(buffer).wal_start,
                                       decode_message(buffer, XLOGDATA_HEADER_SIZE)))
+    # (a message without a subject is a schema event's place, which the bridge fills)
     messages = [OutgoingMessage("ceiling." + m.subject, m.msg_id, m.payload, m.headers)
-                for m in MessageBuilder("msgpack", "per-change").build(records).messages]
+                for m in MessageBuilder("msgpack", "per-change").build(records).messages
+                if m.subject]
     client = await connect_nats(NatsSettings(url=nats.url))
     js = client.jetstream()
     await js.add_stream(dataclasses.replace(stream_config(NatsTopology().cdc), name="CEILING",
