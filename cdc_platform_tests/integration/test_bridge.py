@@ -325,3 +325,38 @@ async def test_a_consumer_of_one_table_knows_each_transaction_is_whole(
     done = [collector.add(event, seq) for seq, event in enumerate(events, start=1)]
     assert [d is not None for d in done] == [False] * 7 + [True]
     assert done[-1].ordered()[-1]["tx_tables"] == {table: 7, other: 3}
+
+
+async def test_the_http_endpoints_show_no_secret(cdc_database, pg_admin, provisioned_nats):
+    """/metrics and /status of a running bridge, whose settings hold the role's password and an
+    admin token: neither appears, and the admin action refuses a wrong token."""
+    import urllib.error
+    import urllib.request
+
+    from cdc_platform_tests.fixtures.services import TEST_SECRETS, secret_for_test
+
+    settings = platform_settings(cdc_database, provisioned_nats.url, http_port=free_port(),
+                                 admin_token=secret_for_test())
+    async with running_bridge(settings) as bridge:
+        await wait_for(lambda: bridge.telemetry is not None)
+        base = f"http://127.0.0.1:{bridge.telemetry.port}"
+
+        def get(path: str) -> str:
+            with urllib.request.urlopen(base + path, timeout=5) as response:
+                return response.read().decode()
+
+        shown = [await asyncio.to_thread(get, path) for path in ("/metrics", "/status")]
+        assert "bridge_" in shown[0] and "confirmed_lsn" in shown[1]
+        assert not any(secret in page for secret in TEST_SECRETS for page in shown)
+
+        def wrong_token() -> int:
+            request = urllib.request.Request(base + "/shutdown", method="POST",
+                                             headers={"Authorization": "Bearer not-it"})
+            try:
+                urllib.request.urlopen(request, timeout=5)
+            except urllib.error.HTTPError as refused:
+                return refused.code
+            return 200
+
+        assert await asyncio.to_thread(wrong_token) in (401, 403)
+        assert not bridge.stop_requested.is_set()
