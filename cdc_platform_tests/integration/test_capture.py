@@ -14,18 +14,24 @@ from cdc_platform_tests.fixtures.services import random_name
 
 async def collect(reader: SlotReader, *, changes: int, timeout: float = 30.0,
                   confirm: bool = True) -> list:
-    """Read until ``changes`` change records arrived; confirm each commit as handled."""
+    """Read until ``changes`` change records arrived and the transaction of the last one
+    committed (its Commit may come in a later read than the change); confirm each commit as
+    handled."""
     records: list = []
     deadline = time.monotonic() + timeout
-    while len(records) < changes:
+    uncommitted = False
+    while len(records) < changes or uncommitted:
         if time.monotonic() > deadline:
             raise AssertionError(f"got {len(records)} of {changes} changes")
         batch = await reader.read(timeout=0.2)
         for event in batch.events:
             if type(event) is ChangeRecord:
                 records.append(event)
-            elif type(event) is TransactionCommitted and confirm:
-                reader.confirm(event.end_lsn)
+                uncommitted = True
+            elif type(event) is TransactionCommitted:
+                uncommitted = False
+                if confirm:
+                    reader.confirm(event.end_lsn)
     return records
 
 
