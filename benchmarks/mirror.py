@@ -264,16 +264,17 @@ async def _read_ceiling(client) -> tuple[float, float]:
     from cdc_platform.jetstream.pull import PullReader
 
     js = client.jetstream()
+    batch = MirrorSettings().fetch_batch  # as the mirror reads
     info = await js.add_consumer("CDC", ConsumerConfig(
         filter_subject=f"cdc.{TABLE}.>", deliver_policy=DeliverPolicy.ALL,
         ack_policy=AckPolicy.NONE, inactive_threshold=60.0))
-    reader = PullReader(client, "CDC", info.name, batch=MirrorSettings().fetch_batch)
+    reader = PullReader(client, "CDC", info.name, batch=batch)
     await reader.start()
     wanted, got = info.num_pending, 0
     started, cpu_started = time.perf_counter(), time.process_time()
     try:
         while got < wanted:
-            got += len(await reader.fetch(MirrorSettings().fetch_batch, timeout=5.0))
+            got += len(await reader.fetch(batch, timeout=5.0))
     finally:
         await reader.stop()
     cpu = time.process_time() - cpu_started

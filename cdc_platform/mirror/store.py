@@ -72,9 +72,7 @@ class DivergenceError(MirrorError):
     """A change does not fit the mirrored rows (a missing row, a duplicate key): the mirror
     no longer equals the source and must bootstrap that table again."""
 
-    def __init__(self, message: str, table: str | None = None) -> None:
-        super().__init__(message)
-        self.table = table  # when known where it is raised (a batch flushed at commit)
+    table: str | None = None  # set for a batch flushed at commit (no event names it there)
 
 
 @dataclass
@@ -580,14 +578,16 @@ class MirrorStore:
             return
         batched, self._batched = self._batched, []
         kind, table, names = self._batch_key
-        if kind == "INSERT":
-            try:
+        try:
+            if kind == "INSERT":
                 self._insert_rows(table, batched)
-            except DivergenceError as exc:
-                exc.table = exc.table or table
-                raise
-            return
-        statement = self._prepared[("UPDATE", table, names)][0]
+            else:
+                self._update_rows(table, self._prepared[("UPDATE", table, names)][0], batched)
+        except DivergenceError as exc:  # found at commit too: say which table it is
+            exc.table = table
+            raise
+
+    def _update_rows(self, table: str, statement: str, batched: list) -> None:
         self._db.execute("SAVEPOINT cdc_update")
         try:
             changed = self._execute_many_unique(statement, batched)
@@ -598,10 +598,7 @@ class MirrorStore:
                     if self._execute_unique(statement, parameters) != 1:
                         raise DivergenceError(
                             f"{table}: an UPDATE names a row the mirror does not hold: "
-                            f"{dict(zip(key, parameters[-len(key):], strict=True))}", table)
-        except DivergenceError as exc:
-            exc.table = exc.table or table
-            raise
+                            f"{dict(zip(key, parameters[-len(key):], strict=True))}")
         finally:
             self._db.execute("RELEASE cdc_update")
 

@@ -23,14 +23,13 @@ class Feedback:
     """Positions of one replication stream and what a status update reports."""
 
     __slots__ = ("confirmed_lsn", "in_transaction", "last_commit_end_lsn", "received_lsn",
-                 "reported_lsn", "server_wal_end")
+                 "reported_lsn")
 
     def __init__(self, start_lsn: int = 0) -> None:
         self.received_lsn = start_lsn  # highest WAL position received
         self.last_commit_end_lsn = start_lsn  # end of the last transaction fully received
         self.confirmed_lsn = start_lsn  # what is reported as flushed
         self.reported_lsn = 0  # the flush position of the last status update sent
-        self.server_wal_end = 0  # the highest keepalive position seen
         self.in_transaction = False  # between a Begin and its Commit
 
     def began(self) -> None:
@@ -46,7 +45,6 @@ class Feedback:
 
     def keepalive(self, wal_end: int) -> None:
         """The server's keepalive (its position ``wal_end``)."""
-        self.server_wal_end = max(self.server_wal_end, wal_end)
         if not self.in_transaction and not self.in_flight and wal_end > self.confirmed_lsn:
             # nothing in flight: everything up to the server's position is done
             self.confirmed_lsn = self.last_commit_end_lsn = wal_end

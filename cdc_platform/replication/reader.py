@@ -90,10 +90,6 @@ class SlotReader:
         """The highest WAL position received."""
         return self.feedback.received_lsn
 
-    @property
-    def server_wal_end(self) -> int:
-        return self.feedback.server_wal_end
-
     # -- lifecycle -----------------------------------------------------------------------
     async def open(self) -> SlotState:
         """Connect, check or create the slot, and start streaming from its confirmed LSN.

@@ -74,12 +74,11 @@ def test_the_postgres_init_script_is_valid_sh():
 # A dict lists a section's keys; FREE marks a value the chart takes as it is (a Kubernetes
 # object, a list of them, or a map it passes on).
 FREE = None
-_SECRET_REFS = FREE
 CHART_KEYS = {
     "dagsterWebserver": {
         "replicaCount": FREE, "image": FREE, "nameOverride": FREE, "pathPrefix": FREE,
         "service": {"type": FREE, "port": FREE, "annotations": FREE}, "workspace": FREE,
-        "env": FREE, "envConfigMaps": _SECRET_REFS, "envSecrets": _SECRET_REFS,
+        "env": FREE, "envConfigMaps": FREE, "envSecrets": FREE,
         "deploymentLabels": FREE, "labels": FREE, "nodeSelector": FREE, "affinity": FREE,
         "tolerations": FREE, "podSecurityContext": FREE, "securityContext": FREE,
         "resources": FREE, "readinessProbe": FREE, "livenessProbe": FREE, "startupProbe": FREE,
