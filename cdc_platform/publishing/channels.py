@@ -45,6 +45,7 @@ class Channel(Protocol):
     def on_reply(self, subject: str, data: bytes, headers: dict[str, str] | None,
                  stale: bool) -> None: ...
     def deadline(self) -> float | None: ...
+    def owed_since(self) -> float | None: ...
 
 
 class _Batch:
@@ -53,6 +54,7 @@ class _Batch:
     __slots__ = (
         "acked",
         "base",
+        "committed_at",
         "committing",
         "flow",
         "id",
@@ -73,6 +75,7 @@ class _Batch:
         self.msgs = 1          # the server acks every `msgs` stored messages
         self.started = False   # the server answered sequence 1
         self.committing = False
+        self.committed_at = 0.0  # when the commit marker was written
         self.last_subject = b""
 
 
@@ -155,7 +158,7 @@ class FastBatchChannel:
                 await self._wire.write_sequence(held, batch.reply_prefix, first_seq, b".1.$FI")
                 return True
         if self._commit_due(batch, now, flush_target, replan):
-            batch.committing = True
+            batch.committing, batch.committed_at = True, now
             self._stats.commits += 1
             # The marker (never stored) may use any subject of the stream. A dedicated
             # control subject keeps core subscribers of data subjects from seeing it.
@@ -187,6 +190,13 @@ class FastBatchChannel:
         if oldest is not None:
             times.append(oldest + self._commit_max_delay)
         return min(times) if times else None
+
+    def owed_since(self) -> float | None:
+        """Since when the server owes the commit's PubAck. Every message may already be
+        confirmed by flow acks, so the ledger owes nothing then; a lost PubAck (a slow
+        consumer's dropped reply) must still end in a resend, not a batch waiting forever."""
+        batch = self._batch
+        return batch.committed_at if batch is not None and batch.committing else None
 
     def on_reply(self, subject: str, data: bytes, headers: dict[str, str] | None,
                  stale: bool) -> None:
@@ -270,6 +280,9 @@ class PerMessageChannel:
         self._stats.messages_sent += len(held)
         await self._wire.write_sequence(held, self._reply_prefix, first_index, b"")
         return True
+
+    def owed_since(self) -> float | None:
+        return None   # every reply is owed for a message the ledger holds
 
     def deadline(self) -> float | None:
         return None

@@ -433,6 +433,8 @@ class JetStreamPublisher:
                     continue
                 now = loop.time()
                 silent_since = self._ledger.silent_since()
+                if silent_since is None:  # the messages are confirmed; a reply may be owed
+                    silent_since = channel.owed_since()
                 ack_timeout = self._current_ack_timeout()
                 if silent_since is not None and now - silent_since >= ack_timeout:
                     self._timeouts_without_progress += 1

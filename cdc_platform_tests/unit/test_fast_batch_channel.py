@@ -197,8 +197,9 @@ class FastBatchMachine(RuleBasedStateMachine):
             replies, self.server.replies = self.server.replies, []
             for subject, data in replies:
                 self.channel.on_reply(subject, data, None, False)
-            if not frames and not replies and self.ledger.sent:
-                self._resend()  # silence while acks are owed: the publisher's ack timeout
+            if not frames and not replies and (self.ledger.sent
+                                                or self.channel.owed_since() is not None):
+                self._resend()  # silence while a reply is owed: the publisher's ack timeout
         assert self.ledger.stored == self.ledger.accepted
         assert self.server.stream == self.published
 
