@@ -14,7 +14,8 @@ prereqs:
 
 # The compiled accelerators are rebuilt when its source changes (editable install).
 $(VENV)/.installed: pyproject.toml setup.py cdc_platform/protocol/_native.pyx cdc_platform/mirror/_rows.pyx \
-		cdc_platform/jetstream/_frames.pyx | prereqs
+		cdc_platform/jetstream/_frames.pyx cdc_platform/wire/_encoding.pyx \
+		cdc_platform/wire/_msgpack_reader.pyx cdc_platform/wire/_msgpack_reader.pxd | prereqs
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'

@@ -432,6 +432,7 @@ class _Following:
         self.collector = collector
         self.followed = list(followed)
         self._followed = set(followed)
+        self._subject_prefixes = {table: f"{CDC_PREFIX}.{table}." for table in followed}
         # One SQLite transaction holds whole PostgreSQL transactions (and then, maybe, the
         # one being read) until commit(): a commit per batch read instead of one per
         # transaction, which is most of the cost of small transactions. It commits only
@@ -470,7 +471,7 @@ class _Following:
             events = decoded if isinstance(decoded, list) else [decoded]
             from_json = fmt == "json"
             for event in events:
-                _check_event(event, message.subject, self._followed)
+                _check_event(event, message.subject, self._subject_prefixes)
         except (ValueError, TypeError, KeyError, CdcError) as exc:
             # not an event of the contract (forged or corrupt): never applied. If it stood
             # for a real change, the transaction comes up short and the table re-bootstraps.
@@ -562,20 +563,24 @@ class _Following:
             self.mirror.report(f"{table}: {reason}; bootstrapping again")
 
 
-def _check_event(event: Any, subject: str, followed: set[str]) -> None:
-    """What the mirror relies on before an event goes near the database."""
-    if not isinstance(event, dict):
+def _check_event(event: Any, subject: str, subject_prefixes: dict[str, str]) -> None:
+    """What the mirror relies on before an event goes near the database
+    (``subject_prefixes``: the followed tables -> the subject prefix of their events)."""
+    if type(event) is not dict:
         raise TypeError(f"not an event map (nor a batch of them) but {type(event).__name__}")
     table = event.get("table")
-    if table not in followed or not subject.startswith(f"{CDC_PREFIX}.{table}."):
+    prefix = subject_prefixes.get(table) if type(table) is str else None
+    if prefix is None or not subject.startswith(prefix):
         raise ValueError(f"an event of table {table!r} on subject {subject}")
-    if event.get("operation") not in _OPERATIONS:
-        raise ValueError(f"unknown operation {event.get('operation')!r}")
+    operation = event.get("operation")
+    if operation not in _OPERATIONS:
+        raise ValueError(f"unknown operation {operation!r}")
     parse_lsn_cached(event["commit_lsn"])
-    if not isinstance(event.get("ordinal"), int) or event["ordinal"] < 0:
-        raise ValueError(f"ordinal {event.get('ordinal')!r}")
-    if event["operation"] in ("INSERT", "UPDATE") and not isinstance(event.get("data"), dict):
-        raise ValueError(f"{event['operation']} without a data map")
+    ordinal = event.get("ordinal")
+    if type(ordinal) is not int or ordinal < 0:
+        raise ValueError(f"ordinal {ordinal!r}")
+    if (operation == "INSERT" or operation == "UPDATE") and type(event.get("data")) is not dict:
+        raise ValueError(f"{operation} without a data map")
 
 
 def _streaming(state: TableState | None) -> bool:

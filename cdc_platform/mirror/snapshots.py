@@ -101,7 +101,7 @@ def decode_chunk(data: bytes, columns: tuple[str, ...] | None = None) -> ChunkRo
         try:
             fields, rows, has_nan = _ROWS.decode_chunk(data, columns)
             return ChunkRows(fields["chunk"], rows, as_tuples=True, has_nan=has_nan)
-        except (KeyError, ValueError):
+        except (KeyError, ValueError, TypeError):
             pass  # not what the compiled decoder takes: the pure path decides
     chunk = _decode(data)
     return ChunkRows(chunk["chunk"], chunk["data"])

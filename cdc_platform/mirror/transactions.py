@@ -42,18 +42,22 @@ class Transaction:
 
     def add(self, event: Mapping[str, Any], seq: int) -> bool:
         """Whether ``event`` is new to the transaction (False: a redelivered copy)."""
-        is_schema = event["operation"] == SCHEMA_OPERATION
-        key = (int(event["ordinal"]), not is_schema)  # a schema event sorts before its change
+        is_change = event["operation"] != SCHEMA_OPERATION  # a schema event sorts first
+        ordinal = int(event["ordinal"])
         self.last_seq = max(self.last_seq, seq)
         table = event["table"]
-        if (table, *key) in self.seen:
+        seen_key = (table, ordinal, is_change)
+        if seen_key in self.seen:
             return False
-        self.seen.add((table, *key))
+        self.seen.add(seen_key)
         if self.keep_events:
-            self.events[key] = event
-        if is_schema:
+            self.events[(ordinal, is_change)] = event
+        if not is_change:
             return True
-        self.counts.setdefault(table, set()).add(key[0])
+        ordinals = self.counts.get(table)
+        if ordinals is None:
+            ordinals = self.counts[table] = set()
+        ordinals.add(ordinal)
         tx_tables = event.get("tx_tables")
         if tx_tables is not None:
             self.tables = dict(tx_tables)

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import msgpack
 
+from cdc_platform.protocol.native import load_compiled
+
 Format = Literal["msgpack", "json"]
 
 
@@ -57,8 +59,20 @@ def payload_format(data: bytes) -> Format:
     return "json" if data[:1] in (b"{", b"[") else "msgpack"
 
 
+def decode_msgpack_python(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
 def decode_payload(data: bytes, fmt: Format) -> Any:
     """For consumers and tests: the inverse of :func:`encoder` (bytes stay base64 in JSON)."""
     if fmt == "msgpack":
-        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+        if _compiled is not None:
+            try:
+                return _compiled.decode_msgpack(data)
+            except (ValueError, TypeError):  # the pure decoder's answer, or its error
+                pass
+        return decode_msgpack_python(data)
     return json.loads(data)
+
+
+_compiled = load_compiled("cdc_platform.wire._encoding")

@@ -15,32 +15,13 @@ from hypothesis import strategies as st
 
 from cdc_platform.mirror.snapshots import decode_chunk
 from cdc_platform.protocol.native import load_compiled
+from cdc_platform_tests.msgpack_values import same as _same
+from cdc_platform_tests.msgpack_values import values
 
 ROWS = load_compiled("cdc_platform.mirror._rows")
 compiled = pytest.mark.skipif(ROWS is None, reason="the compiled decoder is not built")
 
-scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
-    st.text(max_size=40), st.binary(max_size=40),
-    st.sampled_from(["x" * 31, "x" * 32, "é" * 200, "y" * 70000, b"z" * 300, 2**32, -(2**31) - 1,
-                     -33, -32, 127, 128, 255, 256, 65535, 65536]))
-values = st.recursive(scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=5), inner, max_size=3)),
-    max_leaves=8)
 names = st.lists(st.text(min_size=1, max_size=40), min_size=1, max_size=20, unique=True)
-
-
-def _same(got, want) -> bool:
-    if isinstance(want, float) and math.isnan(want):
-        return isinstance(got, float) and math.isnan(got)
-    if isinstance(want, list):
-        return isinstance(got, list) and len(got) == len(want) and all(
-            _same(g, w) for g, w in zip(got, want, strict=True))
-    if isinstance(want, dict):
-        return isinstance(got, dict) and list(got) == list(want) and all(
-            _same(got[k], want[k]) for k in want)
-    return type(got) is type(want) and got == want and (
-        not isinstance(want, float) or math.copysign(1, got) == math.copysign(1, want))
 
 
 def _has_nan(value) -> bool:

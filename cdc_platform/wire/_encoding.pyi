@@ -1,0 +1,3 @@
+from typing import Any
+
+def decode_msgpack(data: bytes) -> Any: ...

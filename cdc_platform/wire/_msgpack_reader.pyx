@@ -1,0 +1,206 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""A msgpack reader over one ``bytes`` for the compiled decoders (``wire/_encoding.pyx``,
+``mirror/_rows.pyx``): the values ``msgpack.unpackb(data, raw=False, strict_map_key=False)``
+gives for the types the wire contract writes; ValueError for anything else or truncated bytes
+(the callers then decode the pure way, which gives the real answer or the real error)."""
+
+from sys import intern as _intern
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.math cimport isnan
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memcmp, memcpy
+
+DEF _KEY_SLOTS = 512  # a power of two
+DEF _LONGEST_KEPT_KEY = 64
+DEF _DEEPEST = 1000
+cdef list _kept_keys = [None] * _KEY_SLOTS
+
+
+cdef class Reader:
+    def __cinit__(self, bytes data):
+        self.data = data
+        self.buf = <const uint8_t*>PyBytes_AS_STRING(data)
+        self.pos = 0
+        self.end = PyBytes_GET_SIZE(data)
+        self.saw_nan = False
+        self.depth = 0
+
+    cdef uint64_t big_endian(self, int n) except? 0xFFFFFFFFFFFFFFFF:
+        cdef uint64_t value = 0
+        cdef int i
+        self.need(n)
+        for i in range(n):
+            value = (value << 8) | self.buf[self.pos + i]
+        self.pos += n
+        return value
+
+    cdef object value(self):
+        cdef uint8_t tag
+        cdef uint64_t bits
+        cdef uint32_t bits32
+        cdef double number
+        cdef float number32
+        self.need(1)
+        tag = self.buf[self.pos]
+        self.pos += 1
+        if tag <= 0x7f:
+            return <long>tag
+        if tag >= 0xe0:
+            return <long>(<int8_t>tag)
+        if 0xa0 <= tag <= 0xbf:
+            return self.text(tag & 0x1f)
+        if 0x90 <= tag <= 0x9f:
+            return self.array(tag & 0x0f)
+        if 0x80 <= tag <= 0x8f:
+            return self.map(tag & 0x0f)
+        if tag == 0xc0:
+            return None
+        if tag == 0xc2:
+            return False
+        if tag == 0xc3:
+            return True
+        if tag == 0xcb:
+            bits = self.big_endian(8)
+            memcpy(&number, &bits, 8)
+            if isnan(number):
+                self.saw_nan = True
+            return number
+        if tag == 0xca:
+            bits32 = <uint32_t>self.big_endian(4)
+            memcpy(&number32, &bits32, 4)
+            if isnan(number32):
+                self.saw_nan = True
+            return <double>number32
+        if tag == 0xcc:
+            return <long>self.big_endian(1)
+        if tag == 0xcd:
+            return <long>self.big_endian(2)
+        if tag == 0xce:
+            return <long long>self.big_endian(4)
+        if tag == 0xcf:
+            return <unsigned long long>self.big_endian(8)
+        if tag == 0xd0:
+            return <long>(<int8_t>self.big_endian(1))
+        if tag == 0xd1:
+            return <long>(<int16_t>self.big_endian(2))
+        if tag == 0xd2:
+            return <long>(<int32_t>self.big_endian(4))
+        if tag == 0xd3:
+            return <long long>(<int64_t>self.big_endian(8))
+        if tag == 0xd9:
+            return self.text(<Py_ssize_t>self.big_endian(1))
+        if tag == 0xda:
+            return self.text(<Py_ssize_t>self.big_endian(2))
+        if tag == 0xdb:
+            return self.text(<Py_ssize_t>self.big_endian(4))
+        if tag == 0xc4:
+            return self.raw(<Py_ssize_t>self.big_endian(1))
+        if tag == 0xc5:
+            return self.raw(<Py_ssize_t>self.big_endian(2))
+        if tag == 0xc6:
+            return self.raw(<Py_ssize_t>self.big_endian(4))
+        if tag == 0xdc:
+            return self.array(<Py_ssize_t>self.big_endian(2))
+        if tag == 0xdd:
+            return self.array(<Py_ssize_t>self.big_endian(4))
+        if tag == 0xde:
+            return self.map(<Py_ssize_t>self.big_endian(2))
+        if tag == 0xdf:
+            return self.map(<Py_ssize_t>self.big_endian(4))
+        raise ValueError(f"msgpack type 0x{tag:02x} is not in the contract")
+
+    cdef object text(self, Py_ssize_t size):
+        self.need(size)
+        out = PyUnicode_DecodeUTF8(<const char*>self.buf + self.pos, size, NULL)
+        self.pos += size
+        return out
+
+    cdef object raw(self, Py_ssize_t size):
+        self.need(size)
+        out = self.data[self.pos:self.pos + size]
+        self.pos += size
+        return out
+
+    cdef int enter(self) except -1:
+        # a C stack has no recursion check: a forged payload nested a million deep would
+        # crash the process (msgpack itself stops at 1024 too)
+        self.depth += 1
+        if self.depth > _DEEPEST:
+            raise ValueError("msgpack nested too deep")
+        return 0
+
+    cdef list array(self, Py_ssize_t size):
+        cdef list out = []
+        cdef Py_ssize_t i
+        self.enter()
+        for i in range(size):
+            out.append(self.value())
+        self.depth -= 1
+        return out
+
+    cdef dict map(self, Py_ssize_t size):
+        cdef dict out = {}
+        cdef Py_ssize_t i, key_size
+        self.enter()
+        for i in range(size):
+            key_size = self.text_size()
+            key = self.key(key_size) if key_size >= 0 else self.value()
+            out[key] = self.value()
+        self.depth -= 1
+        return out
+
+    cdef object key(self, Py_ssize_t size):
+        """A str map key: the same few names come in every event and row, so each is decoded
+        once and kept, interned (its hash cached), in a small table indexed by a hash of its
+        bytes; a different name in the same slot replaces it."""
+        cdef uint32_t slot = 2166136261u  # FNV-1a
+        cdef Py_ssize_t i
+        cdef const uint8_t* chars
+        self.need(size)
+        if size > _LONGEST_KEPT_KEY:
+            return self.text(size)
+        chars = self.buf + self.pos
+        for i in range(size):
+            slot = (slot ^ chars[i]) * 16777619u
+        slot &= _KEY_SLOTS - 1
+        entry = _kept_keys[slot]
+        if entry is not None:
+            kept_bytes = (<tuple>entry)[0]
+            if PyBytes_GET_SIZE(kept_bytes) == size and memcmp(
+                    PyBytes_AS_STRING(kept_bytes), chars, size) == 0:
+                self.pos += size
+                return (<tuple>entry)[1]
+        text = _intern(PyUnicode_DecodeUTF8(<const char*>chars, size, NULL))
+        _kept_keys[slot] = (PyBytes_FromStringAndSize(<const char*>chars, size), text)
+        self.pos += size
+        return text
+
+    cdef Py_ssize_t header(self, uint8_t fix_first, uint8_t fix_last, uint8_t tag16,
+                           uint8_t tag32) except -1:
+        """The size of the map or array that starts here."""
+        cdef uint8_t tag
+        self.need(1)
+        tag = self.buf[self.pos]
+        self.pos += 1
+        if fix_first <= tag <= fix_last:
+            return tag & 0x0f
+        if tag == tag16:
+            return <Py_ssize_t>self.big_endian(2)
+        if tag == tag32:
+            return <Py_ssize_t>self.big_endian(4)
+        raise ValueError("not the map or array the contract says")
+
+    cdef Py_ssize_t text_size(self) except -2:
+        """The size of the str that starts here; -1 (nothing read) when it is not a str."""
+        cdef uint8_t tag
+        self.need(1)
+        tag = self.buf[self.pos]
+        if 0xa0 <= tag <= 0xbf:
+            self.pos += 1
+            return tag & 0x1f
+        if tag == 0xd9 or tag == 0xda or tag == 0xdb:
+            self.pos += 1
+            return <Py_ssize_t>self.big_endian(1 if tag == 0xd9 else (2 if tag == 0xda else 4))
+        return -1

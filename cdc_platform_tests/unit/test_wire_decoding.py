@@ -1,0 +1,82 @@
+"""The compiled msgpack decoder (``wire/_encoding.pyx``, on the shared reader) against
+``msgpack.unpackb``: the same value whenever it answers, and a ValueError or TypeError (the
+caller then decodes the pure way) for anything it does not take, truncated or forged bytes
+included. Its kept-keys table must never hand back another key than the bytes say."""
+
+from __future__ import annotations
+
+import os
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cdc_platform.protocol.native import load_compiled
+from cdc_platform.wire import decode_payload
+from cdc_platform_tests.msgpack_values import same as _same
+from cdc_platform_tests.msgpack_values import values
+
+ENCODING = load_compiled("cdc_platform.wire._encoding")
+compiled = pytest.mark.skipif(ENCODING is None, reason="the compiled decoder is not built")
+
+keys = st.one_of(st.text(max_size=70), st.integers(-(2**63), 2**64 - 1), st.booleans())
+documents = st.recursive(values, lambda inner: st.one_of(
+    st.lists(inner, max_size=5), st.dictionaries(keys, inner, max_size=6)), max_leaves=20)
+
+
+def test_the_decoder_is_built():
+    if os.environ.get("CDC_PLATFORM_PURE_PYTHON"):
+        pytest.skip("pure Python asked for")
+    assert ENCODING is not None, "cdc_platform.wire._encoding is not built: pip install -e ."
+
+
+@compiled
+@settings(max_examples=500, deadline=None)
+@given(documents)
+def test_the_same_value_as_msgpack(document):
+    data = msgpack.packb(document, use_bin_type=True)
+    want = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    assert _same(ENCODING.decode_msgpack(data), want)
+    assert _same(decode_payload(data, "msgpack"), want)
+
+
+@compiled
+def test_kept_keys_are_never_confused():
+    # 5,000 names share 512 slots: every collision replaces a kept key, none is misread
+    names = [f"column_{number}" for number in range(5000)] + ["é" * 10, "x" * 64, "x" * 65]
+    for round_number in range(3):
+        for start in range(0, len(names), 7):
+            event = {name: round_number for name in names[start:start + 7]}
+            decoded = ENCODING.decode_msgpack(msgpack.packb(event))
+            assert list(decoded) == list(event) and decoded == event
+
+
+@compiled
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=60) | documents.map(lambda d: msgpack.packb(d)[:-1]))
+def test_bytes_it_does_not_take_are_refused_never_misread(data):
+    try:
+        want = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception:  # noqa: BLE001 - any error: the compiled decoder must refuse too
+        with pytest.raises((ValueError, TypeError)):
+            ENCODING.decode_msgpack(data)
+        return
+    try:
+        got = ENCODING.decode_msgpack(data)
+    except (ValueError, TypeError):  # (an ext type, say): the pure decoder answers
+        assert _same(decode_payload(data, "msgpack"), want)
+        return
+    assert _same(got, want)
+
+
+@compiled
+def test_deep_nesting_is_refused_not_a_crash():
+    deep = b"\x91" * 200_000 + b"\x01"
+    with pytest.raises(ValueError, match="too deep"):
+        ENCODING.decode_msgpack(deep)
+    with pytest.raises(ValueError):  # the pure decoder's own error, through decode_payload
+        decode_payload(deep, "msgpack")
+    with pytest.raises(ValueError, match="too deep"):
+        load_compiled("cdc_platform.mirror._rows").decode_chunk(
+            b"\x82\xa5chunk" + deep + b"\xa4data\x90", ("id",))
