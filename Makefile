@@ -12,10 +12,9 @@ prereqs:
 	@command -v $(JAVA) >/dev/null 2>&1 || { echo "cdc_platform needs Java 17+ for Spark snapshots: apt-get install openjdk-17-jre-headless (or set JAVA_HOME)"; exit 1; }
 	@$(JAVA) -version 2>&1 | awk -F'"' '/version/ { split($$2, v, "."); if (v[1] < 17) { print "cdc_platform needs Java 17+ for Spark snapshots, found " $$2; exit 1 } }'
 
-# The compiled accelerators are rebuilt when its source changes (editable install).
-$(VENV)/.installed: pyproject.toml setup.py cdc_platform/protocol/_native.pyx cdc_platform/mirror/_rows.pyx \
-		cdc_platform/jetstream/_frames.pyx cdc_platform/wire/_encoding.pyx \
-		cdc_platform/wire/_msgpack_reader.pyx cdc_platform/wire/_msgpack_reader.pxd | prereqs
+# The compiled twins (cdc_platform/_speedups) are rebuilt when their sources change.
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard cdc_platform/_speedups/*.pyx) \
+		$(wildcard cdc_platform/_speedups/*.pxd) | prereqs
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'

@@ -1,23 +1,18 @@
-"""Builds the optional compiled accelerators (``cdc_platform/protocol/_native.pyx``,
-``cdc_platform/mirror/_rows.pyx``, ``cdc_platform/jetstream/_frames.pyx``,
-``cdc_platform/wire/_encoding.pyx`` and the msgpack reader it shares with ``_rows``).
+"""Builds the optional compiled twins in ``cdc_platform/_speedups/`` (Cython): one extension per
+``.pyx``, each the twin of the pure module of the same name (see ``cdc_platform/speedups.py``).
 
-Everything else is in pyproject.toml. The extension is ``optional``: without a C compiler
-the install still succeeds and the pure-Python code runs (slower; see ``native.py``).
+Everything else is in pyproject.toml. The extensions are ``optional``: without a C compiler
+the install still succeeds and the pure-Python code runs (slower).
 """
+
+from pathlib import Path
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
+SPEEDUPS = Path("cdc_platform/_speedups")
+
 setup(ext_modules=cythonize(
-    [Extension("cdc_platform.protocol._native", ["cdc_platform/protocol/_native.pyx"],
-               optional=True),
-     Extension("cdc_platform.mirror._rows", ["cdc_platform/mirror/_rows.pyx"],
-               optional=True),
-     Extension("cdc_platform.jetstream._frames", ["cdc_platform/jetstream/_frames.pyx"],
-               optional=True),
-     Extension("cdc_platform.wire._msgpack_reader",
-               ["cdc_platform/wire/_msgpack_reader.pyx"], optional=True),
-     Extension("cdc_platform.wire._encoding", ["cdc_platform/wire/_encoding.pyx"],
-               optional=True)],
+    [Extension(f"cdc_platform._speedups.{source.stem}", [str(source)], optional=True)
+     for source in sorted(SPEEDUPS.glob("*.pyx"))],
     compiler_directives={"language_level": "3"}))

@@ -1,6 +1,6 @@
 """Golden payloads: the exact messages the platform writes for fixed inputs, one file per case
 and format in ``data/golden/`` (msgpack as hex, JSON as text). ``test_golden.py`` checks that
-both writers (pure Python and the compiled accelerator) still produce exactly these bytes.
+both writers (pure Python and the compiled twins) still produce exactly these bytes.
 
 Write them again only on purpose (a wire change, in the CHANGELOG):
 
@@ -23,12 +23,12 @@ from cdc_platform.protocol.changes import (
     RelationChanged,
     TransactionCommitted,
 )
-from cdc_platform.protocol.native import NATIVE
 from cdc_platform.protocol.pgoutput import Relation, RelationColumn
 from cdc_platform.settings import EncodingSettings
 from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
 from cdc_platform.snapshot.meta import snapshot_meta
 from cdc_platform.snapshot.reader import RangeStats
+from cdc_platform.speedups import compiled_twin
 from cdc_platform.wire import (
     CONTENT_TYPES,
     HEADER_CONTENT_TYPE,
@@ -114,7 +114,7 @@ def _messages(built: BuiltBatch, builder: MessageBuilder) -> list[Message]:
 
 def _builder(fmt: str, mode: str, implementation: str) -> MessageBuilder:
     if implementation == "python":
-        return MessageBuilder(fmt, mode, native=None)
+        return MessageBuilder(fmt, mode, compiled=False)
     return MessageBuilder(fmt, mode)
 
 
@@ -137,7 +137,7 @@ def chunk(fmt: str, implementation: str) -> list[Message]:
         [type("Column", (), {"type_oid": oid}) for _, oid, _ in _COLUMNS])
     chunker = Chunker(layout, converters, partition=2)
     if implementation == "python":
-        chunker._native_kinds = None  # the pure-Python path
+        chunker._compiled_kinds = None  # the pure-Python path
     copy_text = (
         "1\tZoë \"q\"\t-0\t\\\\x00ff\t{1,NULL,3}\t{\"a\": [1, 2.5, \"x\"], \"b\": null}\n"
         "2\t\\N\tNaN\t\\N\t{}\t18446744073709551617\n"
@@ -174,12 +174,13 @@ def kv_schema(fmt: str, implementation: str) -> list[Message]:
 CASES: dict[str, Callable[[str, str], list[Message]]] = {
     "per_change": per_change, "batched": batched, "chunk": chunk, "meta": meta,
     "kv_schema": kv_schema}
-# The cases with two writers (the compiled accelerator has a twin of them for msgpack).
+# The cases with two writers (compiled twins of them write msgpack: cdc_platform/_speedups).
 TWO_WRITERS = {"per_change", "batched", "chunk"}
 
 
 def implementations(case: str) -> tuple[str, ...]:
-    if case in TWO_WRITERS and NATIVE is not None:
+    if case in TWO_WRITERS and None not in (compiled_twin("cdc_platform.bridge.events"),
+                                            compiled_twin("cdc_platform.snapshot.chunks")):
         return IMPLEMENTATIONS
     return ("python",)
 

@@ -13,7 +13,6 @@ import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any, Literal, NamedTuple
 
 from cdc_platform.lsn import format_lsn
@@ -24,9 +23,9 @@ from cdc_platform.protocol.changes import (
     RelationChanged,
     TransactionCommitted,
 )
-from cdc_platform.protocol.native import NATIVE
 from cdc_platform.protocol.pgoutput import Relation
 from cdc_platform.publishing.messages import OutgoingMessage
+from cdc_platform.speedups import compiled_twin
 from cdc_platform.wire import (
     HEADER_SCHEMA_FINGERPRINT,
     SCHEMA_OPERATION,
@@ -50,7 +49,8 @@ _SNAPSHOT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 BATCH_MAX_EVENTS = 500
 # LSN -> text: the compiled formatter when built (a row inserted by INSERT ... SELECT has an
 # LSN of its own, so the text is made once per change).
-_lsn_text = NATIVE.lsn_text if NATIVE is not None else format_lsn
+_twin = compiled_twin(__name__)  # lsn_text, pack_map, change_message (speedups.py)
+_lsn_text = _twin.lsn_text if _twin is not None else format_lsn
 _ARRAY32 = b"\xdd"  # msgpack array32 header: batches are the already-packed events joined
 
 
@@ -125,8 +125,9 @@ class BuiltBatch:
 class MessageBuilder:
     def __init__(self, fmt: Literal["msgpack", "json"] = "msgpack",
                  mode: MessageMode = "per-change", batch_max_events: int = BATCH_MAX_EVENTS,
-                 batch_max_bytes: int = 900 * 1024, native: ModuleType | None = NATIVE) -> None:
-        """``native``: the compiled accelerator to use (None: the pure-Python writer)."""
+                 batch_max_bytes: int = 900 * 1024, compiled: bool = True) -> None:
+        """``compiled``: write msgpack with the compiled twin when it is built (False: the
+        pure-Python writer; the same bytes)."""
         self.format = fmt
         self.mode = mode
         self.encode = encoder(fmt)
@@ -144,11 +145,11 @@ class MessageBuilder:
         self._batch_subject = ""
         self._lsn_cache: tuple[int, str] = (-1, "")
         self._commit_cache: tuple[int, str] = (-1, "")
-        # The compiled msgpack writer (native.py), and what every change of one table and
-        # operation in one transaction shares (see _Shared).
-        compiled = native if fmt == "msgpack" else None
-        self._pack_map = compiled.pack_map if compiled is not None else None
-        self._change_message = compiled.change_message if compiled is not None else None
+        # The compiled msgpack writer, and what every change of one table and operation in
+        # one transaction shares (see _Shared).
+        twin = _twin if compiled and fmt == "msgpack" else None
+        self._pack_map = twin.pack_map if twin is not None else None
+        self._change_message = twin.change_message if twin is not None else None
         self._shared: dict[tuple[int, str, int], _Shared] = {}
         self._raw_reported: dict[tuple[int, tuple[str, ...]], float] = {}
         # End-of-transaction marks (README "Transactions"): the last change of each table in
@@ -287,7 +288,7 @@ class MessageBuilder:
         return shared
 
     def encode_event(self, record: ChangeRecord, shared: _Shared, msg_id: str) -> bytes:
-        """``encode(event_map(...))``; with the compiled accelerator and msgpack, the shared
+        """``encode(event_map(...))``; with the compiled twin and msgpack, the shared
         fields are packed once per table, operation and transaction and the same bytes are
         written around them."""
         if self._pack_map is None:

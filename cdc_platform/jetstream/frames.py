@@ -28,7 +28,7 @@ from typing import Any
 from nats.errors import ProtocolError
 from nats.protocol.parser import AWAITING_CONTROL_LINE
 
-from cdc_platform.protocol.native import load_compiled
+from cdc_platform.speedups import compiled_twin
 
 Sink = Callable[[bytes, bytes, bytes, bytes | None], None]
 
@@ -90,7 +90,7 @@ def deliver_python(data: bytes, position: int, sinks: dict[int, Sink]) -> int:
     return position
 
 
-_compiled = load_compiled("cdc_platform.jetstream._frames")
+_compiled = compiled_twin(__name__)
 deliver: Callable[[bytes, int, dict[int, Sink]], int] = (
     _compiled.deliver if _compiled is not None else deliver_python)
 

@@ -20,9 +20,9 @@ from nats.js.errors import NotFoundError
 
 from cdc_platform.errors import CdcError
 from cdc_platform.lsn import parse_lsn
-from cdc_platform.protocol.native import load_compiled
 from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.snapshot.dictionary import decompressor, fetch_dictionary
+from cdc_platform.speedups import compiled_twin
 from cdc_platform.wire import decode_payload, payload_format, snapshot_meta_subject
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def _decode(data: bytes) -> Any:
     return decode_payload(data, payload_format(data))
 
 
-_ROWS = load_compiled("cdc_platform.mirror._rows")
+_ROWS = compiled_twin(__name__)  # decode_chunk (cdc_platform/speedups.py)
 
 
 @dataclass

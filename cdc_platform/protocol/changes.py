@@ -16,8 +16,8 @@ Events:
 * :class:`LogicalMessageReceived` per ``pg_logical_emit_message`` message.
 
 :meth:`TransactionAssembler.take_changes` is ``feed`` for runs of Inserts, Updates and
-Deletes taken straight from the CopyData messages, in one call of the compiled accelerator
-(the replication reader's hot path); it gives the same records and leaves anything unusual
+Deletes taken straight from the CopyData messages, in one call of the compiled twin
+(``_speedups/changes.pyx``: the replication reader's hot path); it gives the same records and leaves anything unusual
 to ``feed``.
 
 Identity of a change across restarts: a transaction is named by its commit LSN (Begin's
@@ -43,7 +43,6 @@ from typing import Any, Literal, Protocol, TypeAlias
 
 from cdc_platform.errors import CdcError, ConversionError, ProtocolError
 from cdc_platform.lsn import format_lsn
-from cdc_platform.protocol.native import NATIVE
 from cdc_platform.protocol.pgoutput import (
     UNCHANGED_TOAST,
     Begin,
@@ -66,6 +65,7 @@ from cdc_platform.protocol.pgoutput import (
     timestamp_to_iso,
 )
 from cdc_platform.protocol.values import TEXT_CONVERTERS
+from cdc_platform.speedups import compiled_twin
 
 __all__ = [
     "ChangeRecord",
@@ -162,72 +162,58 @@ def relation_shape(relation: Relation) -> tuple[Any, ...]:
 
 
 class _SlowPath(Exception):
-    """A value the generated row builders do not handle (UNCHANGED_TOAST).
+    """A value the row builders do not handle (UNCHANGED_TOAST).
 
     Always raised as the class, so each raise makes a new instance that dies with its
     handler: re-raising one shared instance kept appending frames to its ``__traceback__``,
     and through them kept every read batch alive (memory grew on each such update)."""
 
-_take_changes = NATIVE.take_changes if NATIVE is not None else None
 
+def row_builder_python(names: tuple[str, ...], converters: tuple[Callable[[str], Any], ...],
+                       indexes: tuple[int, ...]) -> Callable[[TupleData], dict[str, Any]]:
+    """``values -> {name: value}`` for the columns at ``indexes``: a text value goes through
+    its column's converter (none for the ``TEXT_CONVERTERS``), None and bytes pass as they
+    are, UNCHANGED_TOAST raises _SlowPath (the caller then takes
+    :meth:`TransactionAssembler._row`). ``values`` must have ``len(names)`` items (checked by
+    the caller)."""
+    columns = tuple((names[index], converters[index], index,
+                     converters[index] in TEXT_CONVERTERS) for index in indexes)
 
-def _not_text(value: Any) -> Any:
-    """Generated builders call this for a value that is neither str nor None."""
-    if value.__class__ is bytes:  # 'b': binary format, passed through
-        return value
-    raise _SlowPath
+    def build(values: TupleData) -> dict[str, Any]:
+        row: dict[str, Any] = {}
+        for name, convert, index, keeps_text in columns:
+            value = values[index]
+            if value.__class__ is str:
+                row[name] = value if keeps_text else convert(value)  # type: ignore[arg-type]
+            elif value is None or value.__class__ is bytes:
+                row[name] = value
+            else:
+                raise _SlowPath
+        return row
+    return build
 
 
 _BUILDERS: dict[tuple[Any, ...], Callable[[TupleData], dict[str, Any]]] = {}
 
 
 def _row_builder(names: tuple[str, ...], converters: tuple[Callable[[str], Any], ...],
-                 indexes: tuple[int, ...], *, native: Any = NATIVE
-                 ) -> Callable[[TupleData], dict[str, Any]]:
-    """``values -> {name: value}`` for the columns at ``indexes``, generated per shape.
-
-    The loop unrolled into one dict display: each column costs one class check and the
-    converter call; None and bytes pass through; UNCHANGED_TOAST raises _SlowPath (the
-    caller then takes :meth:`TransactionAssembler._row`). ``values`` must have
-    ``len(names)`` items (checked by the caller). The generated source holds only
-    indexes; names and converters are bound as closure variables. With the compiled
-    accelerator built (``native.py``), its ``RowBuilder`` does the same.
-    """
-    cache_key = (names, converters, indexes, native is None)
+                 indexes: tuple[int, ...]) -> Callable[[TupleData], dict[str, Any]]:
+    """:func:`row_builder_python`, or the compiled twin's ``RowBuilder`` (the same), cached
+    per shape."""
+    twin = _twin
+    cache_key = (names, converters, indexes, twin is None)
     key: tuple[Any, ...] | None = cache_key
     try:
         builder = _BUILDERS.get(cache_key)
     except TypeError:  # an unhashable converter: build without caching
         key, builder = None, None
-    if builder is None and native is not None:
-        builder = native.RowBuilder(names, converters, indexes, TEXT_CONVERTERS, _SlowPath)
-        if key is not None:
-            _BUILDERS[key] = builder
     if builder is None:
         if len(_BUILDERS) > 4096:
             _BUILDERS.clear()
-        count = len(names)
-        unpack = (f"    {''.join(f'v{i}, ' for i in range(count))}= values" if count
-                  else "    pass")
-        items = ", ".join(
-            # A column converted by ``str`` keeps its text: no call; bytes and None pass.
-            f"n{i}: v{i} if v{i}.__class__ is not unchanged_class else not_text(v{i})"
-            if converters[i] in TEXT_CONVERTERS else
-            f"n{i}: c{i}(v{i}) if v{i}.__class__ is str else "
-            f"v{i} if v{i} is None else not_text(v{i})" for i in indexes)
-        parameters = ", ".join(["not_text", "unchanged_class", "str",
-                                *(f"c{i}, n{i}" for i in indexes)])
-        source = (f"def make({parameters}):\n"
-                  "  def build(values):\n"
-                  f"  {unpack}\n"
-                  f"      return {{{items}}}\n"
-                  "  return build")
-        namespace: dict[str, Any] = {}
-        exec(source, namespace)  # noqa: S102 - generated from column indexes only
-        arguments: list[Any] = [_not_text, type(UNCHANGED_TOAST), str]
-        for i in indexes:
-            arguments += [converters[i], names[i]]
-        builder = namespace["make"](*arguments)
+        if twin is not None:
+            builder = twin.RowBuilder(names, converters, indexes, TEXT_CONVERTERS, _SlowPath)
+        else:
+            builder = row_builder_python(names, converters, indexes)
         if key is not None:
             _BUILDERS[key] = builder
     return builder
@@ -350,10 +336,10 @@ class TransactionAssembler:
         first message that is anything else, or that the general path must handle (an
         unchanged TOAST value, an unusual value, an error to report). Returns ``(next
         index, highest XLogData wal_end taken, 0 if none)``; consumes nothing outside a
-        transaction or without the accelerator (see :attr:`takes_changes`)."""
-        if _take_changes is None or not self._in_transaction:
+        transaction or without the compiled twin (see :attr:`takes_changes`)."""
+        if _twin is None or not self._in_transaction:
             return index, 0
-        index, self._ordinal, wal_end = _take_changes(
+        index, self._ordinal, wal_end = _twin.take_changes(
             raw, index, self._tables, ChangeRecord, self._commit_lsn, self._xid,
             self._commit_ts, self._ordinal, events, UNCHANGED_TOAST)
         return index, wal_end
@@ -361,7 +347,7 @@ class TransactionAssembler:
     @property
     def takes_changes(self) -> bool:
         """Whether :meth:`take_changes` is compiled (else it never takes anything)."""
-        return _take_changes is not None
+        return _twin is not None
 
     # -- transaction boundaries ----------------------------------------------------------------
     def _on_begin(self, lsn: int, message: Begin) -> Sequence[Event]:
@@ -559,3 +545,6 @@ class TransactionAssembler:
             commit_lsn = None
         return (LogicalMessageReceived(message.lsn, message.prefix, message.content,
                                        message.transactional, commit_lsn),)
+
+
+_twin = compiled_twin(__name__)  # RowBuilder, take_changes (cdc_platform/speedups.py)

@@ -21,10 +21,8 @@ Timestamps (``TimestampTz``) are kept as the raw ``int`` PostgreSQL sends: "micr
 since PostgreSQL epoch (2000-01-01)"; :func:`timestamp_to_iso` renders one as
 ``2025-12-08T13:45:21.719719Z``.
 
-Speed: the hot path is Insert/Update/Delete TupleData. When the compiled accelerator is
-built (``native.py``) its ``read_tuple`` reads it; otherwise a function generated per column
-count (``_text_tuple_reader``), the loop unrolled (~30% faster than the loop), reads tuples
-of text columns and anything else goes down the general loop.
+Speed: the hot path is Insert/Update/Delete TupleData, read by :func:`read_tuple_python`
+or, when built, its compiled twin (``_speedups/pgoutput.pyx``; see ``speedups.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from datetime import datetime, timedelta
 from typing import Any, Final, Literal, TypeAlias
 
 from cdc_platform.errors import ProtocolError
-from cdc_platform.protocol.native import NATIVE
+from cdc_platform.speedups import compiled_twin
 
 __all__ = [
     "UNCHANGED_TOAST",
@@ -316,7 +314,6 @@ _STREAM_COMMIT = struct.Struct(">IBQQq").unpack_from
 _STREAM_ABORT_V4 = struct.Struct(">IIQq").unpack_from
 _MESSAGE_HEAD = struct.Struct(">BQ").unpack_from
 _COLUMN_TAIL = struct.Struct(">Ii").unpack_from  # type oid, type modifier
-_KIND_LENGTH = struct.Struct(">BI").unpack_from  # TupleData column kind + Int32 length
 
 _T, _N, _U, _B = ord("t"), ord("n"), ord("u"), ord("b")
 _KIND_NEW, _KIND_KEY, _KIND_OLD = ord("N"), ord("K"), ord("O")
@@ -328,7 +325,7 @@ def _string(data: bytes, pos: int) -> tuple[str, int]:
     return data[pos:end].decode(), end + 1
 
 
-def _tuple_slow(data: bytes, pos: int) -> tuple[TupleData, int]:
+def read_tuple_python(data: bytes, pos: int) -> tuple[TupleData, int]:
     """TupleData: "Int16 Number of columns." then per column one of Byte1('n') "the data
     is NULL", Byte1('u') "unchanged TOASTed value", Byte1('t') "the data is in text format"
     + Int32 length + Byten, Byte1('b') "the data is in binary format" + Int32 + Byten."""
@@ -336,7 +333,6 @@ def _tuple_slow(data: bytes, pos: int) -> tuple[TupleData, int]:
     pos += 2
     size = len(data)
     values: list[ColumnValue] = []
-    append = values.append
     for index in range(count):
         kind = data[pos]
         pos += 1
@@ -348,78 +344,24 @@ def _tuple_slow(data: bytes, pos: int) -> tuple[TupleData, int]:
                 raise ProtocolError(
                     f"TupleData column {index} declares {length} bytes but only "
                     f"{size - pos} remain (truncated message)")
-            append(data[pos:end].decode() if kind == _T else data[pos:end])
+            values.append(data[pos:end].decode() if kind == _T else data[pos:end])
             pos = end
         elif kind == _N:
-            append(None)
+            values.append(None)
         elif kind == _U:
-            append(UNCHANGED_TOAST)
+            values.append(UNCHANGED_TOAST)
         else:
             raise ProtocolError(f"unknown TupleData column kind {chr(kind)!r} in column {index}")
     return tuple(values), pos
 
 
-_TupleReader: TypeAlias = Callable[[bytes, int], Any]
-_TEXT_READERS: dict[int, _TupleReader] = {}  # count -> (data, pos) -> (values, end) | None
-_EXACT_READERS: dict[int, _TupleReader] = {}  # count -> (data, pos) -> values | None
-_MAX_UNROLLED = 256
-
-
-def _text_tuple_reader(count: int) -> _TupleReader:
-    """``(data, pos) -> (values, end) | None`` for ``count`` text columns, loop unrolled.
-
-    Returns None as soon as a column is not ``'t'`` (the caller falls back to the loop); a
-    buffer that ends early raises struct.error, also sent to the loop for the right error.
-    Also registers the variant for the Insert hot path, ``(data, pos) -> values | None``,
-    None unless the tuple ends exactly at the end of ``data``. The generated source
-    depends only on ``count``."""
-    reader = _TEXT_READERS.get(count)
-    if reader is None:
-        lines = []
-        for i in range(count):
-            lines += [
-                "    kind, length = kind_length(data, pos)",
-                "    if kind != 116: return None",  # 't'
-                "    pos += 5",
-                "    end = pos + length",
-                f"    v{i} = data[pos:end].decode()",
-                "    pos = end",
-            ]
-        values = "".join(f"v{i}, " for i in range(count))
-        source = "\n".join(
-            ["def read(data, pos):", *lines, f"    return ({values}), pos",
-             "def read_exact(data, pos):", *lines,
-             "    if pos != len(data): return None", f"    return ({values})"])
-        namespace: dict[str, Any] = {"kind_length": _KIND_LENGTH}
-        exec(source, namespace)  # noqa: S102 - generated from an int only
-        _EXACT_READERS[count] = namespace["read_exact"]
-        reader = _TEXT_READERS[count] = namespace["read"]
-    return reader
-
-
-_read_tuple = NATIVE.read_tuple if NATIVE is not None else None
-
-
 def _tuple(data: bytes, pos: int) -> tuple[TupleData, int]:
-    if _read_tuple is not None:
+    if _twin is not None:
         # The compiled reader; None means malformed, and the Python code says how.
-        result: tuple[TupleData, int] | None = _read_tuple(data, pos, UNCHANGED_TOAST)
+        result: tuple[TupleData, int] | None = _twin.read_tuple(data, pos, UNCHANGED_TOAST)
         if result is not None:
             return result
-    return _tuple_python(data, pos)
-
-
-def _tuple_python(data: bytes, pos: int) -> tuple[TupleData, int]:
-    (count,) = _U16(data, pos)
-    if count <= _MAX_UNROLLED:
-        reader = _TEXT_READERS.get(count) or _text_tuple_reader(count)
-        try:
-            result: tuple[TupleData, int] | None = reader(data, pos + 2)
-        except struct.error:
-            result = None
-        if result is not None:
-            return result
-    return _tuple_slow(data, pos)
+    return read_tuple_python(data, pos)
 
 
 # -- message decoders: (data, pos after tag [and xid]) -> (message, end position) ------------
@@ -604,7 +546,6 @@ def _decode(data: bytes, start: int, streamed: bool) -> tuple[int | None, Pgoutp
     return xid, message
 
 
-_INSERT_HEAD = struct.Struct(">IBH").unpack_from  # relation oid, 'N', column count
 _new_object = object.__new__
 
 
@@ -628,27 +569,21 @@ def decode_message(data: bytes | bytearray | memoryview, offset: int = 0) -> Pgo
     """
     if data.__class__ is not bytes:
         data = bytes(data)
-    # Hot path, inlined: an Insert whose columns are all text, of a known column count.
-    # Anything else -- and every error -- takes the general path below.
+    # Hot path, inlined: an Insert (the most common message). Anything else -- and every
+    # error -- takes the general path below.
     try:
         if data[offset] == 73:  # 'I'
-            relation_id, marker, count = _INSERT_HEAD(data, offset + 1)
+            relation_id, marker = _U32_U8(data, offset + 1)  # relation oid, 'N'
             if marker == 78:  # 'N'
-                if _read_tuple is not None:
-                    result = _read_tuple(data, offset + 6, UNCHANGED_TOAST)
-                    values = result[0] if result is not None and result[1] == len(data) \
-                        else None
-                else:
-                    reader = _EXACT_READERS.get(count)
-                    values = reader(data, offset + 8) if reader is not None else None
-                if values is not None:
+                values, end = _tuple(data, offset + 6)
+                if end == len(data):
                     # A frozen dataclass's __init__ sets fields through object.__setattr__;
                     # the slot descriptors are twice as fast and build the same object.
                     insert = _new_object(Insert)
                     _set_insert_relation_id(insert, relation_id)
                     _set_insert_new(insert, values)
                     return insert
-    except (IndexError, ValueError, struct.error):  # incl. UnicodeDecodeError
+    except (IndexError, ValueError, struct.error, ProtocolError):  # incl. UnicodeDecodeError
         pass
     return _decode(data, offset, False)[1]
 
@@ -665,3 +600,6 @@ def decode_streamed_message(
     if type(data) is not bytes:
         data = bytes(data)
     return _decode(data, offset, True)
+
+
+_twin = compiled_twin(__name__)  # read_tuple compiled (cdc_platform/speedups.py)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cdc_platform.errors import ConversionError
-from cdc_platform.protocol.native import NATIVE
+from cdc_platform.speedups import compiled_twin
 
 REQUIRED_SESSION_SETTINGS = {
     "DateStyle": "ISO, YMD",
@@ -103,7 +103,7 @@ def _timestamp(text: str) -> str:
     return text.replace(" ", "T", 1)
 
 
-def _timestamptz(text: str) -> str:
+def timestamptz_python(text: str) -> str:
     """With TimeZone=UTC: ``2025-12-08 13:45:21.5+00`` -> ``2025-12-08T13:45:21.5Z``."""
     bc = text.endswith(" BC")
     if bc:
@@ -140,6 +140,10 @@ def identity(text: str) -> str:
     return text
 
 
+_twin = compiled_twin(__name__)  # cdc_platform/speedups.py
+#: ``timestamptz_python``, or its compiled twin (the same results).
+timestamptz: Converter = _twin.timestamptz if _twin is not None else timestamptz_python
+
 #: Converters that return the text itself: row builders and packers skip the call.
 TEXT_CONVERTERS = frozenset((str, identity))
 
@@ -154,10 +158,9 @@ _SCALARS: dict[int, Converter] = {
     # float64, json's duplicate keys) and msgpack has no integer above 64 bits
     114: identity, 3802: identity,
     1082: _date, 1083: identity,
-    # the compiled twins when built (same results; see native.py)
-    1114: NATIVE.timestamp if NATIVE else _timestamp,
-    1184: NATIVE.timestamptz if NATIVE else _timestamptz,
-    1266: NATIVE.timetz if NATIVE else _timetz,
+    1114: _timestamp,
+    1184: timestamptz,
+    1266: _timetz,
     1186: identity,  # interval, as printed with IntervalStyle=iso_8601
 }
 

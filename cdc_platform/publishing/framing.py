@@ -4,14 +4,14 @@ to write them, and the server's replies read back. No state."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from nats.aio.client import Client as NatsClient
 from nats.errors import Error as NatsError
 
-from cdc_platform.protocol.native import NATIVE
 from cdc_platform.publishing.messages import Held
+from cdc_platform.speedups import compiled_twin
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,18 @@ def protocol_bytes(frames: Sequence[Frame]) -> bytes:
     return bytes(buffer)
 
 
+def sequence_bytes_python(held: list[Held], reply_prefix: bytes, first_seq: int,
+                          reply_suffix: bytes) -> bytes:
+    """``protocol_bytes(frame_sequence(...))``: a run of held messages as protocol bytes."""
+    return protocol_bytes(frame_sequence(held, reply_prefix, first_seq, reply_suffix))
+
+
+_twin = compiled_twin(__name__)  # frame_sequence (cdc_platform/speedups.py)
+#: :func:`sequence_bytes_python`, or its compiled twin (the same bytes).
+sequence_bytes: Callable[[list[Held], bytes, int, bytes], bytes] = (
+    _twin.frame_sequence if _twin is not None else sequence_bytes_python)
+
+
 class RawWire:
     """Writes pre-framed ``HPUB``/``PUB`` bytes through nats-py's outbound buffer.
 
@@ -60,7 +72,7 @@ class RawWire:
     header encoding, which costs more than the publish itself. :func:`probe_raw_wire` checks at
     start that the internals still do what we expect, so a nats-py upgrade falls back to
     :class:`PublicWire` instead of putting garbage on the wire. A run of messages is framed
-    by the compiled accelerator when it is built (``frame_sequence`` there; same bytes).
+    by the compiled twin when it is built (``sequence_bytes``; same bytes).
     """
 
     name = "raw-hpub"
@@ -74,11 +86,7 @@ class RawWire:
 
     async def write_sequence(self, held: list[Held], reply_prefix: bytes, first_seq: int,
                              reply_suffix: bytes) -> None:
-        if NATIVE is not None:
-            await self._send(NATIVE.frame_sequence(held, reply_prefix, first_seq, reply_suffix))
-        else:
-            await self._send(protocol_bytes(frame_sequence(held, reply_prefix, first_seq,
-                                                           reply_suffix)))
+        await self._send(sequence_bytes(held, reply_prefix, first_seq, reply_suffix))
 
     async def _send(self, data: bytes) -> None:
         await self._send_command(data)

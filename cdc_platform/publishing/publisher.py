@@ -63,7 +63,6 @@ from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 
 from cdc_platform.errors import PublishError
-from cdc_platform.protocol.native import NATIVE
 from cdc_platform.publishing.channels import (
     FAST_BATCH_MAX_FLOW,
     Channel,
@@ -85,6 +84,7 @@ from cdc_platform.publishing.messages import (
     PublishRejected,
     PublishStats,
 )
+from cdc_platform.speedups import compiled_twin
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,9 @@ _STREAM_GRACE = 10.0              # how long a missing stream is tolerated right
 _MAX_PROTOCOL_RESENDS = 5         # resends after gaps etc. without any progress before giving up
 _NO_RESPONDERS_LIMIT = 30.0       # seconds of 503s for an existing stream before giving up
 _CACHE_LIMIT = 10_000
+
+
+_twin = compiled_twin(__name__)  # frame_messages (cdc_platform/speedups.py)
 
 
 class JetStreamPublisher:
@@ -346,8 +349,8 @@ class JetStreamPublisher:
         """
         max_payload = self._nc.max_payload
         subjects, extras = self._subjects, self._extra_headers
-        if NATIVE is not None:  # the same loop compiled; None: something to admit or refuse
-            framed = NATIVE.frame_messages(messages, subjects, extras, max_payload)
+        if _twin is not None:  # the same loop compiled; None: something to admit or refuse
+            framed = _twin.frame_messages(messages, subjects, extras, max_payload)
             if framed is not None:
                 return framed
         held: list[Held] = []

@@ -44,7 +44,7 @@ import zstandard
 from cdc_platform.errors import ConversionError, SnapshotError
 from cdc_platform.protocol import values
 from cdc_platform.protocol.copy_text import unescape
-from cdc_platform.protocol.native import NATIVE
+from cdc_platform.speedups import compiled_twin
 from cdc_platform.wire import (
     CONTENT_ENCODING_ZSTD,
     CONTENT_TYPES,
@@ -71,16 +71,18 @@ _HEADER_FRAME = len("NATS/1.0\r\n\r\n")
 Converter = Callable[[str], Any]
 
 
-def _native_kinds(converters: Sequence[Converter]) -> tuple[int, ...] | None:
-    """The compiled row packer's column kinds (``_native.ROW_*``), None without it."""
-    if NATIVE is None:
+_twin = compiled_twin(__name__)  # pack_rows (cdc_platform/speedups.py)
+
+
+def _compiled_kinds(converters: Sequence[Converter]) -> tuple[int, ...] | None:
+    """The compiled row packer's column kinds (``ROW_*``), None without it."""
+    if _twin is None:
         return None
-    special = {int: NATIVE.ROW_INT, float: NATIVE.ROW_FLOAT,
-               values._bool: NATIVE.ROW_BOOL,
-               NATIVE.timestamptz: NATIVE.ROW_TIMESTAMPTZ,
-               values._timestamptz: NATIVE.ROW_TIMESTAMPTZ}
-    special.update(dict.fromkeys(values.TEXT_CONVERTERS, NATIVE.ROW_KEEP))
-    return tuple(special.get(convert, NATIVE.ROW_CALL) for convert in converters)
+    special = {int: _twin.ROW_INT, float: _twin.ROW_FLOAT, values._bool: _twin.ROW_BOOL,
+               values.timestamptz: _twin.ROW_TIMESTAMPTZ,
+               values.timestamptz_python: _twin.ROW_TIMESTAMPTZ}
+    special.update(dict.fromkeys(values.TEXT_CONVERTERS, _twin.ROW_KEEP))
+    return tuple(special.get(convert, _twin.ROW_CALL) for convert in converters)
 
 
 def row_maker(names: Sequence[str]) -> Callable[..., dict[str, Any]]:
@@ -224,11 +226,11 @@ class Chunker:
         self._pending_escapes = False
         self._next = 0
         self._limit = self._raw_limit()
-        # msgpack with the compiled accelerator: rows are packed straight from the COPY
+        # msgpack with the compiled twin: rows are packed straight from the COPY
         # fields (same bytes as packing the row maps), the chunk around them by hand.
-        self._native_kinds = _native_kinds(self._converters) if layout.format == "msgpack" \
+        self._compiled_kinds = _compiled_kinds(self._converters) if layout.format == "msgpack" \
             else None
-        if self._native_kinds is not None:
+        if self._compiled_kinds is not None:
             pack = msgpack.Packer(use_bin_type=True, datetime=False).pack
             self._packed_names = tuple(pack(name) for name in self._names)
             head = {"table": layout.table, "operation": OPERATION,
@@ -371,11 +373,11 @@ class Chunker:
         fields = pending[0] if len(pending) == 1 else list(chain.from_iterable(pending))
         out: list[Chunk] = []
         with _gc_paused():  # no cycles here; collections during millions of allocations cost
-            if self._native_kinds is not None:
+            if self._compiled_kinds is not None:
                 try:
-                    assert NATIVE is not None  # (_native_kinds is only set with it)
-                    rows = NATIVE.pack_rows(fields, count, self._width, self._packed_names,
-                                            self._native_kinds, self._converters,
+                    assert _twin is not None  # (_compiled_kinds is only set with it)
+                    rows = _twin.pack_rows(fields, count, self._width, self._packed_names,
+                                           self._compiled_kinds, self._converters,
                                             unescape)
                 except (ValueError, TypeError, ArithmeticError, ConversionError):
                     pass  # a value the converters refuse: the general path keeps it as text
@@ -393,8 +395,7 @@ class Chunker:
         written around them, byte for byte what msgpack writes for the chunk's map."""
         number = chunk_number(self.partition, self._next)
         count = len(rows)
-        assert NATIVE is not None  # (only the compiled packer's rows come here)
-        raw = b"".join((b"\x88", self._chunk_head, self._chunk_key, NATIVE.packb(number),
+        raw = b"".join((b"\x88", self._chunk_head, self._chunk_key, msgpack.packb(number),
                         self._chunk_lsn, _array_header(count), *rows, self._chunk_tail))
         payload = self._compress(raw) if self._compress is not None else raw
         if len(payload) > self._budget:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import msgpack
 
-from cdc_platform.protocol.native import load_compiled
+from cdc_platform.speedups import compiled_twin
 
 Format = Literal["msgpack", "json"]
 
@@ -75,4 +75,4 @@ def decode_payload(data: bytes, fmt: Format) -> Any:
     return json.loads(data)
 
 
-_compiled = load_compiled("cdc_platform.wire._encoding")
+_compiled = compiled_twin(__name__)  # decode_msgpack (cdc_platform/speedups.py)

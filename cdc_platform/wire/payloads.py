@@ -3,7 +3,7 @@
 appear only as each says.
 
 The golden payloads in ``cdc_platform_tests/data/golden/`` pin the bytes both writers (pure
-Python and the compiled accelerator) produce for each of these.
+Python and the compiled twins) produce for each of these.
 """
 
 # (no "from __future__ import annotations": TypedDict reads NotRequired at runtime)

@@ -374,14 +374,14 @@ def test_unchanged_toast_updates_keep_no_memory(implementation, monkeypatch):
     one shared exception instance grew its traceback on every raise and kept the frames (and
     every batch they referenced) alive."""
     from cdc_platform.protocol import changes
-    from cdc_platform.protocol.native import NATIVE, PURE_PYTHON
+    from cdc_platform.speedups import PURE_PYTHON
 
     if implementation == "python":
-        monkeypatch.setitem(changes._row_builder.__kwdefaults__, "native", None)
-    elif NATIVE is None:
+        monkeypatch.setattr(changes, "_twin", None)
+    elif changes._twin is None:
         if PURE_PYTHON:
             pytest.skip("pure Python asked for")
-        pytest.fail("the compiled accelerator is not built")
+        pytest.fail("the compiled twin is not built")
     assembler = TransactionAssembler(StandIn())
     assembler.feed(1, REL)
     assembler.feed(1, Begin(10, 0, 1))

@@ -101,13 +101,11 @@ def test_changes_after_an_alter_in_the_same_transaction_carry_the_new_fingerprin
     assert built.counts == {("users", "INSERT"): 2}
 
 
-@pytest.mark.parametrize("native", ["compiled", "python"])
+@pytest.mark.parametrize("writer", ["compiled", "python"])
 @pytest.mark.parametrize("mode", ["per-change", "batched"])
-def test_raw_columns_are_named_in_the_event_and_logged_once(native, mode, caplog):
+def test_raw_columns_are_named_in_the_event_and_logged_once(writer, mode, caplog):
     """A value no converter accepted travels as its text; the event says which columns."""
-    from cdc_platform.protocol.native import NATIVE
-
-    builder = MessageBuilder("msgpack", mode, native=NATIVE if native == "compiled" else None)
+    builder = MessageBuilder("msgpack", mode, compiled=writer == "compiled")
     relation = _relation("id", "score")
     raw = [_insert(0, {"id": 1, "score": "x1"}), _insert(1, {"id": 2, "score": "x2"})]
     for record in raw:
@@ -147,15 +145,14 @@ def _other(ordinal: int) -> ChangeRecord:
                         unchanged_toast=())
 
 
-@pytest.mark.parametrize("native", ["compiled", "python"])
+@pytest.mark.parametrize("writer", ["compiled", "python"])
 @pytest.mark.parametrize("mode", ["per-change", "batched"])
-def test_each_tables_last_change_carries_the_transactions_tables(native, mode):
+def test_each_tables_last_change_carries_the_transactions_tables(writer, mode):
     """users, orders, users, users, orders: the last users change and the last orders change
     carry tx_tables = {users: 3, orders: 2}; nothing else does; every change is sent once."""
-    from cdc_platform.protocol.native import NATIVE
 
     builder = MessageBuilder("msgpack", mode, batch_max_events=2,
-                             native=NATIVE if native == "compiled" else None)
+                             compiled=writer == "compiled")
     users = _relation("id")
     orders = Relation(16401, "public", "orders", "d", (RelationColumn("n", 23, -1, True),))
     built = _build(builder, [
@@ -171,7 +168,7 @@ def test_each_tables_last_change_carries_the_transactions_tables(native, mode):
     assert users_order == [0, 2, 3]  # a table's changes stay in order
     # both implementations send the same bytes
     other = MessageBuilder("msgpack", mode, batch_max_events=2,
-                           native=None if native == "compiled" else NATIVE)
+                           compiled=writer != "compiled")
     again = _build(other, [
         RelationChanged(users, None), RelationChanged(orders, None),
         _insert(0, {"id": 0}), _other(1), _insert(2, {"id": 2}), _insert(3, {"id": 3}),

@@ -16,10 +16,10 @@ from nats.protocol.parser import Parser
 
 from cdc_platform.jetstream import frames
 from cdc_platform.jetstream.frames import FrameReader
-from cdc_platform.protocol.native import load_compiled
+from cdc_platform.speedups import compiled_twin
 
 OUR_SIDS = (1, 7)
-_COMPILED = load_compiled("cdc_platform.jetstream._frames")
+_COMPILED = compiled_twin("cdc_platform.jetstream.frames")
 IMPLEMENTATIONS = [pytest.param(frames.deliver_python, id="python"),
                    pytest.param(_COMPILED.deliver if _COMPILED else None, id="compiled",
                                 marks=pytest.mark.skipif(_COMPILED is None,

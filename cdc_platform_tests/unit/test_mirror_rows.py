@@ -1,4 +1,4 @@
-"""The compiled chunk decoder (``mirror/_rows.pyx``) against the pure path (msgpack, then the
+"""The compiled chunk decoder (``_speedups/snapshots.pyx``) against the pure path (msgpack, then the
 row maps' values in column order): the same values, the same NaN flag, and anything it does
 not take refused (the caller then decodes the pure way)."""
 
@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cdc_platform.mirror.snapshots import decode_chunk
-from cdc_platform.protocol.native import load_compiled
+from cdc_platform.speedups import compiled_twin
 from cdc_platform_tests.msgpack_values import same as _same
 from cdc_platform_tests.msgpack_values import values
 
-ROWS = load_compiled("cdc_platform.mirror._rows")
+ROWS = compiled_twin("cdc_platform.mirror.snapshots")
 compiled = pytest.mark.skipif(ROWS is None, reason="the compiled decoder is not built")
 
 names = st.lists(st.text(min_size=1, max_size=40), min_size=1, max_size=20, unique=True)
@@ -38,7 +38,7 @@ def _has_nan(value) -> bool:
 def test_the_decoder_is_built():
     if os.environ.get("CDC_PLATFORM_PURE_PYTHON"):
         pytest.skip("pure Python asked for")
-    assert ROWS is not None, "cdc_platform.mirror._rows is not built: pip install -e ."
+    assert ROWS is not None, "the twin of cdc_platform.mirror.snapshots is not built: pip install -e ."
 
 
 @compiled

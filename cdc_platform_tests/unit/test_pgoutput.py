@@ -374,7 +374,8 @@ def test_bad_tuple_markers():
 
 def test_declared_length_past_the_end():
     data = struct.pack(">cIcHcI", b"I", 1, b"N", 1, b"t", 1000) + b"abc"
-    with pytest.raises(ProtocolError, match="truncated .*Insert.* 16 bytes, 1013 needed"):
+    with pytest.raises(ProtocolError, match="Insert .*column 0 declares 1000 bytes but only 3 "
+                                            "remain"):
         decode_message(data)
     data = struct.pack(">cIcHccI", b"I", 1, b"N", 2, b"n", b"t", 1000) + b"abc"
     with pytest.raises(ProtocolError, match="column 1 declares 1000 bytes but only 3 remain"):

@@ -1,4 +1,4 @@
-"""The compiled msgpack decoder (``wire/_encoding.pyx``, on the shared reader) against
+"""The compiled msgpack decoder (``_speedups/encoding.pyx``, on the shared reader) against
 ``msgpack.unpackb``: the same value whenever it answers, and a ValueError or TypeError (the
 caller then decodes the pure way) for anything it does not take, truncated or forged bytes
 included. Its kept-keys table must never hand back another key than the bytes say."""
@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cdc_platform.protocol.native import load_compiled
+from cdc_platform.speedups import compiled_twin
 from cdc_platform.wire import decode_payload
 from cdc_platform_tests.msgpack_values import same as _same
 from cdc_platform_tests.msgpack_values import values
 
-ENCODING = load_compiled("cdc_platform.wire._encoding")
+ENCODING = compiled_twin("cdc_platform.wire.encoding")
 compiled = pytest.mark.skipif(ENCODING is None, reason="the compiled decoder is not built")
 
 keys = st.one_of(st.text(max_size=70), st.integers(-(2**63), 2**64 - 1), st.booleans())
@@ -28,7 +28,7 @@ documents = st.recursive(values, lambda inner: st.one_of(
 def test_the_decoder_is_built():
     if os.environ.get("CDC_PLATFORM_PURE_PYTHON"):
         pytest.skip("pure Python asked for")
-    assert ENCODING is not None, "cdc_platform.wire._encoding is not built: pip install -e ."
+    assert ENCODING is not None, "the twin of cdc_platform.wire.encoding is not built: pip install -e ."
 
 
 @compiled
@@ -78,5 +78,5 @@ def test_deep_nesting_is_refused_not_a_crash():
     with pytest.raises(ValueError):  # the pure decoder's own error, through decode_payload
         decode_payload(deep, "msgpack")
     with pytest.raises(ValueError, match="too deep"):
-        load_compiled("cdc_platform.mirror._rows").decode_chunk(
+        compiled_twin("cdc_platform.mirror.snapshots").decode_chunk(
             b"\x82\xa5chunk" + deep + b"\xa4data\x90", ("id",))

@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Compiled twin of :func:`cdc_platform.mirror.chunks.decode_chunk_python` for msgpack
+"""Compiled twin of ``mirror/snapshots.py``'s :func:`decode_chunk` for msgpack
 snapshot chunks: the row maps are read straight into tuples in column order (no dict per
 row), which is most of a bootstrap's Python time. Same values as ``msgpack.unpackb`` followed
 by ``operator.itemgetter(*columns)``; anything else (a row of other columns or in another
@@ -12,7 +12,7 @@ from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 from libc.string cimport memcmp
 
-from cdc_platform.wire._msgpack_reader cimport Reader
+from cdc_platform._speedups.msgpack_reader cimport Reader
 
 
 def decode_chunk(bytes data, tuple columns):

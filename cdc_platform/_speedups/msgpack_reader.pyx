@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""A msgpack reader over one ``bytes`` for the compiled decoders (``wire/_encoding.pyx``,
-``mirror/_rows.pyx``): the values ``msgpack.unpackb(data, raw=False, strict_map_key=False)``
+"""A msgpack reader over one ``bytes`` for the compiled decoders (``encoding.pyx``,
+``snapshots.pyx``): the values ``msgpack.unpackb(data, raw=False, strict_map_key=False)``
 gives for the types the wire contract writes; ValueError for anything else or truncated bytes
 (the callers then decode the pure way, which gives the real answer or the real error)."""
 

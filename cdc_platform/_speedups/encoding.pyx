@@ -3,7 +3,7 @@
 about twice as fast on an event (map keys are read once per name and kept, interned), which is
 a good part of a mirror's time per change."""
 
-from cdc_platform.wire._msgpack_reader cimport Reader
+from cdc_platform._speedups.msgpack_reader cimport Reader
 
 
 def decode_msgpack(bytes data):

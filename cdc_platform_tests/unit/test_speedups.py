@@ -1,4 +1,4 @@
-"""The compiled accelerator (``protocol/_native.pyx``) against its pure-Python originals.
+"""The compiled twins (``cdc_platform/_speedups``) against the pure-Python code they stand for.
 
 Each compiled function must give what the Python code gives -- the same values, the same
 bytes, the same exception type -- on bytes captured from PostgreSQL, on every truncation of
@@ -24,22 +24,33 @@ from hypothesis import strategies as st
 from cdc_platform.bridge.events import MessageBuilder
 from cdc_platform.protocol import changes, pgoutput, values
 from cdc_platform.protocol.changes import TransactionAssembler
-from cdc_platform.protocol.native import NATIVE
 from cdc_platform.protocol.pgoutput import UNCHANGED_TOAST, decode_message
+from cdc_platform.speedups import TWINNED, compiled_twin
+
+PGOUTPUT = compiled_twin("cdc_platform.protocol.pgoutput")
+CHANGES = compiled_twin("cdc_platform.protocol.changes")
+VALUES = compiled_twin("cdc_platform.protocol.values")
+EVENTS = compiled_twin("cdc_platform.bridge.events")
+CHUNKS = compiled_twin("cdc_platform.snapshot.chunks")
+FRAMING = compiled_twin("cdc_platform.publishing.framing")
+PUBLISHER = compiled_twin("cdc_platform.publishing.publisher")
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "pgoutput"
 TUPLE_TAGS = {ord("I"), ord("U"), ord("D")}
 
 
-def test_the_accelerator_is_built():
-    """CI and the benchmarks measure the compiled path: a build that silently lost it (no C
-    compiler) must be noticed. Set CDC_PLATFORM_PURE_PYTHON=1 to test the pure code."""
+@pytest.mark.parametrize("module", TWINNED)
+def test_every_twin_is_built(module):
+    """CI and the benchmarks measure the compiled path: a build that silently lost a twin
+    (no C compiler) must be noticed. Set CDC_PLATFORM_PURE_PYTHON=1 to test the pure code."""
     if os.environ.get("CDC_PLATFORM_PURE_PYTHON"):
         pytest.skip("pure Python asked for")
-    assert NATIVE is not None, "cdc_platform.protocol._native is not built: pip install -e ."
+    assert compiled_twin(f"cdc_platform.{module}") is not None, \
+        f"the compiled twin of cdc_platform.{module} is not built: pip install -e ."
 
 
-native = pytest.mark.skipif(NATIVE is None, reason="accelerator not built")
+compiled = pytest.mark.skipif(None in (PGOUTPUT, CHANGES, VALUES, EVENTS, CHUNKS, FRAMING,
+                                     PUBLISHER), reason="the compiled twins are not built")
 
 
 def _outcome(function, *args):
@@ -69,34 +80,34 @@ def _tuple_positions(payload: bytes) -> list[int]:
         if marker not in b"NKO":
             break
         positions.append(pos + 1)
-        _, pos = pgoutput._tuple_python(payload, pos + 1)
+        _, pos = pgoutput.read_tuple_python(payload, pos + 1)
     return positions
 
 
-@native
+@compiled
 def test_read_tuple_equals_python_on_captured_messages():
     checked = 0
     for payload in _captured_payloads():
         for pos in _tuple_positions(payload):
-            assert NATIVE.read_tuple(payload, pos, UNCHANGED_TOAST) == \
-                pgoutput._tuple_python(payload, pos)
+            assert PGOUTPUT.read_tuple(payload, pos, UNCHANGED_TOAST) == \
+                pgoutput.read_tuple_python(payload, pos)
             checked += 1
     assert checked > 100
 
 
-@native
+@compiled
 def test_read_tuple_on_every_truncation_is_none_or_equal():
     for payload in _captured_payloads():
         for pos in _tuple_positions(payload)[:1]:
             for end in range(pos, min(len(payload), pos + 300)):
                 cut = payload[:end]
-                result = NATIVE.read_tuple(cut, pos, UNCHANGED_TOAST)
+                result = PGOUTPUT.read_tuple(cut, pos, UNCHANGED_TOAST)
                 if result is not None:  # a shorter tuple may still be complete
-                    assert result == pgoutput._tuple_python(cut, pos)
+                    assert result == pgoutput.read_tuple_python(cut, pos)
                     assert result[1] <= end
 
 
-@native
+@compiled
 def test_decode_message_errors_are_the_python_errors():
     """A malformed message raises the same ProtocolError text with and without the
     accelerator: the compiled reader hands malformed tuples to the Python code."""
@@ -112,22 +123,22 @@ column_parts = st.one_of(
 )
 
 
-@native
+@compiled
 @settings(max_examples=300, deadline=None)
 @given(st.lists(column_parts, max_size=30), st.binary(max_size=4))
 def test_read_tuple_equals_python_on_generated_tuples(parts, tail):
     data = b"xx" + struct.pack(">H", len(parts)) + b"".join(parts) + tail
-    assert NATIVE.read_tuple(data, 2, UNCHANGED_TOAST) == pgoutput._tuple_python(data, 2)
+    assert PGOUTPUT.read_tuple(data, 2, UNCHANGED_TOAST) == pgoutput.read_tuple_python(data, 2)
 
 
-@native
+@compiled
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=64))
 def test_read_tuple_on_garbage_never_disagrees(data):
-    result = _outcome(NATIVE.read_tuple, data, 0, UNCHANGED_TOAST)
+    result = _outcome(PGOUTPUT.read_tuple, data, 0, UNCHANGED_TOAST)
     if result[0] is None and result[1] is None:
         return  # None: the Python path decides (and raises)
-    expected = _outcome(pgoutput._tuple_python, data, 0)
+    expected = _outcome(pgoutput.read_tuple_python, data, 0)
     if result[1] is not None:
         assert result[1] is UnicodeDecodeError and expected[1] is UnicodeDecodeError
     else:
@@ -135,26 +146,26 @@ def test_read_tuple_on_garbage_never_disagrees(data):
 
 
 # -- rows -----------------------------------------------------------------------------------
-CONVERTERS = [str, values.identity, int, float, values._timestamptz, values._bool,
+CONVERTERS = [str, values.identity, int, float, values.timestamptz_python, values._bool,
               json.loads, lambda text: text.upper()]
 cells = st.one_of(st.none(), st.just(UNCHANGED_TOAST), st.binary(max_size=5),
                   st.sampled_from(["12", "-3", "1.5", "nan", "t", "f", "x", "",
                                    "2025-01-02 03:04:05+00", "[1, 2]", " 7 ", "1_000"]))
 
 
-@native
+@compiled
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(CONVERTERS), cells), min_size=0, max_size=8),
        st.data())
-def test_row_builder_equals_the_generated_python_builder(columns, data):
+def test_row_builder_equals_the_python_builder(columns, data):
     names = tuple(f"c{i}" for i in range(len(columns)))
     converters = tuple(c for c, _ in columns)
     row = tuple(v for _, v in columns)
     indexes = tuple(sorted(data.draw(st.sets(st.integers(0, max(len(columns) - 1, 0)))
                                      if columns else st.just(set()))))
-    python = changes._row_builder(names, converters, indexes, native=None)
-    compiled = changes._row_builder(names, converters, indexes, native=NATIVE)
-    assert type(compiled) is NATIVE.RowBuilder
+    python = changes.row_builder_python(names, converters, indexes)
+    compiled = changes._row_builder(names, converters, indexes)
+    assert type(compiled) is CHANGES.RowBuilder
     got, want = _outcome(compiled, row), _outcome(python, row)
     assert got[1] == want[1]
     if got[1] is None:
@@ -175,43 +186,24 @@ era = st.sampled_from(["", " BC"])
 pg_timestamptz = st.one_of(
     st.builds(lambda d, c, o, e: f"{d} {c}{o}{e}", dates, clock, offsets, era),
     st.sampled_from(["infinity", "-infinity"]))
-pg_timestamp = st.one_of(st.builds(lambda d, c, e: f"{d} {c}{e}", dates, clock, era),
-                         st.sampled_from(["infinity", "-infinity"]))
-pg_timetz = st.builds(lambda c, o: f"{c}{o}", clock, offsets)
 # Text made of the characters the fast paths look at, so that near-misses of the real
 # formats (a space before the date's end, a stray sign) turn up often.
 near_temporal = st.text(alphabet="0123 -:+.TBCZy", min_size=10, max_size=30)
 
 
-@native
+@compiled
 @settings(max_examples=500, deadline=None)
 @given(st.one_of(pg_timestamptz, near_temporal, st.text(max_size=30)))
 @example("000000000  0+00")
 def test_timestamptz(text):
-    assert _outcome(NATIVE.timestamptz, text) == _outcome(values._timestamptz, text)
+    assert _outcome(VALUES.timestamptz, text) == _outcome(values.timestamptz_python, text)
 
 
-@native
-@settings(max_examples=500, deadline=None)
-@given(st.one_of(pg_timestamp, near_temporal, st.text(max_size=30)))
-@example("000000000  0")  # a space before index 10: once split at the wrong place
-def test_timestamp(text):
-    assert _outcome(NATIVE.timestamp, text) == _outcome(values._timestamp, text)
-
-
-@native
-@settings(max_examples=300, deadline=None)
-@given(st.one_of(pg_timetz, near_temporal, st.text(max_size=20)))
-def test_timetz(text):
-    assert _outcome(NATIVE.timetz, text) == _outcome(values._timetz, text)
-
-
-@native
+@compiled
 def test_timestamptz_examples():
-    assert NATIVE.timestamptz("2025-12-08 13:45:21.719719+00") == "2025-12-08T13:45:21.719719Z"
-    assert NATIVE.timestamptz("0044-03-15 10:00:00+00 BC") == "-0043-03-15T10:00:00Z"
-    assert NATIVE.timestamptz("2025-12-08 13:45:21+05:30") == "2025-12-08T13:45:21+05:30"
-    assert NATIVE.timestamp("2025-12-08 13:45:21") == "2025-12-08T13:45:21"
+    assert VALUES.timestamptz("2025-12-08 13:45:21.719719+00") == "2025-12-08T13:45:21.719719Z"
+    assert VALUES.timestamptz("0044-03-15 10:00:00+00 BC") == "-0043-03-15T10:00:00Z"
+    assert VALUES.timestamptz("2025-12-08 13:45:21+05:30") == "2025-12-08T13:45:21+05:30"
 
 
 # -- msgpack --------------------------------------------------------------------------------
@@ -229,6 +221,14 @@ packable = st.recursive(
     max_leaves=60)
 
 
+def _packb(value):
+    """The compiled writer on ``value`` alone: ``pack_map`` with no prefix, one item, then
+    the map's two header bytes ({"v": ...}) cut off."""
+    packed = EVENTS.pack_map(b"", 0, ("v", value))
+    assert packed[:2] == b"\x81\xa1" and packed[2:3] == b"v"
+    return packed[3:]
+
+
 def _same_bytes_or_error(got, want):
     if want[1] is None:
         assert got[1] is None
@@ -237,14 +237,14 @@ def _same_bytes_or_error(got, want):
         assert got[1] is want[1]
 
 
-@native
+@compiled
 @settings(max_examples=400, deadline=None)
 @given(packable)
 def test_packb_equals_msgpack(value):
-    _same_bytes_or_error(_outcome(NATIVE.packb, value), _outcome(msgpack.packb, value))
+    _same_bytes_or_error(_outcome(_packb, value), _outcome(msgpack.packb, value))
 
 
-@native
+@compiled
 @pytest.mark.parametrize("value", [
     0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1, 2**63, 2**64 - 1,
     -1, -32, -33, -128, -129, -32768, -32769, -(2**31), -(2**31) - 1, -(2**63),
@@ -254,7 +254,7 @@ def test_packb_equals_msgpack(value):
     "z" * 65535, "z" * 65536, b"y" * 65535, b"y" * 65536,
 ])
 def test_packb_boundaries(value):
-    _same_bytes_or_error(_outcome(NATIVE.packb, value), _outcome(msgpack.packb, value))
+    _same_bytes_or_error(_outcome(_packb, value), _outcome(msgpack.packb, value))
 
 
 small_packable = st.recursive(
@@ -265,7 +265,7 @@ small_packable = st.recursive(
     max_leaves=10)
 
 
-@native
+@compiled
 @settings(max_examples=200, deadline=None)
 @given(st.dictionaries(st.text(max_size=5), small_packable, max_size=20),
        st.dictionaries(st.text(max_size=5), small_packable, max_size=20))
@@ -276,7 +276,7 @@ def test_pack_map_equals_packing_the_dict(shared, own):
     except OverflowError:
         assume(False)  # the shared part is packed by msgpack itself
     items = tuple(x for pair in own.items() for x in pair)
-    _same_bytes_or_error(_outcome(NATIVE.pack_map, prefix, len(shared), items),
+    _same_bytes_or_error(_outcome(EVENTS.pack_map, prefix, len(shared), items),
                          _outcome(msgpack.packb, {**shared, **own}))
 
 
@@ -330,7 +330,7 @@ def _taken(raw: list) -> tuple[list, list, int]:
     return events, errors, taken_total
 
 
-@native
+@compiled
 @pytest.mark.parametrize("as_view", [False, True], ids=["bytes", "memoryview"])
 def test_take_changes_equals_feed_on_captured_streams(as_view):
     """psycopg hands CopyData over as memoryviews; both kinds give the general path's
@@ -381,7 +381,7 @@ def _delete(relation_id: int, old_kind: bytes, old: list) -> bytes:
     return b"D" + struct.pack(">I", relation_id) + old_kind + _tuple_data(old)
 
 
-@native
+@compiled
 @pytest.mark.parametrize("bad", [
     ["x", "ok"],               # int8 that is not a number: kept as text, named raw
     [b"\xff\xfe", "ok"],        # invalid UTF-8 in the id column
@@ -409,7 +409,7 @@ def test_take_changes_leaves_what_it_cannot_take_to_the_general_path(bad):
 
 
 # -- whole events ---------------------------------------------------------------------------
-@native
+@compiled
 @pytest.mark.parametrize("mode", ["per-change", "batched"])
 def test_event_payloads_are_the_same_bytes(mode):
     """Every captured transaction through the builder with and without the compiled
@@ -420,7 +420,7 @@ def test_event_payloads_are_the_same_bytes(mode):
             continue
         assembler = TransactionAssembler(values.TypeRegistry())
         compiled = MessageBuilder("msgpack", mode)
-        python = MessageBuilder("msgpack", mode, native=None)
+        python = MessageBuilder("msgpack", mode, compiled=False)
         for line in path.read_text().splitlines()[1:]:
             row = json.loads(line)
             events = assembler.feed(int(row["lsn"].split("/")[0], 16) << 32 | int(
@@ -431,13 +431,13 @@ def test_event_payloads_are_the_same_bytes(mode):
     assert checked > 20
 
 
-@native
+@compiled
 @settings(max_examples=500, deadline=None)
 @given(st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 2**32 - 1, 2**32, 2**64 - 1])))
 def test_lsn_text_equals_format_lsn(lsn):
     from cdc_platform.lsn import format_lsn
 
-    assert NATIVE.lsn_text(lsn) == format_lsn(lsn)
+    assert EVENTS.lsn_text(lsn) == format_lsn(lsn)
 
 
 # -- snapshot rows ----------------------------------------------------------------------------
@@ -474,7 +474,7 @@ def _chunkers(columns, **overrides):
     settings_.update(overrides)
     layout = ChunkLayout(**settings_)
     compiled, python = Chunker(layout, converters, 3), Chunker(layout, converters, 3)
-    python._native_kinds = None  # the pure-Python path
+    python._compiled_kinds = None  # the pure-Python path
     return compiled, python
 
 
@@ -483,18 +483,18 @@ def _chunk_everything(chunker, text: bytes):
         [(c.number, c.headers, c.payload, c.rows) for c in chunker.finish()]
 
 
-@native
+@compiled
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(*(st.one_of(copy_fields[oid], st.just("\\N"))
                             for _, oid in SNAPSHOT_COLUMNS)), min_size=1, max_size=25))
 def test_snapshot_chunks_are_the_same_bytes(rows):
     text = "".join("\t".join(row) + "\n" for row in rows).encode()
     compiled, python = _chunkers(SNAPSHOT_COLUMNS)
-    assert compiled._native_kinds is not None
+    assert compiled._compiled_kinds is not None
     assert _chunk_everything(compiled, text) == _chunk_everything(python, text)
 
 
-@native
+@compiled
 @pytest.mark.parametrize("overrides", [{"zstd_level": 3}, {"max_payload": 600},
                                        {"key_columns": ()}])
 def test_snapshot_chunks_same_bytes_with_zstd_splits_and_ctid(overrides):
@@ -509,7 +509,7 @@ def test_snapshot_chunks_same_bytes_with_zstd_splits_and_ctid(overrides):
     assert got == want and len(got) > 1
 
 
-@native
+@compiled
 def test_snapshot_row_too_large_is_the_same_oversized_chunk_in_both():
     columns = SNAPSHOT_COLUMNS[:3]
     text = b"1\t2\t" + b"y" * 2000 + b"\n"
@@ -519,7 +519,7 @@ def test_snapshot_row_too_large_is_the_same_oversized_chunk_in_both():
     assert compiled.stats.chunks == python.stats.chunks == 1
 
 
-@native
+@compiled
 def test_snapshot_values_no_converter_accepts_stay_text_in_both():
     """No single value stops a snapshot: the text, and the chunk's raw_cells name it."""
     columns = SNAPSHOT_COLUMNS[:3]
@@ -552,11 +552,11 @@ def _framed_in_python(publisher, messages):
     """``_frame_all`` with the compiled loop switched off."""
     from cdc_platform.publishing import publisher as publisher_module
 
-    saved, publisher_module.NATIVE = publisher_module.NATIVE, None
+    saved, publisher_module._twin = publisher_module._twin, None
     try:
         return publisher._frame_all(messages)
     finally:
-        publisher_module.NATIVE = saved
+        publisher_module._twin = saved
 
 
 msg_ids = st.one_of(st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126),
@@ -571,7 +571,7 @@ outgoing = st.builds(
     st.sampled_from(["", "903cccd54ae54af6", "786f82a5fcf0a92f"]))
 
 
-@native
+@compiled
 @settings(max_examples=300, deadline=None)
 @given(st.lists(outgoing, max_size=20), st.integers(200, 400))
 def test_frame_messages_equals_the_python_loop(messages, max_payload):
@@ -582,7 +582,7 @@ def test_frame_messages_equals_the_python_loop(messages, max_payload):
         want = _framed_in_python(publisher, messages)  # admits subjects and header sets
     except Exception as exc:  # noqa: BLE001 - compared below
         want = exc
-    got = NATIVE.frame_messages(messages, publisher._subjects,
+    got = PUBLISHER.frame_messages(messages, publisher._subjects,
                                 publisher._extra_headers, max_payload)
     if isinstance(want, Exception):
         assert got is None
@@ -590,7 +590,7 @@ def test_frame_messages_equals_the_python_loop(messages, max_payload):
     else:
         assert got == want
     fresh = _publisher(max_payload)  # nothing admitted yet: the compiled loop defers
-    assert messages == [] or NATIVE.frame_messages(
+    assert messages == [] or PUBLISHER.frame_messages(
         messages, fresh._subjects, fresh._extra_headers, max_payload) is None
 
 
@@ -601,7 +601,7 @@ def _framed_or_error(publisher, messages):
         return exc
 
 
-@native
+@compiled
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from([b"cdc.users.insert", b"cdc.a.b"]),
                           st.one_of(st.none(), st.binary(max_size=60)),
@@ -612,7 +612,7 @@ def test_frame_sequence_equals_protocol_bytes(frames, prefix, first_seq, suffix)
     from cdc_platform.publishing.framing import frame_sequence, protocol_bytes
 
     held = [(subject, header, payload, None, 0) for subject, header, payload in frames]
-    assert NATIVE.frame_sequence(held, prefix, first_seq, suffix) == protocol_bytes(
+    assert FRAMING.frame_sequence(held, prefix, first_seq, suffix) == protocol_bytes(
         frame_sequence(held, prefix, first_seq, suffix))
 
 
@@ -630,7 +630,7 @@ def test_protocol_bytes_are_nats_protocol():
 _ROW = ["7", "fine", None, None, None, None, None, None, None]  # the items table, 9 columns
 
 
-@native
+@compiled
 @pytest.mark.parametrize("message", [
     lambda rid: _update(rid, _ROW),                                        # no old tuple
     lambda rid: _update(rid, _ROW, b"K", ["7"] + [None] * 8),
@@ -665,7 +665,7 @@ def test_take_changes_updates_and_deletes_equal_the_general_path(message):
         assert len(records) == 3 and taken == 3  # the good Inserts and the change itself
 
 
-@native
+@compiled
 def test_take_changes_stops_at_a_released_memoryview():
     """A released view is never read (its memory may be gone): the run stops before it and
     the general path reports it."""
@@ -684,23 +684,23 @@ def test_take_changes_stops_at_a_released_memoryview():
         bytes(views[taken])
 
 
-@native
-def test_native_functions_refuse_what_would_read_out_of_bounds():
+@compiled
+def test_twins_refuse_what_would_read_out_of_bounds():
     """Inputs no caller should pass still get an answer or an exception, never a read
     outside the object (these crashed the process before)."""
-    assert NATIVE.read_tuple(b"abc", sys.maxsize, None) is None  # pos + 2 overflowed
+    assert PGOUTPUT.read_tuple(b"abc", sys.maxsize, None) is None  # pos + 2 overflowed
     with pytest.raises(IndexError):
-        NATIVE.take_changes([b"x"], -1, {}, tuple, 0, 0, "", 0, [], None)
+        CHANGES.take_changes([b"x"], -1, {}, tuple, 0, 0, "", 0, [], None)
     with pytest.raises(TypeError):
-        NATIVE.take_changes(None, 0, {}, tuple, 0, 0, "", 0, [], None)
+        CHANGES.take_changes(None, 0, {}, tuple, 0, 0, "", 0, [], None)
     with pytest.raises(TypeError):
-        NATIVE.frame_sequence([], None, 1, b"")
+        FRAMING.frame_sequence([], None, 1, b"")
 
 
-@native
+@compiled
 def test_frame_messages_leaves_iterators_to_the_python_loop():
     """A generator can be gone over once: the compiled loop must not start on it, or the
     Python loop that takes over would find it empty."""
     messages = [("s", "id", b"p", ())]
-    assert NATIVE.frame_messages(messages, {"s": b"s"}, {(): b""}, 1024) is not None
-    assert NATIVE.frame_messages(iter(messages), {"s": b"s"}, {(): b""}, 1024) is None
+    assert PUBLISHER.frame_messages(messages, {"s": b"s"}, {(): b""}, 1024) is not None
+    assert PUBLISHER.frame_messages(iter(messages), {"s": b"s"}, {(): b""}, 1024) is None

@@ -1,0 +1,15 @@
+from collections.abc import Callable
+from typing import Any
+
+ROW_KEEP: int
+ROW_INT: int
+ROW_FLOAT: int
+ROW_BOOL: int
+ROW_TIMESTAMPTZ: int
+ROW_CALL: int
+
+def pack_rows(
+    fields: list[str], count: int, width: int, packed_names: tuple[bytes, ...],
+    kinds: tuple[int, ...], converters: tuple[Callable[[str], Any], ...],
+    unescape: Callable[[str], str],
+) -> list[bytes]: ...

@@ -1,0 +1,150 @@
+# cython: language_level=3, cdivision=True
+"""Compiled twin of ``snapshot/chunks.py``'s msgpack rows: COPY text fields packed straight
+into row maps (the same bytes as converting the fields and packing the row map)."""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.object cimport PyObject
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from libc.string cimport memchr, memcpy
+
+from cdc_platform._speedups.writer cimport (
+    Buffer,
+    PyList_GET_ITEM,
+    PyUnicode_AsUTF8AndSize,
+    PyUnicode_IS_COMPACT_ASCII,
+    date_then_space,
+    pack,
+    pack_long_long,
+    put,
+    put_head,
+    put_length,
+    reserve,
+)
+
+cdef extern from "Python.h":
+    object PyObject_CallOneArg(object callable, object arg)
+    double PyOS_string_to_double(const char* s, char** endptr,
+                                 PyObject* overflow_exception) except? -1.0
+
+# Column kinds of pack_rows; anything else is CALL (the Python converter, then _pack).
+ROW_KEEP = 0  # the text is the value
+ROW_INT = 1
+ROW_FLOAT = 2
+ROW_BOOL = 3
+ROW_TIMESTAMPTZ = 4
+ROW_CALL = 5
+
+
+
+cdef int _pack_int_text(Buffer* out, const char* chars, Py_ssize_t size) except -1:
+    """An ``int8``/``int4``/``int2`` as PostgreSQL prints it (``-?[0-9]{1,18}``) packed
+    without a Python int; 1 when the text is anything else (the caller converts it)."""
+    cdef long long value = 0
+    cdef Py_ssize_t i = 0
+    cdef bint negative = size > 0 and chars[0] == 45  # '-'
+    if negative:
+        i = 1
+    if size - i < 1 or size - i > 18:
+        return 1
+    while i < size:
+        if chars[i] < 48 or chars[i] > 57:
+            return 1
+        value = value * 10 + (chars[i] - 48)
+        i += 1
+    return pack_long_long(out, -value if negative else value)
+
+
+cdef int _pack_ascii_timestamptz(Buffer* out, const char* chars, Py_ssize_t size) except -1:
+    """``timestamptz`` of ``2025-12-08 13:45:21.5+00`` packed as ``2025-12-08T13:45:21.5Z``;
+    1 when the text is not of that form."""
+    cdef Py_ssize_t length = size - 2
+    if not (14 < size < 64 and date_then_space(chars) and chars[size - 3] == 43
+            and chars[size - 2] == 48 and chars[size - 1] == 48):
+        return 1
+    put_length(out, length, 0xA0, 32, 0xD9, 0xDA, 0xDB)
+    reserve(out, length)
+    memcpy(out.data + out.size, chars, size - 3)
+    out.data[out.size + 10] = 84  # 'T'
+    out.data[out.size + size - 3] = 90  # 'Z'
+    out.size += length
+    return 0
+
+
+def pack_rows(list fields, Py_ssize_t count, Py_ssize_t width, tuple packed_names,
+              tuple kinds, tuple converters, object unescape):
+    """``chunks.Chunker.rows_of`` + ``msgpack.packb`` of each row map, fused: ``count``
+    rows of ``width`` COPY text fields each (``\\N`` is NULL; a field with a backslash is
+    ``unescape``d first) -> one ``bytes`` per row, the msgpack map ``{name: value}`` of the
+    first ``len(packed_names)`` fields (already packed names), typed by ``kinds`` (ROW_*)
+    and ``converters``. Conversion errors propagate as the converter raised them."""
+    cdef Py_ssize_t columns = PyTuple_GET_SIZE(packed_names)
+    cdef Py_ssize_t row, column, size
+    cdef int kind
+    cdef object field, name
+    cdef const char* chars
+    cdef Buffer out
+    cdef double real
+    cdef unsigned long long bits
+    cdef char* end
+    cdef list result = []
+    cdef int* column_kinds
+    if len(fields) < count * width or columns > width or len(kinds) != columns \
+            or len(converters) != columns:
+        raise ValueError("pack_rows: fields, names, kinds and converters do not agree")
+    column_kinds = <int*>PyMem_Malloc(max(columns, 1) * sizeof(int))
+    if column_kinds == NULL:
+        raise MemoryError()
+    out.capacity = 256
+    out.data = <char*>PyMem_Malloc(out.capacity)
+    if out.data == NULL:
+        PyMem_Free(column_kinds)
+        raise MemoryError()
+    try:
+        for column in range(columns):
+            column_kinds[column] = kinds[column]
+        for row in range(count):
+            out.size = 0
+            put_length(&out, columns, 0x80, 16, 0, 0xDE, 0xDF)
+            for column in range(columns):
+                name = <object>PyTuple_GET_ITEM(packed_names, column)
+                put(&out, PyBytes_AS_STRING(name), PyBytes_GET_SIZE(name))
+                field = <object>PyList_GET_ITEM(fields, row * width + column)
+                kind = column_kinds[column]
+                chars = PyUnicode_AsUTF8AndSize(field, &size)
+                if size == 2 and chars[0] == 92 and chars[1] == 78:  # \N
+                    put_head(&out, 0xC0, 0, 0)
+                    continue
+                if memchr(chars, 92, size) != NULL:  # an escape: decode, then convert
+                    field = unescape(field)
+                    chars = PyUnicode_AsUTF8AndSize(field, &size)
+                    if kind != ROW_KEEP:
+                        kind = ROW_CALL
+                if kind == ROW_KEEP:
+                    put_length(&out, size, 0xA0, 32, 0xD9, 0xDA, 0xDB)
+                    put(&out, chars, size)
+                    continue
+                if kind == ROW_INT:
+                    if _pack_int_text(&out, chars, size) == 0:
+                        continue
+                elif kind == ROW_BOOL:
+                    put_head(&out, 0xC3 if size == 1 and chars[0] == 116 else 0xC2, 0, 0)
+                    continue
+                elif kind == ROW_FLOAT:
+                    end = NULL
+                    real = PyOS_string_to_double(chars, &end, NULL)  # NULL: overflow -> +-inf, as float()
+                    if end == chars + size and size > 0:
+                        memcpy(&bits, &real, 8)
+                        put_head(&out, 0xCB, bits, 8)
+                        continue
+                elif kind == ROW_TIMESTAMPTZ:
+                    if PyUnicode_IS_COMPACT_ASCII(field) and \
+                            _pack_ascii_timestamptz(&out, chars, size) == 0:
+                        continue
+                pack(&out, PyObject_CallOneArg(<object>PyTuple_GET_ITEM(converters, column),
+                                                field), 1)
+            result.append(PyBytes_FromStringAndSize(out.data, out.size))
+        return result
+    finally:
+        PyMem_Free(out.data)
+        PyMem_Free(column_kinds)
