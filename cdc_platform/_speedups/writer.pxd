@@ -160,12 +160,6 @@ cdef inline int put_length(Buffer* out, Py_ssize_t size, unsigned char fix, Py_s
     raise ValueError("object too large for msgpack")
 
 
-cdef inline int put_key(Buffer* out, const char* name, Py_ssize_t size) except -1:
-    """A map key of under 32 bytes (a fixstr)."""
-    put_head(out, 0xA0 | <unsigned char>size, 0, 0)
-    return put(out, name, size)
-
-
 cdef inline int pack_long_long(Buffer* out, long long number) except -1:
     if number < -32:
         if number < -32768:

@@ -49,7 +49,7 @@ _SNAPSHOT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 BATCH_MAX_EVENTS = 500
 # LSN -> text: the compiled formatter when built (a row inserted by INSERT ... SELECT has an
 # LSN of its own, so the text is made once per change).
-_twin = compiled_twin(__name__)  # lsn_text, pack_map, change_message (speedups.py)
+_twin = compiled_twin(__name__)  # lsn_text, pack_map (cdc_platform/speedups.py)
 _lsn_text = _twin.lsn_text if _twin is not None else format_lsn
 _ARRAY32 = b"\xdd"  # msgpack array32 header: batches are the already-packed events joined
 
@@ -149,7 +149,6 @@ class MessageBuilder:
         # one transaction shares (see _Shared).
         twin = _twin if compiled and fmt == "msgpack" else None
         self._pack_map = twin.pack_map if twin is not None else None
-        self._change_message = twin.change_message if twin is not None else None
         self._shared: dict[tuple[int, str, int], _Shared] = {}
         self._raw_reported: dict[tuple[int, tuple[str, ...]], float] = {}
         # End-of-transaction marks (README "Transactions"): the last change of each table in
@@ -401,9 +400,6 @@ class MessageBuilder:
         shared = self._shared.get((record.relation_id, record.operation, record.commit_lsn))
         if shared is None:
             shared = self._shared_of(record)
-        # what follows, compiled (a record with raw columns takes the Python writer)
-        if self._change_message is not None and not record.raw_columns:
-            return self._change_message(record, shared, OutgoingMessage)
         msg_id = f"{shared.commit_lsn_text}:{record.ordinal}"  # = wire.change_msg_id, inlined
         if self._pack_map is None:
             payload = self.encode(self.event_map(record, shared.info, shared.subject, msg_id,
