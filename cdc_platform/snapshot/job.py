@@ -44,12 +44,13 @@ the watermark was emitted, and the CDC stream must still hold the marker (its ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -73,7 +74,7 @@ from cdc_platform.naming import qualified_name
 from cdc_platform.postgres.catalog import TableSchema, resolve_published_table
 from cdc_platform.protocol.values import TYPE_CATALOG_QUERY, TypeRegistry
 from cdc_platform.replication.connection import SESSION_OPTIONS, ReplicationConnection
-from cdc_platform.settings import PlatformSettings
+from cdc_platform.settings import PlatformSettings, PostgresSettings
 from cdc_platform.snapshot import dictionary as dictionaries
 from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
 from cdc_platform.snapshot.meta import publish_meta, snapshot_meta
@@ -347,9 +348,7 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
                          options: SnapshotOptions, fault: TaskFault | None) -> SnapshotResult:
     started = time.monotonic()
     pg = settings.postgres
-    encoding = settings.encoding
     cdc_stream = settings.topology.cdc.name
-    init_stream = settings.topology.init.name
     conninfo = pg.conninfo(application_name="cdc_platform_snapshot", options=SESSION_OPTIONS)
 
     try:
@@ -361,51 +360,24 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
         client = await connect_nats(settings.nats, name=f"cdc-snapshot-{snapshot_id}")
         try:
             js = client.jetstream()
-            max_payload = client.max_payload
             wire_table = described.schema.wire_name
-
             # 2. dictionary
             trained, dictionary_key = await _dictionary(control, js, described, settings,
-                                                        snapshot_id, max_payload, options)
-
-            # 3. watermark, in its own transaction (autocommit)
-            mark = json.dumps({"snapshot_id": snapshot_id, "table": wire_table})
-            watermark_lsn = control.execute(
-                "SELECT pg_logical_emit_message(true, %s, %s)::text",
-                (WATERMARK_PREFIX, mark)).fetchone()[0]  # type: ignore[index]  # (a SELECT)
-            # 4. guard: ACCESS SHARE until the end; describe again under the lock
-            control.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
-            control.execute(sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(
-                sql.Identifier(described.schema.schema, described.schema.table)))
-            described = _describe(control, pg.publication, table)
+                                                        snapshot_id, client.max_payload,
+                                                        options)
+            # 3. watermark; 4. guard
+            watermark_lsn = _emit_watermark(control, snapshot_id, wire_table)
+            described = _take_guard(control, pg.publication, table, described)
             # 5. export
-            replication = await ReplicationConnection.connect(
-                pg.conninfo(replication=True, application_name="cdc_platform_snapshot"),
-                pg.describe())
-            try:
-                slot_name = f"cdc_snap_{secrets.token_hex(8)}"
-                created = await replication.create_logical_slot(slot_name, temporary=True,
-                                                                snapshot="export")
-                if not created.snapshot_name:
-                    raise SnapshotError("CREATE_REPLICATION_SLOT exported no snapshot")
-                lsn = format_lsn(created.consistent_point)
-                layout = _layout(described, settings, snapshot_id, lsn, max_payload, trained)
-                if described.blocks * described.block_size <= options.small_table_bytes:
-                    spark = None  # the same range tasks, here: no Spark job to start
-                elif callable(spark) and not hasattr(spark, "sparkContext"):
-                    spark = spark()
-                parallelism = options.parallelism or (
-                    spark.sparkContext.defaultParallelism if spark is not None
-                    else options.local_parallelism)
-                count = range_count(described.blocks, described.block_size, parallelism,
-                                    range_bytes=options.range_bytes,
-                                    ranges_per_core=options.ranges_per_core)
-                ranges = plan_ranges(described.blocks, count)
+            async with _exported_snapshot(pg) as (snapshot_name, lsn):
+                layout = _layout(described, settings, snapshot_id, lsn, client.max_payload,
+                                 trained)
+                spark, ranges = _plan(spark, described, options)
                 spec = TaskSpec(
-                    conninfo=conninfo, nats=settings.nats,
-                    snapshot_name=created.snapshot_name, select=_select(described.schema),
-                    layout=layout, columns=described.schema.columns,
-                    type_rows=described.type_rows, stream=init_stream,
+                    conninfo=conninfo, nats=settings.nats, snapshot_name=snapshot_name,
+                    select=_select(described.schema), layout=layout,
+                    columns=described.schema.columns, type_rows=described.type_rows,
+                    stream=settings.topology.init.name,
                     large_bucket=settings.topology.large.bucket,
                     publish_window=options.publish_window,
                     publish_timeout=options.publish_timeout, fault=fault,
@@ -428,8 +400,6 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
                     marker.cancel()
                     raise
                 spark_seconds = time.monotonic() - spark_started
-            finally:
-                replication.close()  # ends the exported snapshot, drops the temporary slot
             control.execute("ROLLBACK")  # releases the guard lock
 
             stats = range_stats(rows)
@@ -445,11 +415,11 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
             meta = snapshot_meta(
                 snapshot_id=snapshot_id, lsn=lsn, watermark_lsn=watermark_lsn,
                 cdc_stream=cdc_stream, cdc_start_seq=cdc_start_seq, schema=described.schema,
-                stats=stats, partitions=len(ranges), encoding=encoding,
+                stats=stats, partitions=len(ranges), encoding=settings.encoding,
                 dictionary_id=trained.dictionary_id if trained else None,
                 dictionary_bucket=settings.topology.dictionaries.bucket,
                 dictionary_key=dictionary_key, duration=duration)
-            meta_seq = await publish_meta(js, meta, encoding.format)
+            meta_seq = await publish_meta(js, meta, settings.encoding.format)
         finally:
             await client.close()
 
@@ -462,7 +432,7 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
         cdc_start_seq=cdc_start_seq, cutover_rule=meta["cutover_rule"],
         row_count=meta["row_count"], batch_count=meta["batch_count"], partitions=len(ranges),
         bytes_raw=meta["bytes_raw"], bytes_compressed=meta["bytes_compressed"],
-        format=encoding.format, compression=meta["compression"],
+        format=settings.encoding.format, compression=meta["compression"],
         dictionary_id=meta["dictionary_id"], dictionary_key=dictionary_key,
         schema_fingerprint=described.schema.fingerprint,
         chunk_subject_prefix=meta["chunk_subject_prefix"],
@@ -471,6 +441,59 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
         sample_ratio_with_dictionary=trained.sample_ratio_with if trained else None,
         sample_ratio_without_dictionary=trained.sample_ratio_without if trained else None,
         ranges=tuple(stats))
+
+
+def _emit_watermark(control: psycopg.Connection, snapshot_id: str, wire_table: str) -> str:
+    """Step 3: the watermark message, in a transaction of its own (autocommit); its LSN. The
+    bridge publishes a marker for it on `CDC`, whose stream sequence the meta names."""
+    mark = json.dumps({"snapshot_id": snapshot_id, "table": wire_table})
+    row = control.execute("SELECT pg_logical_emit_message(true, %s, %s)::text",
+                          (WATERMARK_PREFIX, mark)).fetchone()
+    assert row is not None  # (a SELECT of one value)
+    return str(row[0])
+
+
+def _take_guard(control: psycopg.Connection, publication: str, table: str,
+                described: _Table) -> _Table:
+    """Step 4: ACCESS SHARE on the table until the export is done (``ROLLBACK`` releases
+    it), so no DDL changes it under the snapshot; the table described again under the lock."""
+    control.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+    control.execute(sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(
+        sql.Identifier(described.schema.schema, described.schema.table)))
+    return _describe(control, publication, table)
+
+
+@contextlib.asynccontextmanager
+async def _exported_snapshot(pg: PostgresSettings) -> AsyncIterator[tuple[str, str]]:
+    """Step 5: a temporary slot that exports a snapshot: ``(snapshot name, its LSN)`` (the
+    slot's consistent point: the cutover). Closing the connection on exit ends the exported
+    snapshot and drops the slot."""
+    replication = await ReplicationConnection.connect(
+        pg.conninfo(replication=True, application_name="cdc_platform_snapshot"), pg.describe())
+    try:
+        created = await replication.create_logical_slot(f"cdc_snap_{secrets.token_hex(8)}",
+                                                        temporary=True, snapshot="export")
+        if not created.snapshot_name:
+            raise SnapshotError("CREATE_REPLICATION_SLOT exported no snapshot")
+        yield created.snapshot_name, format_lsn(created.consistent_point)
+    finally:
+        replication.close()
+
+
+def _plan(spark: Any, described: _Table,
+          options: SnapshotOptions) -> tuple[Any, list[BlockRange]]:
+    """Where the tasks run (a SparkSession, or None: here, for a small table) and the block
+    ranges they read."""
+    if described.blocks * described.block_size <= options.small_table_bytes:
+        spark = None  # the same range tasks, here: no Spark job to start
+    elif callable(spark) and not hasattr(spark, "sparkContext"):
+        spark = spark()
+    parallelism = options.parallelism or (
+        spark.sparkContext.defaultParallelism if spark is not None
+        else options.local_parallelism)
+    count = range_count(described.blocks, described.block_size, parallelism,
+                        range_bytes=options.range_bytes, ranges_per_core=options.ranges_per_core)
+    return spark, plan_ranges(described.blocks, count)
 
 
 async def _dictionary(control: psycopg.Connection, js: JetStreamContext, described: _Table,
