@@ -11,6 +11,7 @@ import json
 import math
 import os
 import struct
+import subprocess
 import sys
 from datetime import datetime
 from decimal import Decimal
@@ -51,6 +52,20 @@ def test_every_twin_is_built(module):
 
 compiled = pytest.mark.skipif(None in (PGOUTPUT, CHANGES, VALUES, EVENTS, CHUNKS, FRAMING,
                                      PUBLISHER), reason="the compiled twins are not built")
+
+
+@compiled
+def test_the_stubs_say_what_the_twins_export(tmp_path):
+    """Each twin's ``.pyi`` against the built module (mypy's stubtest: names, arguments)."""
+    allowlist = tmp_path / "allowlist"
+    allowlist.write_text("".join(  # what Cython adds to every module or class
+        f"cdc_platform._speedups.*.{name}\n"
+        for name in ("__test__", "__pyx_capi__", "__reduce_cython__", "__setstate_cython__")))
+    modules = [f"cdc_platform._speedups.{name.rpartition('.')[2]}" for name in TWINNED]
+    checked = subprocess.run([sys.executable, "-m", "mypy.stubtest", "--allowlist",
+                              str(allowlist), *modules], capture_output=True, text=True,
+                             check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
 def _outcome(function, *args):
