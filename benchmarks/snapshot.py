@@ -147,13 +147,18 @@ async def purge_init(nats: LocalNatsServer) -> None:
 def dictionary_by_chunk_size(pg: LocalPostgres, settings: PlatformSettings) -> list[tuple]:
     """zstd compressed/raw of sample chunks of several sizes, with and without a dictionary."""
     from cdc_platform.snapshot import dictionary
-    from cdc_platform.snapshot.job import _converters, _describe, _layout, _sample_rows
+    from cdc_platform.snapshot.source import (
+        chunk_layout,
+        describe_table,
+        sample_rows,
+        table_converters,
+    )
 
     with psycopg.connect(settings.postgres.conninfo(options="-c TimeZone=UTC"),
                          autocommit=True) as conn:
-        table = _describe(conn, PUBLICATION, TABLE)
-        layout = _layout(table, settings, "bench", "0/0", 1 << 20, None)
-        rows = _sample_rows(conn, table, layout, _converters(table), 20_000)
+        table = describe_table(conn, PUBLICATION, TABLE)
+        layout = chunk_layout(table, settings, "bench", "0/0", 1 << 20, None)
+        rows = sample_rows(conn, table, layout, table_converters(table), 20_000)
     trained = dictionary.train(rows, "msgpack", level=3)
     out = []
     for chunk_rows in (1, 10, 100, 1000, 10_000):
@@ -171,14 +176,19 @@ def profile_row_path(pg: LocalPostgres, settings: PlatformSettings, rows: int) -
 
     from cdc_platform.replication.connection import SESSION_OPTIONS
     from cdc_platform.snapshot.chunks import Chunker
-    from cdc_platform.snapshot.job import _converters, _describe, _layout, _select
     from cdc_platform.snapshot.plan import BlockRange
     from cdc_platform.snapshot.reader import copy_blocks
+    from cdc_platform.snapshot.source import (
+        chunk_layout,
+        copy_select,
+        describe_table,
+        table_converters,
+    )
 
     conninfo = settings.postgres.conninfo(options=SESSION_OPTIONS)
     with psycopg.connect(conninfo, autocommit=True) as conn:
-        table = _describe(conn, PUBLICATION, TABLE)
-        command = _select(table.schema).replace(
+        table = describe_table(conn, PUBLICATION, TABLE)
+        command = copy_select(table.schema).replace(
             "{range}", BlockRange(0, 0, None).predicate().as_string(None)) \
             .replace(") TO STDOUT", f" LIMIT {rows}) TO STDOUT")
 
@@ -188,8 +198,8 @@ def profile_row_path(pg: LocalPostgres, settings: PlatformSettings, rows: int) -
         started, cpu = time.perf_counter(), time.process_time()
         blocks = asyncio.run(drain())
         t_copy, c_copy = time.perf_counter() - started, time.process_time() - cpu
-    layout = _layout(table, settings, f"bench-{time.time_ns()}", "0/0", 1 << 20, None)
-    converters = _converters(table)
+    layout = chunk_layout(table, settings, f"bench-{time.time_ns()}", "0/0", 1 << 20, None)
+    converters = table_converters(table)
     chunker = Chunker(layout, converters, 0)
     n = sum(block.count(b"\n") for block in blocks)
     timings: dict[str, float] = dict.fromkeys(
@@ -256,16 +266,16 @@ def one_task(settings: PlatformSettings, table, layout, converters) -> tuple[flo
     """One task's work (COPY, convert, chunk, publish, acks) on the whole table, in-process:
     (wall seconds, CPU seconds of this process, rows)."""
     from cdc_platform.replication.connection import SESSION_OPTIONS
-    from cdc_platform.snapshot.job import _select
     from cdc_platform.snapshot.plan import BlockRange
     from cdc_platform.snapshot.reader import TaskSpec, read_range
+    from cdc_platform.snapshot.source import copy_select
 
     conninfo = settings.postgres.conninfo(options=SESSION_OPTIONS)
     with psycopg.connect(conninfo, autocommit=True) as conn:
         conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
         exported = conn.execute("SELECT pg_export_snapshot()").fetchone()[0]
         spec = TaskSpec(conninfo=conninfo, nats=settings.nats, snapshot_name=exported,
-                        select=_select(table.schema), layout=layout,
+                        select=copy_select(table.schema), layout=layout,
                         columns=table.schema.columns, type_rows=table.type_rows,
                         stream="INIT")
         asyncio.run(purge_init_settings(settings))

@@ -36,8 +36,8 @@ from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import EncodingSettings, NatsSettings, NatsTopology
 from cdc_platform.snapshot import SnapshotOptions, snapshot_table
 from cdc_platform.snapshot.dictionary import decompressor, fetch_dictionary
-from cdc_platform.snapshot.job import JOB_GROUP_PREFIX
 from cdc_platform.snapshot.reader import TaskFault
+from cdc_platform.snapshot.spark import JOB_GROUP_PREFIX
 from cdc_platform.wire import decode_payload, encode_json, snapshot_meta_subject
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
 

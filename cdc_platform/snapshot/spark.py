@@ -1,0 +1,110 @@
+"""Where a snapshot's range tasks run and how: a Spark job (``mapPartitions`` over the block
+ranges), or for a small table the same tasks in threads of this process (step 6 of
+:mod:`.job`)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
+
+from cdc_platform.errors import (
+    ConversionError,
+    PayloadTooLarge,
+    SnapshotError,
+    TableLockWaitError,
+)
+from cdc_platform.snapshot.options import SnapshotOptions
+from cdc_platform.snapshot.plan import BlockRange, plan_ranges, range_count
+from cdc_platform.snapshot.reader import RangeStats, TaskSpec, run_partition
+from cdc_platform.snapshot.source import SourceTable
+
+JOB_GROUP_PREFIX = "cdc-snapshot-"
+
+
+def plan_tasks(spark: Any, described: SourceTable,
+               options: SnapshotOptions) -> tuple[Any, list[BlockRange]]:
+    """Where the tasks run (a SparkSession, or None: here, for a small table) and the block
+    ranges they read."""
+    if described.blocks * described.block_size <= options.small_table_bytes:
+        spark = None  # the same range tasks, here: no Spark job to start
+    elif callable(spark) and not hasattr(spark, "sparkContext"):
+        spark = spark()
+    parallelism = options.parallelism or (
+        spark.sparkContext.defaultParallelism if spark is not None
+        else options.local_parallelism)
+    count = range_count(described.blocks, described.block_size, parallelism,
+                        range_bytes=options.range_bytes, ranges_per_core=options.ranges_per_core)
+    return spark, plan_ranges(described.blocks, count)
+
+
+async def run_tasks(spark: Any, spec: TaskSpec, ranges: list[BlockRange],
+                    options: SnapshotOptions, snapshot_id: str, wire_table: str) -> list:
+    """Every range task's rows of statistics: a Spark job, or (``spark`` None) the same tasks
+    in this process. A failure is one :class:`SnapshotError` with the task's own line
+    (:class:`TableLockWaitError` when it gave way to DDL); a cancellation cancels the job."""
+    group = f"{JOB_GROUP_PREFIX}{snapshot_id}"
+    executor = ThreadPoolExecutor(1, thread_name_prefix="cdc-snapshot-spark")
+    try:
+        if spark is None:
+            return await _run_here(spec, ranges, options.local_parallelism)
+        return await asyncio.get_running_loop().run_in_executor(
+            executor, _run_spark_job, spark, spec, ranges, group)
+    except asyncio.CancelledError:
+        if spark is not None:
+            spark.sparkContext.cancelJobGroup(group)
+        raise
+    except Exception as exc:  # Py4J errors: keep the task's line
+        failure = (f"{type(exc).__name__}: {exc}" if spark is None
+                   else _spark_failure(exc))
+        kind = TableLockWaitError if TableLockWaitError.__name__ in failure else SnapshotError
+        raise kind(f"snapshot {snapshot_id} of {wire_table}: "
+                   f"{'tasks' if spark is None else 'Spark job'} failed: {failure}") from exc
+    finally:
+        executor.shutdown(wait=False)
+
+
+def _run_spark_job(spark: Any, spec: TaskSpec, ranges: list[BlockRange],
+                   group: str) -> list[dict[str, Any]]:
+    context = spark.sparkContext
+    context.setJobGroup(group, f"INIT snapshot of {spec.layout.table} "
+                               f"({spec.layout.snapshot_id})", interruptOnCancel=True)
+    rdd = context.parallelize(ranges, len(ranges))
+    return rdd.mapPartitions(partial(run_partition, spec)).collect()
+
+
+async def _run_here(spec: TaskSpec, ranges: list[BlockRange],
+                    parallelism: int) -> list[dict[str, Any]]:
+    """The Spark tasks' work (``run_partition``) in threads of this process, for small tables:
+    the same ranges of the same exported snapshot, so the result is the same."""
+    limit = asyncio.Semaphore(max(1, parallelism))
+
+    async def one(block_range: BlockRange) -> list[dict[str, Any]]:
+        async with limit:
+            return await asyncio.to_thread(lambda: list(run_partition(spec, [block_range])))
+
+    return [row for rows in await asyncio.gather(*map(one, ranges)) for row in rows]
+
+
+def _spark_failure(exc: Exception) -> str:
+    """The useful line of a Py4J/PySpark error (the Python exception raised in the task)."""
+    text = str(exc)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if re.match(r"^[\w.]+(Error|Exception|Fault|Refused|Large):", line):
+            return line
+    return lines[0] if lines else type(exc).__name__
+
+
+def raise_task_errors(stats: Sequence[RangeStats], snapshot_id: str) -> None:
+    for kind, error in ((PayloadTooLarge, PayloadTooLarge.__name__),
+                        (ConversionError, ConversionError.__name__)):
+        failed = [s for s in stats if s.error_kind == error]
+        if failed:
+            raise kind(f"snapshot {snapshot_id}: {failed[0].error}")
+    failed = [s for s in stats if s.error]
+    if failed:
+        raise SnapshotError(f"snapshot {snapshot_id}: {failed[0].error}")
