@@ -53,7 +53,7 @@ from cdc_platform.dev.servers import LocalNatsServer, start_logical_postgres
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision
 from cdc_platform.mirror.follower import Mirror
-from cdc_platform.mirror.snapshots import latest_meta, read_chunks
+from cdc_platform.mirror.snapshots import read_chunks
 from cdc_platform.mirror.store import MirrorStore, TableShape, quote, to_sqlite
 from cdc_platform.postgres.admin import provision_database
 from cdc_platform.settings import (
@@ -66,6 +66,7 @@ from cdc_platform.settings import (
 )
 from cdc_platform.snapshot import snapshot_table
 from cdc_platform.snapshot.job import SnapshotOptions
+from cdc_platform.snapshot.meta import latest_meta
 
 TABLE = "bench_rows"
 

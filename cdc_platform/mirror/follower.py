@@ -31,12 +31,7 @@ from cdc_platform.errors import CdcError
 from cdc_platform.jetstream.connection import close_nats, connect_nats
 from cdc_platform.jetstream.pull import PulledMessage, PullReader
 from cdc_platform.lsn import format_lsn, parse_lsn_cached
-from cdc_platform.mirror.snapshots import (
-    BootstrapProgress,
-    SnapshotMeta,
-    cutover_start_seq,
-    read_chunks,
-)
+from cdc_platform.mirror.snapshots import BootstrapProgress, read_chunks
 from cdc_platform.mirror.store import (
     DivergenceError,
     MirrorError,
@@ -48,6 +43,7 @@ from cdc_platform.mirror.transactions import StreamGap, TransactionCollector
 from cdc_platform.naming import parse_wire_name
 from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.settings import MirrorSettings, PlatformSettings
+from cdc_platform.snapshot.meta import SnapshotMeta, cutover_start_seq
 from cdc_platform.snapshot.requests import reusable_snapshot
 from cdc_platform.wire import (
     CDC_PREFIX,

@@ -1,5 +1,6 @@
-"""Reading an INIT snapshot as a consumer: its meta, whether its cutover point is still in the
-`CDC` stream, and its chunks decoded (zstd with the table's dictionary) in chunk order.
+"""Reading an INIT snapshot as a consumer: its chunks decoded (zstd with the table's
+dictionary) in chunk order. Its meta, and whether its cutover point is still in `CDC`, are
+read by ``snapshot/meta.py``.
 
 Only the wire contract is used (README "Snapshots (stream INIT)" and "The cutover rule"), as a
 consumer in another language would.
@@ -16,64 +17,17 @@ from typing import Any
 import zstandard
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
 
-from cdc_platform.errors import CdcError
-from cdc_platform.lsn import parse_lsn
 from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.snapshot.dictionary import decompressor, fetch_dictionary
+from cdc_platform.snapshot.meta import SnapshotMeta, SnapshotUnusable
 from cdc_platform.speedups import compiled_twin
-from cdc_platform.wire import decode_payload, payload_format, snapshot_meta_subject
+from cdc_platform.wire import decode_payload, payload_format
 
 log = logging.getLogger(__name__)
 
 # A chunk is up to max_payload bytes: fetch a few at a time (the client's pending limits).
 _FETCH_BATCH = 16
-
-
-class SnapshotUnusable(CdcError):
-    """The snapshot cannot bootstrap a mirror (incomplete, aged out of `INIT`, or its cutover
-    point is no longer in `CDC`)."""
-
-
-@dataclass(frozen=True)
-class SnapshotMeta:
-    """The fields of a meta message a consumer acts on (the rest stays in ``raw``)."""
-
-    table: str
-    snapshot_id: str
-    lsn: int
-    batch_count: int
-    row_count: int
-    cdc_stream: str
-    cdc_start_seq: int | None
-    watermark_subject: str
-    chunk_subject_prefix: str
-    schema_fingerprint: str
-    format: str
-    timestamp: float
-    raw: dict[str, Any]
-    seq: int = 0  # its sequence in the INIT stream
-
-    @property
-    def table_schema(self) -> dict[str, Any] | None:
-        """The rows' shape (a KV ``schemas`` value), in metas written since it was added."""
-        return self.raw.get("table_schema")
-
-    @classmethod
-    def from_wire(cls, meta: dict[str, Any], seq: int = 0) -> SnapshotMeta:
-        try:
-            return cls(
-                table=meta["table"], snapshot_id=meta["snapshot_id"],
-                lsn=parse_lsn(meta["lsn"]), batch_count=int(meta["batch_count"]),
-                row_count=int(meta["row_count"]), cdc_stream=meta["cdc_stream"],
-                cdc_start_seq=meta.get("cdc_start_seq"),
-                watermark_subject=meta["watermark_subject"],
-                chunk_subject_prefix=meta["chunk_subject_prefix"],
-                schema_fingerprint=meta["schema_fingerprint"], format=meta["format"],
-                timestamp=float(meta["timestamp"]), raw=meta, seq=seq)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise SnapshotUnusable(f"malformed snapshot meta ({exc!r})") from exc
 
 
 def _decode(data: bytes) -> Any:
@@ -105,37 +59,6 @@ def decode_chunk(data: bytes, columns: tuple[str, ...] | None = None) -> ChunkRo
             pass  # not what the compiled decoder takes: the pure path decides
     chunk = _decode(data)
     return ChunkRows(chunk["chunk"], chunk["data"])
-
-
-async def latest_meta(js: JetStreamContext, table: str,
-                      stream: str = "INIT") -> SnapshotMeta | None:
-    """The newest meta of ``table`` still in the `INIT` stream, or None."""
-    try:
-        message = await js.get_last_msg(stream, snapshot_meta_subject(table))
-    except NotFoundError:
-        return None
-    return SnapshotMeta.from_wire(_decode(message.data or b""), message.seq or 0)
-
-
-async def cutover_start_seq(js: JetStreamContext, meta: SnapshotMeta) -> int:
-    """The `CDC` stream sequence to read from (the cutover rule, step 2), checked to be still
-    held by the stream; :class:`SnapshotUnusable` when retention dropped it."""
-    start = meta.cdc_start_seq
-    if start is None:
-        try:
-            marker = await js.get_last_msg(meta.cdc_stream, meta.watermark_subject)
-        except NotFoundError:
-            raise SnapshotUnusable(
-                f"snapshot {meta.snapshot_id} of {meta.table}: its watermark marker "
-                f"{meta.watermark_subject} is not in {meta.cdc_stream}") from None
-        start = marker.seq or 0  # (always set; from the start would also be correct)
-    info = await js.stream_info(meta.cdc_stream)
-    if start < info.state.first_seq:
-        raise SnapshotUnusable(
-            f"snapshot {meta.snapshot_id} of {meta.table}: its cutover point (sequence "
-            f"{start}) is older than the first message {meta.cdc_stream} still holds "
-            f"({info.state.first_seq}); a newer snapshot is needed")
-    return start
 
 
 Progress = Callable[[int, int], None]  # (rows so far, chunks so far)

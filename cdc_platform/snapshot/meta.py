@@ -1,15 +1,21 @@
 """A snapshot's meta message on ``init.meta.{table}`` (README "Snapshots"): everything a
 consumer needs to load the chunks and to know exactly where the CDC stream takes over. Built
-from the finished tasks' figures, published once every chunk is acknowledged."""
+from the finished tasks' figures, published once every chunk is acknowledged; read back as a
+consumer reads it (:func:`latest_meta`, :func:`cutover_start_seq`), by the mirror and by the
+snapshot request sensor (which answers with a recent snapshot when it can)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
+from cdc_platform.errors import CdcError
+from cdc_platform.lsn import parse_lsn
 from cdc_platform.postgres.catalog import TableSchema
 from cdc_platform.settings import EncodingSettings
 from cdc_platform.snapshot.reader import RangeStats
@@ -20,9 +26,11 @@ from cdc_platform.wire import (
     HEADER_MSG_ID,
     SnapshotMetaPayload,
     cutover_rule_text,
+    decode_payload,
     encoder,
     in_field_order,
     meta_msg_id,
+    payload_format,
     snapshot_chunk_prefix,
     snapshot_meta_subject,
     watermark_subject,
@@ -75,3 +83,82 @@ async def publish_meta(js: JetStreamContext, meta: SnapshotMetaPayload, fmt: For
         HEADER_MSG_ID: meta_msg_id(meta["snapshot_id"]),
         HEADER_CONTENT_TYPE: CONTENT_TYPES[fmt]})
     return ack.seq
+
+
+# -- read back, as a consumer ------------------------------------------------------------------
+class SnapshotUnusable(CdcError):
+    """The snapshot cannot bootstrap a mirror (incomplete, aged out of `INIT`, or its cutover
+    point is no longer in `CDC`)."""
+
+
+@dataclass(frozen=True)
+class SnapshotMeta:
+    """The fields of a meta message a consumer acts on (the rest stays in ``raw``)."""
+
+    table: str
+    snapshot_id: str
+    lsn: int
+    batch_count: int
+    row_count: int
+    cdc_stream: str
+    cdc_start_seq: int | None
+    watermark_subject: str
+    chunk_subject_prefix: str
+    schema_fingerprint: str
+    format: str
+    timestamp: float
+    raw: dict[str, Any]
+    seq: int = 0  # its sequence in the INIT stream
+
+    @property
+    def table_schema(self) -> dict[str, Any] | None:
+        """The rows' shape (a KV ``schemas`` value), in metas written since it was added."""
+        return self.raw.get("table_schema")
+
+    @classmethod
+    def from_wire(cls, meta: dict[str, Any], seq: int = 0) -> SnapshotMeta:
+        try:
+            return cls(
+                table=meta["table"], snapshot_id=meta["snapshot_id"],
+                lsn=parse_lsn(meta["lsn"]), batch_count=int(meta["batch_count"]),
+                row_count=int(meta["row_count"]), cdc_stream=meta["cdc_stream"],
+                cdc_start_seq=meta.get("cdc_start_seq"),
+                watermark_subject=meta["watermark_subject"],
+                chunk_subject_prefix=meta["chunk_subject_prefix"],
+                schema_fingerprint=meta["schema_fingerprint"], format=meta["format"],
+                timestamp=float(meta["timestamp"]), raw=meta, seq=seq)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SnapshotUnusable(f"malformed snapshot meta ({exc!r})") from exc
+
+
+async def latest_meta(js: JetStreamContext, table: str,
+                      stream: str = "INIT") -> SnapshotMeta | None:
+    """The newest meta of ``table`` still in the `INIT` stream, or None."""
+    try:
+        message = await js.get_last_msg(stream, snapshot_meta_subject(table))
+    except NotFoundError:
+        return None
+    return SnapshotMeta.from_wire(
+        decode_payload(message.data or b"", payload_format(message.data or b"")),
+        message.seq or 0)
+
+
+async def cutover_start_seq(js: JetStreamContext, meta: SnapshotMeta) -> int:
+    """The `CDC` stream sequence to read from (the cutover rule, step 2), checked to be still
+    held by the stream; :class:`SnapshotUnusable` when retention dropped it."""
+    start = meta.cdc_start_seq
+    if start is None:
+        try:
+            marker = await js.get_last_msg(meta.cdc_stream, meta.watermark_subject)
+        except NotFoundError:
+            raise SnapshotUnusable(
+                f"snapshot {meta.snapshot_id} of {meta.table}: its watermark marker "
+                f"{meta.watermark_subject} is not in {meta.cdc_stream}") from None
+        start = marker.seq or 0  # (always set; from the start would also be correct)
+    info = await js.stream_info(meta.cdc_stream)
+    if start < info.state.first_seq:
+        raise SnapshotUnusable(
+            f"snapshot {meta.snapshot_id} of {meta.table}: its cutover point (sequence "
+            f"{start}) is older than the first message {meta.cdc_stream} still holds "
+            f"({info.state.first_seq}); a newer snapshot is needed")
+    return start

@@ -27,8 +27,8 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from cdc_platform.jetstream.connection import fetch_available
 from cdc_platform.lsn import parse_lsn
-from cdc_platform.mirror.snapshots import SnapshotUnusable, cutover_start_seq, latest_meta
 from cdc_platform.naming import parse_wire_name
+from cdc_platform.snapshot.meta import SnapshotUnusable, cutover_start_seq, latest_meta
 from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX, snapshot_meta_subject
 
 log = logging.getLogger(__name__)
