@@ -28,7 +28,11 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def _cmd_dev(args: argparse.Namespace) -> int:
-    from cdc_platform.dev.stack import DevOptions, DevStack
+    try:
+        from cdc_platform.dev.stack import DevOptions, DevStack
+    except ImportError as exc:  # the library alone: no Dagster, no local servers
+        raise CdcError(f"`cdc-platform dev` needs the dev extra (pip install "
+                       f"'cdc_platform[dev]'): {exc}") from exc
 
     options = DevOptions(
         state_dir=Path(args.state_dir), ui_port=args.ui_port, pg_port=args.pg_port,
