@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -163,6 +164,7 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             os.killpg(stack.pid, signal.SIGKILL)
         log.close()
+        shutil.rmtree(state.parent, ignore_errors=True)
 
 
 if __name__ == "__main__":
