@@ -319,7 +319,11 @@ class LocalNatsServer:
         lines = [
             f"listen: {self.host}:{self.port}",
             f"http: {self.host}:{self.monitor_port}",
-            f'jetstream {{ store_dir: "{self.store_dir}" }}',
+            # The streams' max_bytes are reserved against max_file_store, which by default
+            # is 75% of the disk free at start: with less free than the reservations (16 GB
+            # for the default CDC and INIT) provisioning was refused ("insufficient storage
+            # resources"). A local server takes the limit off; a full disk fails writes.
+            f'jetstream {{ store_dir: "{self.store_dir}", max_file_store: 1TB }}',
         ]
         if self.max_payload is not None:
             lines.append(f"max_payload: {self.max_payload}")

@@ -32,3 +32,20 @@ def test_the_server_user_reaches_its_dir_without_opening_parents_to_everyone():
             assert os.stat(directory).st_mode & 0o007 == 0, directory  # others: nothing
     finally:
         shutil.rmtree(root)
+
+
+def test_a_local_nats_server_reserves_the_streams_whatever_the_disk_has_free(nats_server):
+    """By default JetStream's store limit is 75% of the disk free at start, and every
+    stream's max_bytes is reserved against it: the test suite's and the dev stack's
+    provisioning was refused on a machine with under ~45 GB free."""
+    import json
+    import urllib.request
+
+    from cdc_platform.settings import NatsTopology
+
+    with urllib.request.urlopen(
+            f"http://{nats_server.host}:{nats_server.monitor_port}/jsz", timeout=5) as reply:
+        limit = json.load(reply)["config"]["max_storage"]
+    topology = NatsTopology()
+    reserved = topology.cdc.max_bytes + topology.init.max_bytes + topology.requests.max_bytes
+    assert limit >= 2**40 > 10 * reserved
