@@ -19,7 +19,7 @@ them over. Timed, per loop (all printed; the best is compared with the receive r
 With the value converters of ``cdc_platform.protocol.values`` (or, with ``--stand-in``,
 int/str/int/Decimal/datetime.fromisoformat). Target: 300K rows/s per core.
 
-Where the time goes (2-vCPU VM, Python 3.11, compiled accelerator built), 2026-11-22:
+Where the time goes (2-vCPU VM, Python 3.11, compiled twins built), 2026-11-22:
 ``runs`` ~2.0 us per row, ~500K rows/s = 1.7x the target: TupleData read 0.25 us, typed
 row 0.4 (timestamptz 0.15 of it), ChangeRecord 0.35, the rest list and loop work. The
 general path is ~3.5 us per row (~270-290K rows/s that day): parse_copy_data 0.6, decode_message

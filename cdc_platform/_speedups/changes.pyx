@@ -53,7 +53,8 @@ cdef class RowBuilder:
         self.kinds = NULL
         self.positions = NULL
 
-    def __init__(self, tuple names, tuple converters, tuple indexes, passthrough,
+    def __init__(self, tuple names not None, tuple converters not None,
+                 tuple indexes not None, passthrough,
                  object slow):
         cdef Py_ssize_t j
         self.width = len(names)
@@ -87,7 +88,7 @@ cdef class RowBuilder:
         PyMem_Free(self.kinds)
         PyMem_Free(self.positions)
 
-    def __call__(self, tuple values):
+    def __call__(self, tuple values not None):
         return self._build(values)
 
     cdef dict _build(self, tuple values):

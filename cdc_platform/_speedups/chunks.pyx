@@ -71,8 +71,9 @@ cdef int _pack_ascii_timestamptz(Buffer* out, const char* chars, Py_ssize_t size
     return 0
 
 
-def pack_rows(list fields, Py_ssize_t count, Py_ssize_t width, tuple packed_names,
-              tuple kinds, tuple converters, object unescape):
+def pack_rows(list fields not None, Py_ssize_t count, Py_ssize_t width,
+              tuple packed_names not None, tuple kinds not None, tuple converters not None,
+              object unescape):
     """``chunks.Chunker.rows_of`` + ``msgpack.packb`` of each row map, fused: ``count``
     rows of ``width`` COPY text fields each (``\\N`` is NULL; a field with a backslash is
     ``unescape``d first) -> one ``bytes`` per row, the msgpack map ``{name: value}`` of the

@@ -6,7 +6,7 @@ a good part of a mirror's time per change."""
 from cdc_platform._speedups.msgpack_reader cimport Reader
 
 
-def decode_msgpack(bytes data):
+def decode_msgpack(bytes data not None):
     """``msgpack.unpackb(data, raw=False, strict_map_key=False)`` for the types the contract
     writes; ValueError for anything else (the caller decodes it the pure way)."""
     cdef Reader reader = Reader(data)

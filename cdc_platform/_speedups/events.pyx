@@ -26,7 +26,7 @@ def lsn_text(unsigned long long lsn):
     return ascii_text(text, put_lsn(text, lsn))
 
 
-def pack_map(bytes prefix, Py_ssize_t prefix_items, tuple items):
+def pack_map(bytes prefix not None, Py_ssize_t prefix_items, tuple items not None):
     """A msgpack map of ``prefix_items`` key/value pairs already packed in ``prefix``,
     followed by ``items`` (key, value, key, value, ...): the bytes of ``msgpack.packb`` of
     the dict with those pairs in that order."""

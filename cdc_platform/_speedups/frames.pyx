@@ -28,7 +28,7 @@ cdef inline Py_ssize_t _digits(const char* buf, Py_ssize_t start, Py_ssize_t sto
     return value
 
 
-def deliver(bytes data, Py_ssize_t position, dict sinks):
+def deliver(bytes data not None, Py_ssize_t position, dict sinks not None):
     cdef const char* buf = PyBytes_AS_STRING(data)
     cdef Py_ssize_t end = PyBytes_GET_SIZE(data)
     cdef Py_ssize_t starts[MAX_TOKENS]

@@ -22,7 +22,7 @@ def frame_sequence(list held not None, bytes reply_prefix not None,
     ...)``) with reply subjects ``reply_prefix + str(seq) + reply_suffix``, seq counting up
     from ``first_seq``: ``HPUB subject reply header_size total_size\\r\\n header payload
     \\r\\n`` each (``PUB`` without headers). The pure twin is ``publishing.framing.
-    frame_sequence``."""
+    sequence_bytes_python``."""
     cdef Buffer out
     cdef Py_ssize_t index, count = len(held), header_size, payload_size
     cdef unsigned long long seq = first_seq

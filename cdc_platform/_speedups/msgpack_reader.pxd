@@ -1,4 +1,4 @@
-"""The shared msgpack reader of the compiled decoders (see ``_msgpack_reader.pyx``)."""
+"""The shared msgpack reader of the compiled decoders (see ``msgpack_reader.pyx``)."""
 
 from libc.stdint cimport uint8_t, uint64_t
 

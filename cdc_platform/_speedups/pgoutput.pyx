@@ -11,7 +11,7 @@ cdef extern from "Python.h":
     object PyUnicode_DecodeUTF8(const char* s, Py_ssize_t size, const char* errors)
 
 
-def read_tuple(bytes data, Py_ssize_t pos, object unchanged):
+def read_tuple(bytes data not None, Py_ssize_t pos, object unchanged):
     """``pgoutput.read_tuple_python``: TupleData at ``data[pos:]`` -> ``(values, end)``.
 
     Kinds ``t`` -> str (UTF-8), ``b`` -> bytes, ``n`` -> None, ``u`` -> ``unchanged``.

@@ -40,7 +40,8 @@ cdef inline bint _printable_ascii(object text) noexcept:
     return True
 
 
-def frame_messages(messages, dict subjects, dict extras, Py_ssize_t max_payload):
+def frame_messages(messages, dict subjects not None, dict extras not None,
+                   Py_ssize_t max_payload):
     """``JetStreamPublisher._frame_all`` for the common case -> ``(held, total, largest)``;
     None when a message needs the Python loop: a subject or header set not yet admitted
     (not in ``subjects`` / ``extras``), a message id that is not printable ASCII, a message

@@ -15,7 +15,7 @@ from libc.string cimport memcmp
 from cdc_platform._speedups.msgpack_reader cimport Reader
 
 
-def decode_chunk(bytes data, tuple columns):
+def decode_chunk(bytes data not None, tuple columns not None):
     """A msgpack chunk -> (its fields but ``data``, its rows as tuples in ``columns`` order,
     whether a row value is a float NaN). KeyError: a row of other columns or in another order;
     ValueError: bytes this decoder does not take (the caller decodes them the pure way)."""

@@ -15,7 +15,7 @@ from cdc_platform._speedups.writer cimport (
 cdef object _python_timestamptz = None
 
 
-def timestamptz(str text):
+def timestamptz(str text not None):
     """``values.timestamptz_python``: ``2025-12-08 13:45:21.5+00`` -> ``2025-12-08T13:45:21.5Z``;
     anything else (BC dates, infinity, other offsets, non-ASCII) the Python converter takes."""
     global _python_timestamptz

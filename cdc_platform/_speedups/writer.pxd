@@ -197,8 +197,8 @@ cdef inline int pack(Buffer* out, object obj, int depth) except -1:
     cdef double real
     cdef PyObject* key
     cdef PyObject* value
-    if depth > 500:
-        return pack_fallback(out, obj)
+    if depth > 1024:  # msgpack's own limit, so that both refuse the same values
+        raise ValueError("recursion limit exceeded.")
     if obj is None:
         return put_head(out, 0xC0, 0, 0)
     if obj is True:

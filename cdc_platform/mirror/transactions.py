@@ -10,7 +10,7 @@ not counted.
 
 Redeliveries are expected (a bridge that crashed mid-transaction republishes the whole
 transaction, and past the stream's duplicate window both copies are stored): events are
-keyed by ``(ordinal, operation == SCHEMA)`` within their transaction, so a copy adds nothing.
+keyed by ``(ordinal, operation != SCHEMA)`` within their transaction, so a copy adds nothing.
 """
 
 from __future__ import annotations

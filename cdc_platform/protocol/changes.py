@@ -418,8 +418,8 @@ class TransactionAssembler:
     def _row(self, table: _Table, values: TupleData, lsn: int,
              unchanged: list[str] | None, raw: list[str]) -> dict[str, Any]:
         """column -> typed value, the general loop; 'u' columns are left out (and named in
-        ``unchanged``); a text no converter accepts stays text (named in ``raw``). The
-        generated ``table.build`` is the fast equivalent of the usual case."""
+        ``unchanged``); a text no converter accepts stays text (named in ``raw``).
+        ``table.build`` (a row builder) is the fast equivalent of the usual case."""
         names = table.names
         if len(values) != len(names):
             raise self._width_error(table, values)
@@ -442,7 +442,7 @@ class TransactionAssembler:
 
     def _build(self, table: _Table, values: TupleData, lsn: int,
                unchanged: list[str] | None, raw: list[str]) -> dict[str, Any]:
-        """Every column: the generated builder, else the loop."""
+        """Every column: the row builder, else the general loop."""
         if len(values) != table.count:
             raise self._width_error(table, values)
         try:

@@ -72,7 +72,10 @@ def decode_payload(data: bytes, fmt: Format) -> Any:
             except (ValueError, TypeError):  # the pure decoder's answer, or its error
                 pass
         return decode_msgpack_python(data)
-    return json.loads(data)
+    try:
+        return json.loads(data)
+    except RecursionError:  # a forged payload nested too deep: one kind of error for all
+        raise ValueError("JSON nested too deep") from None
 
 
 _compiled = compiled_twin(__name__)  # decode_msgpack (cdc_platform/speedups.py)

@@ -125,7 +125,7 @@ def test_read_tuple_on_every_truncation_is_none_or_equal():
 @compiled
 def test_decode_message_errors_are_the_python_errors():
     """A malformed message raises the same ProtocolError text with and without the
-    accelerator: the compiled reader hands malformed tuples to the Python code."""
+    compiled twin: the compiled reader hands malformed tuples to the Python code."""
     data = struct.pack(">cIcHcI", b"I", 1, b"N", 2, b"t", 3) + b"abc" + b"x"
     with pytest.raises(pgoutput.ProtocolError, match="unknown TupleData column kind 'x'"):
         decode_message(data)
@@ -237,11 +237,12 @@ packable = st.recursive(
 
 
 def _packb(value):
-    """The compiled writer on ``value`` alone: ``pack_map`` with no prefix, one item, then
-    the map's two header bytes ({"v": ...}) cut off."""
-    packed = EVENTS.pack_map(b"", 0, ("v", value))
-    assert packed[:2] == b"\x81\xa1" and packed[2:3] == b"v"
-    return packed[3:]
+    """The compiled writer on ``{"v": value}``: ``pack_map`` with no prefix and one item."""
+    return EVENTS.pack_map(b"", 0, ("v", value))
+
+
+def _msgpack_packb(value):
+    return msgpack.packb({"v": value})
 
 
 def _same_bytes_or_error(got, want):
@@ -256,7 +257,7 @@ def _same_bytes_or_error(got, want):
 @settings(max_examples=400, deadline=None)
 @given(packable)
 def test_packb_equals_msgpack(value):
-    _same_bytes_or_error(_outcome(_packb, value), _outcome(msgpack.packb, value))
+    _same_bytes_or_error(_outcome(_packb, value), _outcome(_msgpack_packb, value))
 
 
 @compiled
@@ -269,7 +270,21 @@ def test_packb_equals_msgpack(value):
     "z" * 65535, "z" * 65536, b"y" * 65535, b"y" * 65536,
 ])
 def test_packb_boundaries(value):
-    _same_bytes_or_error(_outcome(_packb, value), _outcome(msgpack.packb, value))
+    _same_bytes_or_error(_outcome(_packb, value), _outcome(_msgpack_packb, value))
+
+
+def _nested(depth):
+    value = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@compiled
+@pytest.mark.parametrize("depth", [1022, 1023, 1024, 1500])
+def test_nesting_is_refused_where_msgpack_refuses_it(depth):
+    _same_bytes_or_error(_outcome(_packb, _nested(depth)),
+                         _outcome(_msgpack_packb, _nested(depth)))
 
 
 small_packable = st.recursive(
@@ -710,6 +725,18 @@ def test_twins_refuse_what_would_read_out_of_bounds():
         CHANGES.take_changes(None, 0, {}, tuple, 0, 0, "", 0, [], None)
     with pytest.raises(TypeError):
         FRAMING.frame_sequence([], None, 1, b"")
+    for call in (lambda: PGOUTPUT.read_tuple(None, 0, None),
+                 lambda: EVENTS.pack_map(b"", 0, None), lambda: EVENTS.pack_map(None, 0, ()),
+                 lambda: PUBLISHER.frame_messages([], None, {}, 10),
+                 lambda: PUBLISHER.frame_messages([], {}, None, 10),
+                 lambda: VALUES.timestamptz(None),
+                 lambda: CHUNKS.pack_rows(None, 0, 0, (), (), (), str),
+                 lambda: CHANGES.RowBuilder((), (), (), (), Exception)(None),
+                 lambda: compiled_twin("cdc_platform.wire.encoding").decode_msgpack(None),
+                 lambda: compiled_twin("cdc_platform.mirror.snapshots").decode_chunk(b"", None),
+                 lambda: compiled_twin("cdc_platform.jetstream.frames").deliver(None, 0, {})):
+        with pytest.raises(TypeError):  # (a typed argument given None was read as memory)
+            call()
 
 
 @compiled

@@ -80,3 +80,14 @@ def test_deep_nesting_is_refused_not_a_crash():
     with pytest.raises(ValueError, match="too deep"):
         compiled_twin("cdc_platform.mirror.snapshots").decode_chunk(
             b"\x82\xa5chunk" + deep + b"\xa4data\x90", ("id",))
+
+
+def test_deep_json_is_a_value_error_too():
+    """The mirror refuses ValueErrors as malformed messages; json's RecursionError would
+    have stopped it (and the message comes again after a restart)."""
+    with pytest.raises(ValueError, match="nested too deep"):
+        decode_payload(b"[" * 100_000 + b"]" * 100_000, "json")
+    expected: list = []
+    for _ in range(49):
+        expected = [expected]
+    assert decode_payload(b"[" * 50 + b"]" * 50, "json") == expected
