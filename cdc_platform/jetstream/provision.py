@@ -27,7 +27,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from cdc_platform.errors import ProvisioningError
 from cdc_platform.settings import NatsTopology, StreamLimits
@@ -167,6 +167,17 @@ def config_differences(existing: StreamConfig, wanted: StreamConfig) -> dict[str
     return differences
 
 
+_INSUFFICIENT_RESOURCES = 10047  # JSInsufficientResourcesErr
+
+
+def _no_room(name: str, wanted: StreamConfig) -> str:
+    return (f"nats-server cannot reserve stream {name}'s max_bytes "
+            f"({(wanted.max_bytes or 0) / 1024**3:.1f} GiB) in its JetStream storage: its "
+            f"limit (max_file_store; by default 75% of the disk free when it started), less "
+            f"what other streams reserve, is smaller. Raise max_file_store (and the disk), or "
+            f"lower CDC_STREAM_MAX_BYTES / CDC_INIT_MAX_BYTES / CDC_REQUESTS_MAX_BYTES")
+
+
 def _describe(stream: str, differences: dict[str, tuple]) -> str:
     return "; ".join(f"{stream}.{name}: existing {have!r}, wanted {want!r}"
                      for name, (have, want) in differences.items())
@@ -182,7 +193,12 @@ async def provision(js: JetStreamContext, topology: NatsTopology, *,
         try:
             info = await js.stream_info(name)
         except NotFoundError:
-            await js.add_stream(wanted)
+            try:
+                await js.add_stream(wanted)
+            except APIError as exc:
+                if exc.err_code == _INSUFFICIENT_RESOURCES:
+                    raise ProvisioningError(_no_room(name, wanted)) from exc
+                raise
             report.created.append(name)
             continue
         differences = config_differences(info.config, wanted)

@@ -3,14 +3,16 @@
 import asyncio
 import time
 
+import nats
 import pytest
 from nats.js.api import RetentionPolicy, StorageType
 from nats.js.errors import APIError, NotFoundError
 
+from cdc_platform.dev.servers import free_port
 from cdc_platform.errors import ProvisioningError
 from cdc_platform.jetstream.provision import provision
 from cdc_platform.settings import NatsTopology
-from cdc_platform_tests.fixtures.services import random_name
+from cdc_platform_tests.fixtures.services import nats_server_from, random_name
 
 
 def _isolated_topology(suffix: str, **cdc) -> NatsTopology:
@@ -137,3 +139,21 @@ async def test_cdc_stream_allows_fast_ingest_batches(nats_client):
         assert not (await js.stream_info("INIT_batched")).config.allow_batched
     finally:
         await _delete(js, topology)
+
+
+async def test_a_server_without_room_for_the_streams_is_named_clearly(tmp_path):
+    """The streams' max_bytes are reserved against the server's JetStream storage limit; one
+    too small for them is refused with a line saying what to change, not nats' bare
+    "insufficient storage resources available"."""
+    port = free_port()
+    config = tmp_path / "nats.conf"
+    config.write_text(f"listen: 127.0.0.1:{port}\n"
+                      f'jetstream {{ store_dir: "{tmp_path / "js"}", max_file_store: 1GB }}\n')
+    with nats_server_from(config, port, tmp_path / "nats.log"):
+        client = await nats.connect(f"nats://127.0.0.1:{port}")
+        try:
+            with pytest.raises(ProvisioningError, match=r"cannot reserve stream CDC's "
+                               r"max_bytes \(8.0 GiB\).*max_file_store.*CDC_STREAM_MAX_BYTES"):
+                await provision(client.jetstream(), NatsTopology())
+        finally:
+            await client.close()
