@@ -116,6 +116,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=10_000)
     parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (its dev.log)")
     args = parser.parse_args()
     state = Path(tempfile.mkdtemp(prefix="cdc-bench-req-")) / "state"
     cli = Path(sys.executable).parent / "cdc-platform"
@@ -164,7 +165,10 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             os.killpg(stack.pid, signal.SIGKILL)
         log.close()
-        shutil.rmtree(state.parent, ignore_errors=True)
+        if args.keep:
+            print(f"kept {state.parent}")
+        else:
+            shutil.rmtree(state.parent, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -103,13 +103,15 @@ class RunInFlight:
 
     table: str
     run_key: str
-    started: bool  # already reading: its snapshot LSN may be older than a request's min_lsn
+    started: bool  # running: it may have taken its snapshot already
 
-    def answers(self, request: SnapshotRequest) -> bool:
-        """Whether this run's snapshot serves ``request``: a run not started yet always does
-        (its LSN will be later than the request); a running one unless the request asks
-        for a snapshot after a given LSN."""
-        return not self.started or request.min_lsn == 0
+    @property
+    def joinable(self) -> bool:
+        """Whether a request that arrives now may join this run: only while it waits. A
+        run that started may have taken its snapshot (even stored its meta) before the
+        request arrived, and a joined requester waits for a meta taken after it asked
+        (README "Snapshot requests"): it would wait for good."""
+        return not self.started
 
 
 def summarize(notes: list[str], limit: int = 5) -> list[str]:
@@ -221,7 +223,7 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
                                                     request.request_id, reused)))
             continue
         running = in_flight.get(request.table)
-        if running is not None and running.answers(request):
+        if running is not None and running.joinable:
             joined[request.table] = joined.get(request.table, 0) + 1
             replies.append((request.reply_to, Reply(
                 "accepted", request.table, request.request_id,
