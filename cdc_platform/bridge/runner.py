@@ -54,9 +54,8 @@ from cdc_platform.wire import (
     HEARTBEAT_PREFIX,
     cdc_schema_subject,
     commit_ts_epoch,
-    decode_payload,
+    decode_any,
     encoder,
-    payload_format,
 )
 
 log = logging.getLogger(__name__)
@@ -391,7 +390,7 @@ class CdcBridge:
         while True:
             try:
                 message = await self._js.get_last_msg(stream, cdc_schema_subject(table))
-                event = decode_payload(message.data, payload_format(message.data))
+                event = decode_any(message.data)
                 found = AnnouncedShape(
                     event["schema_fingerprint"], int(event.get("relfilenode") or 0),
                     frozenset(c["name"] for c in event["table_schema"]["columns"]))

@@ -51,6 +51,7 @@ from cdc_platform.wire import (
     HEADER_CLAIM_CHECK,
     SCHEMA_OPERATION,
     commit_ts_epoch,
+    decode_any,
     decode_payload,
     payload_format,
     snapshot_request_subject,
@@ -232,9 +233,7 @@ class Mirror:
         try:
             message = await js.get_msg(self.settings.topology.init.name,
                                        seq=int(done["meta_seq"]))
-            data = message.data or b""
-            return SnapshotMeta.from_wire(decode_payload(data, payload_format(data)),
-                                          message.seq or 0)
+            return SnapshotMeta.from_wire(decode_any(message.data or b""), message.seq or 0)
         except (KeyError, TypeError, ValueError, NotFoundError) as exc:
             raise MirrorError(f"{table}: the snapshot reply names no readable meta "
                               f"({exc!r})") from exc

@@ -22,16 +22,12 @@ from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.snapshot.dictionary import decompressor, fetch_dictionary
 from cdc_platform.snapshot.meta import SnapshotMeta, SnapshotUnusable
 from cdc_platform.speedups import compiled_twin
-from cdc_platform.wire import decode_payload, payload_format
+from cdc_platform.wire import decode_any
 
 log = logging.getLogger(__name__)
 
 # A chunk is up to max_payload bytes: fetch a few at a time (the client's pending limits).
 _FETCH_BATCH = 16
-
-
-def _decode(data: bytes) -> Any:
-    return decode_payload(data, payload_format(data))
 
 
 _ROWS = compiled_twin(__name__)  # decode_chunk (cdc_platform/speedups.py)
@@ -57,7 +53,7 @@ def decode_chunk(data: bytes, columns: tuple[str, ...] | None = None) -> ChunkRo
             return ChunkRows(fields["chunk"], rows, as_tuples=True, has_nan=has_nan)
         except (KeyError, ValueError, TypeError):
             pass  # not what the compiled decoder takes: the pure path decides
-    chunk = _decode(data)
+    chunk = decode_any(data)
     return ChunkRows(chunk["chunk"], chunk["data"])
 
 

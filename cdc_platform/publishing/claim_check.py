@@ -28,9 +28,9 @@ from cdc_platform.publishing.messages import OutgoingMessage
 from cdc_platform.wire import (
     HEADER_CLAIM_CHECK,
     Format,
+    decode_any,
     decode_payload,
     encoder,
-    payload_format,
 )
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ async def resolve_payload(js: JetStreamContext, data: bytes,
     if reference is None:
         return data
     bucket, _, name = reference.partition("/")
-    expected = decode_payload(data, payload_format(data))
+    expected = decode_any(data)
     claim = expected.get("claim_check", {}) if isinstance(expected, dict) else {}
     stored = await (await js.object_store(bucket)).get(name)
     payload = stored.data or b""

@@ -26,11 +26,10 @@ from cdc_platform.wire import (
     HEADER_MSG_ID,
     SnapshotMetaPayload,
     cutover_rule_text,
-    decode_payload,
+    decode_any,
     encoder,
     in_field_order,
     meta_msg_id,
-    payload_format,
     snapshot_chunk_prefix,
     snapshot_meta_subject,
     watermark_subject,
@@ -138,9 +137,7 @@ async def latest_meta(js: JetStreamContext, table: str,
         message = await js.get_last_msg(stream, snapshot_meta_subject(table))
     except NotFoundError:
         return None
-    return SnapshotMeta.from_wire(
-        decode_payload(message.data or b"", payload_format(message.data or b"")),
-        message.seq or 0)
+    return SnapshotMeta.from_wire(decode_any(message.data or b""), message.seq or 0)
 
 
 async def cutover_start_seq(js: JetStreamContext, meta: SnapshotMeta) -> int:

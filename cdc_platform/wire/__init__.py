@@ -13,6 +13,7 @@ Golden payloads in ``cdc_platform_tests/data/golden/`` pin the bytes.
 from cdc_platform.wire.cutover import CUTOVER_RULE, applies, cutover_rule_text
 from cdc_platform.wire.encoding import (
     Format,
+    decode_any,
     decode_payload,
     encode_json,
     encoder,
@@ -79,7 +80,7 @@ __all__ = [
     "SnapshotChunk", "SnapshotMetaPayload", "SnapshotReply", "TableSchemaValue",
     "WatermarkMarker", "applies", "batch_msg_id", "cdc_batch_subject", "cdc_schema_subject",
     "cdc_subject", "change_msg_id", "chunk_msg_id", "commit_ts_epoch", "cutover_rule_text",
-    "decode_payload", "encode_json", "encoder", "in_field_order", "meta_msg_id", "payload_format",
+    "decode_any", "decode_payload", "encode_json", "encoder", "in_field_order", "meta_msg_id", "payload_format",
     "schema_event_msg_id", "schema_fingerprint", "snapshot_chunk_prefix",
     "snapshot_chunk_subject", "snapshot_meta_subject", "snapshot_request_subject",
     "watermark_msg_id", "watermark_subject",

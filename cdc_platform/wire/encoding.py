@@ -59,6 +59,11 @@ def payload_format(data: bytes) -> Format:
     return "json" if data[:1] in (b"{", b"[") else "msgpack"
 
 
+def decode_any(data: bytes) -> Any:
+    """A payload in either format, told apart by its first byte (:func:`payload_format`)."""
+    return decode_payload(data, payload_format(data))
+
+
 def decode_msgpack_python(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
