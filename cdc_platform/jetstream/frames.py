@@ -90,9 +90,9 @@ def deliver_python(data: bytes, position: int, sinks: dict[int, Sink]) -> int:
     return position
 
 
-_compiled = compiled_twin(__name__)
+_twin = compiled_twin(__name__)  # deliver (cdc_platform/speedups.py)
 deliver: Callable[[bytes, int, dict[int, Sink]], int] = (
-    _compiled.deliver if _compiled is not None else deliver_python)
+    _twin.deliver if _twin is not None else deliver_python)
 
 
 def can_replace(parser: Any) -> bool:

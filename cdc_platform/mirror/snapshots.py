@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 _FETCH_BATCH = 16
 
 
-_ROWS = compiled_twin(__name__)  # decode_chunk (cdc_platform/speedups.py)
+_twin = compiled_twin(__name__)  # decode_chunk (cdc_platform/speedups.py)
 
 
 @dataclass
@@ -47,9 +47,9 @@ class ChunkRows:
 def decode_chunk(data: bytes, columns: tuple[str, ...] | None = None) -> ChunkRows:
     """A chunk payload (decompressed) -> its rows. The pure path decodes the row maps; with
     ``columns``, the compiled twin reads msgpack rows straight into tuples."""
-    if _ROWS is not None and columns:
+    if _twin is not None and columns:
         try:
-            fields, rows, has_nan = _ROWS.decode_chunk(data, columns)
+            fields, rows, has_nan = _twin.decode_chunk(data, columns)
             return ChunkRows(fields["chunk"], rows, as_tuples=True, has_nan=has_nan)
         except (KeyError, ValueError, TypeError):
             pass  # not what the compiled decoder takes: the pure path decides

@@ -71,9 +71,9 @@ def decode_msgpack_python(data: bytes) -> Any:
 def decode_payload(data: bytes, fmt: Format) -> Any:
     """For consumers and tests: the inverse of :func:`encoder` (bytes stay base64 in JSON)."""
     if fmt == "msgpack":
-        if _compiled is not None:
+        if _twin is not None:
             try:
-                return _compiled.decode_msgpack(data)
+                return _twin.decode_msgpack(data)
             except (ValueError, TypeError):  # the pure decoder's answer, or its error
                 pass
         return decode_msgpack_python(data)
@@ -83,4 +83,4 @@ def decode_payload(data: bytes, fmt: Format) -> Any:
         raise ValueError("JSON nested too deep") from None
 
 
-_compiled = compiled_twin(__name__)  # decode_msgpack (cdc_platform/speedups.py)
+_twin = compiled_twin(__name__)  # decode_msgpack (cdc_platform/speedups.py)
