@@ -9,7 +9,6 @@ from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from cpython.object cimport PyObject
-from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.string cimport memcpy
 
 
@@ -32,6 +31,8 @@ cdef extern from "Python.h":
     Py_ssize_t PyList_GET_SIZE(object o)
     PyObject* PyList_GET_ITEM(object o, Py_ssize_t i)
     Py_ssize_t PyDict_Size(object o)
+    Py_ssize_t PySequence_Fast_GET_SIZE(object o)  # a list or a tuple
+    PyObject* PySequence_Fast_GET_ITEM(object o, Py_ssize_t i)
 
 
 # -- PostgreSQL's big-endian integers ---------------------------------------------------------
@@ -232,17 +233,11 @@ cdef inline int pack(Buffer* out, object obj, int depth) except -1:
             pack(out, <object>key, depth + 1)
             pack(out, <object>value, depth + 1)
         return 0
-    if PyList_Check(obj):
-        size = PyList_GET_SIZE(obj)
+    if PyList_Check(obj) or PyTuple_Check(obj):  # both an array
+        size = PySequence_Fast_GET_SIZE(obj)
         put_length(out, size, 0x90, 16, 0, 0xDC, 0xDD)
         for i in range(size):
-            pack(out, <object>PyList_GET_ITEM(obj, i), depth + 1)
-        return 0
-    if PyTuple_Check(obj):
-        size = PyTuple_GET_SIZE(obj)
-        put_length(out, size, 0x90, 16, 0, 0xDC, 0xDD)
-        for i in range(size):
-            pack(out, <object>PyTuple_GET_ITEM(obj, i), depth + 1)
+            pack(out, <object>PySequence_Fast_GET_ITEM(obj, i), depth + 1)
         return 0
     if PyBytes_Check(obj):
         size = PyBytes_GET_SIZE(obj)
