@@ -179,11 +179,14 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
         profiler = cProfile.Profile()
         profiler.enable()
         columns = tuple(c.name for c in shape.columns)
-        async for chunk in read_chunks(js, meta, columns=columns):
-            if chunk.as_tuples:
-                store.load_tuples(TABLE, columns, chunk.rows, has_nan=chunk.has_nan)
-            else:
-                store.load_rows(TABLE, chunk.rows)
+        with store.chunk_loader(TABLE, columns) as load:
+            async for chunk in read_chunks(js, meta, columns=columns, load=load):
+                if chunk.loaded is not None:
+                    pass
+                elif chunk.as_tuples:
+                    store.load_tuples(TABLE, columns, chunk.rows, has_nan=chunk.has_nan)
+                else:
+                    store.load_rows(TABLE, chunk.rows)
         profiler.disable()
         store.close()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(12)

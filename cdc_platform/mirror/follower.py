@@ -182,20 +182,24 @@ class Mirror:
         last_report = time.monotonic()
         from_json = meta.format == "json"
         columns = None if from_json else tuple(c.name for c in shape.columns)
-        async for chunk in read_chunks(js, meta, stream=self.settings.topology.init.name,
-                                       progress=progress.update, columns=columns):
-            # (SQLite writes in a thread while the next chunk is decoded measured the same:
-            # both hold the GIL for most of their time)
-            if chunk.as_tuples and columns is not None:
-                store.load_tuples(table, columns, chunk.rows, has_nan=chunk.has_nan)
-            else:
-                store.load_rows(table, [shape.from_json(r) or {} for r in chunk.rows]
-                                if from_json else chunk.rows)
-            if time.monotonic() - last_report >= self.options.status_interval_seconds:
-                last_report = time.monotonic()
-                self.report(progress.line())
-            if stop.is_set():
-                return  # left "bootstrapping": the next start begins it again
+        with contextlib.ExitStack() as stack:
+            # msgpack chunks straight into SQLite where the compiled loader takes them
+            load = stack.enter_context(store.chunk_loader(table, columns)) if columns else None
+            async for chunk in read_chunks(js, meta, stream=self.settings.topology.init.name,
+                                           progress=progress.update, columns=columns,
+                                           load=load):
+                if chunk.loaded is not None:
+                    pass  # written by the loader
+                elif chunk.as_tuples and columns is not None:
+                    store.load_tuples(table, columns, chunk.rows, has_nan=chunk.has_nan)
+                else:
+                    store.load_rows(table, [shape.from_json(r) or {} for r in chunk.rows]
+                                    if from_json else chunk.rows)
+                if time.monotonic() - last_report >= self.options.status_interval_seconds:
+                    last_report = time.monotonic()
+                    self.report(progress.line())
+                if stop.is_set():
+                    return  # left "bootstrapping": the next start begins it again
         store.finish_bootstrap(table, stream_seq=start_seq - 1)
         self.bootstraps += 1
         self.report(f"{progress.line()}; done (snapshot {meta.snapshot_id}, cutover lsn "

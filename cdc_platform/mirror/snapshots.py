@@ -42,6 +42,7 @@ class ChunkRows:
     rows: list[Any]
     as_tuples: bool = False
     has_nan: bool = False  # (tuples) a float NaN among the values: convert before SQLite
+    loaded: int | None = None  # rows already in SQLite (``load`` took the chunk; ``rows`` empty)
 
 
 def decode_chunk(data: bytes, columns: tuple[str, ...] | None = None) -> ChunkRows:
@@ -58,14 +59,19 @@ def decode_chunk(data: bytes, columns: tuple[str, ...] | None = None) -> ChunkRo
 
 
 Progress = Callable[[int, int], None]  # (rows so far, chunks so far)
+# A chunk's bytes, and the chunk numbers already loaded -> (its number, rows written), or None
+# (nothing written: decode it); see MirrorStore.chunk_loader
+ChunkLoad = Callable[[bytes, set[int]], tuple[int, int] | None]
 
 
 async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str = "INIT",
                       dictionary_bucket: str | None = None, progress: Progress | None = None,
-                      columns: tuple[str, ...] | None = None) -> AsyncIterator[ChunkRows]:
+                      columns: tuple[str, ...] | None = None,
+                      load: ChunkLoad | None = None) -> AsyncIterator[ChunkRows]:
     """Each chunk's rows (as tuples in ``columns`` order where it can: see
     :func:`decode_chunk`), every chunk exactly once; :class:`SnapshotUnusable` when the
-    stream no longer holds all ``batch_count`` chunks."""
+    stream no longer holds all ``batch_count`` chunks. With ``load``, a chunk it takes is
+    written by it and comes with ``loaded`` set instead of its rows."""
     bucket = dictionary_bucket or meta.raw.get("dictionary_bucket") or "zstd_dictionaries"
     decompressors: dict[str | None, zstandard.ZstdDecompressor] = {}
     subscription = await js.pull_subscribe(
@@ -94,11 +100,15 @@ async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str =
                             else await fetch_dictionary(js, meta.table, int(dict_id),
                                                         bucket=bucket))
                     data = decompressors[dict_id].decompress(data)
-                chunk = decode_chunk(data, columns)
+                taken = load(data, seen) if load is not None else None
+                if taken is not None:
+                    chunk = ChunkRows(taken[0], [], loaded=taken[1])
+                else:
+                    chunk = decode_chunk(data, columns)
                 if chunk.number in seen:  # a retried task's chunk stored twice past the
-                    continue              # dedupe window
+                    continue              # dedupe window (``load`` leaves those to us)
                 seen.add(chunk.number)
-                rows += len(chunk.rows)
+                rows += len(chunk.rows) if chunk.loaded is None else chunk.loaded
                 yield chunk
                 if progress is not None:
                     progress(rows, len(seen))

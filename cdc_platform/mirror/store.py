@@ -32,6 +32,7 @@ domains, enums, extension types        (none)       the wire value as it is (no 
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import functools
 import json
@@ -39,7 +40,7 @@ import math
 import operator
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -47,6 +48,7 @@ from typing import Any
 
 from cdc_platform.errors import CdcError
 from cdc_platform.lsn import parse_lsn_cached
+from cdc_platform.speedups import compiled_twin
 from cdc_platform.wire import SCHEMA_OPERATION, applies
 
 STATE_TABLE = "_cdc_mirror_tables"
@@ -62,6 +64,8 @@ _TEXT_OIDS = frozenset({
     4072, 3904, 3906, 3908, 3910, 3912, 3926, 2205, 2206, 24, 27, 1033, 1790,
 })
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+_twin = compiled_twin(__name__)  # ChunkLoader (cdc_platform/speedups.py)
 
 
 class MirrorError(CdcError):
@@ -461,6 +465,28 @@ class MirrorStore:
             except sqlite3.IntegrityError as exc:
                 raise DivergenceError(f"{table}: a loaded row is already mirrored ({exc})") \
                     from exc
+
+    @contextlib.contextmanager
+    def chunk_loader(self, table: str, columns: tuple[str, ...]
+                     ) -> Iterator[Callable[[bytes, set[int]], tuple[int, int] | None] | None]:
+        """The compiled loader of ``table``'s msgpack chunks (rows in ``columns`` order), or
+        None (not built, an in-memory database): ``load(chunk bytes, chunk numbers loaded)``
+        writes a chunk in one transaction of its own connection and gives (its number, rows),
+        or None to leave the chunk to :meth:`load_tuples` / :meth:`load_rows` (the reference:
+        a property test holds the two to the same rows). Not inside a transaction of this
+        store: the two connections would wait on each other."""
+        file = self._db.execute("PRAGMA database_list").fetchone()[2]  # (main's file)
+        loader = None
+        if _twin is not None and file:
+            try:
+                loader = _twin.ChunkLoader(file, _insert_statement(table, columns), columns)
+            except ValueError:
+                loader = None  # (no such table, ...: the pure path gives the real error)
+        try:
+            yield loader.load if loader is not None else None
+        finally:
+            if loader is not None:
+                loader.close()
 
     def finish_bootstrap(self, table: str, stream_seq: int) -> None:
         """The snapshot is loaded: from now on events at or after its cutover LSN apply."""

@@ -1,0 +1,361 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Compiled twin of ``mirror/store.py``'s bulk load of one msgpack snapshot chunk.
+
+The pure path decodes a chunk into Python tuples and hands them to ``sqlite3``'s
+``executemany``; here each value goes from the chunk's bytes straight to ``sqlite3_bind_*``
+(no Python object per value) on a connection of the loader's own, one SQLite transaction per
+chunk. A bootstrap spends most of its time there (issue 12: 2-3x the pure path).
+
+What it binds is what the pure path binds: nil -> NULL, bool -> 0/1, an integer within 64
+bits, a float that is not NaN, str (strict UTF-8, as Python decodes it), bin. Anything else
+(NaN, an integer past 64 bits, an array or a map, a row of other columns, bytes the contract
+never writes) and any SQLite error (a duplicate key, a busy database) hands the whole chunk
+back, rolled back, to the pure path, which gives the real answer or the real error.
+
+The SQLite functions are the ones Python's own ``_sqlite3`` uses, found in it with ``dlsym``
+(no SQLite headers at build time): two copies of SQLite in one process could drop each other's
+POSIX locks on the file and corrupt it (sqlite.org/howtocorrupt.html, 2.2). Where ``_sqlite3``
+does not export them (SQLite linked into it privately), this module does not import and the
+pure path loads every chunk.
+"""
+
+import _sqlite3
+
+from cpython.bytes cimport PyBytes_AS_STRING
+from libc.math cimport isnan
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memcmp, memcpy
+from posix.dlfcn cimport RTLD_NOW, dlopen, dlsym
+
+from cdc_platform._speedups.msgpack_reader cimport Reader
+
+# The stable SQLite C API (sqlite.org/c3ref), declared here rather than from sqlite3.h.
+ctypedef void (*destructor)(void*) noexcept
+ctypedef int (*open_v2_f)(const char*, void**, int, const char*) noexcept nogil
+ctypedef int (*db_f)(void*) noexcept nogil
+ctypedef int (*busy_timeout_f)(void*, int) noexcept nogil
+ctypedef int (*exec_f)(void*, const char*, void*, void*, char**) noexcept nogil
+ctypedef int (*prepare_v2_f)(void*, const char*, int, void**, const char**) noexcept nogil
+ctypedef int (*stmt_f)(void*) noexcept nogil
+ctypedef int (*bind_int64_f)(void*, int, long long) noexcept nogil
+ctypedef int (*bind_double_f)(void*, int, double) noexcept nogil
+ctypedef int (*bind_bytes_f)(void*, int, const char*, int, destructor) noexcept nogil
+ctypedef int (*bind_null_f)(void*, int) noexcept nogil
+ctypedef const char* (*errmsg_f)(void*) noexcept nogil
+
+cdef struct SqliteApi:
+    open_v2_f open_v2
+    db_f close_v2
+    busy_timeout_f busy_timeout
+    exec_f exec_
+    prepare_v2_f prepare_v2
+    stmt_f finalize
+    stmt_f step
+    stmt_f reset
+    stmt_f clear_bindings
+    stmt_f bind_parameter_count
+    bind_int64_f bind_int64
+    bind_double_f bind_double
+    bind_bytes_f bind_text
+    bind_bytes_f bind_blob
+    bind_null_f bind_null
+    db_f get_autocommit
+    errmsg_f errmsg
+
+DEF SQLITE_OK = 0
+DEF SQLITE_DONE = 101
+DEF SQLITE_OPEN_READWRITE = 0x02
+DEF INT_MAX = 2147483647
+
+cdef SqliteApi api
+
+
+cdef void* _symbol(void* library, const char* name) except NULL:
+    cdef void* found = dlsym(library, name)
+    if found == NULL:
+        raise ImportError(f"Python's _sqlite3 does not export {name.decode()}: the mirror "
+                          "loads snapshots the pure way")
+    return found
+
+
+cdef int _find_sqlite() except -1:
+    path = getattr(_sqlite3, "__file__", None)
+    if path is None:
+        raise ImportError("_sqlite3 is built into Python: no SQLite library to share")
+    cdef void* library = dlopen(path.encode(), RTLD_NOW)  # already loaded: the same copy
+    if library == NULL:
+        raise ImportError(f"cannot dlopen {path}")
+    api.open_v2 = <open_v2_f>_symbol(library, b"sqlite3_open_v2")
+    api.close_v2 = <db_f>_symbol(library, b"sqlite3_close_v2")
+    api.busy_timeout = <busy_timeout_f>_symbol(library, b"sqlite3_busy_timeout")
+    api.exec_ = <exec_f>_symbol(library, b"sqlite3_exec")
+    api.prepare_v2 = <prepare_v2_f>_symbol(library, b"sqlite3_prepare_v2")
+    api.finalize = <stmt_f>_symbol(library, b"sqlite3_finalize")
+    api.step = <stmt_f>_symbol(library, b"sqlite3_step")
+    api.reset = <stmt_f>_symbol(library, b"sqlite3_reset")
+    api.clear_bindings = <stmt_f>_symbol(library, b"sqlite3_clear_bindings")
+    api.bind_parameter_count = <stmt_f>_symbol(library, b"sqlite3_bind_parameter_count")
+    api.bind_int64 = <bind_int64_f>_symbol(library, b"sqlite3_bind_int64")
+    api.bind_double = <bind_double_f>_symbol(library, b"sqlite3_bind_double")
+    api.bind_text = <bind_bytes_f>_symbol(library, b"sqlite3_bind_text")
+    api.bind_blob = <bind_bytes_f>_symbol(library, b"sqlite3_bind_blob")
+    api.bind_null = <bind_null_f>_symbol(library, b"sqlite3_bind_null")
+    api.get_autocommit = <db_f>_symbol(library, b"sqlite3_get_autocommit")
+    api.errmsg = <errmsg_f>_symbol(library, b"sqlite3_errmsg")
+    return 0
+
+
+_find_sqlite()
+
+
+cdef bint _valid_utf8(const uint8_t* text, Py_ssize_t size) noexcept nogil:
+    """Whether Python's strict UTF-8 decoder takes these bytes: no overlong form, no
+    surrogate, nothing past U+10FFFF, no cut sequence."""
+    cdef Py_ssize_t i = 0
+    cdef uint8_t first, second
+    cdef uint64_t eight
+    while i < size:
+        if i + 8 <= size:  # ASCII, eight bytes at a time
+            memcpy(&eight, text + i, 8)
+            if eight & 0x8080808080808080ULL == 0:
+                i += 8
+                continue
+        first = text[i]
+        if first < 0x80:
+            i += 1
+        elif first < 0xC2:
+            return False
+        elif first < 0xE0:
+            if i + 1 >= size or text[i + 1] & 0xC0 != 0x80:
+                return False
+            i += 2
+        elif first < 0xF0:
+            if i + 2 >= size:
+                return False
+            second = text[i + 1]
+            if second & 0xC0 != 0x80 or text[i + 2] & 0xC0 != 0x80:
+                return False
+            if (first == 0xE0 and second < 0xA0) or (first == 0xED and second >= 0xA0):
+                return False  # overlong; a surrogate
+            i += 3
+        elif first < 0xF5:
+            if i + 3 >= size:
+                return False
+            second = text[i + 1]
+            if (second & 0xC0 != 0x80 or text[i + 2] & 0xC0 != 0x80
+                    or text[i + 3] & 0xC0 != 0x80):
+                return False
+            if (first == 0xF0 and second < 0x90) or (first == 0xF4 and second >= 0x90):
+                return False  # overlong; past U+10FFFF
+            i += 4
+        else:
+            return False
+    return True
+
+
+cdef class ChunkLoader:
+    """Loads one table's msgpack snapshot chunks into the SQLite file at ``path`` with
+    ``statement`` (an INSERT of ``columns`` in that order), on a connection of its own."""
+
+    cdef void* db
+    cdef void* statement
+    cdef list names  # the columns, UTF-8, in order
+    cdef Py_ssize_t width
+
+    def __cinit__(self):
+        self.db = NULL
+        self.statement = NULL
+
+    def __init__(self, str path not None, str statement not None, tuple columns not None,
+                 double timeout=5.0):
+        self.names = [column.encode() for column in columns]
+        self.width = len(columns)
+        if api.open_v2(path.encode(), &self.db, SQLITE_OPEN_READWRITE, NULL) != SQLITE_OK:
+            self._fail("open")
+        api.busy_timeout(self.db, <int>(timeout * 1000))
+        # as the store's own connection (WAL is a property of the file)
+        if api.exec_(self.db, b"PRAGMA synchronous=NORMAL", NULL, NULL, NULL) != SQLITE_OK:
+            self._fail("PRAGMA synchronous")
+        if api.prepare_v2(self.db, statement.encode(), -1, &self.statement, NULL) != SQLITE_OK:
+            self._fail("prepare")
+        if api.bind_parameter_count(self.statement) != self.width:
+            self.close()
+            raise ValueError("the statement does not bind one value per column")
+
+    cdef int _fail(self, str what) except -1:
+        message = "out of memory" if self.db == NULL else api.errmsg(self.db).decode(
+            errors="replace")
+        self.close()
+        raise ValueError(f"SQLite {what}: {message}")
+
+    def close(self):
+        if self.statement != NULL:
+            api.finalize(self.statement)
+            self.statement = NULL
+        if self.db != NULL:
+            api.close_v2(self.db)
+            self.db = NULL
+
+    def __dealloc__(self):
+        self.close()
+
+    def load(self, bytes data not None, set seen not None):
+        """One chunk, in one SQLite transaction: (its ``chunk`` number, rows inserted). None:
+        nothing written, the pure path decides: a chunk this loader does not take, one SQLite
+        refused (the pure path gives the error), one whose number is in ``seen`` (a chunk
+        stored twice, which the pure path skips)."""
+        if self.db == NULL:
+            raise ValueError("the loader is closed")
+        cdef Reader reader = Reader(data)
+        cdef Py_ssize_t field_count, i
+        cdef Py_ssize_t rows = -1
+        cdef dict fields = {}
+        if reader.end == 0 or data[0:1] in (b"{", b"["):
+            return None  # JSON
+        if api.exec_(self.db, b"BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK:
+            return None
+        try:
+            field_count = reader.header(0x80, 0x8f, 0xde, 0xdf)
+            for i in range(field_count):
+                key = reader.value()
+                if key != "data":
+                    fields[key] = reader.value()
+                elif rows >= 0 or fields.get("chunk") in seen:
+                    # "data" twice (the pure path keeps the last); a chunk already loaded
+                    return self._refuse()
+                else:
+                    rows = self._insert_rows(reader)
+                    if rows < 0:
+                        return self._refuse()
+            number = fields.get("chunk")
+            if (reader.pos != reader.end or rows < 0 or type(number) is not int
+                    or number in seen):
+                return self._refuse()
+            if api.exec_(self.db, b"COMMIT", NULL, NULL, NULL) != SQLITE_OK:
+                return self._refuse()
+            return number, rows
+        except (ValueError, KeyError):  # bytes the reader does not take
+            return self._refuse()
+        except BaseException:
+            self._rollback()
+            raise
+        finally:
+            api.clear_bindings(self.statement)  # (they point into ``data``)
+
+    cdef object _refuse(self):
+        self._rollback()
+        return None
+
+    cdef void _rollback(self) noexcept:
+        api.reset(self.statement)
+        if not api.get_autocommit(self.db):
+            api.exec_(self.db, b"ROLLBACK", NULL, NULL, NULL)
+
+    cdef Py_ssize_t _insert_rows(self, Reader reader) except -2:
+        """Every row of the ``data`` array that starts here; -1: one the loader does not take
+        (or SQLite refused)."""
+        cdef Py_ssize_t row_count = reader.header(0x90, 0x9f, 0xdc, 0xdd)
+        cdef Py_ssize_t row, k, size
+        cdef bytes name
+        for row in range(row_count):
+            if reader.header(0x80, 0x8f, 0xde, 0xdf) != self.width:
+                return -1
+            for k in range(self.width):
+                name = <bytes>self.names[k]
+                size = reader.text_size()
+                if size != len(name):
+                    return -1
+                reader.need(size)
+                if memcmp(reader.buf + reader.pos, PyBytes_AS_STRING(name), size) != 0:
+                    return -1
+                reader.pos += size
+                if not self._bind(reader, <int>(k + 1)):
+                    return -1
+            if api.step(self.statement) != SQLITE_DONE:
+                return -1
+            api.reset(self.statement)
+        return row_count
+
+    cdef bint _bind(self, Reader reader, int index) except -1:
+        """Bind the value that starts here to parameter ``index``; False: not one of the
+        values this loader binds (see the module docstring)."""
+        cdef uint8_t tag
+        cdef uint64_t bits
+        cdef uint32_t bits32
+        cdef double number
+        cdef float number32
+        reader.need(1)
+        tag = reader.buf[reader.pos]
+        reader.pos += 1
+        if tag <= 0x7f:
+            return api.bind_int64(self.statement, index, tag) == SQLITE_OK
+        if tag >= 0xe0:
+            return api.bind_int64(self.statement, index, <int8_t>tag) == SQLITE_OK
+        if 0xa0 <= tag <= 0xbf:
+            return self._bind_text(reader, index, tag & 0x1f)
+        if tag == 0xc0:
+            return api.bind_null(self.statement, index) == SQLITE_OK
+        if tag == 0xc2 or tag == 0xc3:
+            return api.bind_int64(self.statement, index, tag - 0xc2) == SQLITE_OK
+        if tag == 0xcb:
+            bits = reader.big_endian(8)
+            memcpy(&number, &bits, 8)
+            return not isnan(number) and api.bind_double(self.statement, index,
+                                                         number) == SQLITE_OK
+        if tag == 0xca:
+            bits32 = <uint32_t>reader.big_endian(4)
+            memcpy(&number32, &bits32, 4)
+            return not isnan(number32) and api.bind_double(self.statement, index,
+                                                           <double>number32) == SQLITE_OK
+        if tag == 0xcc:
+            return api.bind_int64(self.statement, index, reader.big_endian(1)) == SQLITE_OK
+        if tag == 0xcd:
+            return api.bind_int64(self.statement, index, reader.big_endian(2)) == SQLITE_OK
+        if tag == 0xce:
+            return api.bind_int64(self.statement, index, reader.big_endian(4)) == SQLITE_OK
+        if tag == 0xcf:
+            bits = reader.big_endian(8)
+            return bits <= 0x7FFFFFFFFFFFFFFF and api.bind_int64(
+                self.statement, index, <long long>bits) == SQLITE_OK
+        if tag == 0xd0:
+            return api.bind_int64(self.statement, index,
+                                  <int8_t>reader.big_endian(1)) == SQLITE_OK
+        if tag == 0xd1:
+            return api.bind_int64(self.statement, index,
+                                  <int16_t>reader.big_endian(2)) == SQLITE_OK
+        if tag == 0xd2:
+            return api.bind_int64(self.statement, index,
+                                  <int32_t>reader.big_endian(4)) == SQLITE_OK
+        if tag == 0xd3:
+            return api.bind_int64(self.statement, index,
+                                  <int64_t>reader.big_endian(8)) == SQLITE_OK
+        if tag == 0xd9:
+            return self._bind_text(reader, index, <Py_ssize_t>reader.big_endian(1))
+        if tag == 0xda:
+            return self._bind_text(reader, index, <Py_ssize_t>reader.big_endian(2))
+        if tag == 0xdb:
+            return self._bind_text(reader, index, <Py_ssize_t>reader.big_endian(4))
+        if tag == 0xc4:
+            return self._bind_blob(reader, index, <Py_ssize_t>reader.big_endian(1))
+        if tag == 0xc5:
+            return self._bind_blob(reader, index, <Py_ssize_t>reader.big_endian(2))
+        if tag == 0xc6:
+            return self._bind_blob(reader, index, <Py_ssize_t>reader.big_endian(4))
+        return False  # an array, a map, an extension type: the pure path converts or refuses
+
+    cdef bint _bind_text(self, Reader reader, int index, Py_ssize_t size) except -1:
+        cdef const uint8_t* text
+        reader.need(size)
+        text = reader.buf + reader.pos
+        reader.pos += size
+        # SQLITE_STATIC (NULL): the value is read in place, until the next row rebinds it
+        return (size <= INT_MAX and _valid_utf8(text, size)
+                and api.bind_text(self.statement, index, <const char*>text, <int>size,
+                                  NULL) == SQLITE_OK)
+
+    cdef bint _bind_blob(self, Reader reader, int index, Py_ssize_t size) except -1:
+        reader.need(size)
+        reader.pos += size
+        return size <= INT_MAX and api.bind_blob(
+            self.statement, index, <const char*>(reader.buf + reader.pos - size), <int>size,
+            NULL) == SQLITE_OK
