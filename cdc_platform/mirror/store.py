@@ -66,6 +66,8 @@ _TEXT_OIDS = frozenset({
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 _twin = compiled_twin(__name__)  # ChunkLoader (cdc_platform/speedups.py)
+# a batched UPDATE whose event has no ``old``: its key did not change
+_UPDATE_KEEPING_KEY = "UPDATE keeping its key"
 
 
 class MirrorError(CdcError):
@@ -306,7 +308,8 @@ class MirrorStore:
             raise MirrorError(f"{self.path} is not a usable mirror database ({exc}): move it "
                               "away and start the mirror again to rebuild it") from exc
         self._shapes: dict[str, TableShape] = shapes
-        # ("INSERT"|"UPDATE", table, column names) -> (statement, row map -> values)
+        # (kind, table, column names of the row) -> (statement, row map -> values); kind is
+        # "INSERT", "UPDATE" or _UPDATE_KEEPING_KEY
         self._prepared: dict[tuple[str, str, tuple[str, ...]], tuple[str, Any]] = {}
         self._states: dict[str, TableState | None] = {}  # committed states, cached
         self._open: Applied | None = None  # the transaction begin() opened
@@ -544,8 +547,12 @@ class MirrorStore:
         operation = event["operation"]
         if operation in ("INSERT", "UPDATE") and not from_json:
             data = event["data"]
-            batch_key = (operation, table, tuple(data))
-            item = data if operation == "INSERT" else self._update_parameters(event, batch_key)
+            if operation == "INSERT":
+                batch_key, item = (operation, table, tuple(data)), data
+            else:  # (no ``old``: the key did not change)
+                batch_key = ("UPDATE" if event.get("old") else _UPDATE_KEEPING_KEY, table,
+                             tuple(data))
+                item = self._update_parameters(event, batch_key)
             if item is not None:
                 if batch_key != self._batch_key or len(self._batched) >= 1000:
                     self._flush_batch()
@@ -603,12 +610,12 @@ class MirrorStore:
         if not self._batched:
             return
         batched, self._batched = self._batched, []
-        kind, table, names = self._batch_key
+        kind, table, _ = self._batch_key
         try:
             if kind == "INSERT":
                 self._insert_rows(table, batched)
             else:
-                self._update_rows(table, self._prepared[("UPDATE", table, names)][0], batched)
+                self._update_rows(table, self._prepared[self._batch_key][0], batched)
         except DivergenceError as exc:  # found at commit too: say which table it is
             exc.table = table
             raise
@@ -631,18 +638,23 @@ class MirrorStore:
     def _update_parameters(self, event: Mapping[str, Any],
                            batch_key: tuple[str, str, tuple[str, ...]]) -> tuple | None:
         """The parameters of a keyed UPDATE (SET every column of ``data`` WHERE key = the old
-        key, or the new one when it did not change); None for a table without a key."""
-        _, table, names = batch_key
+        key, or the new one when it did not change); None for a table without a key.
+        ``_UPDATE_KEEPING_KEY`` (the key did not change) leaves the key columns out of the SET:
+        SQLite then rewrites the row in place instead of moving it (1.7 against 2.7 µs a row)."""
+        kind, table, names = batch_key
         key = self.shape(table).key_columns
         if not key:
             return None
         prepared = self._prepared.get(batch_key)
         if prepared is None:
-            sets = ", ".join(f"{quote(name)} = ?" for name in names)
+            set_names = names
+            if kind == _UPDATE_KEEPING_KEY:
+                set_names = tuple(name for name in names if name not in key) or names
+            sets = ", ".join(f"{quote(name)} = ?" for name in set_names)
             where = " AND ".join(f"{quote(name)} = ?" for name in key)
             prepared = self._prepared[batch_key] = (
                 f"UPDATE {quote(table)} SET {sets} WHERE {where}",
-                self._row_converter(table, names))
+                self._row_converter(table, set_names, whole_row=set_names == names))
         data = event["data"]
         identity = event.get("old") or data
         try:
@@ -783,15 +795,16 @@ class MirrorStore:
             raise DivergenceError(f"{table}: an inserted row is already mirrored ({exc})") \
                 from exc
 
-    def _row_converter(self, table: str, names: tuple[str, ...]) -> Callable[[Mapping], tuple]:
+    def _row_converter(self, table: str, names: tuple[str, ...], *, whole_row: bool = True
+                       ) -> Callable[[Mapping], tuple]:
         """A row map -> values (in ``names`` order) function; a row of other columns raises
-        KeyError."""
+        KeyError (``whole_row=False``: a row may hold more columns than ``names``)."""
         convert_values, _ = self._values_converter(table, names)
         width = len(names)
         getter = operator.itemgetter(*names)  # values in ``names`` order, whatever the dict's
 
         def convert(row: Mapping[str, Any]) -> tuple:
-            if len(row) != width:
+            if whole_row and len(row) != width:
                 raise KeyError("a row with other columns")
             values = getter(row)
             return convert_values((values,) if width == 1 else values)

@@ -335,6 +335,32 @@ def test_runs_of_updates_go_together_and_still_refuse_a_row_the_mirror_does_not_
     assert store.state("users").applied_commit_lsn == 0x200
 
 
+def test_batched_updates_keeping_or_moving_a_composite_key(store):
+    """An UPDATE without ``old`` sets only the columns outside the key (its key did not
+    change); one with ``old`` moves the row; a table of key columns only still updates."""
+    columns = (("a", 23, "integer", True), ("b", 25, "text", True), ("v", 25, "text", False))
+    bootstrapped(store, schema("pairs", columns),
+                 loaded=[{"a": 1, "b": "x", "v": "one"}, {"a": 2, "b": "y", "v": "two"}])
+    keys_only = (("a", 23, "integer", True), ("b", 25, "text", True))
+    bootstrapped(store, schema("keys", keys_only), loaded=[{"a": 1, "b": "x"}])
+    store.apply_transaction([
+        event("UPDATE", "0/200", 0, table="pairs", data={"a": 1, "b": "x", "v": "uno"}),
+        event("UPDATE", "0/200", 1, table="pairs", data={"v": "dos", "b": "y", "a": 2}),
+        event("UPDATE", "0/200", 2, table="pairs", data={"a": 3, "b": "z", "v": "tres"},
+              old={"a": 1, "b": "x"}),
+        event("UPDATE", "0/200", 3, table="pairs", data={"a": 3, "b": "z", "v": "drei"}),
+        event("UPDATE", "0/200", 4, table="keys", data={"a": 1, "b": "x"}),
+        event("UPDATE", "0/200", 5, table="keys", data={"a": 5, "b": "w"},
+              old={"a": 1, "b": "x"}),
+    ], stream_seq=8)
+    assert rows(store, "pairs") == [(2, "y", "dos"), (3, "z", "drei")]
+    assert rows(store, "keys") == [(5, "w")]
+    with pytest.raises(DivergenceError, match="does not hold"):
+        store.apply_transaction([
+            event("UPDATE", "0/300", 0, table="pairs", data={"a": 1, "b": "x", "v": "gone"})],
+            stream_seq=9)
+
+
 def test_rows_loaded_as_tuples_equal_rows_loaded_as_maps(tmp_path):
     """The compiled decoder's tuples and the pure path's maps load the same table: NaN kept
     apart from NULL, -0.0 kept, arrays as JSON, an integer beyond 64 bits as text."""
