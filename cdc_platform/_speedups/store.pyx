@@ -14,9 +14,15 @@ back, rolled back, to the pure path, which gives the real answer or the real err
 
 The SQLite functions are the ones Python's own ``_sqlite3`` uses, found in it with ``dlsym``
 (no SQLite headers at build time): two copies of SQLite in one process could drop each other's
-POSIX locks on the file and corrupt it (sqlite.org/howtocorrupt.html, 2.2). Where ``_sqlite3``
-does not export them (SQLite linked into it privately), this module does not import and the
-pure path loads every chunk.
+POSIX locks on the file and corrupt it (sqlite.org/howtocorrupt.html, 2.2). ``_sqlite3`` binds
+a name to the process's global scope first (the executable, ``LD_PRELOAD``, ``RTLD_GLOBAL``
+libraries), then to its own libraries: a function found in the global scope at another
+address than in ``_sqlite3``'s may be another copy, and then, as when ``_sqlite3`` does not
+export them (SQLite linked into it privately), this module does not import and the pure path
+loads every chunk.
+
+SQLite runs without the GIL (a lock wait must not stop the thread that holds the lock); a
+loader is used by one thread at a time.
 """
 
 import _sqlite3
@@ -26,6 +32,9 @@ from libc.math cimport isnan
 from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy
 from posix.dlfcn cimport RTLD_NOW, dlopen, dlsym
+
+cdef extern from "<dlfcn.h>":
+    void* RTLD_DEFAULT  # (Python.h defines _GNU_SOURCE)
 
 from cdc_platform._speedups.msgpack_reader cimport Reader
 
@@ -72,9 +81,13 @@ cdef SqliteApi api
 
 cdef void* _symbol(void* library, const char* name) except NULL:
     cdef void* found = dlsym(library, name)
+    cdef void* in_global_scope = dlsym(RTLD_DEFAULT, name)
     if found == NULL:
         raise ImportError(f"Python's _sqlite3 does not export {name.decode()}: the mirror "
                           "loads snapshots the pure way")
+    if in_global_scope != NULL and in_global_scope != found:
+        raise ImportError(f"{name.decode()} is in the process twice (another SQLite copy): "
+                          "the mirror loads snapshots the pure way")
     return found
 
 
@@ -161,13 +174,17 @@ cdef class ChunkLoader:
     cdef void* statement
     cdef list names  # the columns, UTF-8, in order
     cdef Py_ssize_t width
+    cdef bint loading  # (close() must not finalize a statement SQLite is running)
 
     def __cinit__(self):
         self.db = NULL
         self.statement = NULL
+        self.loading = False
 
     def __init__(self, str path not None, str statement not None, tuple columns not None,
                  double timeout=5.0):
+        if not 0 <= timeout <= 86400:
+            raise ValueError(f"timeout {timeout} s")
         self.names = [column.encode() for column in columns]
         self.width = len(columns)
         if api.open_v2(path.encode(), &self.db, SQLITE_OPEN_READWRITE, NULL) != SQLITE_OK:
@@ -189,6 +206,8 @@ cdef class ChunkLoader:
         raise ValueError(f"SQLite {what}: {message}")
 
     def close(self):
+        if self.loading:
+            raise ValueError("the loader is loading a chunk")
         if self.statement != NULL:
             api.finalize(self.statement)
             self.statement = NULL
@@ -197,6 +216,7 @@ cdef class ChunkLoader:
             self.db = NULL
 
     def __dealloc__(self):
+        self.loading = False  # (no load() runs: it holds a reference)
         self.close()
 
     def load(self, bytes data not None, set seen not None):
@@ -206,15 +226,18 @@ cdef class ChunkLoader:
         stored twice, which the pure path skips)."""
         if self.db == NULL:
             raise ValueError("the loader is closed")
+        if self.loading:
+            raise ValueError("the loader is loading a chunk")
         cdef Reader reader = Reader(data)
         cdef Py_ssize_t field_count, i
         cdef Py_ssize_t rows = -1
         cdef dict fields = {}
         if reader.end == 0 or data[0:1] in (b"{", b"["):
             return None  # JSON
-        if api.exec_(self.db, b"BEGIN IMMEDIATE", NULL, NULL, NULL) != SQLITE_OK:
-            return None
+        self.loading = True
         try:
+            if not self._execute(b"BEGIN IMMEDIATE"):
+                return None
             field_count = reader.header(0x80, 0x8f, 0xde, 0xdf)
             for i in range(field_count):
                 key = reader.value()
@@ -231,16 +254,23 @@ cdef class ChunkLoader:
             if (reader.pos != reader.end or rows < 0 or type(number) is not int
                     or number in seen):
                 return self._refuse()
-            if api.exec_(self.db, b"COMMIT", NULL, NULL, NULL) != SQLITE_OK:
+            if not self._execute(b"COMMIT"):
                 return self._refuse()
             return number, rows
-        except (ValueError, KeyError):  # bytes the reader does not take
+        except (ValueError, KeyError, TypeError):  # what the reader does not take
             return self._refuse()
         except BaseException:
             self._rollback()
             raise
         finally:
             api.clear_bindings(self.statement)  # (they point into ``data``)
+            self.loading = False
+
+    cdef bint _execute(self, const char* sql) noexcept:
+        cdef int code
+        with nogil:  # (BEGIN may wait for a lock; COMMIT may checkpoint)
+            code = api.exec_(self.db, sql, NULL, NULL, NULL)
+        return code == SQLITE_OK
 
     cdef object _refuse(self):
         self._rollback()
@@ -249,13 +279,14 @@ cdef class ChunkLoader:
     cdef void _rollback(self) noexcept:
         api.reset(self.statement)
         if not api.get_autocommit(self.db):
-            api.exec_(self.db, b"ROLLBACK", NULL, NULL, NULL)
+            self._execute(b"ROLLBACK")
 
     cdef Py_ssize_t _insert_rows(self, Reader reader) except -2:
         """Every row of the ``data`` array that starts here; -1: one the loader does not take
         (or SQLite refused)."""
         cdef Py_ssize_t row_count = reader.header(0x90, 0x9f, 0xdc, 0xdd)
         cdef Py_ssize_t row, k, size
+        cdef int code
         cdef bytes name
         for row in range(row_count):
             if reader.header(0x80, 0x8f, 0xde, 0xdf) != self.width:
@@ -271,7 +302,9 @@ cdef class ChunkLoader:
                 reader.pos += size
                 if not self._bind(reader, <int>(k + 1)):
                     return -1
-            if api.step(self.statement) != SQLITE_DONE:
+            with nogil:
+                code = api.step(self.statement)
+            if code != SQLITE_DONE:
                 return -1
             api.reset(self.statement)
         return row_count

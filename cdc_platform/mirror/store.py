@@ -478,9 +478,12 @@ class MirrorStore:
         or None to leave the chunk to :meth:`load_tuples` / :meth:`load_rows` (the reference:
         a property test holds the two to the same rows). Not inside a transaction of this
         store: the two connections would wait on each other."""
-        file = self._db.execute("PRAGMA database_list").fetchone()[2]  # (main's file)
+        try:
+            file = self._db.execute("PRAGMA database_list").fetchone()[2]  # (main's file)
+        except sqlite3.Error:  # (a file name that is not UTF-8)
+            file = None
         loader = None
-        if _twin is not None and file:
+        if _twin is not None and file and not self._db.in_transaction:
             try:
                 loader = _twin.ChunkLoader(file, _insert_statement(table, columns), columns)
             except ValueError:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import threading
+import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -154,6 +157,8 @@ def test_what_it_does_not_take_is_handed_back_with_nothing_written(tmp_path):
         msgpack.packb({"chunk": 1, "data": [{"id": 1, "name": msgpack.ExtType(1, b"x")}]}),
         msgpack.packb({"data": [{"id": 1, "name": "a"}]}),  # no chunk number
         msgpack.packb({"chunk": "1", "data": [{"id": 1, "name": "a"}]}),
+        msgpack.packb({"chunk": [1], "data": [{"id": 1, "name": "a"}]}),  # (unhashable)
+        b"\xde\x00\x10\x91\x01\x01",  # a list as a map key
         msgpack.packb({"chunk": 1}),  # no rows
         msgpack.packb({"chunk": 1, "data": [{"id": 1, "name": "a"}, {"id": 1, "name": "b"}]}),
         b'{"chunk": 1, "data": [{"id": 1, "name": "a"}]}',  # JSON
@@ -216,3 +221,75 @@ def test_no_loader_for_an_in_memory_database_or_a_closed_one(tmp_path):
         LOADER.ChunkLoader(str(file), "INSERT INTO nope (id) VALUES (?)", ("id",))
     with pytest.raises(ValueError, match="one value per column"):
         LOADER.ChunkLoader(str(file), "INSERT INTO t (id) VALUES (?)", ("id", "other"))
+
+
+@compiled
+def test_a_lock_held_by_another_thread_is_waited_for_not_deadlocked(tmp_path):
+    """SQLite waits for a lock without the GIL, so the thread holding it can let it go."""
+    store, _, names = _store(tmp_path / "m.db", _schema("t", [("id", (20, "bigint"))]))
+    locked, release = threading.Event(), threading.Event()
+
+    def hold_the_write_lock():
+        other = sqlite3.connect(tmp_path / "m.db", isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        locked.set()
+        time.sleep(0.3)
+        other.execute("COMMIT")
+        other.close()
+        release.set()
+
+    holder = threading.Thread(target=hold_the_write_lock)
+    with store.chunk_loader("t", names) as load:
+        assert load is not None
+        holder.start()
+        locked.wait(5)
+        started = time.monotonic()
+        assert load(_chunk(1, names, [(1,), (2,)]), set()) == (1, 2)
+        assert release.is_set() and time.monotonic() - started < 3
+    holder.join()
+
+
+def test_no_loader_inside_a_transaction_or_for_a_file_name_sqlite_cannot_name(tmp_path):
+    """(inside one, each chunk would wait out the busy timeout before the pure path)"""
+    store, _, names = _store(tmp_path / "m.db", _schema("t", [("id", (20, "bigint"))]))
+    store._db.execute("BEGIN")
+    with store.chunk_loader("t", names) as load:
+        assert load is None
+    store._db.execute("ROLLBACK")
+    store.close()
+    odd = tmp_path / "p\udcff"  # not UTF-8: PRAGMA database_list cannot return it
+    odd.mkdir()
+    store, _, names = _store(odd / "m.db", _schema("t", [("id", (20, "bigint"))]))
+    with store.chunk_loader("t", names) as load:
+        assert load is None
+    store.load_tuples("t", names, [(1,)], has_nan=False)  # the pure path loads it
+    store.close()
+
+
+@compiled
+def test_another_sqlite_copy_in_the_process_keeps_the_loader_out(tmp_path):
+    """A SQLite of another soname preloaded: ``_sqlite3`` binds to it (the global scope comes
+    first), so the loader must not use the one ``_sqlite3`` depends on (two copies in one
+    process can drop each other's file locks)."""
+    import _sqlite3
+    import subprocess
+    import sys
+
+    maps = Path("/proc/self/maps")
+    system = next((line.split()[-1] for line in maps.read_text().splitlines()
+                   if "/libsqlite3.so" in line), None) if maps.exists() else None
+    if system is None:
+        pytest.skip(f"no shared libsqlite3 behind {_sqlite3.__file__}")
+    image = Path(system).read_bytes()
+    if image.count(b"libsqlite3.so.0\x00") != 1:
+        pytest.skip("cannot rename this libsqlite3's soname")
+    other = tmp_path / "libsqlite3.so.9"  # the same library under another soname
+    other.write_bytes(image.replace(b"libsqlite3.so.0\x00", b"libsqlite3.so.9\x00"))
+    probe = ("import cdc_platform.mirror.store as store; "
+             "print('twin' if store._twin else 'pure')")
+    env = {**os.environ, "LD_PRELOAD": str(other)}
+    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          text=True, check=True).stdout.strip() == "pure"
+    env.pop("LD_PRELOAD")
+    assert subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          text=True, check=True).stdout.strip() == "twin"
