@@ -44,12 +44,14 @@ class Transaction:
         """Whether ``event`` is new to the transaction (False: a redelivered copy)."""
         is_change = event["operation"] != SCHEMA_OPERATION  # a schema event sorts first
         ordinal = int(event["ordinal"])
-        self.last_seq = max(self.last_seq, seq)
+        if seq > self.last_seq:
+            self.last_seq = seq
         table = event["table"]
         seen_key = (table, ordinal, is_change)
-        if seen_key in self.seen:
+        seen = self.seen
+        if seen_key in seen:
             return False
-        self.seen.add(seen_key)
+        seen.add(seen_key)
         if self.keep_events:
             self.events[(ordinal, is_change)] = event
         if not is_change:
@@ -110,7 +112,7 @@ class TransactionCollector:
         if current is None:
             current = self._open = Transaction(commit_lsn, self.keep_events)
         fresh = current.add(event, seq)
-        if current.complete_for(self.followed):
+        if current.tables is not None and current.complete_for(self.followed):
             self._open = None
             self._last_complete = commit_lsn
             return fresh, current
