@@ -23,10 +23,11 @@ Starts its own PostgreSQL and nats-server in a temp dir, a ``--rows``-row table,
 Targets (issue 12): bootstrap >= 0.7 x baseline, apply >= 50K events/s, RSS <= 200 MB.
 
 ``--profile-bootstrap FILE`` records the bootstrap child with py-spy (collapsed stacks; install
-py-spy to use it). 2026-11-24, 1M rows: ``executemany`` ~72 % of the bootstrap, its commits
-~7 % (grouping chunks into 100K-row transactions measured no different), decoding chunks ~17 %
-(compiled), reading ~3 %; so the mirror's bootstrap is at most ~0.75 of a bare
-``executemany``, and this VM's speed swings the baseline by a third from run to run.
+py-spy to use it). Before the compiled chunk loader (``_speedups/store.pyx``), 1M rows:
+``executemany`` ~72 % of the bootstrap, its commits ~7 %, decoding chunks ~17 %, reading ~3 %,
+so at most ~0.75 of a bare ``executemany``. The loader binds each value straight from the
+chunk's bytes and measures 1.7-2.2x ``executemany`` on the same rows alone; this VM's speed
+swings the baseline by a third from run to run.
 """
 
 from __future__ import annotations

@@ -14,8 +14,25 @@ from libc.string cimport memcmp, memcpy
 
 DEF _KEY_SLOTS = 512  # a power of two
 DEF _LONGEST_KEPT_KEY = 64
+DEF _VALUE_SLOTS = 1024  # a power of two
+DEF _LONGEST_KEPT_VALUE = 40
 DEF _DEEPEST = 1000
 cdef list _kept_keys = [None] * _KEY_SLOTS
+cdef list _kept_values = [None] * _VALUE_SLOTS
+
+cdef extern from "Python.h":
+    dict _PyDict_NewPresized(Py_ssize_t minused)
+    bint PyUnicode_IS_ASCII(object text)
+    const void* PyUnicode_DATA(object text)
+    Py_ssize_t PyUnicode_GET_LENGTH(object text)
+
+
+cdef inline uint32_t _fnv1a(const uint8_t* chars, Py_ssize_t size) noexcept:
+    cdef uint32_t hashed = 2166136261u
+    cdef Py_ssize_t i
+    for i in range(size):
+        hashed = (hashed ^ chars[i]) * 16777619u
+    return hashed
 
 
 cdef class Reader:
@@ -112,8 +129,26 @@ cdef class Reader:
         raise ValueError(f"msgpack type 0x{tag:02x} is not in the contract")
 
     cdef object text(self, Py_ssize_t size):
+        """A str value. Short ASCII ones are kept in a small table indexed by a hash of their
+        bytes and handed out again (a str is immutable): most of an event's text repeats from
+        the event before (table, operation, subject, fingerprint, commit LSN and time)."""
+        cdef const uint8_t* chars
+        cdef uint32_t slot
         self.need(size)
-        out = PyUnicode_DecodeUTF8(<const char*>self.buf + self.pos, size, NULL)
+        chars = self.buf + self.pos
+        if size > _LONGEST_KEPT_VALUE:
+            out = PyUnicode_DecodeUTF8(<const char*>chars, size, NULL)
+            self.pos += size
+            return out
+        slot = _fnv1a(chars, size) & (_VALUE_SLOTS - 1)
+        entry = _kept_values[slot]
+        if (entry is not None and PyUnicode_GET_LENGTH(entry) == size
+                and memcmp(PyUnicode_DATA(entry), chars, size) == 0):
+            self.pos += size  # (every kept str is ASCII: one byte a character, as in UTF-8)
+            return entry
+        out = PyUnicode_DecodeUTF8(<const char*>chars, size, NULL)
+        if PyUnicode_IS_ASCII(out):
+            _kept_values[slot] = out
         self.pos += size
         return out
 
@@ -141,7 +176,9 @@ cdef class Reader:
         return out
 
     cdef dict map(self, Py_ssize_t size):
-        cdef dict out = {}
+        # sized for its entries at once (an event's 15 would resize a new dict twice); a
+        # forged size larger than the bytes left cannot reserve more than they could hold
+        cdef dict out = _PyDict_NewPresized(min(size, (self.end - self.pos) // 2))
         cdef Py_ssize_t i, key_size
         self.enter()
         for i in range(size):

@@ -44,7 +44,7 @@ class Transaction:
         """Whether ``event`` is new to the transaction (False: a redelivered copy)."""
         is_change = event["operation"] != SCHEMA_OPERATION  # a schema event sorts first
         ordinal = int(event["ordinal"])
-        if seq > self.last_seq:
+        if seq > self.last_seq:  # noqa: PLR1730 - (no max() call per event)
             self.last_seq = seq
         table = event["table"]
         seen_key = (table, ordinal, is_change)

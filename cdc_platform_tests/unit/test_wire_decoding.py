@@ -53,6 +53,21 @@ def test_kept_keys_are_never_confused():
 
 
 @compiled
+def test_kept_values_are_never_confused():
+    # 20,000 short texts share 1,024 slots (and differ by a byte, or by length only); kept
+    # values are handed out again, never one for another
+    texts = [f"v{number}" for number in range(20000)] + ["", "a", "a\x00", "é", "x" * 40,
+                                                         "x" * 41, "NaN", "1.50"]
+    for round_number in range(2):
+        for start in range(0, len(texts), 5):
+            values = texts[start:start + 5]
+            decoded = ENCODING.decode_msgpack(msgpack.packb({"data": values}))
+            assert decoded == {"data": values}, (round_number, values)
+    again = ENCODING.decode_msgpack(msgpack.packb(["same text", "same text"]))
+    assert again[0] is again[1]  # (kept: the one str, immutable)
+
+
+@compiled
 @settings(max_examples=500, deadline=None)
 @given(st.binary(max_size=60) | documents.map(lambda d: msgpack.packb(d)[:-1]))
 def test_bytes_it_does_not_take_are_refused_never_misread(data):
