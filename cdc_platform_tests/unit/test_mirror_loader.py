@@ -138,6 +138,24 @@ def test_scalar_rows_are_taken_and_equal_the_pure_path(tmp_path):
         _pure_load(pure, "t", names, data)
     assert _contents(fast, shape) == _contents(pure, shape)
     assert fast._db.execute('SELECT count(*) FROM "t"').fetchone() == (6,)
+    assert (tmp_path / "fast.db-wal").stat().st_size == 0  # checkpointed when it closed
+
+
+@compiled
+def test_a_reader_in_the_way_does_not_hold_up_closing(tmp_path):
+    """The closing checkpoint gives up after a short wait; the rows are committed anyway."""
+    store, _, names = _store(tmp_path / "m.db", _schema("t", [("id", (20, "bigint"))]))
+    reader = sqlite3.connect(tmp_path / "m.db", isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute('SELECT count(*) FROM "t"').fetchone()  # a read transaction stays open
+    started = time.monotonic()
+    with store.chunk_loader("t", names) as load:
+        assert load is not None
+        assert load(_chunk(1, names, [(1,), (2,)]), set()) == (1, 2)
+    assert time.monotonic() - started < 2
+    reader.execute("COMMIT")
+    assert store._db.execute('SELECT count(*) FROM "t"').fetchone() == (2,)
+    reader.close()
 
 
 @compiled
