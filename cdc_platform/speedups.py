@@ -20,9 +20,9 @@ from types import ModuleType
 PURE_PYTHON = os.environ.get("CDC_PLATFORM_PURE_PYTHON", "").strip().lower() in (
     "1", "true", "yes")
 
-TWINNED = ("bridge.events", "jetstream.frames", "mirror.snapshots", "mirror.store",
-           "protocol.changes", "protocol.pgoutput", "protocol.values", "publishing.framing",
-           "publishing.publisher", "snapshot.chunks", "wire.encoding")
+TWINNED = ("bridge.events", "jetstream.frames", "jetstream.pull", "mirror.snapshots",
+           "mirror.store", "protocol.changes", "protocol.pgoutput", "protocol.values",
+           "publishing.framing", "publishing.publisher", "snapshot.chunks", "wire.encoding")
 
 
 def compiled_twin(module_name: str) -> ModuleType | None:

@@ -37,6 +37,7 @@ from nats.aio.msg import Msg
 
 from cdc_platform.errors import CdcError
 from cdc_platform.jetstream.frames import FrameReader, Sink, can_replace
+from cdc_platform.speedups import compiled_twin
 
 
 class PullConsumerGone(CdcError):
@@ -114,12 +115,17 @@ def _install_hook(client: NatsClient) -> dict[int, Sink]:
     return sinks
 
 
-def _sequences(reply: bytes) -> tuple[int, int]:
+def _sequences_python(reply: bytes) -> tuple[int, int]:
     """(stream sequence, consumer sequence) from a ``$JS.ACK`` reply subject (ADR-15: the v1
     form has 9 tokens, the v2 form adds a domain and an account hash before the stream)."""
     tokens = reply.split(b".")
     first = 5 if len(tokens) == 9 else 7
     return int(tokens[first]), int(tokens[first + 1])
+
+
+_twin = compiled_twin(__name__)  # sequences (cdc_platform/speedups.py)
+_sequences: Callable[[bytes], tuple[int, int]] = (
+    _twin.sequences if _twin is not None else _sequences_python)
 
 
 def _parse_headers(raw: bytes) -> tuple[int, str, dict[str, str]]:
