@@ -49,16 +49,21 @@ class PulledMessage:
     """One stored message as delivered: its subject, stream sequence, payload and headers
     (parsed when first read: most callers only ask whether one is there)."""
 
-    __slots__ = ("_headers", "data", "raw_headers", "reply", "stream_seq", "subject")
+    __slots__ = ("_headers", "data", "raw_headers", "raw_reply", "stream_seq", "subject")
 
     def __init__(self, subject: str, stream_seq: int, data: bytes, raw_headers: bytes | None,
-                 reply: str) -> None:
+                 raw_reply: bytes) -> None:
         self.subject = subject
         self.stream_seq = stream_seq
         self.data = data
         self.raw_headers = raw_headers
-        self.reply = reply  # the ack subject
+        self.raw_reply = raw_reply
         self._headers: dict[str, str] | None = None
+
+    @property
+    def reply(self) -> str:
+        """The ack subject (decoded when asked for: most messages are never acked)."""
+        return self.raw_reply.decode()
 
     @property
     def headers(self) -> dict[str, str]:
@@ -248,7 +253,7 @@ class PullReader:
         stream_seq, consumer_seq = _sequences(reply)
         self.received_consumer_seq = consumer_seq
         self._received.append(PulledMessage(subject.decode(), stream_seq, data, headers,
-                                            reply.decode()))
+                                            reply))
         if self._open:
             head = self._open[0]
             head[1] -= 1
