@@ -627,7 +627,12 @@ class MirrorStore:
     def _update_rows(self, table: str, statement: str, batched: list) -> None:
         self._db.execute("SAVEPOINT cdc_update")
         try:
-            changed = self._execute_many_unique(statement, batched)
+            try:
+                changed = self._execute_many_unique(statement, batched)
+            except OverflowError:  # an integer beyond 64 bits: every value converted
+                self._db.execute("ROLLBACK TO cdc_update")
+                batched = [tuple(map(to_sqlite, parameters)) for parameters in batched]
+                changed = self._execute_many_unique(statement, batched)
             if changed != len(batched):  # a row the mirror does not hold: find which
                 self._db.execute("ROLLBACK TO cdc_update")
                 key = self.shape(table).key_columns
@@ -645,24 +650,27 @@ class MirrorStore:
         key, or the new one when it did not change); None for a table without a key.
         ``_UPDATE_KEEPING_KEY`` (the key did not change) leaves the key columns out of the SET:
         SQLite then rewrites the row in place instead of moving it (1.7 against 2.7 µs a row)."""
-        kind, table, names = batch_key
-        key = self.shape(table).key_columns
-        if not key:
-            return None
         prepared = self._prepared.get(batch_key)
         if prepared is None:
+            kind, table, names = batch_key
+            key = tuple(self.shape(table).key_columns)
+            if not key:
+                return None
             set_names = names
             if kind == _UPDATE_KEEPING_KEY:
                 set_names = tuple(name for name in names if name not in key) or names
             sets = ", ".join(f"{quote(name)} = ?" for name in set_names)
             where = " AND ".join(f"{quote(name)} = ?" for name in key)
+            set_values = self._row_converter(table, set_names, whole_row=set_names == names)
+            key_values = self._row_converter(table, key, whole_row=False)
+
+            def parameters(data: Mapping[str, Any], identity: Mapping[str, Any]) -> tuple:
+                return set_values(data) + key_values(identity)
             prepared = self._prepared[batch_key] = (
-                f"UPDATE {quote(table)} SET {sets} WHERE {where}",
-                self._row_converter(table, set_names, whole_row=set_names == names))
+                f"UPDATE {quote(table)} SET {sets} WHERE {where}", parameters)
         data = event["data"]
-        identity = event.get("old") or data
         try:
-            return (*prepared[1](data), *[to_sqlite(identity[name]) for name in key])
+            return prepared[1](data, event.get("old") or data)
         except KeyError as exc:
             raise DivergenceError(f"{table}: {event.get('msg_id')} does not carry key "
                                   f"column {exc.args[0]!r}") from exc
@@ -749,7 +757,10 @@ class MirrorStore:
     def _execute_unique(self, statement: str, params: Sequence) -> int:
         """Rows changed; a key change onto a key the mirror holds is a divergence."""
         try:
-            return self._db.execute(statement, params).rowcount
+            try:
+                return self._db.execute(statement, params).rowcount
+            except OverflowError:  # an integer beyond 64 bits: every value converted
+                return self._db.execute(statement, list(map(to_sqlite, params))).rowcount
         except sqlite3.IntegrityError as exc:
             raise DivergenceError(f"a changed key is already mirrored ({exc})") from exc
 

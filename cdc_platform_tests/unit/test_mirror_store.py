@@ -335,6 +335,23 @@ def test_runs_of_updates_go_together_and_still_refuse_a_row_the_mirror_does_not_
     assert store.state("users").applied_commit_lsn == 0x200
 
 
+def test_an_integer_beyond_64_bits_in_an_update_is_stored_as_an_insert_stores_it(store):
+    """(PostgreSQL's integer types never send one; a forged event must not stop the mirror)"""
+    columns = (("id", 20, "bigint", True), ("n", 20, "bigint", False))
+    bootstrapped(store, schema("big", columns), loaded=[{"id": 1, "n": 1}, {"id": 2, "n": 2}])
+    store.apply_transaction([
+        event("UPDATE", "0/200", 0, table="big", data={"id": 1, "n": 2**70}),
+        event("UPDATE", "0/200", 1, table="big", data={"id": 2, "n": 5}),
+        event("INSERT", "0/200", 2, table="big", data={"id": 3, "n": 2**70}),
+    ], stream_seq=8)
+    stored = rows(store, "big")
+    assert stored[0][1] == stored[2][1] and stored[1] == (2, 5)  # as the insert stores it
+    with pytest.raises(DivergenceError):  # a key SQLite cannot hold: the table bootstraps
+        store.apply_transaction([event("UPDATE", "0/300", 0, table="big",
+                                       data={"id": 2**70, "n": 6}, old={"id": 2})],
+                                stream_seq=9)
+
+
 def test_batched_updates_keeping_or_moving_a_composite_key(store):
     """An UPDATE without ``old`` sets only the columns outside the key (its key did not
     change); one with ``old`` moves the row; a table of key columns only still updates."""
