@@ -195,9 +195,10 @@ cdef class Reader:
         return out
 
     cdef dict map(self, Py_ssize_t size):
-        # sized for its entries at once (an event's 15 would resize a new dict twice); a
-        # forged size larger than the bytes left cannot reserve more than they could hold
-        cdef dict out = _PyDict_NewPresized(min(size, (self.end - self.pos) // 2))
+        # sized for its entries at once (an event's 15 would resize a new dict twice), up to
+        # 32: maps nested in a forged payload each claiming millions would all be alive at
+        # once (a few hundred of them took a gigabyte)
+        cdef dict out = _PyDict_NewPresized(min(size, 32, (self.end - self.pos) // 2))
         cdef Py_ssize_t i, key_size
         self.enter()
         for i in range(size):

@@ -335,6 +335,16 @@ def test_runs_of_updates_go_together_and_still_refuse_a_row_the_mirror_does_not_
     assert store.state("users").applied_commit_lsn == 0x200
 
 
+def test_an_update_without_its_key_is_a_divergence_also_once_its_statement_is_prepared(store):
+    bootstrapped(store, loaded=[{"id": 1, "name": "a"}, {"id": 2, "name": "b"}])
+    with pytest.raises(DivergenceError, match="does not carry key column 'id'"):
+        store.apply_transaction([
+            event("UPDATE", "0/200", 0, data={"id": 10, "name": "x"}, old={"id": 1}),
+            event("UPDATE", "0/200", 1, data={"id": 20, "name": "y"}, old={"name": "b"}),
+        ], stream_seq=8)
+    assert rows(store) == [(1, "a"), (2, "b")]
+
+
 def test_an_integer_beyond_64_bits_in_an_update_is_stored_as_an_insert_stores_it(store):
     """(PostgreSQL's integer types never send one; a forged event must not stop the mirror)"""
     columns = (("id", 20, "bigint", True), ("n", 20, "bigint", False))

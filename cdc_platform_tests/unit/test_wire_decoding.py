@@ -53,6 +53,23 @@ def test_kept_keys_are_never_confused():
 
 
 @compiled
+def test_forged_map_sizes_reserve_little_memory():
+    """Maps nested 400 deep, each claiming 4 billion entries, in 200 KB: refused, without
+    reserving room for what they claim (a gigabyte before the cap)."""
+    import tracemalloc
+
+    forged = b"\xdf\xff\xff\xff\xff\xa0" * 400 + b"\xc0" * 200_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError):
+            ENCODING.decode_msgpack(forged)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 << 20
+
+
+@compiled
 def test_kept_values_are_never_confused():
     # 20,000 short texts share 1,024 slots (and differ by a byte, or by length only); kept
     # values are handed out again, never one for another
