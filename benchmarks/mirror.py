@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import pickle
 import re
 import resource
 import shutil
@@ -103,6 +104,9 @@ async def main() -> None:
                         help="changes per source transaction in the apply phase")
     parser.add_argument("--mode", choices=["per-change", "batched"], default="per-change",
                         help="the bridge's message mode for the apply phase")
+    parser.add_argument("--save-replay", type=Path,
+                        help="keep the bootstrapped database and the apply phase's messages "
+                             "in this directory, for benchmarks/mirror_replay.py")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="cdc-bench-mirror-"))
     pg = start_logical_postgres(work / "pg", unsafe_no_fsync=True)
@@ -228,6 +232,11 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
     await _bridge_caught_up(admin_conninfo)
     bridge.request_stop()
     await asyncio.shield(bridging)
+    if args.save_replay:  # the database as bootstrapped, before any event is applied
+        args.save_replay.mkdir(parents=True, exist_ok=True)
+        with sqlite3.connect(db) as source, sqlite3.connect(
+                args.save_replay / "mirror.db") as copy:
+            source.backup(copy)
     mirror = Mirror(settings, [TABLE], db, options=MirrorSettings(status_interval_seconds=1000),
                     report=lambda line: None)
     profiler = None
@@ -248,7 +257,13 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     apply_rate = mirror.applied_events / apply_seconds
-    read_rate, read_cpu = await _read_ceiling(client)
+    kept: list | None = [] if args.save_replay else None
+    read_rate, read_cpu = await _read_ceiling(client, kept)
+    if args.save_replay:
+        with (args.save_replay / "messages.pickle").open("wb") as out:
+            pickle.dump({"table": TABLE, "fetch_batch": MirrorSettings().fetch_batch,
+                         "messages": kept}, out)
+        print(f"replay kept in {args.save_replay} ({len(kept or ())} messages)")
     upserts = [tuple(to_sqlite(v) for v in row) for row in values[:mirror.applied_events]]
     with sqlite3.connect(baseline_db, isolation_level=None) as conn:
         started = time.perf_counter()
@@ -273,10 +288,11 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
           f"mirror applies at {apply_rate / read_rate:.2f} of it")
 
 
-async def _read_ceiling(client) -> tuple[float, float]:
+async def _read_ceiling(client, kept: list | None = None) -> tuple[float, float]:
     """(messages/s, CPU µs per message) of reading the apply phase's messages again with the
     mirror's pull reader and nothing else: what this machine's nats-server and client
-    leave for applying."""
+    leave for applying. ``kept``: each message's (subject, stream sequence, payload, raw
+    headers, raw ack subject) appended to it."""
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
     from cdc_platform.jetstream.pull import PullReader
@@ -292,7 +308,11 @@ async def _read_ceiling(client) -> tuple[float, float]:
     started, cpu_started = time.perf_counter(), time.process_time()
     try:
         while got < wanted:
-            got += len(await reader.fetch(batch, timeout=5.0))
+            messages = await reader.fetch(batch, timeout=5.0)
+            got += len(messages)
+            if kept is not None:
+                kept.extend((m.subject, m.stream_seq, m.data, m.raw_headers, m.raw_reply)
+                            for m in messages)
     finally:
         await reader.stop()
     cpu = time.process_time() - cpu_started

@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""The mirror's apply path alone, replayed from messages kept by ``benchmarks/mirror.py
+--save-replay DIR``: no NATS, no PostgreSQL, the same work per message as the follower does
+(decode, check, whole transactions, SQLite), committed every ``fetch_batch`` messages as the
+follower commits after each batch read.
+
+    .venv/bin/python benchmarks/mirror.py --save-replay /tmp/replay   # once
+    .venv/bin/python benchmarks/mirror_replay.py /tmp/replay [--messages 40000]
+
+Prints CPU µs per event, against a baseline measured in the same run: decoding the same
+payloads with ``msgpack.unpackb`` and nothing else.
+
+This VM's clock swings ~1.5x within a session; instruction counts do not. Under callgrind
+the script counts the replay loop alone (``callgrind_control`` switches collection on and off
+around it), so two versions of the code compare to the instruction:
+
+    PYTHONHASHSEED=0 valgrind --tool=callgrind --instr-atstart=no \\
+        .venv/bin/python benchmarks/mirror_replay.py /tmp/replay --messages 40000 --callgrind
+
+(``--callgrind`` prints the collected instructions per event; valgrind is a Debian package,
+not a dependency.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from cdc_platform.jetstream.pull import PulledMessage
+from cdc_platform.mirror.follower import Mirror, _Following
+from cdc_platform.mirror.store import MirrorStore
+from cdc_platform.mirror.transactions import TransactionCollector
+from cdc_platform.settings import PlatformSettings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("replay", type=Path, help="a directory mirror.py --save-replay wrote")
+    parser.add_argument("--messages", type=int, default=0,
+                        help="replay only the first N messages (0: all), cut at a whole "
+                             "transaction")
+    parser.add_argument("--callgrind", action="store_true",
+                        help="count the loop's instructions (run under valgrind, see above)")
+    args = parser.parse_args()
+    with (args.replay / "messages.pickle").open("rb") as kept:
+        saved = pickle.load(kept)
+    table, batch = saved["table"], saved["fetch_batch"]
+    messages = [PulledMessage(*message) for message in saved["messages"]]
+    if args.messages:
+        cut = args.messages
+        while cut < len(messages) and b"tx_tables" not in messages[cut - 1].data:
+            cut += 1  # (a transaction's last event carries tx_tables)
+        messages = messages[:cut]
+
+    work = Path(tempfile.mkdtemp(prefix="cdc-mirror-replay-"))
+    try:
+        shutil.copy(args.replay / "mirror.db", work / "mirror.db")
+        mirror = Mirror(PlatformSettings(), [table], work / "mirror.db", report=lambda line: None)
+        store = MirrorStore(work / "mirror.db")
+        follow = _Following(mirror, None, store, TransactionCollector([table], keep_events=False),
+                            [table])
+        gc.collect()
+        gc.freeze()  # (the messages above are not the mirror's to collect)
+        _collect(args.callgrind, "on")
+        started, wall_started = time.process_time(), time.perf_counter()
+        for number, message in enumerate(messages, start=1):
+            follow.payload(message, message.data)
+            if number % batch == 0:
+                follow.commit()
+        follow.commit()
+        cpu, wall = time.process_time() - started, time.perf_counter() - wall_started
+        instructions = _collect(args.callgrind, "off")
+        store.close()
+        events = mirror.applied_events
+        if events == 0:
+            raise SystemExit("nothing was applied: is this replay's database the one its "
+                             "messages follow?")
+
+        started = time.process_time()
+        for message in messages:
+            msgpack.unpackb(message.data, raw=False, strict_map_key=False)
+        baseline = time.process_time() - started
+        print(f"replay: {events:,} events applied, {cpu / events * 1e6:.2f} µs CPU an event "
+              f"(wall {wall / events * 1e6:.2f}); baseline msgpack.unpackb of the same "
+              f"payloads {baseline / len(messages) * 1e6:.2f} µs a message, ratio "
+              f"{cpu / events / (baseline / len(messages)):.1f}")
+        if instructions is not None:
+            print(f"callgrind: {instructions / events:,.0f} instructions an event")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _collect(enabled: bool, switch: str) -> int | None:
+    """Switch callgrind's collection for this process; before "off", the instructions
+    collected so far (callgrind_control's totals, every thread)."""
+    if not enabled:
+        return None
+    collected = None
+    if switch == "off":
+        totals = subprocess.run(["callgrind_control", "-e", str(os.getpid())], check=True,
+                                capture_output=True, text=True).stdout  # "Th 1  18,862,835"
+        collected = sum(int(count.replace(",", ""))
+                        for count in re.findall(r"Th \d+\s+([\d,]+)", totals))
+    subprocess.run(["callgrind_control", "-i", switch, str(os.getpid())], check=True,
+                   capture_output=True)
+    return collected
+
+
+if __name__ == "__main__":
+    main()
