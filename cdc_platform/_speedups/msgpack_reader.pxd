@@ -24,6 +24,7 @@ cdef class Reader:
     cdef list array(self, Py_ssize_t size)
     cdef dict map(self, Py_ssize_t size)
     cdef object key(self, Py_ssize_t size)
+    cdef bint take_key(self, bytes name) except -1
     cdef Py_ssize_t header(self, uint8_t fix_first, uint8_t fix_last, uint8_t tag16,
                            uint8_t tag32) except -1
     cdef Py_ssize_t text_size(self) except -2

@@ -6,7 +6,7 @@ gives for the types the wire contract writes; ValueError for anything else or tr
 
 from sys import intern as _intern
 
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.math cimport isnan
 from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
@@ -52,6 +52,25 @@ cdef inline uint32_t _slot_hash(const uint8_t* chars, Py_ssize_t size) noexcept:
             mixed = (mixed ^ word) * 0xC2B2AE3D27D4EB4FULL
     mixed ^= mixed >> 31
     return <uint32_t>(mixed ^ (mixed >> 32))
+
+
+cdef inline object _kept_text(list kept, Py_ssize_t slots, const uint8_t* chars, Py_ssize_t size,
+                       bint interned):
+    """The str of these UTF-8 bytes, from ``kept`` (a table of ``slots`` entries, a power of
+    two, indexed by a hash of the bytes) when the one in their slot is it; else decoded (and
+    interned if asked) and, if ASCII, kept there in place of the one before. Only ASCII
+    strings are kept, so a kept str's characters are its UTF-8 bytes."""
+    cdef uint32_t slot = _slot_hash(chars, size) & (slots - 1)
+    entry = kept[slot]
+    if (entry is not None and PyUnicode_GET_LENGTH(entry) == size
+            and memcmp(PyUnicode_DATA(entry), chars, size) == 0):
+        return entry
+    out = PyUnicode_DecodeUTF8(<const char*>chars, size, NULL)
+    if interned:
+        out = _intern(out)
+    if PyUnicode_IS_ASCII(out):
+        kept[slot] = out
+    return out
 
 
 cdef class Reader:
@@ -148,26 +167,16 @@ cdef class Reader:
         raise ValueError(f"msgpack type 0x{tag:02x} is not in the contract")
 
     cdef object text(self, Py_ssize_t size):
-        """A str value. Short ASCII ones are kept in a small table indexed by a hash of their
-        bytes and handed out again (a str is immutable): most of an event's text repeats from
-        the event before (table, operation, subject, fingerprint, commit LSN and time)."""
+        """A str value. Short ASCII ones are kept and handed out again (a str is immutable):
+        most of an event's text repeats from the event before (table, operation, subject,
+        fingerprint, commit LSN and time)."""
         cdef const uint8_t* chars
-        cdef uint32_t slot
         self.need(size)
         chars = self.buf + self.pos
         if size > _LONGEST_KEPT_VALUE:
             out = PyUnicode_DecodeUTF8(<const char*>chars, size, NULL)
-            self.pos += size
-            return out
-        slot = _slot_hash(chars, size) & (_VALUE_SLOTS - 1)
-        entry = _kept_values[slot]
-        if (entry is not None and PyUnicode_GET_LENGTH(entry) == size
-                and memcmp(PyUnicode_DATA(entry), chars, size) == 0):
-            self.pos += size  # (every kept str is ASCII: one byte a character, as in UTF-8)
-            return entry
-        out = PyUnicode_DecodeUTF8(<const char*>chars, size, NULL)
-        if PyUnicode_IS_ASCII(out):
-            _kept_values[slot] = out
+        else:
+            out = _kept_text(_kept_values, _VALUE_SLOTS, chars, size, False)
         self.pos += size
         return out
 
@@ -209,27 +218,25 @@ cdef class Reader:
         return out
 
     cdef object key(self, Py_ssize_t size):
-        """A str map key: the same few names come in every event and row, so each is decoded
-        once and kept, interned (its hash cached), in a small table indexed by a hash of its
-        bytes; a different name in the same slot replaces it."""
-        cdef uint32_t slot
-        cdef const uint8_t* chars
+        """A str map key: the same few names come in every event and row, so each ASCII one
+        is decoded once and kept, interned (its hash cached)."""
         self.need(size)
         if size > _LONGEST_KEPT_KEY:
             return self.text(size)
-        chars = self.buf + self.pos
-        slot = _slot_hash(chars, size) & (_KEY_SLOTS - 1)
-        entry = _kept_keys[slot]
-        if entry is not None:
-            kept_bytes = (<tuple>entry)[0]
-            if PyBytes_GET_SIZE(kept_bytes) == size and memcmp(
-                    PyBytes_AS_STRING(kept_bytes), chars, size) == 0:
-                self.pos += size
-                return (<tuple>entry)[1]
-        text = _intern(PyUnicode_DecodeUTF8(<const char*>chars, size, NULL))
-        _kept_keys[slot] = (PyBytes_FromStringAndSize(<const char*>chars, size), text)
+        text = _kept_text(_kept_keys, _KEY_SLOTS, self.buf + self.pos, size, True)
         self.pos += size
         return text
+
+    cdef bint take_key(self, bytes name) except -1:
+        """Whether the str that starts here is ``name`` (UTF-8); read past it if so."""
+        cdef Py_ssize_t size = self.text_size()
+        if size != PyBytes_GET_SIZE(name):
+            return False
+        self.need(size)
+        if memcmp(self.buf + self.pos, PyBytes_AS_STRING(name), size) != 0:
+            return False
+        self.pos += size
+        return True
 
     cdef Py_ssize_t header(self, uint8_t fix_first, uint8_t fix_last, uint8_t tag16,
                            uint8_t tag32) except -1:

@@ -7,10 +7,8 @@ order, a type the contract never writes, truncated bytes) raises and the caller 
 path, which gives the real answer or the real error.
 """
 
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
-from libc.string cimport memcmp
 
 from cdc_platform._speedups.msgpack_reader cimport Reader
 
@@ -20,10 +18,9 @@ def decode_chunk(bytes data not None, tuple columns not None):
     whether a row value is a float NaN). KeyError: a row of other columns or in another order;
     ValueError: bytes this decoder does not take (the caller decodes them the pure way)."""
     cdef Reader reader = Reader(data)
-    cdef Py_ssize_t field_count, row_count, width, size, i, j, k
+    cdef Py_ssize_t field_count, row_count, width, i, j, k
     cdef Py_ssize_t column_count = len(columns)
     cdef list names = [column.encode() for column in columns]
-    cdef bytes name
     cdef dict fields = {}
     cdef list rows = None
     cdef tuple row
@@ -44,14 +41,8 @@ def decode_chunk(bytes data not None, tuple columns not None):
             row = PyTuple_New(column_count)
             rows.append(row)  # (owned by the list: a half-built tuple is never dropped)
             for k in range(column_count):
-                name = names[k]
-                size = reader.text_size()
-                if size != PyBytes_GET_SIZE(name):
+                if not reader.take_key(names[k]):
                     raise KeyError("a row with other columns or in another order")
-                reader.need(size)
-                if memcmp(reader.buf + reader.pos, PyBytes_AS_STRING(name), size) != 0:
-                    raise KeyError("a row with other columns or in another order")
-                reader.pos += size
                 value = reader.value()
                 Py_INCREF(value)
                 PyTuple_SET_ITEM(row, k, value)

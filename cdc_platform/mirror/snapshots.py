@@ -18,6 +18,7 @@ import zstandard
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from cdc_platform.mirror.store import ChunkLoad
 from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.snapshot.dictionary import decompressor, fetch_dictionary
 from cdc_platform.snapshot.meta import SnapshotMeta, SnapshotUnusable
@@ -59,9 +60,6 @@ def decode_chunk(data: bytes, columns: tuple[str, ...] | None = None) -> ChunkRo
 
 
 Progress = Callable[[int, int], None]  # (rows so far, chunks so far)
-# A chunk's bytes, and the chunk numbers already loaded -> (its number, rows written), or None
-# (nothing written: decode it); see MirrorStore.chunk_loader
-ChunkLoad = Callable[[bytes, set[int]], tuple[int, int] | None]
 
 
 async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str = "INIT",

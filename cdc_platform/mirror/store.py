@@ -67,6 +67,9 @@ _TEXT_OIDS = frozenset({
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 _twin = compiled_twin(__name__)  # ChunkLoader (cdc_platform/speedups.py)
+# A chunk's bytes, and the chunk numbers already loaded -> (its number, rows written), or None
+# (nothing written: the caller decodes it); see MirrorStore.chunk_loader
+ChunkLoad = Callable[[bytes, set[int]], tuple[int, int] | None]
 # a batched UPDATE whose event has no ``old``: its key did not change
 _UPDATE_KEEPING_KEY = "UPDATE keeping its key"
 
@@ -471,8 +474,7 @@ class MirrorStore:
                     from exc
 
     @contextlib.contextmanager
-    def chunk_loader(self, table: str, columns: tuple[str, ...]
-                     ) -> Iterator[Callable[[bytes, set[int]], tuple[int, int] | None] | None]:
+    def chunk_loader(self, table: str, columns: tuple[str, ...]) -> Iterator[ChunkLoad | None]:
         """The compiled loader of ``table``'s msgpack chunks (rows in ``columns`` order), or
         None (not built, an in-memory database): ``load(chunk bytes, chunk numbers loaded)``
         writes a chunk in one transaction of its own connection and gives (its number, rows),
