@@ -67,10 +67,19 @@ async def test_default_topology_and_requests_kept_while_nobody_listens(provision
         "snapshot.request.>"]
     await js.key_value("schemas")
     await js.key_value("zstd_dictionaries")
-    # a core-NATS request published while nothing listens is kept by the stream
+    # a core-NATS request published while nothing listens is kept by the stream (stored
+    # after the flush returns, not before: asked for until it is there, for up to 5 s)
     await nats_client.publish("snapshot.request.kept_table", b"")
     await nats_client.flush()
-    message = await js.get_last_msg("SNAPSHOT_REQUESTS", "snapshot.request.kept_table")
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            message = await js.get_last_msg("SNAPSHOT_REQUESTS", "snapshot.request.kept_table")
+            break
+        except NotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
     assert message.subject == "snapshot.request.kept_table"
 
 
