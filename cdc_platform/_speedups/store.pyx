@@ -26,8 +26,16 @@ loader is used by one thread at a time.
 """
 
 import _sqlite3
+import secrets
+import sqlite3
+import threading
 
-from cpython.bytes cimport PyBytes_AS_STRING
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.dict cimport PyDict_GetItemWithError, PyDict_Size
+from cpython.float cimport PyFloat_AS_DOUBLE
+from cpython.object cimport PyObject
+from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from libc.math cimport isnan
 from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
@@ -51,6 +59,10 @@ ctypedef int (*bind_double_f)(void*, int, double) noexcept nogil
 ctypedef int (*bind_bytes_f)(void*, int, const char*, int, destructor) noexcept nogil
 ctypedef int (*bind_null_f)(void*, int) noexcept nogil
 ctypedef const char* (*errmsg_f)(void*) noexcept nogil
+ctypedef const char* (*db_filename_f)(void*, const char*) noexcept nogil
+ctypedef int (*auto_extension_f)(void (*)() noexcept nogil) noexcept nogil
+ctypedef void (*set_rowid_f)(void*, long long) noexcept nogil
+ctypedef long long (*rowid_f)(void*) noexcept nogil
 
 cdef struct SqliteApi:
     open_v2_f open_v2
@@ -70,6 +82,12 @@ cdef struct SqliteApi:
     bind_null_f bind_null
     db_f get_autocommit
     errmsg_f errmsg
+    db_f changes
+    db_filename_f db_filename
+    auto_extension_f auto_extension
+    auto_extension_f cancel_auto_extension
+    set_rowid_f set_last_insert_rowid
+    rowid_f last_insert_rowid
 
 DEF SQLITE_OK = 0
 DEF SQLITE_DONE = 101
@@ -115,6 +133,13 @@ cdef int _find_sqlite() except -1:
     api.bind_null = <bind_null_f>_symbol(library, b"sqlite3_bind_null")
     api.get_autocommit = <db_f>_symbol(library, b"sqlite3_get_autocommit")
     api.errmsg = <errmsg_f>_symbol(library, b"sqlite3_errmsg")
+    api.changes = <db_f>_symbol(library, b"sqlite3_changes")
+    api.db_filename = <db_filename_f>_symbol(library, b"sqlite3_db_filename")
+    api.auto_extension = <auto_extension_f>_symbol(library, b"sqlite3_auto_extension")
+    api.cancel_auto_extension = <auto_extension_f>_symbol(library,
+                                                          b"sqlite3_cancel_auto_extension")
+    api.set_last_insert_rowid = <set_rowid_f>_symbol(library, b"sqlite3_set_last_insert_rowid")
+    api.last_insert_rowid = <rowid_f>_symbol(library, b"sqlite3_last_insert_rowid")
     return 0
 
 
@@ -397,3 +422,224 @@ cdef class ChunkLoader:
         return size <= INT_MAX and api.bind_blob(
             self.statement, index, <const char*>(reader.buf + reader.pos - size), <int>size,
             NULL) == SQLITE_OK
+
+
+# -- the store's own connection ----------------------------------------------------------------
+# Python's sqlite3 does not hand out its connection's SQLite handle. SQLite calls every
+# registered auto-extension with the handle of each connection it opens
+# (sqlite.org/c3ref/auto_extension.html): registered only around the store's own
+# sqlite3.connect() and only for the thread making it, the first call is that connection's.
+# connect() then proves it (a last-insert rowid set through the handle, read back with SQL on
+# the Python connection) before anything runs on it.
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef unsigned long pthread_t
+    pthread_t pthread_self()
+    int pthread_equal(pthread_t, pthread_t)
+
+cdef void* _captured_handle = NULL
+cdef pthread_t _capturing_thread
+cdef bint _capturing = False
+_capture_lock = threading.Lock()
+
+
+cdef int _capture_handle(void* db, char** error, const void* routines) noexcept nogil:
+    global _captured_handle
+    if _capturing and _captured_handle == NULL and pthread_equal(pthread_self(),
+                                                                 _capturing_thread):
+        _captured_handle = db
+    return SQLITE_OK
+
+
+def connect(str path not None, **options):
+    """``(sqlite3.connect(path, **options), its Statements)``; the Statements are None when
+    the connection's handle could not be found and proven (the pure path runs)."""
+    global _captured_handle, _capturing_thread, _capturing
+    cdef void* handle
+    with _capture_lock:
+        _captured_handle = NULL
+        _capturing_thread = pthread_self()
+        _capturing = True
+        api.auto_extension(<void (*)() noexcept nogil>_capture_handle)
+        try:
+            connection = sqlite3.connect(path, **options)
+        finally:
+            api.cancel_auto_extension(<void (*)() noexcept nogil>_capture_handle)
+            _capturing = False
+            handle = _captured_handle
+            _captured_handle = NULL
+    if handle == NULL:
+        return connection, None
+    marker = secrets.randbits(62) + 1
+    api.set_last_insert_rowid(handle, marker)
+    try:
+        proven = connection.execute("SELECT last_insert_rowid()").fetchone()[0] == marker
+    except BaseException:
+        connection.close()
+        raise
+    api.set_last_insert_rowid(handle, 0)
+    if not proven:
+        return connection, None
+    cdef Statements statements = Statements.__new__(Statements)
+    statements.db = handle
+    statements.connection = connection
+    return connection, statements
+
+
+cdef class _Prepared:
+    cdef void* statement
+    cdef int parameters
+
+
+cdef class Statements:
+    """INSERTs and UPDATEs of the mirror's batches, prepared on the SQLite handle of the
+    store's own connection (so in its transaction, its savepoints) and run for many rows with
+    the GIL held, as Python's sqlite3 runs them: the twin of ``executemany`` over the pure
+    path's converted rows, without making them.
+
+    What it binds is what the pure path binds for a column it does not convert: None, bool as
+    0/1, an int within 64 bits, a float that is not NaN, str (UTF-8), bytes. Anything else, a
+    row of other columns, a missing key and any SQLite error give -1: nothing more is run, and
+    the caller rolls back to its savepoint and runs the pure path, which gives the real answer
+    or the real error."""
+
+    cdef void* db
+    cdef object connection  # (its handle lives as long as it does)
+    cdef dict prepared  # SQL -> _Prepared
+
+    def __cinit__(self):
+        self.db = NULL
+        self.prepared = {}
+
+    def close(self):
+        """Finalize every statement (before the connection closes)."""
+        for prepared in self.prepared.values():
+            api.finalize((<_Prepared>prepared).statement)
+        self.prepared.clear()
+        self.db = NULL
+        self.connection = None
+
+    def __dealloc__(self):
+        if self.db != NULL:
+            for prepared in self.prepared.values():
+                api.finalize((<_Prepared>prepared).statement)
+
+    cdef _Prepared _prepare(self, str sql, Py_ssize_t parameters):
+        """The statement for ``sql`` (prepared once), or None: SQLite refused it or it does
+        not bind ``parameters`` values."""
+        cdef _Prepared prepared = self.prepared.get(sql)
+        cdef void* statement = NULL
+        if prepared is None:
+            if self.db == NULL:
+                raise ValueError("the statements are closed")
+            if api.prepare_v2(self.db, sql.encode(), -1, &statement, NULL) != SQLITE_OK:
+                return None
+            prepared = _Prepared.__new__(_Prepared)
+            prepared.statement = statement
+            prepared.parameters = api.bind_parameter_count(statement)
+            self.prepared[sql] = prepared
+        return prepared if prepared.parameters == parameters else None
+
+    def run_rows(self, str sql not None, rows, tuple names not None,
+                 bint whole_row=True):
+        """``sql`` run for each row map of ``rows`` with its values in ``names`` order (a row
+        of other columns refused unless not ``whole_row``): the rows changed, or -1."""
+        cdef Py_ssize_t width = len(names)
+        cdef _Prepared prepared = self._prepare(sql, width)
+        cdef long long changes = 0
+        if prepared is None:
+            return -1
+        try:
+            for row in rows:
+                if (type(row) is not dict or (whole_row and PyDict_Size(row) != width)
+                        or not _bind_from(prepared.statement, <dict>row, names, 1)):
+                    return _refused(prepared.statement)
+                if api.step(prepared.statement) != SQLITE_DONE:
+                    return _refused(prepared.statement)
+                changes += api.changes(self.db)
+                api.reset(prepared.statement)
+        finally:
+            api.clear_bindings(prepared.statement)  # (they point into the rows' values)
+        return changes
+
+    def run_updates(self, str sql not None, list events not None, tuple set_names not None,
+                    tuple key_names not None, bint whole_row=True):
+        """``sql`` (SET ``set_names`` WHERE ``key_names``) run for each UPDATE event of
+        ``events``: SET from its ``data`` (a map of other columns refused unless not
+        ``whole_row``), the key from its ``old`` when that is not empty, else from ``data``:
+        the rows changed, or -1."""
+        cdef Py_ssize_t width = len(set_names)
+        cdef _Prepared prepared = self._prepare(sql, width + len(key_names))
+        cdef long long changes = 0
+        if prepared is None:
+            return -1
+        try:
+            for event in events:
+                if type(event) is not dict:
+                    return _refused(prepared.statement)
+                data = (<dict>event).get("data")
+                identity = (<dict>event).get("old")
+                if not identity:
+                    identity = data
+                if (type(data) is not dict or type(identity) is not dict
+                        or (whole_row and PyDict_Size(data) != width)
+                        or not _bind_from(prepared.statement, <dict>data, set_names, 1)
+                        or not _bind_from(prepared.statement, <dict>identity, key_names,
+                                          <int>width + 1)):
+                    return _refused(prepared.statement)
+                if api.step(prepared.statement) != SQLITE_DONE:
+                    return _refused(prepared.statement)
+                changes += api.changes(self.db)
+                api.reset(prepared.statement)
+        finally:
+            api.clear_bindings(prepared.statement)
+        return changes
+
+
+cdef int _refused(void* statement) noexcept:
+    api.reset(statement)
+    return -1
+
+
+cdef bint _bind_from(void* statement, dict row, tuple names, int first) except -1:
+    """Bind ``row``'s values of ``names`` to parameters ``first``, ``first + 1``, ...; False:
+    a name ``row`` lacks or a value the pure path must bind (see Statements)."""
+    cdef Py_ssize_t k
+    cdef PyObject* value
+    for k in range(len(names)):
+        value = PyDict_GetItemWithError(row, names[k])
+        if value == NULL or not _bind_value(statement, first + <int>k, <object>value):
+            return False
+    return True
+
+
+cdef bint _bind_value(void* statement, int index, object value) except -1:
+    cdef type kind = type(value)
+    cdef const char* utf8
+    cdef Py_ssize_t size
+    cdef int overflow = 0
+    cdef long long integer
+    cdef double number
+    if value is None:
+        return api.bind_null(statement, index) == SQLITE_OK
+    if kind is str:
+        try:
+            utf8 = PyUnicode_AsUTF8AndSize(value, &size)
+        except UnicodeEncodeError:  # (a lone surrogate: Python's sqlite3 raises it)
+            return False
+        # SQLITE_STATIC (NULL): the str holds its UTF-8 until the row is stepped and reset
+        return size <= INT_MAX and api.bind_text(statement, index, utf8, <int>size,
+                                                 NULL) == SQLITE_OK
+    if kind is int:
+        integer = PyLong_AsLongLongAndOverflow(value, &overflow)
+        return overflow == 0 and api.bind_int64(statement, index, integer) == SQLITE_OK
+    if kind is float:
+        number = PyFloat_AS_DOUBLE(value)
+        return not isnan(number) and api.bind_double(statement, index, number) == SQLITE_OK
+    if kind is bool:
+        return api.bind_int64(statement, index, 1 if value is True else 0) == SQLITE_OK
+    if kind is bytes:
+        size = PyBytes_GET_SIZE(value)
+        return size <= INT_MAX and api.bind_blob(statement, index, PyBytes_AS_STRING(value),
+                                                 <int>size, NULL) == SQLITE_OK
+    return False

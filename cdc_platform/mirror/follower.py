@@ -505,7 +505,9 @@ class _Following:
                 self.store.apply(event, from_json=from_json)
             except DivergenceError as exc:
                 self.abandon()
-                self._mark_stale([event["table"]], str(exc),
+                # (a batch of another table may have been flushed before this event: the
+                # error names that table)
+                self._mark_stale([exc.table or event["table"]], str(exc),
                                  parse_lsn_cached(event["commit_lsn"]))
                 return
             self.applied_in_open += 1

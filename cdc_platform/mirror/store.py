@@ -66,7 +66,7 @@ _TEXT_OIDS = frozenset({
 })
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
-_twin = compiled_twin(__name__)  # ChunkLoader (cdc_platform/speedups.py)
+_twin = compiled_twin(__name__)  # connect, ChunkLoader (cdc_platform/speedups.py)
 # A chunk's bytes, and the chunk numbers already loaded -> (its number, rows written), or None
 # (nothing written: the caller decodes it); see MirrorStore.chunk_loader
 ChunkLoad = Callable[[bytes, set[int]], tuple[int, int] | None]
@@ -266,6 +266,18 @@ class TableShape:
         return restored
 
 
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A batched statement of the store: its SQL; the pure path's values function (INSERT: a
+    row map -> values; UPDATE: data, identity -> values); what the twin's ``Statements`` bind
+    (INSERT: ``(names,)``, UPDATE: ``(set names, key names, whole_row)``), None when a column
+    always needs converting (then only the pure path runs it)."""
+
+    statement: str
+    values: Callable[..., tuple]
+    compiled: tuple | None
+
+
 @dataclass
 class TableState:
     table: str
@@ -292,8 +304,8 @@ class MirrorStore:
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
         try:
-            self._db = sqlite3.connect(self.path, isolation_level=None,
-                                       check_same_thread=False)
+            # (the twin's Statements run batches on this connection's own SQLite handle)
+            self._db, self._statements = _connect(self.path)
             self._db.execute("PRAGMA journal_mode=WAL")
             # NORMAL in WAL mode: a power loss may drop the last commits, never split one, and
             # rows and position travel together, so the mirror re-reads what it lost.
@@ -312,9 +324,9 @@ class MirrorStore:
             raise MirrorError(f"{self.path} is not a usable mirror database ({exc}): move it "
                               "away and start the mirror again to rebuild it") from exc
         self._shapes: dict[str, TableShape] = shapes
-        # (kind, table, column names of the row) -> (statement, row map -> values); kind is
-        # "INSERT", "UPDATE" or _UPDATE_KEEPING_KEY
-        self._prepared: dict[tuple[str, str, tuple[str, ...]], tuple[str, Any]] = {}
+        # (kind, table, column names of the row) -> _Prepared; kind is "INSERT", "UPDATE" or
+        # _UPDATE_KEEPING_KEY
+        self._prepared: dict[tuple[str, str, tuple[str, ...]], _Prepared] = {}
         self._states: dict[str, TableState | None] = {}  # committed states, cached
         self._open: Applied | None = None  # the transaction begin() opened
         # consecutive inserts (rows) or keyed updates (parameters) of one table and column
@@ -328,6 +340,8 @@ class MirrorStore:
             f"SELECT wire_table, shape FROM {STATE_TABLE} WHERE shape != ''")}
 
     def close(self) -> None:
+        if self._statements is not None:
+            self._statements.close()  # (finalized before their connection closes)
         self._db.close()
 
     # -- state ----------------------------------------------------------------------------------
@@ -555,10 +569,11 @@ class MirrorStore:
             data = event["data"]
             if operation == "INSERT":
                 batch_key, item = (operation, table, tuple(data)), data
-            else:  # (no ``old``: the key did not change)
+            else:  # (no ``old``: the key did not change); None: a table without a key
                 batch_key = ("UPDATE" if event.get("old") else _UPDATE_KEEPING_KEY, table,
                              tuple(data))
-                item = self._update_parameters(event, batch_key)
+                item = event if (batch_key in self._prepared
+                                 or self._prepare_update(batch_key)) else None
             if item is not None:
                 if batch_key != self._batch_key or len(self._batched) >= 1000:
                     self._flush_batch()
@@ -621,14 +636,23 @@ class MirrorStore:
             if kind == "INSERT":
                 self._insert_rows(table, batched)
             else:
-                self._update_rows(table, self._prepared[self._batch_key][0], batched)
+                self._update_rows(table, self._prepared[self._batch_key], batched)
         except DivergenceError as exc:  # found at commit too: say which table it is
             exc.table = table
             raise
 
-    def _update_rows(self, table: str, statement: str, batched: list) -> None:
+    def _update_rows(self, table: str, prepared: _Prepared, events: list) -> None:
+        """Keyed UPDATE ``events`` of ``table`` (one column set), by the twin's Statements
+        where they take them, else by the pure path."""
+        statement = prepared.statement
         self._db.execute("SAVEPOINT cdc_update")
         try:
+            if prepared.compiled is not None and self._statements is not None:
+                if self._statements.run_updates(statement, events,
+                                                *prepared.compiled) == len(events):
+                    return
+                self._db.execute("ROLLBACK TO cdc_update")  # (the pure path says what)
+            batched = [self._update_values(prepared, event) for event in events]
             try:
                 changed = self._execute_many_unique(statement, batched)
             except OverflowError:  # an integer beyond 64 bits: every value converted
@@ -646,37 +670,40 @@ class MirrorStore:
         finally:
             self._db.execute("RELEASE cdc_update")
 
-    def _update_parameters(self, event: Mapping[str, Any],
-                           batch_key: tuple[str, str, tuple[str, ...]]) -> tuple | None:
-        """The parameters of a keyed UPDATE (SET every column of ``data`` WHERE key = the old
-        key, or the new one when it did not change); None for a table without a key.
-        ``_UPDATE_KEEPING_KEY`` (the key did not change) leaves the key columns out of the SET:
-        SQLite then rewrites the row in place instead of moving it (1.7 against 2.7 µs a row)."""
-        table = batch_key[1]
-        prepared = self._prepared.get(batch_key)
-        if prepared is None:
-            kind, _, names = batch_key
-            key = tuple(self.shape(table).key_columns)
-            if not key:
-                return None
-            set_names = names
-            if kind == _UPDATE_KEEPING_KEY:
-                set_names = tuple(name for name in names if name not in key) or names
-            sets = ", ".join(f"{quote(name)} = ?" for name in set_names)
-            where = " AND ".join(f"{quote(name)} = ?" for name in key)
-            set_values = self._row_converter(table, set_names, whole_row=set_names == names)
-            key_values = self._row_converter(table, key, whole_row=False)
+    def _prepare_update(self, batch_key: tuple[str, str, tuple[str, ...]]) -> _Prepared | None:
+        """The statement of keyed UPDATEs of ``batch_key`` (SET every column of ``data``
+        WHERE key = the old key, or the new one when it did not change); None for a table
+        without a key. ``_UPDATE_KEEPING_KEY`` (the key did not change) leaves the key columns
+        out of the SET: SQLite then rewrites the row in place instead of moving it (1.7
+        against 2.7 µs a row)."""
+        kind, table, names = batch_key
+        key = tuple(self.shape(table).key_columns)
+        if not key:
+            return None
+        set_names = names
+        if kind == _UPDATE_KEEPING_KEY:
+            set_names = tuple(name for name in names if name not in key) or names
+        sets = ", ".join(f"{quote(name)} = ?" for name in set_names)
+        where = " AND ".join(f"{quote(name)} = ?" for name in key)
+        whole_row = set_names == names
+        set_values, set_converts = self._row_converter(table, set_names, whole_row=whole_row)
+        key_values, key_converts = self._row_converter(table, key, whole_row=False)
 
-            def parameters(data: Mapping[str, Any], identity: Mapping[str, Any]) -> tuple:
-                return set_values(data) + key_values(identity)
-            prepared = self._prepared[batch_key] = (
-                f"UPDATE {quote(table)} SET {sets} WHERE {where}", parameters)
+        def parameters(data: Mapping[str, Any], identity: Mapping[str, Any]) -> tuple:
+            return set_values(data) + key_values(identity)
+        prepared = self._prepared[batch_key] = _Prepared(
+            f"UPDATE {quote(table)} SET {sets} WHERE {where}", parameters,
+            None if set_converts or key_converts else (set_names, key, whole_row))
+        return prepared
+
+    def _update_values(self, prepared: _Prepared, event: Mapping[str, Any]) -> tuple:
+        """The values an UPDATE event binds to ``prepared``."""
         data = event["data"]
         try:
-            return prepared[1](data, event.get("old") or data)
+            return prepared.values(data, event.get("old") or data)
         except KeyError as exc:
-            raise DivergenceError(f"{table}: {event.get('msg_id')} does not carry key "
-                                  f"column {exc.args[0]!r}") from exc
+            raise DivergenceError(f"{event['table']}: {event.get('msg_id')} does not carry "
+                                  f"key column {exc.args[0]!r}") from exc
 
     def rollback(self) -> None:
         self._batched = []
@@ -730,10 +757,11 @@ class MirrorStore:
             identity = event.get("old") or {name: data[name] for name in shape.key_columns}
             names = tuple(data)
             if shape.key_columns:  # one statement; the row must be there
-                parameters = self._update_parameters(event, ("UPDATE", table, names))
-                assert parameters is not None  # (None only for a table without a key)
-                if self._execute_unique(self._prepared[("UPDATE", table, names)][0],
-                                        parameters) != 1:
+                prepared = (self._prepared.get(("UPDATE", table, names))
+                            or self._prepare_update(("UPDATE", table, names)))
+                assert prepared is not None  # (None only for a table without a key)
+                if self._execute_unique(prepared.statement,
+                                        self._update_values(prepared, event)) != 1:
                     self._find_row(shape, identity, event)  # raises, naming the row
             else:
                 rowid = self._find_row(shape, identity, event)
@@ -793,13 +821,18 @@ class MirrorStore:
         names = tuple(rows[0])
         prepared = self._prepared.get(("INSERT", table, names))
         if prepared is None:
-            prepared = self._prepared[("INSERT", table, names)] = (
-                _insert_statement(table, names), self._row_converter(table, names))
-        statement, convert = prepared
+            convert, converts = self._row_converter(table, names)
+            prepared = self._prepared[("INSERT", table, names)] = _Prepared(
+                _insert_statement(table, names), convert, None if converts else (names,))
+        statement = prepared.statement
         try:
             self._db.execute("SAVEPOINT cdc_insert")
             try:
-                self._db.executemany(statement, map(convert, rows))
+                if prepared.compiled is not None and self._statements is not None:
+                    if self._statements.run_rows(statement, rows, *prepared.compiled) >= 0:
+                        return
+                    self._db.execute("ROLLBACK TO cdc_insert")  # (the pure path says what)
+                self._db.executemany(statement, map(prepared.values, rows))
             except (KeyError, OverflowError):
                 # rows of other columns, or an integer beyond 64 bits: undo the rows before
                 # it, then row by row with every value converted
@@ -814,10 +847,11 @@ class MirrorStore:
                 from exc
 
     def _row_converter(self, table: str, names: tuple[str, ...], *, whole_row: bool = True
-                       ) -> Callable[[Mapping], tuple]:
-        """A row map -> values (in ``names`` order) function; a row of other columns raises
-        KeyError (``whole_row=False``: a row may hold more columns than ``names``)."""
-        convert_values, _ = self._values_converter(table, names)
+                       ) -> tuple[Callable[[Mapping], tuple], bool]:
+        """(a row map -> values (in ``names`` order) function, whether any column always needs
+        converting); a row of other columns raises KeyError (``whole_row=False``: a row may
+        hold more columns than ``names``)."""
+        convert_values, always = self._values_converter(table, names)
         width = len(names)
         getter = operator.itemgetter(*names)  # values in ``names`` order, whatever the dict's
 
@@ -826,7 +860,7 @@ class MirrorStore:
                 raise KeyError("a row with other columns")
             values = getter(row)
             return convert_values((values,) if width == 1 else values)
-        return convert
+        return convert, always
 
     def _values_converter(self, table: str, names: tuple[str, ...]
                           ) -> tuple[Callable[[tuple], tuple], bool]:
@@ -907,3 +941,12 @@ class _Transaction:
             self._store._db.execute("COMMIT")
         else:
             self._store.rollback()
+
+
+def _connect(path: str) -> tuple[sqlite3.Connection, Any]:
+    """The store's connection, and the twin's ``Statements`` on its SQLite handle (None: not
+    built, or the handle could not be proven to be this connection's)."""
+    options: dict[str, Any] = {"isolation_level": None, "check_same_thread": False}
+    if _twin is not None:
+        return _twin.connect(path, **options)
+    return sqlite3.connect(path, **options), None

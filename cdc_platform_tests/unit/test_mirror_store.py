@@ -418,3 +418,29 @@ def test_rows_loaded_as_tuples_equal_rows_loaded_as_maps(tmp_path):
     assert repr(loaded[0]) == repr(loaded[1])  # (repr: -0.0 is not 0.0)
     assert loaded[0][0] == (1, "text", "NaN", "[1,null]", "1.5", "18446744073709551615")
     assert repr(loaded[0][1][1:3]) == "('real', -0.0)"
+
+
+def test_a_divergence_found_when_another_tables_event_flushes_a_batch_stales_its_own_table(
+        tmp_path):
+    """Consecutive inserts go to SQLite together when an event of another kind or table
+    comes: the divergence found then is the batch's table's, not that event's."""
+    from cdc_platform.mirror.follower import Mirror, _Following
+    from cdc_platform.mirror.transactions import TransactionCollector
+    from cdc_platform.settings import PlatformSettings
+
+    store = MirrorStore(tmp_path / "mirror.db")
+    bootstrapped(store, schema("a"), loaded=[{"id": 1, "name": "held"}])
+    bootstrapped(store, schema("b"))
+    mirror = Mirror(PlatformSettings(), ["a", "b"], tmp_path / "mirror.db",
+                    report=lambda line: None)
+    follow = _Following(mirror, None, store, TransactionCollector(["a", "b"],
+                                                                  keep_events=False), ["a", "b"])
+    follow.event(event("INSERT", "0/200", 0, table="a", data={"id": 1, "name": "again"}), 8,
+                 False)
+    assert not follow.stale  # (batched: not in SQLite yet)
+    follow.event(event("INSERT", "0/200", 1, table="b", data={"id": 1, "name": "new"},
+                       tx_tables={"a": 1, "b": 1}), 9, False)
+    assert list(follow.stale) == ["a"]
+    assert store.state("a").status == "stale" and store.state("b").status == "streaming"
+    assert rows(store, "b") == []
+    store.close()
