@@ -3,6 +3,9 @@
 from libc.stdint cimport uint8_t, uint64_t
 
 
+cdef bint valid_utf8(const uint8_t* text, Py_ssize_t size) noexcept nogil
+
+
 cdef class Reader:
     cdef const uint8_t* buf
     cdef Py_ssize_t pos
@@ -23,6 +26,8 @@ cdef class Reader:
     cdef int enter(self) except -1
     cdef list array(self, Py_ssize_t size)
     cdef dict map(self, Py_ssize_t size)
+    cdef dict map_without(self, Py_ssize_t size, frozenset unread)
+    cdef int skip(self) except -1
     cdef object key(self, Py_ssize_t size)
     cdef bint take_key(self, bytes name) except -1
     cdef Py_ssize_t header(self, uint8_t fix_first, uint8_t fix_last, uint8_t tag16,

@@ -73,6 +73,51 @@ cdef inline object _kept_text(list kept, Py_ssize_t slots, const uint8_t* chars,
     return out
 
 
+cdef bint valid_utf8(const uint8_t* text, Py_ssize_t size) noexcept nogil:
+    """Whether Python's strict UTF-8 decoder takes these bytes: no overlong form, no
+    surrogate, nothing past U+10FFFF, no cut sequence."""
+    cdef Py_ssize_t i = 0
+    cdef uint8_t first, second
+    cdef uint64_t eight
+    while i < size:
+        if i + 8 <= size:  # ASCII, eight bytes at a time
+            memcpy(&eight, text + i, 8)
+            if eight & 0x8080808080808080ULL == 0:
+                i += 8
+                continue
+        first = text[i]
+        if first < 0x80:
+            i += 1
+        elif first < 0xC2:
+            return False
+        elif first < 0xE0:
+            if i + 1 >= size or text[i + 1] & 0xC0 != 0x80:
+                return False
+            i += 2
+        elif first < 0xF0:
+            if i + 2 >= size:
+                return False
+            second = text[i + 1]
+            if second & 0xC0 != 0x80 or text[i + 2] & 0xC0 != 0x80:
+                return False
+            if (first == 0xE0 and second < 0xA0) or (first == 0xED and second >= 0xA0):
+                return False  # overlong; a surrogate
+            i += 3
+        elif first < 0xF5:
+            if i + 3 >= size:
+                return False
+            second = text[i + 1]
+            if (second & 0xC0 != 0x80 or text[i + 2] & 0xC0 != 0x80
+                    or text[i + 3] & 0xC0 != 0x80):
+                return False
+            if (first == 0xF0 and second < 0x90) or (first == 0xF4 and second >= 0x90):
+                return False  # overlong; past U+10FFFF
+            i += 4
+        else:
+            return False
+    return True
+
+
 cdef class Reader:
     def __cinit__(self, bytes data):
         self.data = data
@@ -216,6 +261,74 @@ cdef class Reader:
             out[key] = self.value()
         self.depth -= 1
         return out
+
+    cdef dict map_without(self, Py_ssize_t size, frozenset unread):
+        """map(), leaving out the entries whose key is in ``unread`` (their values are read
+        past with skip(), not made)."""
+        cdef dict out = _PyDict_NewPresized(min(size, 32, (self.end - self.pos) // 2))
+        cdef Py_ssize_t i, key_size
+        self.enter()
+        for i in range(size):
+            key_size = self.text_size()
+            key = self.key(key_size) if key_size >= 0 else self.value()
+            if key in unread:  # (an unhashable key raises TypeError here as in map())
+                self.skip()
+            else:
+                out[key] = self.value()
+        self.depth -= 1
+        return out
+
+    cdef int skip(self) except -1:
+        """Read past the value that starts here, refusing what value() refuses: integers,
+        text (checked as Python's strict UTF-8 decoder checks it) and bytes are not made; the
+        rest is read by value() and dropped."""
+        cdef uint8_t tag
+        cdef Py_ssize_t size, i
+        self.need(1)
+        tag = self.buf[self.pos]
+        if tag <= 0x7f or tag >= 0xe0 or tag == 0xc0 or tag == 0xc2 or tag == 0xc3:
+            self.pos += 1
+            return 0
+        if 0xcc <= tag <= 0xd3:  # (uint8-64, int8-64: 1, 2, 4, 8 bytes)
+            size = 1 << ((tag - 0xcc) & 3)
+            self.pos += 1
+            self.need(size)
+            self.pos += size
+            return 0
+        if 0xa0 <= tag <= 0xbf or 0xd9 <= tag <= 0xdb:  # text: checked, not made
+            size = self.text_size()
+            self.need(size)
+            if not valid_utf8(self.buf + self.pos, size):
+                raise ValueError("text that is not UTF-8")
+            self.pos += size
+            return 0
+        if 0xc4 <= tag <= 0xc6:  # bin 8, 16, 32
+            self.pos += 1
+            size = <Py_ssize_t>self.big_endian(1 << (tag - 0xc4))
+            self.need(size)
+            self.pos += size
+            return 0
+        if 0x90 <= tag <= 0x9f or tag == 0xdc or tag == 0xdd:
+            self.pos += 1
+            size = (tag & 0x0f if tag <= 0x9f
+                    else <Py_ssize_t>self.big_endian(2 if tag == 0xdc else 4))
+            self.enter()
+            for i in range(size):
+                self.skip()
+            self.depth -= 1
+            return 0
+        if 0x80 <= tag <= 0x8f or tag == 0xde or tag == 0xdf:
+            self.pos += 1
+            size = (tag & 0x0f if tag <= 0x8f
+                    else <Py_ssize_t>self.big_endian(2 if tag == 0xde else 4))
+            self.enter()
+            for i in range(size):
+                hash(self.value())  # (a key must be hashable, as in map())
+                self.skip()
+            self.depth -= 1
+            return 0
+        self.value()
+        return 0
 
     cdef object key(self, Py_ssize_t size):
         """A str map key: the same few names come in every event and row, so each ASCII one

@@ -44,7 +44,7 @@ from posix.dlfcn cimport RTLD_NOW, dlopen, dlsym
 cdef extern from "<dlfcn.h>":
     void* RTLD_DEFAULT  # (Python.h defines _GNU_SOURCE)
 
-from cdc_platform._speedups.msgpack_reader cimport Reader
+from cdc_platform._speedups.msgpack_reader cimport Reader, valid_utf8
 
 # The stable SQLite C API (sqlite.org/c3ref), declared here rather than from sqlite3.h.
 ctypedef void (*destructor)(void*) noexcept
@@ -144,51 +144,6 @@ cdef int _find_sqlite() except -1:
 
 
 _find_sqlite()
-
-
-cdef bint _valid_utf8(const uint8_t* text, Py_ssize_t size) noexcept nogil:
-    """Whether Python's strict UTF-8 decoder takes these bytes: no overlong form, no
-    surrogate, nothing past U+10FFFF, no cut sequence."""
-    cdef Py_ssize_t i = 0
-    cdef uint8_t first, second
-    cdef uint64_t eight
-    while i < size:
-        if i + 8 <= size:  # ASCII, eight bytes at a time
-            memcpy(&eight, text + i, 8)
-            if eight & 0x8080808080808080ULL == 0:
-                i += 8
-                continue
-        first = text[i]
-        if first < 0x80:
-            i += 1
-        elif first < 0xC2:
-            return False
-        elif first < 0xE0:
-            if i + 1 >= size or text[i + 1] & 0xC0 != 0x80:
-                return False
-            i += 2
-        elif first < 0xF0:
-            if i + 2 >= size:
-                return False
-            second = text[i + 1]
-            if second & 0xC0 != 0x80 or text[i + 2] & 0xC0 != 0x80:
-                return False
-            if (first == 0xE0 and second < 0xA0) or (first == 0xED and second >= 0xA0):
-                return False  # overlong; a surrogate
-            i += 3
-        elif first < 0xF5:
-            if i + 3 >= size:
-                return False
-            second = text[i + 1]
-            if (second & 0xC0 != 0x80 or text[i + 2] & 0xC0 != 0x80
-                    or text[i + 3] & 0xC0 != 0x80):
-                return False
-            if (first == 0xF0 and second < 0x90) or (first == 0xF4 and second >= 0x90):
-                return False  # overlong; past U+10FFFF
-            i += 4
-        else:
-            return False
-    return True
 
 
 cdef class ChunkLoader:
@@ -412,7 +367,7 @@ cdef class ChunkLoader:
         text = reader.buf + reader.pos
         reader.pos += size
         # SQLITE_STATIC (NULL): the value is read in place, until the next row rebinds it
-        return (size <= INT_MAX and _valid_utf8(text, size)
+        return (size <= INT_MAX and valid_utf8(text, size)
                 and api.bind_text(self.statement, index, <const char*>text, <int>size,
                                   NULL) == SQLITE_OK)
 

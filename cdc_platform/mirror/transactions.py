@@ -34,32 +34,33 @@ class Transaction:
     commit_lsn: int
     keep_events: bool = True  # False: only the keys (a consumer applying as events come)
     events: dict[tuple[int, bool], Mapping[str, Any]] = field(default_factory=dict)
-    seen: set[tuple[str, int, bool]] = field(default_factory=set)
     counts: dict[str, set[int]] = field(default_factory=dict)  # table -> change ordinals
+    schema_events: set[tuple[str, int]] = field(default_factory=set)  # (table, ordinal)
     tables: dict[str, int] | None = None  # the tx_tables map, once one arrived
     ended: set[str] = field(default_factory=set)  # tables whose last event arrived
     last_seq: int = 0  # the highest stream sequence of its events
 
     def add(self, event: Mapping[str, Any], seq: int) -> bool:
         """Whether ``event`` is new to the transaction (False: a redelivered copy)."""
-        is_change = event["operation"] != SCHEMA_OPERATION  # a schema event sorts first
         ordinal = int(event["ordinal"])
         if seq > self.last_seq:  # noqa: PLR1730 - (no max() call per event)
             self.last_seq = seq
         table = event["table"]
-        seen_key = (table, ordinal, is_change)
-        seen = self.seen
-        if seen_key in seen:
-            return False
-        seen.add(seen_key)
-        if self.keep_events:
-            self.events[(ordinal, is_change)] = event
-        if not is_change:
+        if event["operation"] == SCHEMA_OPERATION:  # not counted; sorts before its change
+            if (table, ordinal) in self.schema_events:
+                return False
+            self.schema_events.add((table, ordinal))
+            if self.keep_events:
+                self.events[(ordinal, False)] = event
             return True
         ordinals = self.counts.get(table)
         if ordinals is None:
             ordinals = self.counts[table] = set()
+        elif ordinal in ordinals:
+            return False
         ordinals.add(ordinal)
+        if self.keep_events:
+            self.events[(ordinal, True)] = event
         tx_tables = event.get("tx_tables")
         if tx_tables is not None:
             self.tables = dict(tx_tables)

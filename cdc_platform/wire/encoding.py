@@ -68,19 +68,33 @@ def decode_msgpack_python(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
-def decode_payload(data: bytes, fmt: Format) -> Any:
-    """For consumers and tests: the inverse of :func:`encoder` (bytes stay base64 in JSON)."""
+def decode_payload(data: bytes, fmt: Format, unread: frozenset[str] = frozenset()) -> Any:
+    """For consumers and tests: the inverse of :func:`encoder` (bytes stay base64 in JSON).
+    ``unread``: fields the caller never reads, left out of each event (:func:`without`); the
+    compiled decoder reads past them without making their values."""
     if fmt == "msgpack":
         if _twin is not None:
             try:
-                return _twin.decode_msgpack(data)
+                return _twin.decode_msgpack(data, unread or None)
             except (ValueError, TypeError):  # the pure decoder's answer, or its error
                 pass
-        return decode_msgpack_python(data)
-    try:
-        return json.loads(data)
-    except RecursionError:  # a forged payload nested too deep: one kind of error for all
-        raise ValueError("JSON nested too deep") from None
+        decoded = decode_msgpack_python(data)
+    else:
+        try:
+            decoded = json.loads(data)
+        except RecursionError:  # a forged payload nested too deep: one kind of error for all
+            raise ValueError("JSON nested too deep") from None
+    return without(decoded, unread) if unread else decoded
+
+
+def without(payload: Any, unread: frozenset[str]) -> Any:
+    """``payload`` (an event map, or a batch: an array of them) without the entries of the
+    keys in ``unread``; anything else as it is."""
+    if type(payload) is dict:
+        return {key: value for key, value in payload.items() if key not in unread}
+    if type(payload) is list:
+        return [without(item, unread) if type(item) is dict else item for item in payload]
+    return payload
 
 
 _twin = compiled_twin(__name__)  # decode_msgpack (cdc_platform/speedups.py)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from cdc_platform.speedups import compiled_twin
 from cdc_platform.wire import decode_payload
+from cdc_platform.wire.encoding import without
 from cdc_platform_tests.msgpack_values import same as _same
 from cdc_platform_tests.msgpack_values import values
 
@@ -39,6 +40,77 @@ def test_the_same_value_as_msgpack(document):
     want = msgpack.unpackb(data, raw=False, strict_map_key=False)
     assert _same(ENCODING.decode_msgpack(data), want)
     assert _same(decode_payload(data, "msgpack"), want)
+
+
+# events and batches of them, whose fields (some of them left unread) hold any value
+_FIELDS = ["table", "lsn", "subject", "xid", "data", "é", "x" * 70]
+events = st.dictionaries(st.one_of(st.sampled_from(_FIELDS), keys), documents, max_size=8)
+payloads = st.one_of(events, st.lists(st.one_of(events, documents), max_size=4), documents)
+unread_sets = st.frozensets(st.sampled_from(_FIELDS), min_size=1)
+
+
+@compiled
+@settings(max_examples=500, deadline=None)
+@given(payloads, unread_sets)
+def test_unread_fields_are_left_out_as_the_pure_path_leaves_them(payload, unread):
+    data = msgpack.packb(payload, use_bin_type=True)
+    want = without(msgpack.unpackb(data, raw=False, strict_map_key=False), unread)
+    assert _same(ENCODING.decode_msgpack(data, unread), want)
+    assert _same(decode_payload(data, "msgpack", unread), want)
+
+
+@compiled
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.binary(max_size=60), payloads.map(lambda p: msgpack.packb(p)[:-1]),
+                 payloads.map(lambda p: _corrupt_text(msgpack.packb(p)))), unread_sets)
+def test_unread_fields_are_checked_as_the_pure_path_checks_them(data, unread):
+    """Bytes the pure decoder refuses anywhere (a cut value, bad UTF-8, a type outside the
+    contract) are refused in an unread field too: a payload is one or the other whatever
+    the caller reads of it."""
+    try:
+        want = without(msgpack.unpackb(data, raw=False, strict_map_key=False), unread)
+    except Exception:  # noqa: BLE001 - any error: the compiled decoder must refuse too
+        with pytest.raises((ValueError, TypeError)):
+            ENCODING.decode_msgpack(data, unread)
+        return
+    try:
+        got = ENCODING.decode_msgpack(data, unread)
+    except (ValueError, TypeError):
+        assert _same(decode_payload(data, "msgpack", unread), want)
+        return
+    assert _same(got, want)
+
+
+def _corrupt_text(data: bytes) -> bytes:
+    """``data`` with the first byte of its last text of 1 to 31 bytes made 0xff."""
+    for position in range(len(data) - 2, -1, -1):
+        if 0xa1 <= data[position] <= 0xbf and position + 1 + (data[position] & 0x1f) <= len(data):
+            return data[:position + 1] + b"\xff" + data[position + 2:]
+    return data
+
+
+@compiled
+@pytest.mark.parametrize("bad", [
+    b"\xa1\x80", b"\xa2\xc3\x28", b"\xa3\xed\xa0\x80", b"\xa2\xc0\xaf",  # bad UTF-8
+    b"\xa4\xf4\x90\x80\x80", b"\xa2\xe2\x82", b"\xd9\x01\xff",
+    b"\x81\x91\x01\x02",  # a map whose key is an array
+    b"\x91\xc1",  # a byte msgpack never writes
+])
+def test_a_bad_value_in_an_unread_field_is_refused(bad):
+    """(the pure decoder refuses it, so the compiled one must: left unread is not unchecked)"""
+    data = b"\x82\xa5table\xa1t\xa3lsn" + bad
+    with pytest.raises(Exception):  # noqa: B017 - whatever msgpack raises
+        msgpack.unpackb(data, raw=False, strict_map_key=False)
+    with pytest.raises((ValueError, TypeError)):
+        ENCODING.decode_msgpack(data, frozenset({"lsn"}))
+    assert ENCODING.decode_msgpack(b"\x82\xa5table\xa1t\xa3lsn\xa20/",
+                                   frozenset({"lsn"})) == {"table": "t"}
+
+
+def test_unread_fields_are_left_out_of_json_too():
+    data = b'[{"table": "t", "lsn": "0/1", "data": {"lsn": 1}}, 7]'
+    assert decode_payload(data, "json", frozenset({"lsn"})) == [
+        {"table": "t", "data": {"lsn": 1}}, 7]
 
 
 @compiled
