@@ -10,6 +10,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.js.api import ConsumerConfig
 
 from cdc_platform.dev.servers import free_port
 from cdc_platform.jetstream.connection import connect_nats
@@ -113,6 +114,87 @@ async def test_a_consumer_reads_everything_and_can_forge_nothing(
         await Mirror(consumer, [table], db, options=MirrorSettings(status_interval_seconds=1.0),
                      report=lambda line: None).run(until_caught_up=True)
     assert mirror_rows(db, table, ["id", "v"]) == source_rows(
+        cdc_database.server.superuser_conninfo(), table, ["id", "v"])
+
+
+def _with_team_users(config: str, teams: dict[str, str]) -> str:
+    """The deploy config with a user per team (name -> password), each given the config's
+    TEAM_A_PERMISSIONS block copied for its own durable, as its comment says to."""
+    block = config[config.index("TEAM_A_PERMISSIONS = {"):config.index("\nauthorization {")]
+    blocks = "".join(block.replace("team_a", team).replace("TEAM_A", team.upper())
+                     for team in teams if team != "team_a")
+    users = "".join(f'    {{ user: {team}, password: "{password}", '
+                    f"permissions: ${team.upper()}_PERMISSIONS }}\n"
+                    for team, password in teams.items())
+    config = config.replace("\nauthorization {", f"{blocks}\nauthorization {{")
+    return config.replace("  users: [\n", f"  users: [\n{users}")
+
+
+async def test_a_team_user_reaches_its_own_durable_and_no_other(cdc_database, pg_admin,
+                                                                 tmp_path):
+    """The README's remedy for a consumer deleting another's durable, on a real nats-server:
+    each team's user (the config's TEAM_A_PERMISSIONS, copied per team) runs its mirror on
+    its own durable, bootstrap and claim checks included, and can neither delete, read nor
+    take over another team's."""
+    port, monitor = free_port(), free_port()
+    passwords = {name: secret_for_test() for name in ("bridge", "team_a", "team_b")}
+    config = tmp_path / "nats-server.conf"
+    config.write_text(_with_team_users(CONFIG.read_text(), {
+        "team_a": passwords["team_a"], "team_b": passwords["team_b"]}))
+    env = {**os.environ, "NATS_PORT": str(port), "NATS_MONITOR_LISTEN": f"127.0.0.1:{monitor}",
+           "NATS_STORE_DIR": str(tmp_path / "jetstream"),
+           "NATS_BRIDGE_PASSWORD": passwords["bridge"], "NATS_CONSUMER_PASSWORD": "unused"}
+    table = random_name("teams")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 50) g")
+    cdc_database.add_tables(pg_admin, table)
+    with nats_server_from(config, port, tmp_path / "nats.log", env):
+        settings = platform_settings(cdc_database, f"nats://127.0.0.1:{port}")
+        bridge = _as(settings, "bridge", passwords["bridge"])
+        client = await connect_nats(bridge.nats)
+        await provision(client.jetstream(), NatsTopology())
+        await client.close()
+        options = MirrorSettings(status_interval_seconds=1.0)
+        async with running_bridge(bridge), snapshot_responder(bridge):
+            await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+            for team in ("team_a", "team_b"):
+                await Mirror(_as(settings, team, passwords[team]), [table],
+                             tmp_path / f"{team}.db", durable=team, options=options,
+                             report=lambda line: None).run(until_caught_up=True)
+            pg_admin.execute(f"UPDATE {table} SET v = 'changed' WHERE id <= 5")
+            pg_admin.execute(f"INSERT INTO {table} VALUES (1000, repeat('x', 1500000))")
+            await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
+
+            errors: list[Exception] = []
+
+            async def on_error(exc: Exception) -> None:
+                errors.append(exc)
+
+            intruder = await nats.connect(f"nats://127.0.0.1:{port}", user="team_b",
+                                          password=passwords["team_b"], error_cb=on_error,
+                                          allow_reconnect=False)
+            js = intruder.jetstream(timeout=2.0)
+            assert await _refused(lambda: js.delete_consumer("CDC", "team_a"))
+            assert await _refused(lambda: js.consumer_info("CDC", "team_a"))
+            assert await _refused(lambda: intruder.request(
+                "$JS.API.CONSUMER.MSG.NEXT.CDC.team_a", b'{"batch": 1}', timeout=2.0))
+            assert await _refused(lambda: js.add_consumer(
+                "CDC", ConsumerConfig(durable_name="team_a", deliver_subject="_INBOX.stolen")))
+            assert await _refused(lambda: js.add_consumer(
+                "CDC", ConsumerConfig(durable_name="other", filter_subject="cdc.>")))
+            assert (await js.consumer_info("CDC", "team_b")).name == "team_b"  # its own
+            assert any("permissions violation" in str(e).lower() for e in errors), errors
+            with contextlib.suppress(Exception):
+                await intruder.close()
+            owner = await connect_nats(bridge.nats)
+            assert (await owner.jetstream().consumer_info("CDC", "team_a")).name == "team_a"
+            await owner.close()
+
+            # and team_a follows on: the changes above, the claim-checked value included
+            await Mirror(_as(settings, "team_a", passwords["team_a"]), [table],
+                         tmp_path / "team_a.db", durable="team_a", options=options,
+                         report=lambda line: None).run(until_caught_up=True)
+    assert mirror_rows(tmp_path / "team_a.db", table, ["id", "v"]) == source_rows(
         cdc_database.server.superuser_conninfo(), table, ["id", "v"])
 
 
