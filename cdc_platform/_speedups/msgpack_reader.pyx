@@ -284,6 +284,7 @@ cdef class Reader:
         rest is read by value() and dropped."""
         cdef uint8_t tag
         cdef Py_ssize_t size, i
+        cdef bint is_map
         self.need(1)
         tag = self.buf[self.pos]
         if tag <= 0x7f or tag >= 0xe0 or tag == 0xc0 or tag == 0xc2 or tag == 0xc3:
@@ -308,22 +309,15 @@ cdef class Reader:
             self.need(size)
             self.pos += size
             return 0
-        if 0x90 <= tag <= 0x9f or tag == 0xdc or tag == 0xdd:
+        if 0x80 <= tag <= 0x9f or 0xdc <= tag <= 0xdf:  # an array or a map
+            is_map = tag <= 0x8f or tag >= 0xde
             self.pos += 1
             size = (tag & 0x0f if tag <= 0x9f
-                    else <Py_ssize_t>self.big_endian(2 if tag == 0xdc else 4))
+                    else <Py_ssize_t>self.big_endian(2 if tag == 0xdc or tag == 0xde else 4))
             self.enter()
             for i in range(size):
-                self.skip()
-            self.depth -= 1
-            return 0
-        if 0x80 <= tag <= 0x8f or tag == 0xde or tag == 0xdf:
-            self.pos += 1
-            size = (tag & 0x0f if tag <= 0x8f
-                    else <Py_ssize_t>self.big_endian(2 if tag == 0xde else 4))
-            self.enter()
-            for i in range(size):
-                hash(self.value())  # (a key must be hashable, as in map())
+                if is_map:
+                    hash(self.value())  # (a key must be hashable, as in map())
                 self.skip()
             self.depth -= 1
             return 0

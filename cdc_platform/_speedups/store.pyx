@@ -502,6 +502,7 @@ cdef class Statements:
         cdef Py_ssize_t width = len(names)
         cdef _Prepared prepared = self._prepare(sql, width)
         cdef long long changes = 0
+        cdef int changed
         if prepared is None:
             return -1
         try:
@@ -509,10 +510,10 @@ cdef class Statements:
                 if (type(row) is not dict or (whole_row and PyDict_Size(row) != width)
                         or not _bind_from(prepared.statement, <dict>row, names, 1)):
                     return _refused(prepared.statement)
-                if api.step(prepared.statement) != SQLITE_DONE:
-                    return _refused(prepared.statement)
-                changes += api.changes(self.db)
-                api.reset(prepared.statement)
+                changed = self._step(prepared.statement)
+                if changed < 0:
+                    return -1
+                changes += changed
         finally:
             api.clear_bindings(prepared.statement)  # (they point into the rows' values)
         return changes
@@ -526,6 +527,7 @@ cdef class Statements:
         cdef Py_ssize_t width = len(set_names)
         cdef _Prepared prepared = self._prepare(sql, width + len(key_names))
         cdef long long changes = 0
+        cdef int changed
         if prepared is None:
             return -1
         try:
@@ -542,13 +544,23 @@ cdef class Statements:
                         or not _bind_from(prepared.statement, <dict>identity, key_names,
                                           <int>width + 1)):
                     return _refused(prepared.statement)
-                if api.step(prepared.statement) != SQLITE_DONE:
-                    return _refused(prepared.statement)
-                changes += api.changes(self.db)
-                api.reset(prepared.statement)
+                changed = self._step(prepared.statement)
+                if changed < 0:
+                    return -1
+                changes += changed
         finally:
             api.clear_bindings(prepared.statement)
         return changes
+
+
+    cdef int _step(self, void* statement) noexcept:
+        """Run the bound statement once: the rows it changed, or -1 (refused, reset)."""
+        cdef int changed
+        if api.step(statement) != SQLITE_DONE:
+            return _refused(statement)
+        changed = api.changes(self.db)
+        api.reset(statement)
+        return changed
 
 
 cdef int _refused(void* statement) noexcept:

@@ -50,6 +50,19 @@ def _as(settings, user: str, password: str):
     return settings.model_copy(update={"nats": nats_settings})
 
 
+async def _connect_watched(url: str, user: str, password: str):
+    """A plain nats-py client as ``user``, and the list its asynchronous errors (permissions
+    violations) are appended to."""
+    errors: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    client = await nats.connect(url, user=user, password=password, error_cb=on_error,
+                                allow_reconnect=False)
+    return client, errors
+
+
 async def _refused(publish) -> bool:
     """Whether a JetStream publish was refused (the server answers a publish it does not
     permit with a permissions error and no ack: nats-py times out or raises)."""
@@ -87,13 +100,7 @@ async def test_a_consumer_reads_everything_and_can_forge_nothing(
         await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
 
         # the consumer tries to forge: a DELETE of a row, a chunk, a meta, a schema
-        errors: list[Exception] = []
-
-        async def on_error(exc: Exception) -> None:
-            errors.append(exc)
-
-        forger = await nats.connect(url, user="consumer", password=consumer_password,
-                                    error_cb=on_error, allow_reconnect=False)
+        forger, errors = await _connect_watched(url, "consumer", consumer_password)
         js = forger.jetstream(timeout=2.0)
         before = (await js.stream_info("CDC")).state.messages
         assert await _refused(lambda: js.publish(
@@ -119,10 +126,14 @@ async def test_a_consumer_reads_everything_and_can_forge_nothing(
 
 def _with_team_users(config: str, teams: dict[str, str]) -> str:
     """The deploy config with a user per team (name -> password), each given the config's
-    TEAM_A_PERMISSIONS block copied for its own durable, as its comment says to."""
-    block = config[config.index("TEAM_A_PERMISSIONS = {"):config.index("\nauthorization {")]
+    TEAM_A_PERMISSIONS block (commented out there) uncommented and copied for its own
+    durable, as its comment says to."""
+    commented = config[config.index("# TEAM_A_PERMISSIONS = {"):config.index("\nauthorization {")]
+    block = "\n".join(line.removeprefix("#").removeprefix(" ")
+                      for line in commented.splitlines()) + "\n"
+    config = config.replace(commented, "")
     blocks = "".join(block.replace("team_a", team).replace("TEAM_A", team.upper())
-                     for team in teams if team != "team_a")
+                     for team in teams)
     users = "".join(f'    {{ user: {team}, password: "{password}", '
                     f"permissions: ${team.upper()}_PERMISSIONS }}\n"
                     for team, password in teams.items())
@@ -165,14 +176,8 @@ async def test_a_team_user_reaches_its_own_durable_and_no_other(cdc_database, pg
             pg_admin.execute(f"INSERT INTO {table} VALUES (1000, repeat('x', 1500000))")
             await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
 
-            errors: list[Exception] = []
-
-            async def on_error(exc: Exception) -> None:
-                errors.append(exc)
-
-            intruder = await nats.connect(f"nats://127.0.0.1:{port}", user="team_b",
-                                          password=passwords["team_b"], error_cb=on_error,
-                                          allow_reconnect=False)
+            intruder, errors = await _connect_watched(f"nats://127.0.0.1:{port}", "team_b",
+                                                      passwords["team_b"])
             js = intruder.jetstream(timeout=2.0)
             assert await _refused(lambda: js.delete_consumer("CDC", "team_a"))
             assert await _refused(lambda: js.consumer_info("CDC", "team_a"))
