@@ -30,6 +30,7 @@ import secrets
 import sqlite3
 import threading
 
+cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_GetItemWithError, PyDict_Size
 from cpython.float cimport PyFloat_AS_DOUBLE
@@ -224,8 +225,8 @@ cdef class ChunkLoader:
         cdef Py_ssize_t field_count, i
         cdef Py_ssize_t rows = -1
         cdef dict fields = {}
-        if reader.end == 0 or data[0:1] in (b"{", b"["):
-            return None  # JSON
+        if reader.end == 0 or data[0:1] in (b"{", b"[") or _adapters_in_use():
+            return None  # JSON; values Python's sqlite3 would adapt
         self.loading = True
         try:
             if not self._execute(b"BEGIN IMMEDIATE"):
@@ -411,6 +412,8 @@ def connect(str path not None, **options):
     the connection's handle could not be found and proven (the pure path runs)."""
     global _captured_handle, _capturing_thread, _capturing
     cdef void* handle
+    if "factory" in options:  # (one that opens another connection first would be taken)
+        raise TypeError("connect() takes no factory")
     with _capture_lock:
         _captured_handle = NULL
         _capturing_thread = pthread_self()
@@ -446,6 +449,27 @@ cdef class _Prepared:
     cdef int parameters
 
 
+# Python's sqlite3 passes a value through an adapter registered for its type
+# (sqlite3.register_adapter); these bind values as they are, so they step aside then.
+_BOUND_TYPES = (int, float, str, bytes, bool, type(None))
+
+
+cdef bint _adapters_in_use() except -1:
+    adapters = sqlite3.adapters
+    if not adapters:
+        return False
+    for kind in _BOUND_TYPES:
+        if (kind, sqlite3.PrepareProtocol) in adapters:
+            return True
+    return False
+
+
+# Prepared statements kept at most (one per SQL text: a table's column sets); beyond, all are
+# finalized and prepared again as needed (schema churn must not grow them without bound).
+DEF _MOST_PREPARED = 256
+
+
+@cython.no_gc_clear  # (__dealloc__ needs ``prepared``: a store in a reference cycle)
 cdef class Statements:
     """INSERTs and UPDATEs of the mirror's batches, prepared on the SQLite handle of the
     store's own connection (so in its transaction, its savepoints) and run for many rows with
@@ -475,7 +499,7 @@ cdef class Statements:
         self.connection = None
 
     def __dealloc__(self):
-        if self.db != NULL:
+        if self.db != NULL and self.prepared is not None:
             for prepared in self.prepared.values():
                 api.finalize((<_Prepared>prepared).statement)
 
@@ -487,6 +511,10 @@ cdef class Statements:
         if prepared is None:
             if self.db == NULL:
                 raise ValueError("the statements are closed")
+            if len(self.prepared) >= _MOST_PREPARED:
+                for kept in self.prepared.values():
+                    api.finalize((<_Prepared>kept).statement)
+                self.prepared.clear()
             if api.prepare_v2(self.db, sql.encode(), -1, &statement, NULL) != SQLITE_OK:
                 return None
             prepared = _Prepared.__new__(_Prepared)
@@ -503,12 +531,13 @@ cdef class Statements:
         cdef _Prepared prepared = self._prepare(sql, width)
         cdef long long changes = 0
         cdef int changed
-        if prepared is None:
+        cdef list bound = [None] * width  # (the values bound, alive until stepped)
+        if prepared is None or _adapters_in_use():
             return -1
         try:
             for row in rows:
                 if (type(row) is not dict or (whole_row and PyDict_Size(row) != width)
-                        or not _bind_from(prepared.statement, <dict>row, names, 1)):
+                        or not _bind_from(prepared.statement, <dict>row, names, 1, bound)):
                     return _refused(prepared.statement)
                 changed = self._step(prepared.statement)
                 if changed < 0:
@@ -528,7 +557,8 @@ cdef class Statements:
         cdef _Prepared prepared = self._prepare(sql, width + len(key_names))
         cdef long long changes = 0
         cdef int changed
-        if prepared is None:
+        cdef list bound = [None] * (width + len(key_names))
+        if prepared is None or _adapters_in_use():
             return -1
         try:
             for event in events:
@@ -540,9 +570,9 @@ cdef class Statements:
                     identity = data
                 if (type(data) is not dict or type(identity) is not dict
                         or (whole_row and PyDict_Size(data) != width)
-                        or not _bind_from(prepared.statement, <dict>data, set_names, 1)
+                        or not _bind_from(prepared.statement, <dict>data, set_names, 1, bound)
                         or not _bind_from(prepared.statement, <dict>identity, key_names,
-                                          <int>width + 1)):
+                                          <int>width + 1, bound)):
                     return _refused(prepared.statement)
                 changed = self._step(prepared.statement)
                 if changed < 0:
@@ -553,11 +583,17 @@ cdef class Statements:
         return changes
 
 
-    cdef int _step(self, void* statement) noexcept:
-        """Run the bound statement once: the rows it changed, or -1 (refused, reset)."""
+    cdef int _step(self, void* statement) except -2:
+        """Run the bound statement once: the rows it changed, or -1 (refused, reset). An
+        error after which SQLite rolled back the whole transaction (a full disk, an I/O
+        error) is raised as itself: there is no savepoint left for the pure path to run in."""
         cdef int changed
+        cdef bint in_transaction = not api.get_autocommit(self.db)
         if api.step(statement) != SQLITE_DONE:
-            return _refused(statement)
+            _refused(statement)
+            if in_transaction and api.get_autocommit(self.db):
+                raise sqlite3.OperationalError(api.errmsg(self.db).decode(errors="replace"))
+            return -1
         changed = api.changes(self.db)
         api.reset(statement)
         return changed
@@ -568,14 +604,20 @@ cdef int _refused(void* statement) noexcept:
     return -1
 
 
-cdef bint _bind_from(void* statement, dict row, tuple names, int first) except -1:
+cdef bint _bind_from(void* statement, dict row, tuple names, int first,
+                    list bound) except -1:
     """Bind ``row``'s values of ``names`` to parameters ``first``, ``first + 1``, ...; False:
-    a name ``row`` lacks or a value the pure path must bind (see Statements)."""
+    a name ``row`` lacks or a value the pure path must bind (see Statements). Each value is
+    also put in ``bound`` (at its parameter's place): text and bytes are bound in place, and a
+    later lookup may run Python code that drops them from ``row``."""
     cdef Py_ssize_t k
     cdef PyObject* value
     for k in range(len(names)):
         value = PyDict_GetItemWithError(row, names[k])
-        if value == NULL or not _bind_value(statement, first + <int>k, <object>value):
+        if value == NULL:
+            return False
+        bound[first - 1 + k] = <object>value
+        if not _bind_value(statement, first + <int>k, <object>value):
             return False
     return True
 

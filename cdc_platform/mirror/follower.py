@@ -585,6 +585,8 @@ def _check_event(event: Any, subject: str, subject_prefixes: dict[str, str]) -> 
         raise ValueError(f"ordinal {ordinal!r}")
     if (operation == "INSERT" or operation == "UPDATE") and type(event.get("data")) is not dict:
         raise ValueError(f"{operation} without a data map")
+    if operation == "INSERT" and not event["data"]:
+        raise ValueError("an INSERT without values")
 
 
 def _streaming(state: TableState | None) -> bool:

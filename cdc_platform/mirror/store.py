@@ -403,13 +403,16 @@ class MirrorStore:
             columns += f", PRIMARY KEY ({', '.join(quote(name) for name in key)})"
         self._db.execute(f"CREATE TABLE {quote(shape.table)} ({columns})")
         if not key:
-            # Without a key, updates and deletes name a row by its values (REPLICA IDENTITY
-            # FULL): an index on a few of them spares a full scan per change.
-            lookup = [c.name for c in shape.columns if c.sqlite_type != "BLOB"][:3]
-            if lookup:
-                self._db.execute(
-                    f"CREATE INDEX {quote(shape.table + ' (row lookup)')} ON "
-                    f"{quote(shape.table)} ({', '.join(quote(name) for name in lookup)})")
+            self._create_lookup(shape)
+
+    def _create_lookup(self, shape: TableShape) -> None:
+        """Without a key, updates and deletes name a row by its values (REPLICA IDENTITY
+        FULL): an index on a few of them spares a full scan per change."""
+        lookup = [c.name for c in shape.columns if c.sqlite_type != "BLOB"][:3]
+        if lookup:
+            self._db.execute(
+                f"CREATE INDEX {quote(shape.table + ' (row lookup)')} ON "
+                f"{quote(shape.table)} ({', '.join(quote(name) for name in lookup)})")
 
     def apply_shape(self, shape: TableShape,
                     added_values: Mapping[str, Any] | None = None) -> SchemaChange:
@@ -435,6 +438,8 @@ class MirrorStore:
                     == {n for n, (_, pk) in new.items() if pk})
         if not kept_same or not key_same:
             return SchemaChange.NEEDS_BOOTSTRAP
+        if not shape.key_columns:  # (SQLite drops no indexed column: made again below)
+            self._db.execute(f"DROP INDEX IF EXISTS {quote(shape.table + ' (row lookup)')}")
         for name in old:
             if name not in new:
                 self._db.execute(f"ALTER TABLE {quote(shape.table)} DROP COLUMN {quote(name)}")
@@ -446,6 +451,8 @@ class MirrorStore:
                 if value is not None:
                     self._db.execute(f"UPDATE {quote(shape.table)} SET {quote(column.name)} = ?",
                                      (to_sqlite(value),))
+        if not shape.key_columns:
+            self._create_lookup(shape)
         # SQLite appends added columns; a column order that differs from the source's (a
         # column dropped and added under the same name) is still the same set of values.
         return SchemaChange.ALTERED
@@ -565,6 +572,11 @@ class MirrorStore:
             return
         state.touched = True
         operation = event["operation"]
+        if operation == "UPDATE" and not event["data"] and not event.get("old"):
+            # every column an unchanged TOAST value: the row stays as it is
+            state.applied_commit_lsn, state.applied_ordinal = commit_lsn, event["ordinal"]
+            self._open.events += 1
+            return
         if operation in ("INSERT", "UPDATE") and not from_json:
             data = event["data"]
             if operation == "INSERT":
@@ -801,6 +813,9 @@ class MirrorStore:
         else by every column ``identity`` holds (a REPLICA IDENTITY FULL old row; one of
         identical rows is as good as another)."""
         names = shape.key_columns or list(identity)
+        if not names:
+            raise DivergenceError(f"{shape.table}: {event['operation']} {event.get('msg_id')} "
+                                  "names no row (no values to find it by)")
         try:
             where = " AND ".join(f"{quote(name)} IS ?" for name in names)
             params = [to_sqlite(identity[name]) for name in names]

@@ -124,8 +124,9 @@ async def test_a_consumer_reads_everything_and_can_forge_nothing(
         cdc_database.server.superuser_conninfo(), table, ["id", "v"])
 
 
-def _with_team_users(config: str, teams: dict[str, str]) -> str:
-    """The deploy config with a user per team (name -> password), each given the config's
+def _with_team_users(config: str, teams: list[str]) -> str:
+    """The deploy config with a user per team (password: ``$NATS_<TEAM>_PASSWORD``, from
+    the environment, never in the file), each given the config's
     TEAM_A_PERMISSIONS block (commented out there) uncommented and copied for its own
     durable, as its comment says to."""
     commented = config[config.index("# TEAM_A_PERMISSIONS = {"):config.index("\nauthorization {")]
@@ -134,9 +135,8 @@ def _with_team_users(config: str, teams: dict[str, str]) -> str:
     config = config.replace(commented, "")
     blocks = "".join(block.replace("team_a", team).replace("TEAM_A", team.upper())
                      for team in teams)
-    users = "".join(f'    {{ user: {team}, password: "{password}", '
-                    f"permissions: ${team.upper()}_PERMISSIONS }}\n"
-                    for team, password in teams.items())
+    users = "".join(f"    {{ user: {team}, password: $NATS_{team.upper()}_PASSWORD, "
+                    f"permissions: ${team.upper()}_PERMISSIONS }}\n" for team in teams)
     config = config.replace("\nauthorization {", f"{blocks}\nauthorization {{")
     return config.replace("  users: [\n", f"  users: [\n{users}")
 
@@ -150,11 +150,12 @@ async def test_a_team_user_reaches_its_own_durable_and_no_other(cdc_database, pg
     port, monitor = free_port(), free_port()
     passwords = {name: secret_for_test() for name in ("bridge", "team_a", "team_b")}
     config = tmp_path / "nats-server.conf"
-    config.write_text(_with_team_users(CONFIG.read_text(), {
-        "team_a": passwords["team_a"], "team_b": passwords["team_b"]}))
+    config.write_text(_with_team_users(CONFIG.read_text(), ["team_a", "team_b"]))
     env = {**os.environ, "NATS_PORT": str(port), "NATS_MONITOR_LISTEN": f"127.0.0.1:{monitor}",
            "NATS_STORE_DIR": str(tmp_path / "jetstream"),
-           "NATS_BRIDGE_PASSWORD": passwords["bridge"], "NATS_CONSUMER_PASSWORD": "unused"}
+           "NATS_BRIDGE_PASSWORD": passwords["bridge"], "NATS_CONSUMER_PASSWORD": "unused",
+           "NATS_TEAM_A_PASSWORD": passwords["team_a"],
+           "NATS_TEAM_B_PASSWORD": passwords["team_b"]}
     table = random_name("teams")
     pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
     pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 50) g")

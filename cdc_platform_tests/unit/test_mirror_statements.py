@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+from typing import ClassVar
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -275,3 +277,98 @@ def test_closed_statements_refuse_to_run(tmp_path):
     connection.close()
     with pytest.raises(ValueError, match="closed"):
         statements.run_rows("INSERT INTO t VALUES (?, ?)", [{"id": 1}], ("id",))
+
+
+class _KeyThatDropsAValue(str):
+    """A key whose comparison runs Python code that replaces an already bound value of its
+    row (nothing msgpack makes; an event built in Python could)."""
+
+    row: ClassVar[dict] = {}
+
+    def __hash__(self):
+        return hash("id")
+
+    def __eq__(self, other):
+        self.row["v"] = "dropped"
+        garbage = ["Z" * 4000 for _ in range(200)]  # (reuses the freed memory, if it was)
+        del garbage
+        return True
+
+
+@compiled
+def test_a_bound_value_lives_until_its_row_is_stepped(tmp_path):
+    connection, statements = TWIN.connect(str(tmp_path / "m.db"), isolation_level=None)
+    connection.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v)")
+    connection.execute("INSERT INTO t VALUES (1, 'a')")
+    data = {"id": 1, "v": "".join(["B"] * 4000)}  # (its only reference: no constant)
+    _KeyThatDropsAValue.row = data
+    event = {"data": data, "old": {_KeyThatDropsAValue("id"): 1}}
+    assert statements.run_updates('UPDATE t SET id = ?, v = ? WHERE id = ?', [event],
+                                  ("id", "v"), ("id",)) == 1
+    assert connection.execute("SELECT v FROM t").fetchone() == ("B" * 4000,)
+    statements.close()
+    connection.close()
+
+
+@compiled
+def test_a_store_in_a_reference_cycle_is_collected_with_its_connection(tmp_path):
+    """(Cython's GC clearing would empty the statements before they were finalized: the
+    connection a zombie for good, with its file)"""
+    import gc
+    import sys
+
+    table_schema = _schema([])
+    unraisable: list = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for number in range(20):
+            store, _ = _store(tmp_path / f"m{number}.db", table_schema)
+            cycle = [store, store._statements]
+            cycle.append(cycle)
+            del store, cycle
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert unraisable == []
+    assert len(os.listdir("/proc/self/fd")) <= before
+
+
+@compiled
+@pytest.mark.parametrize("operation", ["INSERT", "UPDATE"])
+def test_an_error_that_ends_the_transaction_is_raised_as_itself(tmp_path, operation):
+    """A full disk mid-batch: SQLite rolls back the whole transaction, no savepoint is left
+    for the pure path, so SQLite's own error is what the caller sees (as on the pure
+    path)."""
+    for pure in (False, True):
+        store, _ = _store(tmp_path / f"{operation}{pure}.db", _schema([("v", (25, "text"))]),
+                          pure=pure, rows=20)
+        pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+        store._db.execute(f"PRAGMA max_page_count = {pages + 3}")
+        events = [_event(operation, index, {"id": index + (100 if operation == "INSERT" else 1),
+                                            "v": "x" * 3000}) for index in range(20)]
+        with pytest.raises(sqlite3.OperationalError) as raised:
+            store.apply_transaction(events, stream_seq=2)
+        assert "database or disk is full" in str(raised.value.__context__), pure
+        assert store._db.execute('SELECT count(*) FROM "t"').fetchone() == (20,)
+        store.close()
+
+
+@compiled
+def test_values_python_would_adapt_are_left_to_the_pure_path(tmp_path):
+    """An application that registers an sqlite3 adapter for a type the statements bind gets
+    it applied as on the pure path (the chunk loader steps aside too)."""
+    columns = [("x", (701, "double precision"))]
+    sqlite3.register_adapter(float, lambda number: round(number, 2))
+    try:
+        for pure in (False, True):
+            store, shape = _store(tmp_path / f"m{pure}.db", _schema(columns), pure=pure, rows=0)
+            store.apply_transaction([_event("INSERT", 0, {"id": 1, "x": 1.23456})],
+                                    stream_seq=2)
+            assert _contents(store, shape) == repr([("integer", 1, "real", 1.23)]), pure
+            chunk = msgpack.packb({"chunk": 1, "data": [{"id": 2, "x": 1.5}]})
+            with store.chunk_loader("t", ("id", "x")) as load:
+                assert load is not None and load(chunk, set()) is None
+            store.close()
+    finally:
+        del sqlite3.adapters[(float, sqlite3.PrepareProtocol)]

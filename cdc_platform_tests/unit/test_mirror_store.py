@@ -444,3 +444,51 @@ def test_a_divergence_found_when_another_tables_event_flushes_a_batch_stales_its
     assert store.state("a").status == "stale" and store.state("b").status == "streaming"
     assert rows(store, "b") == []
     store.close()
+
+
+def test_a_keyless_table_drops_a_column_its_row_lookup_index_holds(store):
+    """(SQLite drops no indexed column: the lookup index is made again for the new shape)"""
+    keyless = schema("bag", columns=(("a", 23, "integer", False), ("b", 25, "text", False),
+                                     ("c", 23, "integer", False)))
+    bootstrapped(store, keyless, loaded=[{"a": 1, "b": "x", "c": 3}, {"a": 2, "b": "y", "c": 4}])
+    narrower = schema("bag", columns=(("a", 23, "integer", False), ("c", 23, "integer", False),
+                                      ("d", 25, "text", False)), fingerprint="f2")
+    applied = store.apply_transaction([
+        schema_event("0/200", 0, narrower),
+        event("DELETE", "0/200", 0, table="bag", data={"a": 1, "c": 3, "d": None},
+              old={"a": 1, "c": 3, "d": None}),
+    ], stream_seq=8)
+    assert (applied.events, applied.stale) == (1, {})
+    assert rows(store, "bag") == [(2, 4, None)]
+    indexed = store._db.execute("SELECT name FROM pragma_index_info('bag (row lookup)')")
+    assert [name for (name,) in indexed] == ["a", "c", "d"]
+
+
+def test_an_update_of_unchanged_values_only_changes_nothing_and_one_naming_no_row_diverges(
+        store):
+    bootstrapped(store, loaded=[{"id": 1, "name": "a"}])
+    # every column an unchanged TOAST value: data is empty
+    assert store.apply_transaction([event("UPDATE", "0/200", 0, data={})], 8).events == 1
+    assert rows(store) == [(1, "a")] and store.state("users").applied_commit_lsn == 0x200
+    bootstrapped(store, schema("bag", columns=(("a", 23, "integer", False),)),
+                 loaded=[{"a": 1}])
+    with pytest.raises(DivergenceError, match="names no row"):
+        store.apply_transaction([event("DELETE", "0/300", 0, table="bag", data={}, old={})], 9)
+    assert rows(store, "bag") == [(1,)]
+
+
+@pytest.mark.parametrize(("forged", "why"), [
+    ({"operation": "INSERT", "data": {}}, "an INSERT without values"),
+    ({"operation": "UPDATE", "data": None}, "UPDATE without a data map"),
+    ({"operation": "MERGE"}, "unknown operation"),
+    ({"ordinal": -1}, "ordinal -1"),
+    ({"table": "orders"}, "an event of table 'orders' on subject cdc.users.insert"),
+])
+def test_what_is_not_an_event_of_the_contract_is_refused_before_the_database(forged, why):
+    from cdc_platform.mirror.follower import _check_event
+
+    good = event("INSERT", "0/200", 0, data={"id": 1, "name": "a"})
+    prefixes = {"users": "cdc.users.", "orders": "cdc.orders."}
+    _check_event(good, "cdc.users.insert", prefixes)
+    with pytest.raises(ValueError, match=why):
+        _check_event(good | forged, "cdc.users.insert", prefixes)
