@@ -21,7 +21,7 @@ def decode_msgpack(bytes data not None, frozenset unread=None):
     else:
         tag = reader.buf[0]
         if 0x80 <= tag <= 0x8f or tag == 0xde or tag == 0xdf:
-            value = reader.map_without(reader.header(0x80, 0x8f, 0xde, 0xdf), unread)
+            value = reader.map(reader.header(0x80, 0x8f, 0xde, 0xdf), unread)
         elif 0x90 <= tag <= 0x9f or tag == 0xdc or tag == 0xdd:
             size = reader.header(0x90, 0x9f, 0xdc, 0xdd)
             value = []
@@ -29,7 +29,7 @@ def decode_msgpack(bytes data not None, frozenset unread=None):
             for i in range(size):
                 tag = reader.buf[reader.pos] if reader.pos < reader.end else 0xc1
                 if 0x80 <= tag <= 0x8f or tag == 0xde or tag == 0xdf:
-                    value.append(reader.map_without(reader.header(0x80, 0x8f, 0xde, 0xdf),
+                    value.append(reader.map(reader.header(0x80, 0x8f, 0xde, 0xdf),
                                                     unread))
                 else:
                     value.append(reader.value())

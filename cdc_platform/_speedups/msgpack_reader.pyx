@@ -248,7 +248,9 @@ cdef class Reader:
         self.depth -= 1
         return out
 
-    cdef dict map(self, Py_ssize_t size):
+    cdef dict map(self, Py_ssize_t size, frozenset unread=None):
+        """A map; ``unread``: keys whose entries are left out (their values read past with
+        skip(), not made)."""
         # sized for its entries at once (an event's 15 would resize a new dict twice), up to
         # 32: maps nested in a forged payload each claiming millions would all be alive at
         # once (a few hundred of them took a gigabyte)
@@ -258,20 +260,8 @@ cdef class Reader:
         for i in range(size):
             key_size = self.text_size()
             key = self.key(key_size) if key_size >= 0 else self.value()
-            out[key] = self.value()
-        self.depth -= 1
-        return out
-
-    cdef dict map_without(self, Py_ssize_t size, frozenset unread):
-        """map(), leaving out the entries whose key is in ``unread`` (their values are read
-        past with skip(), not made)."""
-        cdef dict out = _PyDict_NewPresized(min(size, 32, (self.end - self.pos) // 2))
-        cdef Py_ssize_t i, key_size
-        self.enter()
-        for i in range(size):
-            key_size = self.text_size()
-            key = self.key(key_size) if key_size >= 0 else self.value()
-            if key in unread:  # (an unhashable key raises TypeError here as in map())
+            # (an unhashable key raises TypeError in the test as in the assignment)
+            if unread is not None and key in unread:
                 self.skip()
             else:
                 out[key] = self.value()
