@@ -3,8 +3,6 @@
 about twice as fast on an event (map keys are read once per name and kept, interned), which is
 a good part of a mirror's time per change."""
 
-from libc.stdint cimport uint8_t
-
 from cdc_platform._speedups.msgpack_reader cimport Reader
 
 
@@ -15,27 +13,17 @@ def decode_msgpack(bytes data not None, frozenset unread=None):
     values are read past, not made), as ``without(value, unread)`` of the pure module."""
     cdef Reader reader = Reader(data)
     cdef Py_ssize_t size, i
-    cdef uint8_t tag
     if not unread or reader.end == 0:
         value = reader.value()
+    elif 0x90 <= reader.buf[0] <= 0x9f or reader.buf[0] == 0xdc or reader.buf[0] == 0xdd:
+        size = reader.header(0x90, 0x9f, 0xdc, 0xdd)  # a batch of events
+        value = []
+        reader.enter()
+        for i in range(size):
+            value.append(reader.value_without(unread))
+        reader.depth -= 1
     else:
-        tag = reader.buf[0]
-        if 0x80 <= tag <= 0x8f or tag == 0xde or tag == 0xdf:
-            value = reader.map(reader.header(0x80, 0x8f, 0xde, 0xdf), unread)
-        elif 0x90 <= tag <= 0x9f or tag == 0xdc or tag == 0xdd:
-            size = reader.header(0x90, 0x9f, 0xdc, 0xdd)
-            value = []
-            reader.enter()
-            for i in range(size):
-                tag = reader.buf[reader.pos] if reader.pos < reader.end else 0xc1
-                if 0x80 <= tag <= 0x8f or tag == 0xde or tag == 0xdf:
-                    value.append(reader.map(reader.header(0x80, 0x8f, 0xde, 0xdf),
-                                                    unread))
-                else:
-                    value.append(reader.value())
-            reader.depth -= 1
-        else:
-            value = reader.value()
+        value = reader.value_without(unread)
     if reader.pos != reader.end:
         raise ValueError("bytes after the value")
     return value

@@ -26,6 +26,7 @@ cdef class Reader:
     cdef int enter(self) except -1
     cdef list array(self, Py_ssize_t size)
     cdef dict map(self, Py_ssize_t size, frozenset unread=*)
+    cdef object value_without(self, frozenset unread)
     cdef int skip(self) except -1
     cdef object key(self, Py_ssize_t size)
     cdef bint take_key(self, bytes name) except -1

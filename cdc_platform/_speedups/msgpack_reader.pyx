@@ -268,6 +268,15 @@ cdef class Reader:
         self.depth -= 1
         return out
 
+    cdef object value_without(self, frozenset unread):
+        """value(); a map without the entries whose key is in ``unread``."""
+        cdef uint8_t tag
+        self.need(1)
+        tag = self.buf[self.pos]
+        if 0x80 <= tag <= 0x8f or tag == 0xde or tag == 0xdf:
+            return self.map(self.header(0x80, 0x8f, 0xde, 0xdf), unread)
+        return self.value()
+
     cdef int skip(self) except -1:
         """Read past the value that starts here, refusing what value() refuses: integers,
         text (checked as Python's strict UTF-8 decoder checks it) and bytes are not made; the

@@ -492,16 +492,18 @@ cdef class Statements:
 
     def close(self):
         """Finalize every statement (before the connection closes)."""
-        for prepared in self.prepared.values():
-            api.finalize((<_Prepared>prepared).statement)
-        self.prepared.clear()
+        self._finalize_all()
         self.db = NULL
         self.connection = None
 
     def __dealloc__(self):
-        if self.db != NULL and self.prepared is not None:
-            for prepared in self.prepared.values():
-                api.finalize((<_Prepared>prepared).statement)
+        if self.db != NULL:
+            self._finalize_all()
+
+    cdef void _finalize_all(self) noexcept:
+        for prepared in self.prepared.values():
+            api.finalize((<_Prepared>prepared).statement)
+        self.prepared.clear()
 
     cdef _Prepared _prepare(self, str sql, Py_ssize_t parameters):
         """The statement for ``sql`` (prepared once), or None: SQLite refused it or it does
@@ -512,9 +514,7 @@ cdef class Statements:
             if self.db == NULL:
                 raise ValueError("the statements are closed")
             if len(self.prepared) >= _MOST_PREPARED:
-                for kept in self.prepared.values():
-                    api.finalize((<_Prepared>kept).statement)
-                self.prepared.clear()
+                self._finalize_all()
             if api.prepare_v2(self.db, sql.encode(), -1, &statement, NULL) != SQLITE_OK:
                 return None
             prepared = _Prepared.__new__(_Prepared)
