@@ -3,6 +3,18 @@ import pytest
 pytest_plugins = ["cdc_platform_tests.fixtures.services"]
 
 
+def pytest_report_header(config):
+    """Which PostgreSQL the session's server runs (CDC_PG_BIN_DIR picks another)."""
+    import subprocess
+
+    from cdc_platform.dev.servers import find_postgres_bin_dir
+
+    bin_dir = find_postgres_bin_dir()
+    version = subprocess.run([str(bin_dir / "postgres"), "--version"], capture_output=True,
+                             text=True, check=False).stdout.strip()
+    return f"postgresql: {version} ({bin_dir})"
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Never log secrets: after each test, none of its captured output (stdout, stderr, log

