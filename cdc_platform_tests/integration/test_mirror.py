@@ -32,6 +32,7 @@ def _published_table(pg_admin, cdc_database, prefix: str, rows: int) -> str:
     return table
 
 
+@pytest.mark.every_major
 async def test_a_mirror_bootstraps_follows_and_equals_the_source(
         cdc_database, pg_admin, provisioned_nats, tmp_path):
     table = random_name("mirrored")

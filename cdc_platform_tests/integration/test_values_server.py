@@ -12,6 +12,9 @@ from cdc_platform.protocol.values import REQUIRED_SESSION_SETTINGS, TYPE_CATALOG
 from cdc_platform.replication.connection import SESSION_OPTIONS
 from cdc_platform_tests.unit.test_values import GOLDEN, _same, arrays
 
+# also on the newest PostgreSQL (README "Tests": make test's second pass)
+pytestmark = pytest.mark.every_major
+
 
 @pytest.fixture(scope="module")
 def conn(postgres_server):
