@@ -1,12 +1,18 @@
-"""Bridge telemetry: Prometheus metrics, ``/status`` JSON, ``/health``, a logfmt METRICS line.
+"""Bridge telemetry: Prometheus metrics, ``/status`` JSON, health probes, a logfmt METRICS line.
 
-The HTTP server is the standard library's threaded one, bound to 127.0.0.1 by default. The
-only admin action (``POST /shutdown``) is off unless an admin token is configured, and then
-requires ``Authorization: Bearer <token>``.
+``/health/live`` answers 200 while the bridge's event loop runs what it is given (503 when it
+is stalled), ``/health/ready`` (and ``/health``) 200 only while both PostgreSQL and NATS are
+connected (503 naming what is down). The HTTP server is the standard library's threaded one,
+bound to 127.0.0.1 by default, with at most ``MAX_CONNECTIONS`` connections at once (one
+thread each; the next is answered 503 at once) and ``IDLE_TIMEOUT`` seconds for a request to
+arrive, so idle connections cannot pile up threads. The only admin action
+(``POST /shutdown``) is off unless an admin token is configured, and then requires
+``Authorization: Bearer <token>``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -22,6 +28,10 @@ from cdc_platform.errors import CdcError
 from cdc_platform.lsn import format_lsn
 
 log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 16    # handler threads at once; scrapes and probes need a few
+IDLE_TIMEOUT = 5.0      # seconds a connection may take to send its request
+LOOP_TIMEOUT = 5.0      # seconds the event loop may take to run a no-op before "not live"
 
 
 class BridgeMetrics:
@@ -108,6 +118,12 @@ class BridgeMetrics:
             "in_flight_messages": int(self.value(self.in_flight)),
         }
 
+    def readiness(self) -> dict:
+        """``/health/ready``: ready only while streaming from PostgreSQL and connected to NATS."""
+        postgres, nats = bool(self.value(self.connected)), bool(self.value(self.nats_connected))
+        return {"status": "ready" if postgres and nats else "not ready",
+                "postgres_streaming": postgres, "nats_connected": nats}
+
     def logfmt(self) -> str:
         s = self.status()
         return (f"METRICS uptime={s['uptime_seconds']} wal_messages={s['wal_messages_received']}"
@@ -117,16 +133,54 @@ class BridgeMetrics:
                 f" slot_active={int(s['slot_active'])} in_flight={s['in_flight_messages']}")
 
 
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``MAX_CONNECTIONS`` of them: one more is answered 503
+    and closed at once (400 idle connections held 400 threads)."""
+
+    daemon_threads = True
+    request_queue_size = 128  # (listen backlog: a burst is accepted, then answered or refused)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\n"
+                                b"Connection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class TelemetryServer:
-    """``/metrics``, ``/status``, ``/health``; ``POST /shutdown`` only with a token."""
+    """``/metrics``, ``/status``, ``/health/live``, ``/health/ready`` (= ``/health``);
+    ``POST /shutdown`` only with a token. ``loop`` is the bridge's event loop, for liveness."""
 
     def __init__(self, metrics: BridgeMetrics, *, host: str = "127.0.0.1", port: int = 9090,
                  admin_token: str | None = None,
-                 on_shutdown: Callable[[], None] | None = None) -> None:
+                 on_shutdown: Callable[[], None] | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.metrics = metrics
         telemetry = self
+        expected_authorization = f"Bearer {admin_token}".encode()
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = IDLE_TIMEOUT  # (stdlib name: the connection's socket timeout)
+
             def log_message(self, format: str, *args) -> None:  # (stdlib names)
                 log.debug("telemetry: " + format, *args)
 
@@ -146,30 +200,35 @@ class TelemetryServer:
                     self._send(200, telemetry.metrics.exposition(), CONTENT_TYPE_LATEST)
                 elif path == "/status":
                     self._json(200, telemetry.metrics.status())
-                elif path == "/health":
-                    self._json(200, {"status": "ok"})
+                elif path == "/health/live":
+                    live = loop is None or _loop_responds(loop)
+                    self._json(200 if live else 503,
+                               {"status": "live" if live else "event loop stalled"})
+                elif path in ("/health", "/health/ready"):
+                    ready = telemetry.metrics.readiness()
+                    self._json(200 if ready["status"] == "ready" else 503, ready)
                 else:
                     self._json(404, {"error": "not found"})
 
             def do_POST(self) -> None:  # (stdlib name)
+                # (http.server reads headers as latin-1: compare bytes, whatever was sent)
+                given = self.headers.get("Authorization", "").encode("latin-1", "replace")
                 if self.path != "/shutdown":
                     self._json(404, {"error": "not found"})
                 elif admin_token is None or on_shutdown is None:
                     self._json(403, {"error": "admin actions are disabled (set "
                                               "CDC_ADMIN_TOKEN to enable)"})
-                elif not hmac.compare_digest(self.headers.get("Authorization", ""),
-                                             f"Bearer {admin_token}"):
+                elif not hmac.compare_digest(given, expected_authorization):
                     self._json(401, {"error": "bad or missing token"})
                 else:
                     self._json(202, {"status": "shutting down"})
                     on_shutdown()
 
         try:
-            self._server = ThreadingHTTPServer((host, port), Handler)
+            self._server = _BoundedHTTPServer((host, port), Handler)
         except OSError as exc:
             raise CdcError(f"cannot serve telemetry on {host}:{port} ({exc.strerror}): set "
                            "CDC_HTTP_PORT to a free port (0: any free port)") from None
-        self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         name="telemetry-http", daemon=True)
 
@@ -183,3 +242,15 @@ class TelemetryServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def _loop_responds(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` runs a no-op within ``LOOP_TIMEOUT`` (from another thread)."""
+    if loop.is_closed():
+        return False
+    answered = threading.Event()
+    try:
+        loop.call_soon_threadsafe(answered.set)
+    except RuntimeError:  # closed meanwhile
+        return False
+    return answered.wait(LOOP_TIMEOUT)

@@ -134,7 +134,7 @@ class CdcBridge:
             self.telemetry = TelemetryServer(
                 self.metrics, host=self.options.http_host, port=self.options.http_port,
                 admin_token=token.get_secret_value() if token else None,
-                on_shutdown=self._stop_from(loop))
+                on_shutdown=self._stop_from(loop), loop=loop)
             self.telemetry.start()
             log.info("telemetry on http://%s:%s/metrics", self.options.http_host,
                      self.telemetry.port)
