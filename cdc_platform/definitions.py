@@ -1,7 +1,7 @@
 """The one Dagster `Definitions` object of the platform (loaded by workspace.yaml).
 
 Only non-secret knobs are read here (slot name for the run tag, cron, Spark master); every
-connection setting is read by the resources at run time, secrets through `EnvVar`.
+connection setting and credential is read from the environment by the resources at run time.
 """
 
 import dagster as dg
@@ -39,9 +39,9 @@ def build_definitions() -> dg.Definitions:
         schedules=[build_snapshot_refresh_schedule(
             snapshot_job, orchestration.snapshot_cron, orchestration.snapshot_timezone)],
         resources={
-            "postgres": PostgresResource(password=dg.EnvVar("CDC_PG_PASSWORD")),
-            # NATS may use no password (token, creds file, no auth): read at run time from
-            # CDC_NATS_PASSWORD / NATS_BRIDGE_PASSWORD when set, never required.
+            # where the servers are and the credentials: the environment's, at run time
+            # (never run config: it could send them to another host)
+            "postgres": PostgresResource(),
             "nats": NatsResource(),
             "cdc": CdcResource(),
             "pyspark": LazyPySparkResource(spark_config=default_spark_config(

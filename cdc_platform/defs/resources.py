@@ -1,7 +1,11 @@
 """Dagster resources: thin, typed handles on the library's settings.
-Every field is optional: a field left unset is read from the environment at run time by the
-library's settings (`CDC_*` or the seed bridge's names), so one environment configures the
-CLI and Dagster alike. Secrets are wired with `EnvVar` in `definitions.py`.
+
+Where PostgreSQL and NATS are and who connects (hosts, ports, URLs, users, passwords, tokens,
+credential and TLS files) are the deployment's environment only (`CDC_*` or the seed bridge's
+names), read by the library's settings at run time: they are no resource fields, so no run
+config (the launchpad, `dagster job launch --config`) can name another host and have the
+environment's credentials sent there. What a run may choose is a field; a field left unset
+is read from the environment too, so one environment configures the CLI and Dagster alike.
 """
 
 
@@ -30,14 +34,9 @@ def _overrides(resource: ConfigurableResource) -> dict[str, Any]:
 
 
 class PostgresResource(ConfigurableResource):
-    """The source PostgreSQL, reached as the platform's least-privilege role."""
+    """The source PostgreSQL, reached as the platform's least-privilege role (where and as
+    whom: CDC_PG_* in the environment)."""
 
-    host: str | None = None
-    port: int | None = None
-    database: str | None = None
-    user: str | None = None
-    password: str | None = None
-    sslmode: str | None = None
     publication: str | None = None
     slot: str | None = None
 
@@ -51,20 +50,11 @@ class PostgresResource(ConfigurableResource):
 
 
 class NatsResource(ConfigurableResource):
-    """The NATS server holding the CDC/INIT streams and the schemas bucket."""
-
-    url: str | None = None
-    user: str | None = None
-    password: str | None = None  # (set it from dg.EnvVar: the UI shows no secret then)
-    token: str | None = None
-    creds_file: str | None = None
-    nkey_seed_file: str | None = None
-    tls_ca_file: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
+    """The NATS server holding the CDC/INIT streams and the schemas bucket (where and with
+    which credentials: CDC_NATS_* in the environment)."""
 
     def settings(self) -> NatsSettings:
-        return load_settings(NatsSettings, **_overrides(self))
+        return load_settings(NatsSettings)
 
     @asynccontextmanager
     async def connect(self, name: str = "cdc-platform-dagster"):

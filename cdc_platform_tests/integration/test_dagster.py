@@ -41,8 +41,7 @@ def dagster_env(cdc_database, provisioned_nats, monkeypatch, tmp_path):
 
 
 def resources(env) -> dict:
-    return {"postgres": PostgresResource(password=env["CDC_PG_PASSWORD"]),
-            "nats": NatsResource(), "cdc": CdcResource()}
+    return {"postgres": PostgresResource(), "nats": NatsResource(), "cdc": CdcResource()}
 
 
 def request_sensor_tick(defs, instance, env):
@@ -72,15 +71,34 @@ def test_definitions_load_with_everything(dagster_env):
 
 
 def test_what_the_ui_shows_of_the_resources_holds_no_secret(dagster_env):
-    """The UI shows each resource's configuration: the password is an EnvVar there (its
-    name), never its value, though the value is in the environment."""
+    """The UI shows each resource's configuration: no secret is there (the credentials are
+    read from the environment at run time), though the password is in the environment."""
     from cdc_platform.definitions import build_definitions
 
     assert dagster_env["CDC_PG_PASSWORD"] in TEST_SECRETS
     shown = {name: resource.model_dump() if hasattr(resource, "model_dump") else repr(resource)
              for name, resource in build_definitions().resources.items()}
-    assert shown["postgres"]["password"] == "CDC_PG_PASSWORD"
+    assert "password" not in shown["postgres"]
     assert not any(secret in repr(shown) for secret in TEST_SECRETS), shown
+
+
+@pytest.mark.parametrize(("resource", "field", "value"), [
+    ("postgres", "host", "attacker.example"), ("postgres", "port", 5433),
+    ("postgres", "sslmode", "disable"), ("postgres", "user", "postgres"),
+    ("postgres", "password", "x"), ("nats", "url", "nats://attacker.example:4222"),
+    ("nats", "tls_ca_file", "/tmp/attacker-ca.pem"), ("nats", "user", "x"),
+])
+def test_run_config_cannot_send_the_credentials_elsewhere(dagster_env, resource, field, value):
+    """Run config (the launchpad, `dagster job launch --config`) overriding where a resource
+    connects sent the environment's password to that host: where PostgreSQL and NATS are,
+    and who connects, now come from the deployment's environment only."""
+    from cdc_platform.definitions import build_definitions
+
+    defs = build_definitions()
+    for job_name in ("cdc_job", "snapshot_job"):
+        job = defs.resolve_job_def(job_name)
+        with pytest.raises(dg.DagsterInvalidConfigError):
+            dg.validate_run_config(job, {"resources": {resource: {"config": {field: value}}}})
 
 
 def test_instance_config_limits_one_cdc_run_per_slot():

@@ -116,9 +116,17 @@ def authenticated_nats(request, tmp_path):
 
 
 async def test_the_platform_provisions_and_streams(authenticated_nats, cdc_database,
-                                                   pg_admin):
+                                                   pg_admin, monkeypatch):
     url, good, _bad = authenticated_nats
-    nats_settings = NatsResource(url=url, **good).settings()  # as Dagster gives them
+    for name in [name for name in os.environ if name.startswith(("CDC_NATS_", "NATS_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("CDC_NATS_URL", url)
+    variables = {"user": "CDC_NATS_USER", "password": "CDC_NATS_PASSWORD",
+                 "token": "CDC_NATS_TOKEN", "creds_file": "CDC_NATS_CREDS",
+                 "nkey_seed_file": "CDC_NATS_NKEY_SEED"}
+    for field, value in good.items():
+        monkeypatch.setenv(variables[field], value)
+    nats_settings = NatsResource().settings()  # as Dagster gives them: from the environment
     client = await connect_nats(nats_settings)
     try:
         await provision(client.jetstream(), NatsTopology())
