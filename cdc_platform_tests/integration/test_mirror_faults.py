@@ -151,10 +151,10 @@ async def test_nats_server_restarted(cdc_database, pg_admin, tmp_path):
         nats.stop()
 
 
-async def test_postgres_restarted(provisioned_nats, nats_client, tmp_path):
+async def test_postgres_restarted(provisioned_nats, nats_client, tmp_path, server_dir):
     """A private PostgreSQL, restarted mid-workload: the bridge reconnects and resumes from
     its slot; the workload's transactions in flight fail and are not counted."""
-    server = start_logical_postgres(tmp_path / "pg", unsafe_no_fsync=True)
+    server = start_logical_postgres(server_dir / "pg", unsafe_no_fsync=True)
     try:
         database = CdcDatabase(server=server, publication="pub_restart", role="mirror_reader",
                                password=secrets.token_urlsafe(12), slot="slot_restart")

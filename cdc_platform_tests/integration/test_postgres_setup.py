@@ -1,5 +1,8 @@
 """The DBA scripts in sql/ on a real PostgreSQL: logical WAL, least privilege, idempotence."""
 
+import os
+import subprocess
+
 import psycopg
 import pytest
 
@@ -68,11 +71,52 @@ def test_missing_table_named_in_error(cdc_database, pg_admin):
                            role=cdc_database.role, tables=["no_such_table"])
 
 
-def test_future_tables_readable_through_default_privileges(cdc_database, pg_admin):
+def test_tables_created_later_are_not_readable(cdc_database, pg_admin):
+    """Least privilege: SELECT on published tables only (the script granted default
+    privileges on every future table of public)."""
     table = random_name("later")
     pg_admin.execute(f"CREATE TABLE {table} (id int)")
-    with psycopg.connect(cdc_database.settings().conninfo()) as conn:
-        assert conn.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,)
+    with psycopg.connect(cdc_database.settings().conninfo()) as conn, \
+            pytest.raises(psycopg.errors.InsufficientPrivilege):
+        conn.execute(f"SELECT count(*) FROM {table}")
+
+
+def test_the_default_privileges_of_an_older_setup_are_revoked(cdc_database, pg_admin):
+    pg_admin.execute(f"ALTER DEFAULT PRIVILEGES IN SCHEMA public GRANT SELECT ON TABLES "
+                     f"TO {cdc_database.role}")  # what the script did before
+    cdc_database.add_tables(pg_admin)  # re-run, as after a publication change
+    table = random_name("later")
+    pg_admin.execute(f"CREATE TABLE {table} (id int)")
+    with psycopg.connect(cdc_database.settings().conninfo()) as conn, \
+            pytest.raises(psycopg.errors.InsufficientPrivilege):
+        conn.execute(f"SELECT count(*) FROM {table}")
+
+
+def test_a_table_dropped_from_the_publication_is_no_longer_readable(cdc_database, pg_admin):
+    kept, dropped = random_name("kept"), random_name("dropped")
+    for table in (kept, dropped):
+        pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    cdc_database.add_tables(pg_admin, kept, dropped)
+    pg_admin.execute(f"ALTER PUBLICATION {cdc_database.publication} DROP TABLE {dropped}")
+    cdc_database.add_tables(pg_admin)  # the script, re-run after the change
+    with psycopg.connect(cdc_database.settings().conninfo(), autocommit=True) as conn:
+        assert conn.execute(f"SELECT count(*) FROM {kept}").fetchone() == (0,)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute(f"SELECT count(*) FROM {dropped}")
+
+
+def test_the_role_cannot_copy_the_whole_cluster(cdc_database, postgres_server, tmp_path):
+    """REPLICATION also allows physical replication: through initdb's default `host
+    replication` line the role ran pg_basebackup (every database, the password hashes).
+    Logical streaming matches the database's own line and needs no such line."""
+    environment = {**os.environ, "PGPASSWORD": cdc_database.password}
+    copy = subprocess.run(
+        [str(postgres_server.bin_dir / "pg_basebackup"), "-h", postgres_server.host, "-p",
+         str(postgres_server.port), "-U", cdc_database.role, "-D", str(tmp_path / "copy"),
+         "--no-sync"], env=environment, capture_output=True, text=True, check=False)
+    assert copy.returncode != 0
+    assert "pg_hba.conf" in copy.stderr, copy.stderr
+    assert not (tmp_path / "copy" / "global").exists()
 
 
 def test_statement_splitter_respects_quotes_and_dollar_quotes():

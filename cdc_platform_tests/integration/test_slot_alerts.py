@@ -16,8 +16,8 @@ def _alerts(state, safe_wal_warn=256 * MB):
     return slot_alerts(state, lag_warn=2**40, lag_critical=2**41, safe_wal_warn=safe_wal_warn)
 
 
-def test_a_slot_falling_behind_warns_before_it_is_lost(tmp_path):
-    server = start_logical_postgres(tmp_path / "pg", unsafe_no_fsync=True)
+def test_a_slot_falling_behind_warns_before_it_is_lost(server_dir):
+    server = start_logical_postgres(server_dir / "pg", unsafe_no_fsync=True)
     try:
         with psycopg.connect(server.superuser_conninfo(), autocommit=True) as conn:
             conn.execute("ALTER SYSTEM SET max_slot_wal_keep_size = '64MB'")
