@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.postgres.admin import provision_database
 from cdc_platform.settings import NatsSettings, load_settings
 
 
@@ -141,7 +142,9 @@ def main() -> None:
                          "amount numeric(12,2), created timestamptz DEFAULT now())")
             conn.execute(f"INSERT INTO {table} (id, name, amount) SELECT i, 'name ' || i, "
                          f"i / 7.0 FROM generate_series(1, {args.rows}) i")
-            conn.execute(f"ALTER PUBLICATION {dev_env['CDC_PUBLICATION']} ADD TABLE {table}")
+            # as a DBA does: the publication, then the role's grants (sql/, re-run)
+            provision_database(conn, publication=dev_env["CDC_PUBLICATION"],
+                               role=dev_env.get("CDC_PG_USER", "bridge_reader"), tables=[table])
         time.sleep(3)  # the idle stack: sensors ticking, nothing running
         latencies = []
         for number in range(args.requests):
