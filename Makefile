@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # Spark uses $JAVA_HOME/bin/java when JAVA_HOME is set, else java on PATH: so do the checks.
 JAVA   := $(if $(JAVA_HOME),$(JAVA_HOME)/bin/java,java)
 
-.PHONY: dev test prereqs bench clean
+.PHONY: dev test prereqs bench clean lock
 
 prereqs:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "cdc_platform needs Python 3.11+ (found " + sys.version.split()[0] + ")")'
@@ -44,6 +44,15 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/cdc.py
 	$(PY) benchmarks/snapshot.py
 	$(PY) benchmarks/snapshot_request.py
+
+# The deploy image's dependencies, locked with hashes (deploy/docker/*.lock): run after a
+# dependency change in pyproject.toml; the image installs exactly these (pip --require-hashes).
+LOCK := $(VENV)/bin/uv pip compile --generate-hashes --no-header --no-annotate \
+	--python-version 3.11 --python-platform x86_64-manylinux_2_28
+lock: $(VENV)/.installed
+	$(PY) -m pip install --quiet uv
+	$(LOCK) pyproject.toml --extra deploy -o deploy/docker/requirements.lock
+	$(LOCK) deploy/docker/build-requirements.in -o deploy/docker/build-requirements.lock
 
 clean:
 	rm -rf $(VENV) .cdc-dev

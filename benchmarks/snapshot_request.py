@@ -142,7 +142,7 @@ def main() -> None:
                          "amount numeric(12,2), created timestamptz DEFAULT now())")
             conn.execute(f"INSERT INTO {table} (id, name, amount) SELECT i, 'name ' || i, "
                          f"i / 7.0 FROM generate_series(1, {args.rows}) i")
-            # as a DBA does: the publication, then the role's grants (sql/, re-run)
+            # as a DBA does: the publication, then the role's grants (cdc_platform/sql/, re-run)
             provision_database(conn, publication=dev_env["CDC_PUBLICATION"],
                                role=dev_env.get("CDC_PG_USER", "bridge_reader"), tables=[table])
         time.sleep(3)  # the idle stack: sensors ticking, nothing running

@@ -177,10 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     prov.add_argument("--update", action="store_true", help="apply editable differences")
     prov.set_defaults(handler=_cmd_provision)
 
-    setup = commands.add_parser("setup-db", help="apply sql/ (publication + role) as a DBA")
+    setup = commands.add_parser("setup-db",
+                                help="apply cdc_platform/sql/ (publication + role) as a DBA")
     setup.add_argument("--admin-dsn", required=True, help="a superuser's libpq DSN")
     setup.add_argument("--server-settings", action="store_true",
-                       help="also apply sql/00_server_settings.sql (needs a restart)")
+                       help="also apply cdc_platform/sql/00_server_settings.sql (needs a restart)")
     setup.add_argument("tables", nargs="*", help="tables to publish")
     setup.set_defaults(handler=_cmd_setup_db)
 

@@ -435,7 +435,7 @@ class LocalNatsServer:
 
 
 def start_logical_postgres(base_dir: Path, **kwargs) -> LocalPostgres:
-    """Start a cluster and apply ``sql/00_server_settings.sql`` exactly as a DBA would
+    """Start a cluster and apply ``cdc_platform/sql/00_server_settings.sql`` exactly as a DBA would
     (then restart it, since ``wal_level`` only changes at start)."""
     import psycopg
 

@@ -1,8 +1,8 @@
 """``cdc-platform dev``: the whole platform on one machine, for trying it and developing it.
 
 With no servers given it starts, in ``--state-dir``: a local PostgreSQL (logical WAL, the
-``sql/`` scripts applied, a demo table with a trickle of writes) and a local nats-server
-with JetStream (streams and KV provisioned), then Dagster (webserver + daemon) on
+``cdc_platform/sql/`` scripts applied, a demo table with a trickle of writes) and a local
+nats-server with JetStream (streams and KV provisioned), then Dagster (webserver + daemon) on
 ``workspace.yaml``. Servers given by environment (``CDC_PG_HOST``/``PG_HOST``/``CDC_PG_DSN``,
 ``CDC_NATS_URL``/``NATS_URL``/``NATS_HOST``) are used as they are and nothing is started for
 them. Ctrl-C (or SIGTERM) stops everything it started, in reverse order.

@@ -1,4 +1,5 @@
-"""Applying the DBA scripts in ``sql/`` from Python (dev stack, tests, ``cdc-platform setup-db``).
+"""Applying the DBA scripts in ``cdc_platform/sql/`` from Python (dev stack, tests,
+``cdc-platform setup-db``).
 
 The scripts are the ones a DBA runs with psql; parameters travel as ``cdc.*`` session
 settings, exactly as ``PGOPTIONS="-c cdc.role=..."`` would set them.
@@ -24,9 +25,9 @@ ROLE_SQL = "20_role.sql"
 
 
 def sql_dir() -> Path:
-    """The repository's ``sql/`` folder (``CDC_SQL_DIR`` overrides)."""
+    """The package's ``sql/`` folder, ``cdc_platform/sql`` (``CDC_SQL_DIR`` overrides)."""
     override = os.environ.get("CDC_SQL_DIR")
-    path = Path(override) if override else Path(__file__).resolve().parents[2] / "sql"
+    path = Path(override) if override else Path(__file__).resolve().parents[1] / "sql"
     if not (path / SERVER_SETTINGS_SQL).exists():
         raise CdcError(f"sql scripts not found in {path} (set CDC_SQL_DIR)")
     return path

@@ -112,7 +112,7 @@ class SlotReader:
         if missing:
             raise ReplicationConfigError(
                 f"publication {', '.join(missing)} does not exist in "
-                f"{self.settings.describe()}: create it (sql/10_publication.sql, or "
+                f"{self.settings.describe()}: create it (cdc_platform/sql/10_publication.sql, or "
                 "`cdc-platform setup-db`) or set CDC_PUBLICATION")
         state = await read_slot_async(self.catalog, self.slot)
         self.replication = await ReplicationConnection.connect(

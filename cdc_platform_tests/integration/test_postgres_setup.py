@@ -1,4 +1,4 @@
-"""The DBA scripts in sql/ on a real PostgreSQL: logical WAL, least privilege, idempotence."""
+"""The DBA scripts in cdc_platform/sql/ on a real PostgreSQL: logical WAL, least privilege, idempotence."""
 
 import os
 import subprocess
@@ -130,7 +130,7 @@ def test_statement_splitter_respects_quotes_and_dollar_quotes():
 def test_only_the_platform_role_may_emit_logical_messages(cdc_database, postgres_server,
                                                          pg_admin):
     """pg_logical_emit_message is PUBLIC by default: any application role could emit a
-    message the bridge publishes as a watermark. sql/20_role.sql keeps it for the role."""
+    message the bridge publishes as a watermark. cdc_platform/sql/20_role.sql keeps it for the role."""
     application = random_name("app")
     pg_admin.execute(f"CREATE ROLE {application} LOGIN")
     try:

@@ -41,14 +41,78 @@ def test_the_compose_file_names_files_that_exist_and_known_settings():
     assert services["webserver"]["environment"] == services["code"]["environment"]
 
 
-def test_the_dockerfile_copies_what_exists_and_runs_as_a_user():
+def _dockerfile_copies() -> list[str]:
     dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    sources = []
     for line in dockerfile.splitlines():
         if line.startswith("COPY") and "--from=" not in line:
-            for source in line.split()[1:-1]:
-                assert (REPO / source).exists(), source
-    assert re.search(r"^USER (?!root)\w+", dockerfile, re.MULTILINE)
+            sources += [word for word in line.split()[1:-1] if not word.startswith("--")]
+    return sources
+
+
+def test_the_dockerfile_copies_what_exists_and_runs_as_a_user():
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    for source in _dockerfile_copies():
+        assert (REPO / source).exists(), source
+    user = re.search(r"^USER (\S+)", dockerfile, re.MULTILINE)
+    assert user and user.group(1).split(":")[0] not in ("root", "0"), user
     assert dockerfile.count("FROM ") == 2  # build stage with a compiler, runtime without
+
+
+def test_the_image_is_pinned_and_installs_only_locked_hashed_dependencies():
+    """The image did not build: `python:3.11-slim` moved to a Debian release without Java 17.
+    The base is pinned by version and release; every dependency comes from a lock, with
+    hashes, that agrees with pyproject.toml."""
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    base = re.search(r"^ARG BASE_IMAGE=(\S+)", dockerfile, re.MULTILINE)
+    assert base and re.fullmatch(r"python:3\.11\.\d+-slim-bookworm(@sha256:[0-9a-f]{64})?",
+                                 base.group(1)), base
+    assert re.findall(r"^FROM (\S+)", dockerfile, re.MULTILINE) == [
+        "${BASE_IMAGE}", "${BASE_IMAGE}"]
+    assert "--require-hashes" in dockerfile and "--no-build-isolation" in dockerfile
+    assert re.search(r"pip install [^\n]*--no-deps", dockerfile)
+    locked = {}
+    for lock in ("requirements.lock", "build-requirements.lock"):
+        text = (DEPLOY / "docker" / lock).read_text()
+        for requirement in re.split(r"\n(?=\S)", text.strip()):
+            if requirement.startswith("#"):
+                continue
+            name, _, version = requirement.split()[0].partition("==")
+            assert version, f"{lock}: {name} is not pinned"
+            assert "--hash=sha256:" in requirement, f"{lock}: {name} has no hash"
+            locked[name.lower().replace("_", "-")] = version
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = list(project["dependencies"])
+    extras = project["optional-dependencies"]
+    for extra in ("deploy", "dagster", "spark"):
+        wanted += [r for r in extras[extra] if not r.startswith("cdc_platform")]
+    wanted += ["setuptools", "wheel", "cython"]
+    for requirement in wanted:
+        name = re.split(r"[<>=\[ ;]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+        assert name in locked, f"{name} (pyproject.toml) is not in the locks: run make lock"
+
+
+def test_the_build_context_sends_only_what_the_image_copies():
+    ignore = (REPO / ".dockerignore").read_text().split("\n")
+    assert "*" in ignore  # everything is left out but what is named
+    kept = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    assert kept == {source.rstrip("/") for source in _dockerfile_copies()}
+    for secret in ("deploy/.env", ".env"):
+        assert subprocess.run(["git", "check-ignore", "-q", secret], cwd=REPO,
+                              check=False).returncode == 0, f"{secret} is not git-ignored"
+
+
+def test_the_package_ships_the_dba_scripts():
+    """setup-db in the image (an installed package, no repository) needs cdc_platform/sql."""
+    import tomllib
+
+    from cdc_platform.postgres.admin import ROLE_SQL, sql_dir
+
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "sql/*.sql" in data["package-data"]["cdc_platform"]
+    assert sql_dir() == REPO / "cdc_platform" / "sql" and (sql_dir() / ROLE_SQL).is_file()
 
 
 def test_the_deploy_dagster_instance_config_loads(monkeypatch):

@@ -2,7 +2,7 @@
 --
 -- Run as the owner of the tables (or a superuser). Parameters are session settings:
 --     PGOPTIONS="-c cdc.publication=cdc_pub -c cdc.tables=public.users,sales.orders" \
---         psql -d mydb -f sql/10_publication.sql
+--         psql -d mydb -f cdc_platform/sql/10_publication.sql
 --   cdc.publication  publication name (default cdc_pub)
 --   cdc.tables       comma-separated tables (schema-qualified or on the search_path) to add,
 --                    or * for FOR ALL TABLES (needs a superuser); empty: create it empty.

@@ -2,7 +2,7 @@
 --
 -- Run as a superuser, then RESTART PostgreSQL (wal_level, max_replication_slots and
 -- max_wal_senders only take effect at start):
---     psql -d postgres -f sql/00_server_settings.sql && pg_ctl restart -D "$PGDATA"
+--     psql -d postgres -f cdc_platform/sql/00_server_settings.sql && pg_ctl restart -D "$PGDATA"
 -- Idempotent. The numbers are minimums for one platform instance: keep higher values if the
 -- server already has them (every slot and every walsender, ours included, counts).
 --

@@ -3,7 +3,7 @@
 -- Run as a superuser AFTER 10_publication.sql, then set the password yourself
 -- (`\password bridge_reader` in psql: it never appears in logs or in this file):
 --     PGOPTIONS="-c cdc.role=bridge_reader -c cdc.publication=cdc_pub" \
---         psql -d mydb -f sql/20_role.sql
+--         psql -d mydb -f cdc_platform/sql/20_role.sql
 --   cdc.role                 role name (default bridge_reader)
 --   cdc.publication          publication whose tables the role may read (default cdc_pub)
 -- The role gets: LOGIN, REPLICATION (to stream a slot), CONNECT on this database, USAGE on
