@@ -47,7 +47,7 @@ bench: $(VENV)/.installed
 
 # The deploy image's dependencies, locked with hashes (deploy/docker/*.lock): run after a
 # dependency change in pyproject.toml; the image installs exactly these (pip --require-hashes).
-LOCK := $(VENV)/bin/uv pip compile --generate-hashes --no-header --no-annotate \
+LOCK := $(VENV)/bin/uv pip compile --generate-hashes --no-strip-extras --no-header --no-annotate \
 	--python-version 3.11 --python-platform x86_64-manylinux_2_28
 lock: $(VENV)/.installed
 	$(PY) -m pip install --quiet uv
