@@ -258,10 +258,18 @@ def test_the_helm_values_use_the_charts_keys_and_agree_with_the_platform():
     dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
     uid = re.search(r"useradd .*--uid (\d+)", dockerfile).group(1)
     assert str(deployment["podSecurityContext"]["runAsUser"]) == uid
-    # every pod that runs platform code reads the same settings
-    sources = [deployment, values["dagsterWebserver"], values["dagsterDaemon"],
-               values["runLauncher"]["config"]["k8sRunLauncher"]]
-    assert len({yaml.safe_dump([s["envConfigMaps"], s["envSecrets"]]) for s in sources}) == 1
+    # the pods that run platform code (the code server, the runs) read the same settings;
+    # the webserver and the daemon run none and hold no platform secret
+    launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
+    assert yaml.safe_dump([deployment["envConfigMaps"], deployment["envSecrets"]]) \
+        == yaml.safe_dump([launcher["envConfigMaps"], launcher["envSecrets"]])
+    for name in ("dagsterWebserver", "dagsterDaemon"):
+        assert "envSecrets" not in values[name] and "envConfigMaps" not in values[name], name
+    # the runs (the bridge, the Spark driver) get resources and a non-root security context
+    assert launcher["resources"]["requests"] and launcher["resources"]["limits"]["memory"]
+    assert launcher["securityContext"]["runAsNonRoot"] is True
+    assert launcher["securityContext"]["allowPrivilegeEscalation"] is False
+    assert str(launcher["securityContext"]["runAsUser"]) == uid
     assert "postgresqlPassword" not in values["postgresql"]  # from the Secret, not a value
     # the run coordination is the instance's in deploy/dagster/dagster.yaml
     instance = yaml.safe_load((DEPLOY / "dagster" / "dagster.yaml").read_text())
@@ -275,3 +283,37 @@ def test_the_helm_values_use_the_charts_keys_and_agree_with_the_platform():
                                     ("maxResumeRunAttempts", "max_resume_run_attempts"),
                                     ("pollIntervalSeconds", "poll_interval_seconds")):
         assert monitoring[chart_key] == instance["run_monitoring"][instance_key], chart_key
+
+
+def test_the_helm_files_it_names_exist_and_agree():
+    """values.yaml named a ConfigMap file that was not in the repository; the bridge's metrics
+    were bound to 127.0.0.1 (nothing could scrape them); nothing kept other pods off the code
+    server's gRPC."""
+    values_text = (DEPLOY / "helm" / "values.yaml").read_text()
+    values = yaml.safe_load(values_text)
+    for named in re.findall(r"-f (deploy/helm/\S+)", values_text):
+        assert (REPO / named).is_file(), named
+    (config,) = yaml.safe_load_all((DEPLOY / "helm" / "cdc-platform-config.yaml").read_text())
+    assert config["kind"] == "ConfigMap"
+    launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
+    assert {"name": config["metadata"]["name"]} in launcher["envConfigMaps"]
+    settings = config["data"]
+    for name in settings:
+        assert name in variable_names() or name.startswith("PG"), f"{name} is no setting"
+        assert not re.search(r"PASSWORD|TOKEN|SEED|CREDS|KEY$", name), f"{name} is a secret"
+    assert settings["CDC_HTTP_HOST"] == "0.0.0.0"
+    metadata = launcher["runK8sConfig"]["podTemplateSpecMetadata"]
+    assert metadata["annotations"]["prometheus.io/port"] == settings["CDC_HTTP_PORT"]
+    policies = list(yaml.safe_load_all((DEPLOY / "helm" / "network-policy.yaml").read_text()))
+    code, telemetry = policies
+    (deployment,) = values["dagster-user-deployments"]["deployments"]
+    assert code["spec"]["podSelector"]["matchLabels"] == {
+        "component": "user-deployments", "deployment": deployment["name"]}
+    assert code["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP",
+                                                   "port": deployment["port"]}]
+    clients = code["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+    for name in ("dagsterWebserver", "dagsterDaemon"):
+        assert clients.items() <= values[name]["labels"].items(), name
+    assert telemetry["spec"]["podSelector"]["matchLabels"].items() \
+        <= metadata["labels"].items()
+    assert telemetry["spec"]["ingress"][0]["ports"][0]["port"] == int(settings["CDC_HTTP_PORT"])
