@@ -2,8 +2,8 @@
 sensor and the snapshot asset call these.
 
 A consumer publishes on ``snapshot.request.{table}``; the body is empty or a JSON object:
-``request_id`` (str, echoed back), ``reply_to`` (a NATS subject; replies are core-NATS
-publishes there), ``max_age_seconds`` (reuse a snapshot of the table at most this old whose
+``request_id`` (str, echoed back), ``reply_to`` (an ``_INBOX.`` subject; replies are
+core-NATS publishes there), ``max_age_seconds`` (reuse a snapshot of the table at most this old whose
 cutover point the CDC stream still holds; default ``CDC_SNAPSHOT_REUSE_SECONDS``; 0: always a
 new one), ``min_lsn`` (reuse only a snapshot whose cutover LSN is at least this: a consumer
 that must bootstrap again after a rewrite asks for one taken after it). Replies are JSON objects: ``request_id``, ``table``, ``status`` (``accepted``,
@@ -34,6 +34,13 @@ from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX, snapshot_meta_subject
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4096
+# Replies go to inbox subjects only: the platform replies with its own credential, and a
+# requester naming `$KV.schemas.users`, `init.meta.users` or `cdc.users.insert` as its
+# reply_to had it overwrite a schema, plant a meta or write into CDC (a confused deputy).
+# `_INBOX.` or a per-user inbox prefix `_INBOX_{name}.` (nats-py's inbox_prefix).
+REPLY_PREFIX = "_INBOX."
+_REPLY_SUBJECT = re.compile(
+    r"_INBOX(_[A-Za-z0-9-]{1,64})?\.[A-Za-z0-9_$=/-]+(\.[A-Za-z0-9_$=/-]+)*")
 _SUBJECT = re.compile(r"[A-Za-z0-9_$=/-]+(\.[A-Za-z0-9_$=/-]+)*")
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
@@ -75,13 +82,14 @@ def parse_request(subject: str, data: bytes, seq: int) -> SnapshotRequest:
     request_id, reply_to = body.get("request_id"), body.get("reply_to")
     request_id = request_id if isinstance(request_id, str) and _REQUEST_ID.fullmatch(
         request_id) else None
-    reply_to = reply_to if isinstance(reply_to, str) and _SUBJECT.fullmatch(reply_to) else None
+    reply_to = reply_to if is_reply_subject(reply_to) else None
     max_age = body.get("max_age_seconds")
     problems = []
     if body.get("request_id") is not None and request_id is None:
         problems.append("request_id must be 1-128 printable ASCII characters")
     if body.get("reply_to") is not None and reply_to is None:
-        problems.append("reply_to must be a NATS subject without wildcards")
+        problems.append(f"reply_to must be an inbox subject ({REPLY_PREFIX}...) without "
+                        "wildcards")
     if max_age is not None and (isinstance(max_age, bool)
                                 or not isinstance(max_age, (int, float)) or max_age < 0):
         problems.append("max_age_seconds must be a number >= 0")
@@ -134,11 +142,22 @@ class Reply:
                            "status": self.status, **self.fields}).encode()
 
 
+def is_reply_subject(subject: object) -> bool:
+    """Whether a reply may be sent to ``subject``: an inbox subject without wildcards."""
+    return isinstance(subject, str) and _REPLY_SUBJECT.fullmatch(subject) is not None
+
+
 async def send_replies(client: NatsClient, replies: list[tuple[str | None, Reply]]) -> None:
-    """Core-NATS publishes; a requester that is gone is not an error."""
+    """Core-NATS publishes; a requester that is gone is not an error. A reply subject that is
+    no inbox (a run tag edited in the UI, say) gets nothing."""
     for reply_to, reply in replies:
-        if reply_to:
-            await client.publish(reply_to, reply.payload())
+        if not reply_to:
+            continue
+        if not is_reply_subject(reply_to):
+            log.warning("not replying to %r: replies go to inbox subjects (%s...) only",
+                        reply_to, REPLY_PREFIX)
+            continue
+        await client.publish(reply_to, reply.payload())
     await client.flush()
 
 

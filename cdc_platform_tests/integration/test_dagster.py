@@ -166,6 +166,37 @@ async def test_snapshot_requests_become_runs_once(dagster_env, cdc_database, pg_
         assert isinstance(again, dg.SkipReason)
 
 
+async def test_a_reply_to_the_platforms_own_subjects_is_never_sent(
+        dagster_env, cdc_database, pg_admin, nats_client):
+    """The sensor replies as the bridge user: a reply_to of a KV key, a meta subject or a CDC
+    subject had it overwrite the table's schema, plant a meta and write into CDC."""
+    import json as jsonlib
+
+    from nats.js.errors import NotFoundError
+
+    from cdc_platform.definitions import build_definitions
+
+    table = random_name("deputy")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    cdc_database.add_tables(pg_admin, table)
+    targets = [f"$KV.schemas.{table}", f"init.meta.{table}", f"cdc.{table}.insert"]
+    for target in targets:
+        await nats_client.publish(f"snapshot.request.{table}",
+                                  jsonlib.dumps({"reply_to": target}).encode())
+    await nats_client.flush()
+    defs = build_definitions()
+    with dg.instance_for_test() as instance:
+        result = await asyncio.to_thread(request_sensor_tick(defs, instance, dagster_env),
+                                         None)
+    assert not result.run_requests  # each was refused
+    await asyncio.sleep(0.5)
+    js = nats_client.jetstream()
+    for stream, subject in (("KV_schemas", targets[0]), ("INIT", targets[1]),
+                            ("CDC", targets[2])):
+        with pytest.raises(NotFoundError):
+            await js.get_last_msg(stream, subject)
+
+
 async def test_a_request_flood_starts_one_run_per_table(dagster_env, cdc_database, pg_admin,
                                                         nats_client):
     """Issue 13: a flood of requests (genuine, garbage, for unknown tables) starts one run per
@@ -179,7 +210,7 @@ async def test_a_request_flood_starts_one_run_per_table(dagster_env, cdc_databas
     table = random_name("flooded")
     pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
     cdc_database.add_tables(pg_admin, table)
-    inbox = f"replies.{random_name('r')}"
+    inbox = f"_INBOX.replies.{random_name('r')}"
     replies: list[dict] = []
 
     async def collect(message):
@@ -382,7 +413,7 @@ async def test_snapshot_requests_get_replies(dagster_env, cdc_database, pg_admin
         pg_admin.execute(f"CREATE TABLE {name} (id int PRIMARY KEY)")
         pg_admin.execute(f"INSERT INTO {name} SELECT generate_series(1, 100)")
     cdc_database.add_tables(pg_admin, table, doomed)
-    inbox = f"replies.{random_name('r')}"
+    inbox = f"_INBOX.replies.{random_name('r')}"
     replies: list[dict] = []
 
     async def collect(message):

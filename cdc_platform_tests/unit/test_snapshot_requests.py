@@ -14,7 +14,13 @@ from cdc_platform.snapshot.requests import RunInFlight, parse_request, summarize
     ("snapshot.request.users", b"\xff\xfe garbage", "not JSON"),
     ("snapshot.request.users", b"[1, 2]", "not a JSON object"),
     ("snapshot.request.users", b"{" + b" " * 5000 + b"}", "over 4096 bytes"),
-    ("snapshot.request.users", b'{"reply_to": "a.*"}', "reply_to must be a NATS subject"),
+    ("snapshot.request.users", b'{"reply_to": "_INBOX.*"}', "reply_to must be an inbox"),
+    # the platform's own subjects: replying there made it overwrite a schema, plant a meta,
+    # write into CDC
+    ("snapshot.request.users", b'{"reply_to": "$KV.schemas.users"}', "reply_to must be an"),
+    ("snapshot.request.users", b'{"reply_to": "init.meta.users"}', "reply_to must be an"),
+    ("snapshot.request.users", b'{"reply_to": "cdc.users.insert"}', "reply_to must be an"),
+    ("snapshot.request.users", b'{"reply_to": "_INBOX"}', "reply_to must be an"),
     ("snapshot.request.users", b'{"request_id": "' + b"x" * 200 + b'"}', "request_id must"),
     ("snapshot.request.users", b'{"max_age_seconds": true}', "max_age_seconds must"),
     ("snapshot.request.users", b'{"min_lsn": "yesterday"}', "min_lsn must"),
@@ -26,8 +32,20 @@ def test_hostile_requests_are_refused_with_the_reason(subject, data, reason):
 
 def test_a_refused_request_keeps_what_its_refusal_can_be_sent_with():
     request = parse_request("snapshot.request.users",
-                            b'{"reply_to": "inbox.1", "request_id": "r1", "min_lsn": 5}', 3)
-    assert request.refused and (request.reply_to, request.request_id) == ("inbox.1", "r1")
+                            b'{"reply_to": "_INBOX.1", "request_id": "r1", "min_lsn": 5}', 3)
+    assert request.refused and (request.reply_to, request.request_id) == ("_INBOX.1", "r1")
+
+
+@pytest.mark.parametrize(("reply_to", "kept"), [
+    ("_INBOX.x1", True), ("_INBOX.a.b", True), ("_INBOX_team-a.x1", True),
+    ("_INBOXcdc.users", False), ("_INBOX_.x", False), ("x._INBOX.y", False),
+    ("_INBOX.>", False), ("_INBOX. x", False)])
+def test_replies_go_to_inbox_subjects_only(reply_to, kept):
+    from cdc_platform.snapshot.requests import is_reply_subject
+
+    assert is_reply_subject(reply_to) is kept
+    request = parse_request("snapshot.request.users", f'{{"reply_to": "{reply_to}"}}'.encode(), 1)
+    assert (request.reply_to == reply_to) is kept and (request.refused is None) is kept
 
 
 def test_only_a_waiting_run_takes_more_requests():
