@@ -21,6 +21,7 @@ from cdc_platform.protocol.changes import (
     ChangeRecord,
     LogicalMessageReceived,
     RelationChanged,
+    RelationResent,
     TransactionCommitted,
 )
 from cdc_platform.protocol.pgoutput import Relation
@@ -346,6 +347,12 @@ class MessageBuilder:
                 self.register(event.relation)
                 changed.append(event.relation)
                 self._new_shapes[event.relation.relation_id] = event.relation
+            elif kind is RelationResent:
+                # the same columns, but the table was invalidated (a rewrite or a TRUNCATE
+                # among the possible causes): the bridge checks its storage before its next
+                # change, in a slot it drops when nothing changed
+                self._release(event.relation.relation_id, messages)
+                new_shapes.setdefault(event.relation.relation_id, event.relation)
             elif kind is LogicalMessageReceived and event.prefix == WATERMARK_PREFIX:
                 if not per_change:
                     self._close_batch(messages)
@@ -365,7 +372,8 @@ class MessageBuilder:
 
     def schema_event(self, slot: SchemaEventSlot, table_schema: dict[str, Any], *,
                      previous_fingerprint: str | None, needs_snapshot: bool,
-                     reason: str | None, storage: int = 0) -> OutgoingMessage:
+                     reason: str | None, storage: int = 0,
+                     min_snapshot_lsn: int = 0) -> OutgoingMessage:
         """The schema event of ``slot`` (README "Schema changes"): the envelope of the
         change it precedes, operation ``SCHEMA``, and the table's KV schema value."""
         record, relation = slot.change, slot.relation
@@ -391,6 +399,7 @@ class MessageBuilder:
             "needs_snapshot": needs_snapshot,
             "reason": reason,
             "relfilenode": storage,
+            "min_snapshot_lsn": _lsn_text(max(min_snapshot_lsn, record.commit_lsn)),
             "table_schema": table_schema,
         }
         return OutgoingMessage(subject, msg_id, self.encode(event),

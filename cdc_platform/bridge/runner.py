@@ -18,13 +18,13 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from nats.js.errors import NotFoundError
 
 from cdc_platform.bridge.events import BuiltBatch, MessageBuilder
+from cdc_platform.bridge.shapes import AnnouncedShape, resolve_shape, truncates_after
 from cdc_platform.errors import (
     CdcError,
     NatsUnreachable,
@@ -36,7 +36,6 @@ from cdc_platform.jetstream.connection import close_nats, connect_nats
 from cdc_platform.lsn import format_lsn
 from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import (
-    ColumnInfo,
     TableSchema,
     published_tables_async,
     table_schema_async,
@@ -83,6 +82,9 @@ class CdcBridge:
         self._claim_checks: ClaimChecks | None = None
         self._published_fingerprints: dict[str, str] = {}
         self._announced: dict[str, AnnouncedShape | None] = {}  # table -> last schema event
+        # table -> its shape when this process first published it: what consumers follow
+        # until its first schema event (its storage is the rewrite check's first baseline)
+        self._published_shapes: dict[str, AnnouncedShape] = {}
         self._js = None
         # (position, published at (monotonic), committed at (epoch)) per published batch
         self._timings: collections.deque = collections.deque(maxlen=100_000)
@@ -338,45 +340,51 @@ class CdcBridge:
             found = await table_schema_async(reader.catalog, publication, schema, table,
                                              reader.types)
             if found is not None:
+                self._published_shapes.setdefault(found.wire_name,
+                                                  AnnouncedShape.of(found))
                 await self._put_schema(found)
 
     async def _follow_shape_changes(self, reader: SlotReader, built: BuiltBatch) -> None:
         """KV schemas of the relations ``built`` saw change, and its schema events filled in
-        (or dropped when the shape is the one the stream last announced)."""
+        (or dropped when neither the shape nor the storage differs from the announced)."""
         catalog = reader.catalog
         assert catalog is not None
-        schemas: dict[int, tuple[TableSchema, TableSchema | None]] = {}  # id(Relation) ->
-        # (its schema, the catalog's now)
+        read: dict[int, TableSchema | None] = {}  # id(Relation) -> the catalog's table now
 
-        async def schema_of(relation: Relation) -> tuple[TableSchema, TableSchema | None]:
+        async def current_of(relation: Relation) -> TableSchema | None:
             # The Relation message is authoritative for the columns at this point of the
-            # WAL; the catalog adds nullability, defaults and missing values.
-            if id(relation) not in schemas:
-                current = await table_schema_async(
+            # WAL; the catalog adds identities, storage, nullability, defaults, missing values.
+            if id(relation) not in read:
+                read[id(relation)] = await table_schema_async(
                     catalog, self.settings.postgres.publication, relation.namespace,
                     relation.name, reader.types)
-                schemas[id(relation)] = schema_from_relation(relation, current), current
-            return schemas[id(relation)]
+            return read[id(relation)]
 
-        for relation in built.changed_relations:
-            await self._put_schema((await schema_of(relation))[0])
         dropped: set[int] = set()
-        for slot in built.schema_events:
-            schema, current = await schema_of(slot.relation)
-            previous = await self._announced_shape(schema.wire_name)
-            if previous is not None and previous.fingerprint == schema.fingerprint:
+        for slot in built.schema_events:  # (in stream order: each compares with the last)
+            current = await current_of(slot.relation)
+            table = wire_name(slot.relation.namespace, slot.relation.name)
+            previous = await self._announced_shape(table)
+            change = resolve_shape(slot.relation, slot.change, current,
+                                   previous or self._published_shapes.get(table),
+                                   truncates_after(slot, built.schema_events))
+            schema, reason = change.schema, change.reason
+            await self._put_schema(schema)
+            if previous is not None and reason is None and (
+                    previous.fingerprint, previous.storage) == (schema.fingerprint,
+                                                                change.storage):
                 dropped.add(slot.index)
                 continue
-            reason = shape_change_unknowable(previous, schema, current)
             value = schema.to_wire()
             built.messages[slot.index] = self.builder.schema_event(
                 slot, value, previous_fingerprint=previous.fingerprint if previous else None,
-                needs_snapshot=reason is not None, reason=reason, storage=schema.storage)
-            self._announced[schema.wire_name] = AnnouncedShape(
-                schema.fingerprint, schema.storage, frozenset(c.name for c in schema.columns))
+                needs_snapshot=reason is not None, reason=reason, storage=change.storage,
+                min_snapshot_lsn=schema.read_at_lsn if reason is not None else 0)
+            self._announced[table] = AnnouncedShape.of(schema, schema.fingerprint,
+                                                       change.storage)
             if reason is not None:
                 log.warning("%s: %s; its schema event tells consumers to take a new snapshot",
-                            schema.wire_name, reason)
+                            table, reason)
         if dropped:
             built.messages[:] = [message for index, message in enumerate(built.messages)
                                  if index not in dropped]
@@ -391,9 +399,7 @@ class CdcBridge:
             try:
                 message = await self._js.get_last_msg(stream, cdc_schema_subject(table))
                 event = decode_any(message.data)
-                found = AnnouncedShape(
-                    event["schema_fingerprint"], int(event.get("relfilenode") or 0),
-                    frozenset(c["name"] for c in event["table_schema"]["columns"]))
+                found = AnnouncedShape.from_event(event)
                 break
             except NotFoundError:
                 found = None
@@ -538,6 +544,8 @@ class CdcBridge:
                         continue
                     found = await table_schema_async(conn, publication, schema, table)
                     if found is not None:
+                        self._published_shapes.setdefault(found.wire_name,
+                                                          AnnouncedShape.of(found))
                         await self._put_schema(found)
             except psycopg.Error as exc:
                 log.warning("publication check failed: %s", exc)
@@ -547,55 +555,3 @@ class CdcBridge:
         while True:
             await asyncio.sleep(self.options.metrics_log_interval_seconds)
             log.info("%s", self.metrics.logfmt())
-
-
-@dataclass(frozen=True)
-class AnnouncedShape:
-    """What a table's last schema event said, as the next one is compared with it."""
-
-    fingerprint: str
-    storage: int  # relfilenode
-    columns: frozenset[str]
-
-
-def shape_change_unknowable(previous: AnnouncedShape | None, schema: TableSchema,
-                            current: TableSchema | None) -> str | None:
-    """Why rows that existed before this shape change cannot be known from the stream (None:
-    they can). A rewrite (a volatile default, a column type change) changes every row
-    without decoding a change; a column added and then changed or dropped before the
-    bridge read its addition has lost the value existing rows read."""
-    if previous is None:
-        return None  # nothing announced before: no consumer follows an older shape
-    if previous.storage and schema.storage and previous.storage != schema.storage:
-        return ("the table was rewritten (relfilenode "
-                f"{previous.storage} -> {schema.storage}: a volatile default, a column type "
-                "change, VACUUM FULL or CLUSTER), which logical decoding does not emit")
-    now = {(c.name, c.type_oid) for c in current.columns} if current else set()
-    unknown = [c.name for c in schema.columns
-               if c.name not in previous.columns and (c.name, c.type_oid) not in now]
-    if unknown:
-        return (f"column(s) {', '.join(unknown)} were added and then altered or dropped before "
-                "the bridge read the addition: what existing rows read is unknown")
-    return None
-
-
-def schema_from_relation(relation: Relation, current: TableSchema | None) -> TableSchema:
-    by_name = {c.name: c for c in current.columns} if current else {}
-    columns = []
-    for position, column in enumerate(relation.columns, start=1):
-        known = by_name.get(column.name)
-        if known is None or known.type_oid != column.type_oid:
-            known = None  # the catalog's column is another one now: only what pgoutput says
-        columns.append(ColumnInfo(
-            name=column.name, position=position,
-            data_type=known.data_type if known else str(column.type_oid),
-            is_nullable=known.is_nullable if known else True,
-            column_default=known.column_default if known else None,
-            type_oid=column.type_oid, type_modifier=column.type_modifier,
-            is_key=column.is_key,
-            is_primary_key=known.is_primary_key if known else False,
-            missing_value=known.missing_value if known else None))
-    return TableSchema(relation.namespace, relation.name, relation.relation_id,
-                       relation.replica_identity, tuple(columns),
-                       storage=current.storage if current else 0)
-

@@ -190,6 +190,7 @@ class MirroredColumn:
     sqlite_type: str
     is_primary_key: bool
     type_oid: int = 0
+    attnum: int = 0  # the source column's identity, kept by a RENAME (0: not known)
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,8 @@ class TableShape:
                     raise ValueError(f"name {name!r}")
                 columns.append(MirroredColumn(
                     name, sqlite_type(int(column["type_oid"]), str(column["data_type"])),
-                    name in primary_key, int(column["type_oid"])))
+                    name in primary_key, int(column["type_oid"]),
+                    int(column.get("attnum") or 0)))
             except (KeyError, TypeError, ValueError) as exc:
                 shown = column.get("name") if isinstance(column, Mapping) else column
                 raise MirrorError(f"schema of {table!r}: column {position} ({shown!r}) cannot "
@@ -233,8 +235,8 @@ class TableShape:
 
     def to_json_text(self) -> str:
         return json.dumps({"table": self.table, "fingerprint": self.fingerprint,
-                           "columns": [[c.name, c.sqlite_type, c.is_primary_key, c.type_oid]
-                                       for c in self.columns]})
+                           "columns": [[c.name, c.sqlite_type, c.is_primary_key, c.type_oid,
+                                        c.attnum] for c in self.columns]})
 
     @classmethod
     def from_json_text(cls, text: str) -> TableShape:
@@ -264,6 +266,25 @@ class TableShape:
             elif column.type_oid in _JSON_FLOAT_OIDS:
                 restored[column.name] = _from_json_float(value)
         return restored
+
+
+def _lsn_or_zero(text: Any) -> int:
+    """A schema event's ``min_snapshot_lsn`` (0: absent, as before it existed, or not an
+    LSN; the event's ``commit_lsn`` bounds the snapshot then)."""
+    try:
+        return parse_lsn_cached(text)
+    except ValueError:
+        return 0
+
+
+def _renamed(before: TableShape | None, after: TableShape) -> dict[str, str]:
+    """Old name -> new name of each column the two shapes know by one identity (attnum) and
+    two names."""
+    if before is None:
+        return {}
+    names = {c.attnum: c.name for c in after.columns if c.attnum}
+    return {c.name: names[c.attnum] for c in before.columns
+            if c.attnum in names and names[c.attnum] != c.name}
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,27 +443,36 @@ class MirrorStore:
         missing value); a column added without one holds NULL in existing rows.
         """
         existing = self._existing_columns(shape.table)
+        renamed = _renamed(self._shapes.get(shape.table), shape)
         self._shapes[shape.table] = shape
         self._prepared = {key: value for key, value in self._prepared.items()
                           if key[1] != shape.table}  # (their converters know the types)
         if not existing:
             self._create(shape)
             return SchemaChange.CREATED
+        # A renamed column keeps its values: it is compared under its new name. A column
+        # whose name another one takes (its identity gone) is dropped.
+        physical = existing
+        retired = [name for name, _, _ in physical
+                   if name not in renamed and name in renamed.values()]
+        existing = [(renamed.get(name, name), declared, pk) for name, declared, pk in physical
+                    if name not in retired]
         wanted = [(c.name, c.sqlite_type, c.is_primary_key) for c in shape.columns]
-        if wanted == existing:
+        if wanted == existing and not renamed:
             return SchemaChange.UNCHANGED
         old = {name: (declared, pk) for name, declared, pk in existing}
         new = {c.name: (c.sqlite_type, c.is_primary_key) for c in shape.columns}
         kept_same = all(new[name] == old[name] for name in old if name in new)
         key_same = ({n for n, (_, pk) in old.items() if pk}
                     == {n for n, (_, pk) in new.items() if pk})
-        if not kept_same or not key_same:
+        retired_key = any(pk for name, _, pk in physical if name in retired)
+        if not kept_same or not key_same or retired_key:
             return SchemaChange.NEEDS_BOOTSTRAP
         if not shape.key_columns:  # (SQLite drops no indexed column: made again below)
             self._db.execute(f"DROP INDEX IF EXISTS {quote(shape.table + ' (row lookup)')}")
-        for name in old:
-            if name not in new:
-                self._db.execute(f"ALTER TABLE {quote(shape.table)} DROP COLUMN {quote(name)}")
+        for name in [*retired, *(name for name in old if name not in new)]:
+            self._db.execute(f"ALTER TABLE {quote(shape.table)} DROP COLUMN {quote(name)}")
+        self._rename_columns(shape.table, renamed)
         for column in shape.columns:
             if column.name not in old:
                 self._db.execute(f"ALTER TABLE {quote(shape.table)} ADD COLUMN "
@@ -456,6 +486,16 @@ class MirrorStore:
         # SQLite appends added columns; a column order that differs from the source's (a
         # column dropped and added under the same name) is still the same set of values.
         return SchemaChange.ALTERED
+
+    def _rename_columns(self, table: str, renamed: Mapping[str, str]) -> None:
+        """Rename in place, through names of their own first (``a -> b, b -> a`` works)."""
+        steps = {old: f"_cdc_renaming_{index}" for index, old in enumerate(renamed)}
+        for old, step in steps.items():
+            self._db.execute(f"ALTER TABLE {quote(table)} RENAME COLUMN {quote(old)} TO "
+                             f"{quote(step)}")
+        for old, step in steps.items():
+            self._db.execute(f"ALTER TABLE {quote(table)} RENAME COLUMN {quote(step)} TO "
+                             f"{quote(renamed[old])}")
 
     # -- bootstrap ------------------------------------------------------------------------------
     def begin_bootstrap(self, shape: TableShape, snapshot_id: str, snapshot_lsn: int) -> None:
@@ -601,7 +641,8 @@ class MirrorStore:
             if why is None:
                 state.fingerprint = self.shape(table).fingerprint
             else:
-                state.status, state.reason, state.stale_lsn = "stale", why, commit_lsn
+                state.status, state.reason = "stale", why
+                state.stale_lsn = max(commit_lsn, _lsn_or_zero(event.get("min_snapshot_lsn")))
                 self._open.stale[table] = why
             return
         if from_json:

@@ -15,6 +15,7 @@ from typing import Any
 import psycopg
 
 from cdc_platform.errors import ConversionError, SnapshotRequestRefused
+from cdc_platform.lsn import parse_lsn
 from cdc_platform.naming import parse_wire_name, qualified_name, wire_name
 from cdc_platform.protocol.values import TypeRegistry, identity, parse_array
 from cdc_platform.wire import schema_fingerprint
@@ -36,7 +37,8 @@ SELECT a.attname, a.attnum, format_type(a.atttypid, a.atttypmod), NOT a.attnotnu
          ELSE a.attnum = ANY(pk.indkey)
        END AS is_key,
        COALESCE(a.attnum = ANY(pk.indkey), false) AS is_primary_key,
-       c.oid::int, a.attmissingval::text, ty.typdelim, c.relfilenode::bigint
+       c.oid::int, a.attmissingval::text, ty.typdelim, c.relfilenode::bigint,
+       c.xmin::text::bigint, pg_current_wal_insert_lsn()::text
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
 JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
@@ -68,6 +70,9 @@ class ColumnInfo:
     # What rows that existed before the column was added read (``pg_attribute.attmissingval``,
     # converted like a row value); None when there is none.
     missing_value: Any = None
+    # pg_attribute.attnum: the column's identity, kept by a RENAME and never reused (0: not
+    # known, which a schema event says only with needs_snapshot)
+    attnum: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +84,12 @@ class TableSchema:
     columns: tuple[ColumnInfo, ...]
     captured_at: float = field(default_factory=time.time)
     # pg_class.relfilenode: a new one means the table was rewritten (a volatile default, a
-    # column type change, VACUUM FULL), which logical decoding does not emit.
+    # column type change, VACUUM FULL) or truncated; decoding emits no rewritten row.
     storage: int = 0
+    # The catalog read: xmin of the pg_class row read (the transaction that last changed it)
+    # and the WAL insert position when it was read (everything it saw committed before it).
+    storage_xmin: int = 0
+    read_at_lsn: int = 0
 
     @property
     def wire_name(self) -> str:
@@ -106,7 +115,8 @@ class TableSchema:
                 {"name": c.name, "position": c.position, "data_type": c.data_type,
                  "is_nullable": c.is_nullable, "column_default": c.column_default,
                  "type_oid": c.type_oid, "is_key": c.is_key,
-                 "is_primary_key": c.is_primary_key, "missing_value": c.missing_value}
+                 "is_primary_key": c.is_primary_key, "missing_value": c.missing_value,
+                 "attnum": c.attnum}
                 for c in self.columns
             ],
             "namespace": self.schema,
@@ -149,13 +159,15 @@ def _schema_from_rows(schema: str, table: str, rows: list,
     if not rows:
         return None
     types = types or TypeRegistry()
-    columns = tuple(ColumnInfo(name, position, data_type, nullable, default, type_oid, typmod,
+    columns = tuple(ColumnInfo(name, attnum, data_type, nullable, default, type_oid, typmod,
                                bool(is_key), bool(is_pk),
-                               missing_value(missing, delimiter, type_oid, types))
-                    for (name, position, data_type, nullable, default, type_oid, typmod, _,
-                         is_key, is_pk, _, missing, delimiter, _) in rows)
-    return TableSchema(schema, table, rows[0][10], rows[0][7], columns,
-                       storage=int(rows[0][13] or 0))
+                               missing_value(missing, delimiter, type_oid, types), attnum)
+                    for (name, attnum, data_type, nullable, default, type_oid, typmod, _,
+                         is_key, is_pk, _, missing, delimiter, _, _, _) in rows)
+    first = rows[0]
+    return TableSchema(schema, table, first[10], first[7], columns,
+                       storage=int(first[13] or 0), storage_xmin=int(first[14] or 0),
+                       read_at_lsn=parse_lsn(first[15]))
 
 
 def table_schema(conn: psycopg.Connection, publication: str, schema: str,

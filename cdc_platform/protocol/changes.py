@@ -11,8 +11,10 @@ Events:
 * :class:`TransactionCommitted` at each Commit;
 * :class:`RelationChanged` when a Relation message brings a table shape the cache did not
   have (first sight of a relation id, or columns / types / keys / replica identity / name
-  changed). An identical Relation message (pgoutput re-sends them per session and after
-  cache invalidations) produces nothing;
+  changed);
+* :class:`RelationResent` when a Relation message repeats the cached shape: pgoutput resends
+  one per session and after each invalidation of the table (any ALTER, a rewrite, a TRUNCATE,
+  an ANALYZE), so it marks where a same-shape rewrite may have happened;
 * :class:`LogicalMessageReceived` per ``pg_logical_emit_message`` message.
 
 :meth:`TransactionAssembler.take_changes` is ``feed`` for runs of Inserts, Updates and
@@ -73,6 +75,7 @@ __all__ = [
     "Event",
     "LogicalMessageReceived",
     "RelationChanged",
+    "RelationResent",
     "TransactionAssembler",
     "TransactionCommitted",
     "relation_shape",
@@ -139,6 +142,14 @@ class RelationChanged:
 
 
 @dataclass(frozen=True, slots=True)
+class RelationResent:
+    """A Relation message with the shape the cache has: no column changed, but the table's
+    definition was invalidated (or a new session began) before the change that follows."""
+
+    relation: Relation
+
+
+@dataclass(frozen=True, slots=True)
 class LogicalMessageReceived:
     """A ``pg_logical_emit_message`` message. ``commit_lsn`` names the enclosing
     transaction for transactional messages; None for non-transactional ones."""
@@ -150,7 +161,8 @@ class LogicalMessageReceived:
     commit_lsn: int | None
 
 
-Event: TypeAlias = ChangeRecord | TransactionCommitted | RelationChanged | LogicalMessageReceived
+Event: TypeAlias = (ChangeRecord | TransactionCommitted | RelationChanged | RelationResent
+                    | LogicalMessageReceived)
 _NO_EVENTS: tuple[Event, ...] = ()
 
 
@@ -399,7 +411,7 @@ class TransactionAssembler:
         self._tables[message.relation_id] = _Table(
             message, self._converters.for_columns(message.columns))
         if cached is not None and relation_shape(cached.relation) == relation_shape(message):
-            return _NO_EVENTS
+            return (RelationResent(message),)
         return (RelationChanged(message, None if cached is None else cached.relation),)
 
     def _on_type(self, lsn: int, message: Type) -> Sequence[Event]:

@@ -57,6 +57,7 @@ class ColumnSchema(TypedDict):
     is_key: bool
     is_primary_key: bool
     missing_value: Value  # what rows older than the column read (attmissingval), or None
+    attnum: int  # the column's identity (pg_attribute.attnum): kept by a RENAME; 0: unknown
 
 
 class TableSchemaValue(TypedDict):
@@ -93,6 +94,8 @@ class SchemaEvent(TypedDict):
     needs_snapshot: bool  # existing rows cannot be known from the stream: bootstrap again
     reason: str | None
     relfilenode: int
+    # needs_snapshot: bootstrap from a snapshot whose lsn is at least this (>= commit_lsn)
+    min_snapshot_lsn: str
     table_schema: TableSchemaValue
 
 

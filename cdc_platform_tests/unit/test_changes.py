@@ -19,6 +19,7 @@ from cdc_platform.protocol.changes import (
     ChangeRecord,
     LogicalMessageReceived,
     RelationChanged,
+    RelationResent,
     TransactionAssembler,
     TransactionCommitted,
     relation_shape,
@@ -116,9 +117,11 @@ def test_update_and_delete_with_full_identity():
 
 def test_truncate_of_two_tables():
     events = assemble("truncate")
+    # (the second TRUNCATE is preceded by its table's Relation again: the first one
+    # invalidated it)
     assert [type(e) for e in events] == [RelationChanged, RelationChanged, ChangeRecord,
-                                         ChangeRecord, TransactionCommitted, ChangeRecord,
-                                         TransactionCommitted]
+                                         ChangeRecord, TransactionCommitted, RelationResent,
+                                         ChangeRecord, TransactionCommitted]
     parents, children = events[2], events[3]
     assert (parents.table, parents.ordinal, children.table, children.ordinal) == (
         "parents", 0, "children", 1)
@@ -127,7 +130,7 @@ def test_truncate_of_two_tables():
         assert (record.new, record.old, record.old_kind) == (None, None, None)
         assert record.commit_lsn == 22323704 and record.lsn == 0x154A1C8
     assert events[4].change_count == 2
-    alone = events[5]
+    alone = events[6]
     assert (alone.table, alone.ordinal, alone.cascade, alone.restart_identity) == (
         "children", 0, False, False)
 
@@ -191,10 +194,11 @@ def test_schema_change_is_reported_and_converters_are_rebuilt():
     assert [c.name for c in changes[1].relation.columns] == ["id", "a", "b"]
     assert records(events)[1].new == {"id": 2, "a": "two", "b": 2}
     assert converters.calls == [("id", "a"), ("id", "a", "b")]
-    # The same Relation again (pgoutput resends them per session): no event, but the
-    # converters are asked again (types may have become known since).
+    # The same Relation again (pgoutput resends them per session and after the table was
+    # invalidated): only a RelationResent, and the converters are asked again (types may
+    # have become known since).
     again = next(m for _, m in stream if isinstance(m, Relation) and len(m.columns) == 3)
-    assert assembler.feed(0, again) == ()
+    assert assembler.feed(0, again) == (RelationResent(again),)
     assert len(converters.calls) == 3
     assert assembler.relation(16482) == again and assembler.relations == {16482: again}
 

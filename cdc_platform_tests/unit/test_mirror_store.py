@@ -492,3 +492,42 @@ def test_what_is_not_an_event_of_the_contract_is_refused_before_the_database(for
     _check_event(good, "cdc.users.insert", prefixes)
     with pytest.raises(ValueError, match=why):
         _check_event(good | forged, "cdc.users.insert", prefixes)
+
+
+def _with_attnums(value, attnums):
+    for column, attnum in zip(value["columns"], attnums, strict=True):
+        column["attnum"] = attnum
+    return value
+
+
+def test_renamed_columns_keep_their_values_swaps_and_reused_names_too(store, tmp_path):
+    """Columns are matched by attnum: a rename is done in place (the key column too), two
+    names swapped, and a name taken from a dropped column; the shape survives a restart."""
+    columns = (("id", 23, "integer", True), ("a", 25, "text", False), ("b", 25, "text", False),
+               ("c", 23, "integer", False))
+    bootstrapped(store, _with_attnums(schema(columns=columns), [1, 2, 3, 4]),
+                 loaded=[{"id": 1, "a": "x", "b": "y", "c": 5}])
+    # id renamed to key, a and b swapped
+    swapped = _with_attnums(schema(columns=(
+        ("key", 23, "integer", True), ("b", 25, "text", False), ("a", 25, "text", False),
+        ("c", 23, "integer", False)), fingerprint="f2"), [1, 2, 3, 4])
+    applied = store.apply_transaction([schema_event("0/300", 0, swapped)], stream_seq=10)
+    assert applied.stale == {}
+    assert store._db.execute('SELECT "key", a, b, c FROM users').fetchall() == [(1, "y", "x", 5)]
+    store.close()
+    store = MirrorStore(tmp_path / "mirror.db")
+    reused = _with_attnums(schema(columns=(
+        ("key", 23, "integer", True), ("b", 25, "text", False), ("c", 25, "text", False)),
+        fingerprint="f3"), [1, 2, 3])  # a renamed to c, the old c (attnum 4) dropped
+    applied = store.apply_transaction([schema_event("0/400", 0, reused)], stream_seq=11)
+    assert applied.stale == {}
+    assert store._db.execute('SELECT "key", b, c FROM users').fetchall() == [(1, "x", "y")]
+    store.close()
+
+
+def test_a_snapshot_asked_for_by_a_schema_event_starts_at_its_min_snapshot_lsn(store):
+    bootstrapped(store, loaded=[{"id": 1, "name": "a"}])
+    store.apply_transaction([schema_event("0/300", 0, schema(fingerprint="f2"),
+                                          needs_snapshot=True, reason="rewritten",
+                                          min_snapshot_lsn="0/500")], stream_seq=10)
+    assert store.state("users").stale_lsn == 0x500
