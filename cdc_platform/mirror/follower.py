@@ -70,6 +70,8 @@ _GROUP_EVENTS = 10_000
 # while waiting for "done", how often the mirror also looks for the snapshot in INIT
 _LOOK_FOR_SNAPSHOT_SECONDS = 5.0
 _INT64_MAX = (1 << 63) - 1
+# how long a snapshot of another table than the KV schema's may wait for KV to catch up
+_KV_CATCH_UP_SECONDS = 30.0
 
 
 class _Restart(Exception):
@@ -235,12 +237,18 @@ class Mirror:
             raise MirrorError(f"{table}: snapshot {meta.snapshot_id}'s meta has no "
                               "table_schema (taken by an older platform): upgrade the "
                               "snapshot job")
-        if snapshot_relation_id(meta) != relation_id:
-            raise MirrorError(
-                f"{table}: snapshot {meta.snapshot_id} is of the table with oid "
-                f"{snapshot_relation_id(meta)}, the schema in KV of the one with oid "
-                f"{relation_id}: the table was dropped and created again; start the mirror "
-                "again once the bridge has published the new table's schema")
+        # a table dropped and created again: the bridge puts the new one's schema within
+        # seconds (README "Running the CDC bridge"), the sensor snapshots the new one
+        patience = time.monotonic() + _KV_CATCH_UP_SECONDS
+        while relation_id is not None and snapshot_relation_id(meta) != relation_id:
+            if time.monotonic() > patience:
+                raise MirrorError(
+                    f"{table}: snapshot {meta.snapshot_id} is of the table with oid "
+                    f"{snapshot_relation_id(meta)}, the schema in KV of the one with oid "
+                    f"{relation_id}: was the table dropped and created again while the "
+                    "bridge was stopped? Start the mirror again once the bridge runs")
+            await asyncio.sleep(1.0)
+            relation_id = await self._relation_id(js, table)
         start_seq = await self._cutover_point(js, table, meta, stop)
         return (meta, start_seq) if start_seq is not None else (None, 0)
 
