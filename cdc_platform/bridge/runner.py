@@ -37,6 +37,7 @@ from cdc_platform.lsn import format_lsn
 from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import (
     TableSchema,
+    published_relation_ids_async,
     published_tables_async,
     table_schema_async,
 )
@@ -80,7 +81,9 @@ class CdcBridge:
         self.publisher: JetStreamPublisher | None = None
         self._kv = None
         self._claim_checks: ClaimChecks | None = None
-        self._published_fingerprints: dict[str, str] = {}
+        # table -> (fingerprint, oid) of the schema put in KV: a table dropped and created
+        # again under its name, even of the same shape, is another table
+        self._published_schemas: dict[str, tuple[str, int]] = {}
         self._announced: dict[str, AnnouncedShape | None] = {}  # table -> last schema event
         # table -> its shape when this process first published it: what consumers follow
         # until its first schema event (its storage is the rewrite check's first baseline)
@@ -419,7 +422,8 @@ class CdcBridge:
         return found
 
     async def _put_schema(self, schema: TableSchema) -> None:
-        if self._published_fingerprints.get(schema.wire_name) == schema.fingerprint:
+        if self._published_schemas.get(schema.wire_name) == (schema.fingerprint,
+                                                              schema.relation_id):
             return
         key, value = schema_entry(schema, self.encode)
         assert self._kv is not None  # (opened before the first batch)
@@ -432,7 +436,7 @@ class CdcBridge:
                     return
                 log.warning("could not store schema of %s in KV (%s); retrying", key, exc)
                 await asyncio.sleep(1.0)
-        self._published_fingerprints[key] = schema.fingerprint
+        self._published_schemas[key] = (schema.fingerprint, schema.relation_id)
         self.metrics.schema_changes.inc()
         log.info("schema of %s published (fingerprint %s)", key, schema.fingerprint)
 
@@ -539,8 +543,11 @@ class CdcBridge:
             try:
                 if conn is None or conn.closed:
                     conn = await self._sql_connection()
+                relation_ids = await published_relation_ids_async(conn, publication)
                 for schema, table in await published_tables_async(conn, publication):
-                    if wire_name(schema, table) in self._published_fingerprints:
+                    published = self._published_schemas.get(wire_name(schema, table))
+                    if published is not None and published[1] == relation_ids.get(
+                            wire_name(schema, table)):
                         continue
                     found = await table_schema_async(conn, publication, schema, table)
                     if found is not None:

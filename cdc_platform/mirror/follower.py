@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -43,8 +44,8 @@ from cdc_platform.mirror.transactions import StreamGap, TransactionCollector
 from cdc_platform.naming import parse_wire_name
 from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.settings import MirrorSettings, PlatformSettings
-from cdc_platform.snapshot.meta import SnapshotMeta, cutover_start_seq
-from cdc_platform.snapshot.requests import reusable_snapshot
+from cdc_platform.snapshot.meta import MarkerNotInCdcYet, SnapshotMeta, cutover_start_seq
+from cdc_platform.snapshot.requests import reusable_snapshot, snapshot_relation_id
 from cdc_platform.wire import (
     CDC_PREFIX,
     CHANGE_OPERATIONS,
@@ -68,6 +69,9 @@ _UNREAD = frozenset({"schema", "relation_id", "lsn", "xid", "subject", "schema_f
 _GROUP_EVENTS = 10_000
 # while waiting for "done", how often the mirror also looks for the snapshot in INIT
 _LOOK_FOR_SNAPSHOT_SECONDS = 5.0
+_INT64_MAX = (1 << 63) - 1
+# how long a snapshot of another table than the KV schema's may wait for KV to catch up
+_KV_CATCH_UP_SECONDS = 30.0
 
 
 class _Restart(Exception):
@@ -216,15 +220,16 @@ class Mirror:
         the table stale), by the rule the snapshot sensor answers requests with, or one
         requested (and shared by whoever asks meanwhile)."""
         init = self.settings.topology.init.name
+        relation_id = await self._relation_id(js, table)
         reused = await reusable_snapshot(js, table, self.options.snapshot_max_age_seconds,
-                                         init, min_lsn)
+                                         init, min_lsn, relation_id=relation_id)
         if reused is not None:
             meta = await self._meta(js, table, reused)
             if meta.table_schema is not None:  # else taken by an older platform: ask anew
                 self.report(f"{table}: using snapshot {meta.snapshot_id} taken "
                             f"{time.time() - meta.timestamp:.0f}s ago")
                 return meta, reused["cdc_start_seq"]
-        reply = await self._request_snapshot(nc, js, table, min_lsn, stop)
+        reply = await self._request_snapshot(nc, js, table, min_lsn, relation_id, stop)
         if reply is None:
             return None, 0
         meta = await self._meta(js, table, reply)
@@ -232,7 +237,59 @@ class Mirror:
             raise MirrorError(f"{table}: snapshot {meta.snapshot_id}'s meta has no "
                               "table_schema (taken by an older platform): upgrade the "
                               "snapshot job")
-        return meta, await cutover_start_seq(js, meta)
+        # a table dropped and created again: the bridge puts the new one's schema within
+        # seconds (README "Running the CDC bridge"), the sensor snapshots the new one
+        patience = time.monotonic() + _KV_CATCH_UP_SECONDS
+        while relation_id is not None and snapshot_relation_id(meta) != relation_id:
+            if time.monotonic() > patience:
+                raise MirrorError(
+                    f"{table}: snapshot {meta.snapshot_id} is of the table with oid "
+                    f"{snapshot_relation_id(meta)}, the schema in KV of the one with oid "
+                    f"{relation_id}: was the table dropped and created again while the "
+                    "bridge was stopped? Start the mirror again once the bridge runs")
+            await asyncio.sleep(1.0)
+            relation_id = await self._relation_id(js, table)
+        start_seq = await self._cutover_point(js, table, meta, stop)
+        return (meta, start_seq) if start_seq is not None else (None, 0)
+
+    async def _cutover_point(self, js: JetStreamContext, table: str, meta: SnapshotMeta,
+                             stop: asyncio.Event) -> int | None:
+        """The `CDC` sequence to follow ``meta``'s snapshot from (None: stopped meanwhile).
+        Its watermark marker is not in `CDC` while the bridge is behind (or not running): a
+        passing state, waited out with growing pauses and said in the progress line; a
+        person is needed only when it lasts ``snapshot_wait_seconds``."""
+        started = time.monotonic()
+        last_report = -math.inf
+        pause = 0.5
+        while True:
+            try:
+                return await cutover_start_seq(js, meta)
+            except MarkerNotInCdcYet as exc:
+                waited = time.monotonic() - started
+                if waited > self.options.snapshot_wait_seconds:
+                    raise MirrorError(f"{exc} after {waited:.0f}s: is the CDC bridge "
+                                      "running?") from None
+            if time.monotonic() - last_report >= self.options.status_interval_seconds:
+                last_report = time.monotonic()
+                self.report(f"{table}: waiting for the bridge to publish the watermark marker "
+                            f"of snapshot {meta.snapshot_id} to {meta.cdc_stream} (the bridge "
+                            f"is behind; {time.monotonic() - started:.0f}s)")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), pause)
+                return None
+            pause = min(pause * 2, 10.0)
+
+    async def _relation_id(self, js: JetStreamContext, table: str) -> int | None:
+        """The oid of the table ``table`` names in KV ``schemas`` (which table the stream
+        follows; None: unreadable). A snapshot of another table of that name (one dropped
+        since) must not bootstrap it."""
+        try:
+            kv = await js.key_value(self.settings.topology.schemas.bucket)
+            entry = await kv.get(table)
+            relation_id = decode_any(entry.value or b"").get("relation_id")
+        except (NotFoundError, ValueError, TypeError, AttributeError):
+            return None
+        return relation_id if type(relation_id) is int else None
 
     async def _meta(self, js: JetStreamContext, table: str,
                     done: Mapping[str, Any]) -> SnapshotMeta:
@@ -246,7 +303,8 @@ class Mirror:
                               f"({exc!r})") from exc
 
     async def _request_snapshot(self, nc: NatsClient, js: JetStreamContext, table: str,
-                                min_lsn: int, stop: asyncio.Event) -> dict[str, Any] | None:
+                                min_lsn: int, relation_id: int | None,
+                                stop: asyncio.Event) -> dict[str, Any] | None:
         """Ask on ``snapshot.request.{table}`` and wait for ``done`` (README "Snapshot
         requests"); refused or failed is a :class:`MirrorError` with the reason."""
         inbox = nc.new_inbox()
@@ -276,7 +334,8 @@ class Mirror:
                         found = await reusable_snapshot(
                             js, table, max(self.options.snapshot_max_age_seconds,
                                            time.time() - asked_at + 5),
-                            self.settings.topology.init.name, min_lsn)
+                            self.settings.topology.init.name, min_lsn,
+                            relation_id=relation_id)
                         if found is not None:
                             return found
                     if now - started > wait:
@@ -416,7 +475,8 @@ class Mirror:
     def status_line(self, pending: int, streaming: int) -> str:
         behind = 0.0
         if pending and self._last_commit_ts:
-            behind = max(0.0, time.time() - commit_ts_epoch(self._last_commit_ts))
+            with contextlib.suppress(TypeError, ValueError, OverflowError):  # (not a time)
+                behind = max(0.0, time.time() - commit_ts_epoch(self._last_commit_ts))
         return (f"mirror: {streaming} table(s) streaming, {self.applied_transactions:,} "
                 f"transactions / {self.applied_events:,} events applied, {pending:,} events "
                 f"behind, {behind:.1f}s behind the source commit time; position "
@@ -467,7 +527,8 @@ class _Following:
         try:
             try:
                 decoded = decode_payload(data, fmt, _UNREAD)
-            except ValueError as exc:  # (msgpack's and json's errors are ValueErrors)
+            except (ValueError, RecursionError) as exc:  # (msgpack's and json's errors are
+                # ValueErrors; JSON nested deeper than Python recurses is a RecursionError)
                 detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 raise ValueError(f"not a {fmt} payload ({detail})") from None
             events = decoded if isinstance(decoded, list) else [decoded]
@@ -579,10 +640,15 @@ def _check_event(event: Any, subject: str, subject_prefixes: dict[str, str]) -> 
     operation = event.get("operation")
     if operation not in _OPERATIONS:
         raise ValueError(f"unknown operation {operation!r}")
-    parse_lsn_cached(event["commit_lsn"])
+    if parse_lsn_cached(event["commit_lsn"]) > _INT64_MAX:  # (positions are SQLite integers)
+        raise ValueError(f"commit_lsn {event['commit_lsn']} is beyond any PostgreSQL LSN")
     ordinal = event.get("ordinal")
-    if type(ordinal) is not int or ordinal < 0:
+    if type(ordinal) is not int or not 0 <= ordinal <= _INT64_MAX:
         raise ValueError(f"ordinal {ordinal!r}")
+    tx_tables = event.get("tx_tables")
+    if tx_tables is not None and (type(tx_tables) is not dict or not all(
+            type(name) is str and type(count) is int for name, count in tx_tables.items())):
+        raise ValueError(f"tx_tables {tx_tables!r} is not a map of table names to counts")
     if (operation == "INSERT" or operation == "UPDATE") and type(event.get("data")) is not dict:
         raise ValueError(f"{operation} without a data map")
     if operation == "INSERT" and not event["data"]:

@@ -79,10 +79,43 @@ class MirrorError(CdcError):
 
 
 class DivergenceError(MirrorError):
-    """A change does not fit the mirrored rows (a missing row, a duplicate key): the mirror
-    no longer equals the source and must bootstrap that table again."""
+    """A change does not fit the mirrored rows (a missing row, a duplicate key, a column or
+    a value the table cannot hold): the mirror no longer equals the source and must bootstrap
+    that table again."""
 
     table: str | None = None  # set for a batch flushed at commit (no event names it there)
+
+
+# What a change's content can make applying it raise (a column the table lacks, a value no
+# type maps, a malformed field or schema): the change does not fit; see _from_the_change.
+_CHANGE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError,
+                  MirrorError, sqlite3.Error)
+# SQLite's result codes a statement's content causes: SQLITE_ERROR (no such column, ...),
+# a constraint, a value too big, a datatype mismatch, a parameter out of range. The others
+# (busy, I/O, full, corrupt, ...) are the database's, not the change's: raised as they are.
+_CHANGE_RESULT_CODES = frozenset({1, 18, 19, 20, 25})
+
+
+def _from_the_change(exc: Exception, db: sqlite3.Connection) -> bool:
+    """Whether ``exc``, raised applying a change, comes from the change itself (not when
+    SQLite ended the transaction: a full disk, an I/O error, whatever a later statement
+    then says)."""
+    if not db.in_transaction:
+        return False
+    if isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorcode", None)  # (None: raised by Python's sqlite3)
+        return code is None or code & 0xFF in _CHANGE_RESULT_CODES
+    return True
+
+
+def _does_not_fit(table: str, event: Mapping[str, Any] | None, exc: Exception
+                  ) -> DivergenceError:
+    what = (f"{event.get('operation')} {event.get('msg_id')}" if event is not None
+            else "a batch of changes")
+    error = DivergenceError(f"{table}: {what} cannot be applied "
+                            f"({type(exc).__name__}: {exc})")
+    error.table = table
+    return error
 
 
 @dataclass
@@ -600,56 +633,65 @@ class MirrorStore:
         """One event of the open transaction, unless the positions cover it. A schema event
         alters the table, or marks it stale when no ALTER can follow the change."""
         assert self._open is not None, "apply() outside begin()/commit()"
-        table = event["table"]
-        state = self._open_states.get(table)
-        if state is None:
-            cached = self._cached_state(table)
-            if cached is None:
+        try:
+            table = event["table"]
+            state = self._open_states.get(table)
+            if state is None:
+                cached = self._cached_state(table)
+                if cached is None:
+                    return
+                state = self._open_states[table] = dataclasses.replace(cached)
+            commit_lsn = parse_lsn_cached(event["commit_lsn"])
+            if state.status != "streaming" or not state.wants(commit_lsn, event["ordinal"]):
                 return
-            state = self._open_states[table] = dataclasses.replace(cached)
-        commit_lsn = parse_lsn_cached(event["commit_lsn"])
-        if state.status != "streaming" or not state.wants(commit_lsn, event["ordinal"]):
-            return
-        state.touched = True
-        operation = event["operation"]
-        if operation == "UPDATE" and not event["data"] and not event.get("old"):
-            # every column an unchanged TOAST value: the row stays as it is
-            state.applied_commit_lsn, state.applied_ordinal = commit_lsn, event["ordinal"]
-            self._open.events += 1
-            return
-        if operation in ("INSERT", "UPDATE") and not from_json:
-            data = event["data"]
-            if operation == "INSERT":
-                batch_key, item = (operation, table, tuple(data)), data
-            else:  # (no ``old``: the key did not change); None: a table without a key
-                batch_key = ("UPDATE" if event.get("old") else _UPDATE_KEEPING_KEY, table,
-                             tuple(data))
-                item = event if (batch_key in self._prepared
-                                 or self._prepare_update(batch_key)) else None
-            if item is not None:
-                if batch_key != self._batch_key or len(self._batched) >= 1000:
-                    self._flush_batch()
-                    self._batch_key = batch_key
-                self._batched.append(item)
+            state.touched = True
+            operation = event["operation"]
+            if operation == "UPDATE" and not event["data"] and not event.get("old"):
+                # every column an unchanged TOAST value: the row stays as it is
                 state.applied_commit_lsn, state.applied_ordinal = commit_lsn, event["ordinal"]
                 self._open.events += 1
                 return
-        self._flush_batch()
-        if operation == SCHEMA_OPERATION:
-            # not a change: the high-water mark stays before the change it precedes
-            why = self._apply_schema_event(event, from_json)
-            if why is None:
-                state.fingerprint = self.shape(table).fingerprint
-            else:
-                state.status, state.reason = "stale", why
-                state.stale_lsn = max(commit_lsn, _lsn_or_zero(event.get("min_snapshot_lsn")))
-                self._open.stale[table] = why
-            return
-        if from_json:
-            event = self._restored(event)
-        self._apply_event(event)
-        state.applied_commit_lsn, state.applied_ordinal = commit_lsn, event["ordinal"]
-        self._open.events += 1
+            if operation in ("INSERT", "UPDATE") and not from_json:
+                data = event["data"]
+                if operation == "INSERT":
+                    batch_key, item = (operation, table, tuple(data)), data
+                else:  # (no ``old``: the key did not change); None: a table without a key
+                    batch_key = ("UPDATE" if event.get("old") else _UPDATE_KEEPING_KEY, table,
+                                 tuple(data))
+                    item = event if (batch_key in self._prepared
+                                     or self._prepare_update(batch_key)) else None
+                if item is not None:
+                    if batch_key != self._batch_key or len(self._batched) >= 1000:
+                        self._flush_batch()
+                        self._batch_key = batch_key
+                    self._batched.append(item)
+                    state.applied_commit_lsn = commit_lsn
+                    state.applied_ordinal = event["ordinal"]
+                    self._open.events += 1
+                    return
+            self._flush_batch()
+            if operation == SCHEMA_OPERATION:
+                # not a change: the high-water mark stays before the change it precedes
+                why = self._apply_schema_event(event, from_json)
+                if why is None:
+                    state.fingerprint = self.shape(table).fingerprint
+                else:
+                    state.status, state.reason = "stale", why
+                    state.stale_lsn = max(commit_lsn,
+                                          _lsn_or_zero(event.get("min_snapshot_lsn")))
+                    self._open.stale[table] = why
+                return
+            if from_json:
+                event = self._restored(event)
+            self._apply_event(event)
+            state.applied_commit_lsn, state.applied_ordinal = commit_lsn, event["ordinal"]
+            self._open.events += 1
+        except DivergenceError:
+            raise
+        except _CHANGE_ERRORS as exc:
+            if not _from_the_change(exc, self._db):
+                raise
+            raise _does_not_fit(event["table"], event, exc) from exc
 
     @property
     def open_events(self) -> int:
@@ -686,10 +728,15 @@ class MirrorStore:
         batched, self._batched = self._batched, []
         kind, table, _ = self._batch_key
         try:
-            if kind == "INSERT":
-                self._insert_rows(table, batched)
-            else:
-                self._update_rows(table, self._prepared[self._batch_key], batched)
+            try:
+                if kind == "INSERT":
+                    self._insert_rows(table, batched)
+                else:
+                    self._update_rows(table, self._prepared[self._batch_key], batched)
+            except _CHANGE_ERRORS as exc:
+                if isinstance(exc, DivergenceError) or not _from_the_change(exc, self._db):
+                    raise
+                raise _does_not_fit(table, None, exc) from exc
         except DivergenceError as exc:  # found at commit too: say which table it is
             exc.table = table
             raise
@@ -790,6 +837,9 @@ class MirrorStore:
             return str(event.get("reason") or "the bridge says a new snapshot is needed")
         table_schema = event["table_schema"]
         shape = TableShape.from_schema(table_schema)
+        if shape.table != event["table"]:
+            raise MirrorError(f"a schema event of {event['table']} carries the schema of "
+                              f"{shape.table!r}")
         before = self._shapes.get(shape.table)
         missing = {c["name"]: c.get("missing_value") for c in table_schema["columns"]}
         if from_json:
@@ -863,8 +913,18 @@ class MirrorStore:
         except KeyError as exc:
             raise DivergenceError(f"{shape.table}: {event.get('msg_id')} does not carry key "
                                   f"column {exc.args[0]!r}") from exc
-        row = self._db.execute(f"SELECT rowid FROM {quote(shape.table)} WHERE {where} LIMIT 1",
-                               params).fetchone()
+        if shape.key_columns:
+            row = self._db.execute(f"SELECT rowid FROM {quote(shape.table)} WHERE {where} "
+                                   "LIMIT 1", params).fetchone()
+        else:
+            # SQLite's IS holds 0.0 equal to -0.0 and 1 to 1.0, values the type mapping keeps
+            # apart: of the rows it finds (through the lookup index), the first that holds
+            # exactly these values
+            found = self._db.execute(
+                f"SELECT rowid, {', '.join(quote(name) for name in names)} FROM "
+                f"{quote(shape.table)} WHERE {where}", params)
+            row = next((candidate for candidate in found
+                        if _same_values(candidate[1:], params)), None)
         if row is None:
             raise DivergenceError(f"{shape.table}: {event['operation']} {event.get('msg_id')} "
                                   f"names a row the mirror does not hold: "
@@ -976,6 +1036,17 @@ class MirrorStore:
 
     def _transaction(self) -> _Transaction:
         return _Transaction(self)
+
+
+def _same_values(stored: Sequence[Any], bound: Sequence[Any]) -> bool:
+    """Whether the values read back from SQLite are exactly the values bound: the same type,
+    and for floats the same sign of zero too."""
+    for have, want in zip(stored, bound, strict=True):
+        if type(have) is not type(want) or have != want:
+            return False
+        if type(have) is float and math.copysign(1.0, have) != math.copysign(1.0, want):
+            return False
+    return True
 
 
 class _Transaction:

@@ -139,6 +139,27 @@ async def published_tables_async(conn: psycopg.AsyncConnection,
     return [tuple(row) for row in await cursor.fetchall()]
 
 
+# A table's oid tells it from one dropped and created again under its name.
+_PUBLISHED_RELATIONS = """
+SELECT p.schemaname, p.tablename, c.oid::int8 FROM pg_publication_tables p
+JOIN pg_namespace n ON n.nspname = p.schemaname
+JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename
+WHERE p.pubname = %s
+"""
+
+
+def published_relation_ids(conn: psycopg.Connection, publication: str) -> dict[str, int]:
+    """The tables of ``publication`` (wire names) -> their oids."""
+    return {wire_name(schema, table): oid for schema, table, oid in conn.execute(
+        _PUBLISHED_RELATIONS, (publication,))}
+
+
+async def published_relation_ids_async(conn: psycopg.AsyncConnection,
+                                       publication: str) -> dict[str, int]:
+    cursor = await conn.execute(_PUBLISHED_RELATIONS, (publication,))
+    return {wire_name(schema, table): oid for schema, table, oid in await cursor.fetchall()}
+
+
 def missing_value(text: str | None, delimiter: str, type_oid: int,
                   types: TypeRegistry) -> Any:
     """``attmissingval::text`` (a one-element array of the column's type, printed with the

@@ -21,9 +21,16 @@ from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.api import ObjectMeta, ObjectMetaOptions, ObjectStoreConfig, StorageType
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import (
+    BadObjectMetaError,
+    BucketNotFoundError,
+    DigestMismatchError,
+    InvalidBucketNameError,
+    LinkIsABucketError,
+    NotFoundError,
+)
 
-from cdc_platform.errors import PublishError
+from cdc_platform.errors import CdcError, PublishError
 from cdc_platform.publishing.messages import OutgoingMessage
 from cdc_platform.wire import (
     HEADER_CLAIM_CHECK,
@@ -112,6 +119,11 @@ class ClaimChecks:
         return self._store
 
 
+class UnresolvableClaimCheck(CdcError):
+    """A claim check names an object that is not there, or not whole (or no valid bucket):
+    nothing to wait for, since an object is stored before its reference is published."""
+
+
 def _envelope(value: Any) -> dict[str, Any]:
     """An event's fields but its row values (a batch: its first event's)."""
     event = value[0] if isinstance(value, list) and value else value
@@ -127,10 +139,15 @@ async def resolve_payload(js: JetStreamContext, data: bytes,
     reference = (headers or {}).get(HEADER_CLAIM_CHECK)
     if reference is None:
         return data
-    bucket, _, name = reference.partition("/")
+    bucket, _, name = reference.partition("/")  # (an object name holds "/": an LSN)
     expected = decode_any(data)
     claim = expected.get("claim_check", {}) if isinstance(expected, dict) else {}
-    stored = await (await js.object_store(bucket)).get(name)
+    try:
+        stored = await (await js.object_store(bucket)).get(name)
+    except (NotFoundError, InvalidBucketNameError, BadObjectMetaError, LinkIsABucketError,
+            DigestMismatchError) as exc:  # (none of them NATS being away)
+        raise UnresolvableClaimCheck(f"claim check {reference!r} names no stored object "
+                                     f"({type(exc).__name__})") from None
     payload = stored.data or b""
     if claim and (len(payload) != claim.get("size")
                   or hashlib.sha256(payload).hexdigest() != claim.get("sha256")):

@@ -90,6 +90,11 @@ class SnapshotUnusable(CdcError):
     point is no longer in `CDC`)."""
 
 
+class MarkerNotInCdcYet(SnapshotUnusable):
+    """The snapshot's watermark marker is not in `CDC` yet: the bridge is behind (or not
+    running), and the cutover point appears once it publishes the marker."""
+
+
 @dataclass(frozen=True)
 class SnapshotMeta:
     """The fields of a meta message a consumer acts on (the rest stays in ``raw``)."""
@@ -148,7 +153,7 @@ async def cutover_start_seq(js: JetStreamContext, meta: SnapshotMeta) -> int:
         try:
             marker = await js.get_last_msg(meta.cdc_stream, meta.watermark_subject)
         except NotFoundError:
-            raise SnapshotUnusable(
+            raise MarkerNotInCdcYet(
                 f"snapshot {meta.snapshot_id} of {meta.table}: its watermark marker "
                 f"{meta.watermark_subject} is not in {meta.cdc_stream}") from None
         start = marker.seq or 0  # (always set; from the start would also be correct)

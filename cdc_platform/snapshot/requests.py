@@ -18,6 +18,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,12 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from cdc_platform.jetstream.connection import fetch_available
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.naming import parse_wire_name
-from cdc_platform.snapshot.meta import SnapshotUnusable, cutover_start_seq, latest_meta
+from cdc_platform.snapshot.meta import (
+    SnapshotMeta,
+    SnapshotUnusable,
+    cutover_start_seq,
+    latest_meta,
+)
 from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX, snapshot_meta_subject
 
 log = logging.getLogger(__name__)
@@ -162,16 +168,19 @@ async def send_replies(client: NatsClient, replies: list[tuple[str | None, Reply
 
 
 async def reusable_snapshot(js: JetStreamContext, table: str, max_age_seconds: float,
-                            init_stream: str = "INIT", min_lsn: int = 0) -> dict[str, Any] | None:
+                            init_stream: str = "INIT", min_lsn: int = 0, *,
+                            relation_id: int | None) -> dict[str, Any] | None:
     """The ``done`` fields of the newest snapshot of ``table`` at most ``max_age_seconds``
-    old, with a cutover LSN of at least ``min_lsn``, whose cutover point the CDC stream still
-    holds (None: a new one is needed). So a hundred mirrors asking for one table within
-    minutes share one snapshot (and after a rewrite, one taken after it)."""
-    if max_age_seconds <= 0:
+    old, with a cutover LSN of at least ``min_lsn``, of the table whose oid is
+    ``relation_id`` (not one dropped since and created again under its name), whose cutover
+    point the CDC stream still holds (None: a new one is needed). So a hundred mirrors
+    asking for one table within minutes share one snapshot (and after a rewrite, one taken
+    after it). ``relation_id`` None: the table is not known to exist, nothing is reused."""
+    if max_age_seconds <= 0 or relation_id is None:
         return None
     meta = await latest_meta(js, table, init_stream)
     if (meta is None or time.time() - meta.timestamp > max_age_seconds
-            or meta.lsn < min_lsn):
+            or meta.lsn < min_lsn or snapshot_relation_id(meta) != relation_id):
         return None
     try:
         start_seq = await cutover_start_seq(js, meta)
@@ -181,6 +190,12 @@ async def reusable_snapshot(js: JetStreamContext, table: str, max_age_seconds: f
             "cdc_stream": meta.cdc_stream, "cdc_start_seq": start_seq,
             "meta_subject": snapshot_meta_subject(table), "meta_seq": meta.seq,
             "reused": True}
+
+
+def snapshot_relation_id(meta: SnapshotMeta) -> int | None:
+    """The oid of the table a snapshot was taken of (None: a meta without ``table_schema``)."""
+    relation_id = (meta.table_schema or {}).get("relation_id")
+    return relation_id if type(relation_id) is int else None
 
 
 def done_fields(result: Any) -> dict[str, Any]:
@@ -205,11 +220,13 @@ class HandledRequests:
 
 
 async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *,
-                          published: set[str], publication: str, reuse_seconds: float,
+                          published: Mapping[str, int], publication: str, reuse_seconds: float,
                           in_flight: dict[str, RunInFlight],
                           init_stream: str = "INIT") -> HandledRequests:
-    """Decide every request (in stream order) and send the replies that are due now:
-    refusals (malformed, unknown or unpublished table), ``done`` with a recent snapshot,
+    """Decide every request (in stream order) and send the replies that are due now
+    (``published``: the publication's tables -> their oids):
+    refusals (malformed, unknown or unpublished table), ``done`` with a recent snapshot of
+    the same table (its oid, not only its name),
     ``accepted``/``coalesced`` for a table whose run is in flight (``in_flight``), and
     ``accepted`` for the runs to start (one per table, named by its last request); the run
     answers those with ``done`` or ``failed``."""
@@ -234,7 +251,8 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
         max_age = reuse_seconds if request.max_age_seconds is None \
             else request.max_age_seconds
         reused = await reusable_snapshot(js, request.table, max_age, init_stream,
-                                         request.min_lsn)
+                                         request.min_lsn,
+                                         relation_id=published[request.table])
         if reused is not None:
             notes.append(f"request for {request.table!r} (stream seq {request.seq}) "
                          f"answered with snapshot {reused['snapshot_id']}")

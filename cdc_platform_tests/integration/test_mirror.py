@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
 import msgpack
 import pytest
+from nats.js.errors import NotFoundError
 
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.mirror.follower import Mirror
@@ -15,7 +17,13 @@ from cdc_platform.mirror.store import MirrorError
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings
 from cdc_platform.snapshot import snapshot_table
-from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
+from cdc_platform.snapshot.options import SnapshotOptions
+from cdc_platform_tests.exactness import (
+    bridge_caught_up,
+    mirror_caught_up,
+    mirror_rows,
+    source_rows,
+)
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
 from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
@@ -232,3 +240,204 @@ async def test_events_gone_by_retention_make_the_mirror_bootstrap_again(
     assert len(taken) == 2
     assert mirror_rows(db, table, ["id", "v"]) == source_rows(
         cdc_database.server.superuser_conninfo(), table, ["id", "v"])
+
+
+async def _schemas_in_kv(nats_client, tables: list[str]) -> None:
+    """Until the bridge has put the schemas of ``tables`` in KV (just after its slot)."""
+    kv = await nats_client.jetstream().key_value("schemas")
+    for table in tables:
+        for _ in range(100):
+            with contextlib.suppress(NotFoundError):
+                await kv.get(table)
+                break
+            await asyncio.sleep(0.1)
+
+
+async def _following(mirror: Mirror, stop: asyncio.Event, lines: list[str], nats_client,
+                     timeout: float = 90.0) -> asyncio.Task:
+    """Start ``mirror`` (reporting to ``lines``), once its tables' schemas are in KV, and
+    wait until it bootstrapped every table and read the whole stream."""
+    await _schemas_in_kv(nats_client, mirror.tables)
+    task = asyncio.create_task(mirror.run(stop))
+    await wait_for(lambda: task.done() or all(
+        any(line.startswith(f"bootstrap {table}:") and "; done" in line for line in lines)
+        for table in mirror.tables), timeout=timeout)
+    await mirror_caught_up(mirror, task, nats_client, timeout=timeout)
+    return task
+
+
+def _change(table: str, lsn: str, **fields) -> dict:
+    return {"table": table, "operation": "INSERT", "commit_lsn": lsn, "ordinal": 0,
+            "msg_id": f"{lsn}:0", "tx_tables": {table: 1}, **fields}
+
+
+# What someone allowed to publish into ``cdc.>`` can store, on the victim table's subjects:
+# (subject's op, table -> LSN -> (payload, headers), what the mirror does: a line matching)
+HOSTILE = {
+    "an INSERT naming a column the table lacks": (
+        "insert", lambda table, lsn: (_change(table, lsn, data={"id": 1000, "nope": 1}), None),
+        "stale", "has no column named nope"),
+    "a malformed schema event": (
+        "schema", lambda table, lsn: (_change(table, lsn, operation="SCHEMA",
+                                              table_schema={"columns": "no"}), None),
+        "stale", "not a valid schemas value"),
+    "a claim check naming no object": (
+        "insert", lambda table, lsn: (_change(table, lsn, data={"id": 1001, "v": "x"},
+                                              claim_check={"bucket": "cdc_large",
+                                                           "object": "../../etc/passwd"}),
+                                      {"Cdc-Claim-Check": "cdc_large/../../etc/passwd"}),
+        "refused", "names no stored object"),
+    "a commit LSN past int64": (
+        "insert", lambda table, lsn: (_change(table, "FFFFFFFF/FFFFFFFF",
+                                              data={"id": 1002, "v": "x"}), None),
+        "refused", "beyond any PostgreSQL LSN"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+async def test_a_hostile_message_never_stops_the_mirror(
+        case, cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path, caplog):
+    """A message published into a running mirror's input that cannot be applied makes its
+    table stale, bootstrapped again while the other table follows, or is refused with one
+    line; the mirror keeps running, and a restart reads it again without stopping."""
+    op, build, outcome, said = HOSTILE[case]
+    victim = _published_table(pg_admin, cdc_database, "victim", 30)
+    bystander = _published_table(pg_admin, cdc_database, "bystander", 30)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    conninfo = cdc_database.server.superuser_conninfo()
+    db = tmp_path / "m.db"
+    lines: list[str] = []
+
+    async def changed_and_followed(round_: int) -> None:
+        for table in (victim, bystander):
+            pg_admin.execute(f"UPDATE {table} SET v = 'round {round_}' WHERE id = {round_}")
+        await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
+        await mirror_caught_up(mirror, task, nats_client, timeout=60)
+        for table in (victim, bystander):
+            assert mirror_rows(db, table, ["id", "v"]) == source_rows(
+                conninfo, table, ["id", "v"]), (round_, table, lines)
+
+    async with running_bridge(settings), snapshot_responder(settings, max_age_seconds=0):
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        stop = asyncio.Event()
+        mirror = Mirror(settings, [victim, bystander], db, options=FAST, report=lines.append)
+        with caplog.at_level(logging.ERROR, logger="cdc_platform.mirror.follower"):
+            task = await _following(mirror, stop, lines, nats_client)
+            # (a commit LSN past the victim's cutover: the mirror applies it)
+            lsn = pg_admin.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0]
+            payload, headers = build(victim, lsn)
+            attacker = await connect_nats(settings.nats, name="cdc-tests-attacker")
+            try:
+                await attacker.jetstream().publish(f"cdc.{victim}.{op}", msgpack.packb(payload),
+                                                   stream="CDC", headers=headers)
+            finally:
+                await attacker.close()
+            await changed_and_followed(1)
+            await changed_and_followed(2)
+            stop.set()
+            await asyncio.wait_for(task, 30)
+            # a restart reads what is after the last commit again: no crash, no loop
+            await asyncio.wait_for(Mirror(settings, [victim, bystander], db, options=FAST,
+                                          report=lines.append).run(until_caught_up=True), 60)
+    refusals = [r.getMessage() for r in caplog.records if "refused message" in r.getMessage()]
+    stale = [line for line in lines if "bootstrapping again" in line]
+    if outcome == "stale":
+        assert len(stale) == 1 and stale[0].startswith(f"{victim}: ") and said in stale[0], \
+            (stale, refusals)
+    else:
+        assert not stale, stale
+        assert refusals and all(said in refusal for refusal in refusals), refusals
+    for table in (victim, bystander):
+        assert mirror_rows(db, table, ["id", "v"]) == source_rows(conninfo, table, ["id", "v"])
+
+
+async def test_a_keyless_table_changes_the_row_with_the_sign_of_zero_it_names(
+        cdc_database, pg_admin, provisioned_nats, tmp_path):
+    """REPLICA IDENTITY FULL, no key, rows equal but for 0.0 and -0.0 (and NaN): each UPDATE
+    and DELETE changes the row whose values it names, not one SQLite holds equal to it."""
+    table = random_name("zeros")
+    pg_admin.execute(f"CREATE TABLE {table} (f float8, v text, n int)")
+    pg_admin.execute(f"ALTER TABLE {table} REPLICA IDENTITY FULL")
+    pg_admin.execute(f"INSERT INTO {table} SELECT f, 'a', g % 3 FROM generate_series(1, 60) g, "
+                     "unnest(ARRAY['0', '-0', 'NaN', '0', '-0']::float8[]) f")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    db = tmp_path / "m.db"
+    async with running_bridge(settings), snapshot_responder(settings):
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        await Mirror(settings, [table], db, options=FAST, report=lambda line: None).run(
+            until_caught_up=True)
+        pg_admin.execute(f"UPDATE {table} SET v = 'minus' WHERE f::text = '-0' AND n = 1")
+        pg_admin.execute(f"DELETE FROM {table} WHERE ctid IN (SELECT ctid FROM {table} "
+                         "WHERE f::text = '0' AND n = 2)")
+        pg_admin.execute(f"UPDATE {table} SET v = 'nan' WHERE f = 'NaN' AND n = 0")
+        pg_admin.execute(f"INSERT INTO {table} VALUES ('-0', 'a', 2), (0, 'a', 1)")
+        pg_admin.execute(f"DELETE FROM {table} WHERE ctid IN (SELECT ctid FROM {table} "
+                         "WHERE f::text = '-0' AND n = 0)")
+        await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
+        await Mirror(settings, [table], db, options=FAST, report=lambda line: None).run(
+            until_caught_up=True)
+    columns = ["f", "v", "n"]
+    assert mirror_rows(db, table, columns) == source_rows(
+        cdc_database.server.superuser_conninfo(), table, columns)
+
+
+async def test_a_first_bootstrap_waits_for_a_bridge_that_is_behind(
+        cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path):
+    """The snapshot is taken while the bridge is stopped: its watermark marker reaches `CDC`
+    only when the bridge runs again. The mirror waits (saying so) instead of exiting."""
+    table = _published_table(pg_admin, cdc_database, "behind", 40)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    async with running_bridge(settings):  # the table's schema into KV, then stopped
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        await _schemas_in_kv(nats_client, [table])
+    lines: list[str] = []
+    db = tmp_path / "m.db"
+    async with snapshot_responder(settings, options=SnapshotOptions(
+            watermark_wait_seconds=0.2)) as taken:
+        mirror = Mirror(settings, [table], db, options=FAST, report=lines.append)
+        task = asyncio.create_task(mirror.run(until_caught_up=True))
+        await wait_for(lambda: task.done() or any("waiting for the bridge" in line
+                                                  for line in lines), timeout=60)
+        await asyncio.sleep(3)  # (still waiting, not gone)
+        assert not task.done(), lines
+        pg_admin.execute(f"UPDATE {table} SET v = 'meanwhile' WHERE id <= 3")
+        async with running_bridge(settings):
+            await asyncio.wait_for(task, 60)
+    assert len(taken) == 1
+    assert mirror_rows(db, table, ["id", "v"]) == source_rows(
+        cdc_database.server.superuser_conninfo(), table, ["id", "v"])
+
+
+async def test_a_table_created_again_under_its_name_is_not_bootstrapped_from_the_old_one(
+        cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path):
+    """A snapshot is reused only for the same table: after DROP TABLE and CREATE TABLE of the
+    same name and shape, a recent snapshot of the dropped one is not the new one's."""
+    table = _published_table(pg_admin, cdc_database, "again", 10)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    kv = await nats_client.jetstream().key_value(settings.topology.schemas.bucket)
+
+    async def kv_relation_id() -> int:
+        return msgpack.unpackb((await kv.get(table)).value)["relation_id"]
+
+    async with running_bridge(settings), snapshot_responder(settings) as taken:
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        await _schemas_in_kv(nats_client, [table])
+        await Mirror(settings, [table], tmp_path / "old.db", options=FAST,
+                     report=lambda line: None).run(until_caught_up=True)
+        old_id = await kv_relation_id()
+        pg_admin.execute(f"DROP TABLE {table}")
+        pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        pg_admin.execute(f"INSERT INTO {table} SELECT g, 'new ' || g "
+                         "FROM generate_series(1, 5) g")
+        cdc_database.add_tables(pg_admin, table)
+        for _ in range(30):  # (the bridge looks at the publication every 5 s)
+            if await kv_relation_id() != old_id:
+                break
+            await asyncio.sleep(0.5)
+        lines: list[str] = []
+        await Mirror(settings, [table], tmp_path / "new.db", options=FAST,
+                     report=lines.append).run(until_caught_up=True)
+    assert mirror_rows(tmp_path / "new.db", table, ["id", "v"]) == source_rows(
+        cdc_database.server.superuser_conninfo(), table, ["id", "v"]), lines
+    assert len(taken) == 2

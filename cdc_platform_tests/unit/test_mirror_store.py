@@ -482,6 +482,10 @@ def test_an_update_of_unchanged_values_only_changes_nothing_and_one_naming_no_ro
     ({"operation": "UPDATE", "data": None}, "UPDATE without a data map"),
     ({"operation": "MERGE"}, "unknown operation"),
     ({"ordinal": -1}, "ordinal -1"),
+    ({"ordinal": 1 << 63}, "ordinal 9223372036854775808"),
+    ({"commit_lsn": "FFFFFFFF/FFFFFFFF"}, "beyond any PostgreSQL LSN"),
+    ({"tx_tables": [1, 2]}, "not a map of table names to counts"),
+    ({"tx_tables": {"users": "1"}}, "not a map of table names to counts"),
     ({"table": "orders"}, "an event of table 'orders' on subject cdc.users.insert"),
 ])
 def test_what_is_not_an_event_of_the_contract_is_refused_before_the_database(forged, why):
@@ -531,3 +535,50 @@ def test_a_snapshot_asked_for_by_a_schema_event_starts_at_its_min_snapshot_lsn(s
                                           needs_snapshot=True, reason="rewritten",
                                           min_snapshot_lsn="0/500")], stream_seq=10)
     assert store.state("users").stale_lsn == 0x500
+def test_a_keyless_table_tells_zero_from_minus_zero_and_ints_from_floats(store):
+    """SQLite's ``IS`` holds 0.0 equal to -0.0 (and 1 to 1.0): a REPLICA IDENTITY FULL change
+    of the -0.0 row of two otherwise equal rows changed the 0.0 row."""
+    keyless = schema("zeros", (("f", 701, "double precision", False), ("v", 25, "text", False),
+                               ("u", 98765, "mood", False)))
+    bootstrapped(store, keyless, loaded=[
+        {"f": 0.0, "v": "a", "u": 1}, {"f": -0.0, "v": "a", "u": 1},
+        {"f": 0.0, "v": "a", "u": 1.0}, {"f": float("nan"), "v": "a", "u": 1}])
+    store.apply_transaction([
+        event("UPDATE", "0/200", 0, table="zeros", data={"f": -0.0, "v": "b", "u": 1},
+              old={"f": -0.0, "v": "a", "u": 1}),
+        event("DELETE", "0/200", 1, table="zeros", data={"f": 0.0, "v": "a", "u": 1.0},
+              old={"f": 0.0, "v": "a", "u": 1.0}),
+        event("UPDATE", "0/200", 2, table="zeros", data={"f": float("nan"), "v": "c", "u": 1},
+              old={"f": float("nan"), "v": "a", "u": 1}),
+    ], stream_seq=2)
+    held = {(repr(f), v, repr(u)) for f, v, u in rows(store, "zeros")}
+    assert held == {("0.0", "a", "1"), ("-0.0", "b", "1"), ("'NaN'", "c", "1")}
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    (event("INSERT", "0/200", 0, data={"id": 9, "nope": 1}), "has no column named nope"),
+    (event("UPDATE", "0/200", 0, data={"id": 1, "nope": 1}), "no such column: nope"),
+    (event("INSERT", "0/200", 0, data={"id": 9, 7: "a"}), "AttributeError"),
+    (event("INSERT", "0/200", 0, data={"id": 9, "name": object()}),
+     "not supported|no SQLite mapping"),
+    (event("UPDATE", "0/200", 0, data={"id": 1, "name": "x"}, old=[1]), "TypeError"),
+    (event("DELETE", "0/200", 0, data=None), "TypeError"),
+    (schema_event("0/200", 0, {"table": "users", "columns": "nope"}),
+     "not a valid schemas value"),
+    (event("SCHEMA", "0/200", 0, table_schema=None), "not a valid schemas value"),
+    (event("SCHEMA", "0/200", 0), "KeyError"),
+    (schema_event("0/200", 0, schema("orders")) | {"table": "users"},
+     "carries the schema of 'orders'"),
+])
+def test_a_change_the_table_cannot_hold_is_a_divergence_of_its_table(store, change, why):
+    """What a change holds (a column the table lacks, a value no type maps, a malformed
+    field or schema) never escapes as another error: the change does not fit its table,
+    which is bootstrapped again, and nothing of the transaction is kept."""
+    bootstrapped(store, loaded=[{"id": 1, "name": "a"}])
+    with pytest.raises(DivergenceError, match=why) as raised:
+        store.apply_transaction([event("INSERT", "0/200", 1, data={"id": 2, "name": "b"}),
+                                 change], stream_seq=9)
+    assert raised.value.table == "users"
+    assert rows(store) == [(1, "a")]
+    assert store._db.execute("SELECT name FROM sqlite_master WHERE name = 'orders'"
+                             ).fetchall() == []

@@ -22,7 +22,7 @@ from cdc_platform.defs.resources import NatsResource, PostgresResource
 from cdc_platform.defs.snapshots.assets import REPLIES_TAG
 from cdc_platform.defs.snapshots.partitions import PUBLISHED_TABLES, published_tables_partitions
 from cdc_platform.naming import wire_name
-from cdc_platform.postgres.catalog import published_tables
+from cdc_platform.postgres.catalog import published_relation_ids, published_tables
 from cdc_platform.settings import NatsTopology, OrchestrationSettings, load_settings
 from cdc_platform.snapshot.requests import (
     HandledRequests,
@@ -40,6 +40,11 @@ FETCH_LIMIT = 500
 # a run's tag holds at most this many reply subjects (a tag value is kept short); more
 # requesters of one table get "accepted" and find the result in init.meta.{table}
 MAX_REPLIES_PER_RUN = 20
+
+
+def _published_relation_ids(postgres: PostgresResource) -> dict[str, int]:
+    with postgres.connect() as conn:
+        return published_relation_ids(conn, postgres.settings().publication)
 
 
 def _published_wire_names(postgres: PostgresResource) -> list[str]:
@@ -96,7 +101,7 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
         recorded_through = int(context.cursor) if context.cursor else 0
         reuse_seconds = load_settings(OrchestrationSettings).snapshot_reuse_seconds
         outcome = asyncio.run(_handle_requests(
-            nats, recorded_through, set(_published_wire_names(postgres)),
+            nats, recorded_through, _published_relation_ids(postgres),
             postgres.settings().publication, reuse_seconds,
             _runs_in_flight(context.instance, snapshot_job.name)))
         if outcome is None:
@@ -122,7 +127,8 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
     return snapshot_request_sensor
 
 
-async def _handle_requests(nats: NatsResource, recorded_through: int, published: set[str],
+async def _handle_requests(nats: NatsResource, recorded_through: int,
+                           published: dict[str, int],
                            publication: str, reuse_seconds: float,
                            in_flight: dict[str, RunInFlight]) -> HandledRequests | None:
     """What the new requests decided (None: nothing new); see ``answer_requests``."""
