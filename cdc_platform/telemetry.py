@@ -170,7 +170,8 @@ class TelemetryServer:
             raise CdcError(f"cannot serve telemetry on {host}:{port} ({exc.strerror}): set "
                            "CDC_HTTP_PORT to a free port (0: any free port)") from None
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever,
+        # polled every 0.1 s (not 0.5): stop() waits for the poll, inside the shutdown budget
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,),
                                         name="telemetry-http", daemon=True)
 
     @property
