@@ -36,8 +36,8 @@ class BridgeMetrics:
         self.wal_messages = Counter("bridge_wal_messages_received",
                                     "pgoutput messages received", registry=r)
         self.events_published = Counter("bridge_cdc_events_published",
-                                        "Change events stored by JetStream", registry=r)
-        self.events_by_table = Counter("bridge_cdc_events", "Change events stored, by table/op",
+                                        "Change events published (each once, as read)", registry=r)
+        self.events_by_table = Counter("bridge_cdc_events", "Change events published, by table/op",
                                        ["table", "op"], registry=r)
         self.transactions = Counter("bridge_transactions", "Transactions fully stored",
                                     registry=r)

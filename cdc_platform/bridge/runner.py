@@ -64,6 +64,7 @@ Observer = Callable[[dict[str, Any]], None]
 T = TypeVar("T")
 # What the final acknowledgement and closing may take of the shutdown budget, at most.
 _CLOSING_SECONDS = 2.0
+_SLOT_RETRY_SECONDS = 1.0  # the first slot check, while the slot does not exist yet
 
 
 class StopRequested(Exception):
@@ -323,9 +324,11 @@ class CdcBridge:
                     self._timings.append((built.position, time.monotonic(),
                                           commit_ts_epoch(built.last_commit_ts), built.transactions))
                 await self._publish(reader, built.messages, built.position)
-                metrics.events_published.inc(built.changes)
-                for (table, operation), count in built.counts.items():
-                    metrics.events_by_table.labels(table, operation.lower()).inc(count)
+            # counted when read: a change held back for its transaction's next message is
+            # published with a later batch, which does not count it again
+            metrics.events_published.inc(built.changes)
+            for (table, operation), count in built.counts.items():
+                metrics.events_by_table.labels(table, operation.lower()).inc(count)
             self._confirm_stored(reader)
             metrics.current_lsn = reader.received_lsn
         # graceful stop: drain what is in flight (bounded), then the final ack in finally
@@ -522,7 +525,10 @@ class CdcBridge:
                         conn = await self._sql_connection()
                     state = await read_slot_async(conn, self.settings.postgres.slot)
                     if check_due:
-                        next_check = now + self.options.lag_check_interval_seconds
+                        # no slot yet (the reader is creating it at start): look again soon,
+                        # not a whole interval later
+                        next_check = now + (self.options.lag_check_interval_seconds
+                                            if state is not None else _SLOT_RETRY_SECONDS)
                     if observe_due:
                         next_observation = now + self.observe_interval
                     if state is not None:

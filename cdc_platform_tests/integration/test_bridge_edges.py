@@ -93,3 +93,41 @@ async def test_a_dsn_libpq_refuses_is_a_configuration_error(cdc_database, provis
     settings = settings.model_copy(update={"postgres": cdc_database.settings(dsn=dsn)})
     with pytest.raises(ReplicationConfigError, match="sslmode"):
         await asyncio.wait_for(CdcBridge(settings).run(), 20)
+
+
+async def test_the_slot_is_checked_as_soon_as_it_exists(cdc_database, pg_admin,
+                                                        provisioned_nats):
+    """The first slot check comes at start, also for a slot the bridge creates: the gauges
+    read 0 and nothing was checked for a whole check interval (30 s) when the first check
+    ran before the slot was there."""
+    settings = platform_settings(cdc_database, provisioned_nats.url,
+                                 lag_check_interval_seconds=3600)
+    async with running_bridge(settings) as bridge:
+        await wait_for(lambda: _walsender_pid(pg_admin, cdc_database.slot) is not None,
+                       timeout=60, what="the slot")
+        await wait_for(lambda: bridge.metrics.value(bridge.metrics.slot_safe_wal_bytes) != 0,
+                       timeout=5, what="the first slot check")
+
+
+async def test_every_change_is_counted_once(cdc_database, pg_admin, provisioned_nats,
+                                            nats_client):
+    """``cdc_events_published`` counts each change once, also when a read ends right after
+    the first change of a transaction (large rows arrive a few at a time): a read holding
+    only that change, held back until the transaction's next message, went uncounted."""
+    table = random_name("counted")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, big text)")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    async with running_bridge(settings) as bridge:
+        await wait_for(lambda: _walsender_pid(pg_admin, cdc_database.slot) is not None,
+                       timeout=60, what="the slot")
+        for transaction in range(20):
+            first = transaction * 3
+            pg_admin.execute(
+                f"INSERT INTO {table} SELECT id, (SELECT string_agg(md5(random()::text || id "
+                "|| n), '') FROM generate_series(1, 6000) AS n) "
+                "FROM generate_series(%s::int, %s::int) AS id", (first, first + 2))
+        await read_subjects(nats_client, "CDC", f"cdc.{table}.>", expect=60, timeout=60)
+        await wait_for(lambda: bridge.metrics.value(bridge.metrics.events_published) >= 60,
+                       timeout=5, what="60 changes counted")
+        assert bridge.metrics.value(bridge.metrics.events_published) == 60
