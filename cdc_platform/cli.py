@@ -11,11 +11,16 @@ import sys
 from pathlib import Path
 
 from cdc_platform.errors import CdcError
+from cdc_platform.stopping import StopSignals
 
 DESCRIPTION = """\
 Stream PostgreSQL changes into NATS JetStream (run by Dagster; these commands run the
 same library without it). Settings come from CDC_* environment variables: see
 `cdc-platform check-config` and the README's Configuration section."""
+
+# SIGINT/SIGTERM of the commands that run until stopped (bridge, mirror, dev): caught from
+# the start of main(), so that a stop during imports, settings or connecting is not lost.
+STOPS = StopSignals()
 
 
 def _configure_logging(verbose: bool) -> None:
@@ -40,7 +45,7 @@ def _cmd_dev(args: argparse.Namespace) -> int:
         telemetry_port=args.telemetry_port, dagster=not args.no_dagster,
         demo_writes_per_second=args.demo_rate, smoke=args.smoke,
     )
-    return DevStack(options).run()
+    return DevStack(options).run(STOPS)
 
 
 def _cmd_provision(args: argparse.Namespace) -> int:
@@ -88,7 +93,6 @@ def _cmd_setup_db(args: argparse.Namespace) -> int:
 
 def _cmd_bridge(args: argparse.Namespace) -> int:
     import os
-    import signal
 
     from cdc_platform.bridge.runner import CdcBridge
     from cdc_platform.settings import load_settings
@@ -107,17 +111,14 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
     async def run() -> None:
         bridge = CdcBridge(settings)
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, bridge.request_stop)
-        await bridge.run()
+        with STOPS.listening(lambda: loop.call_soon_threadsafe(bridge.request_stop)):
+            await bridge.run()
 
     asyncio.run(run())
     return 0
 
 
 def _cmd_mirror(args: argparse.Namespace) -> int:
-    import signal
-
     from cdc_platform.mirror.follower import Mirror
     from cdc_platform.settings import MirrorSettings, load_settings
 
@@ -129,9 +130,8 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
     async def run() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await mirror.run(stop, until_caught_up=args.once)
+        with STOPS.listening(lambda: loop.call_soon_threadsafe(stop.set)):
+            await mirror.run(stop, until_caught_up=args.once)
 
     asyncio.run(run())
     return 0
@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     dev.add_argument("--demo-rate", type=float, default=2.0, help="demo writes per second")
     dev.add_argument("--no-dagster", action="store_true", help="servers only")
     dev.add_argument("--smoke", action="store_true", help="start, verify, stop (for CI)")
-    dev.set_defaults(handler=_cmd_dev)
+    dev.set_defaults(handler=_cmd_dev, runs_until_stopped=True)
 
     prov = commands.add_parser("provision", help="create/verify JetStream streams and KV")
     prov.add_argument("--update", action="store_true", help="apply editable differences")
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     bridge.add_argument("--json", action="store_true", help="JSON payloads (CDC_FORMAT=json)")
     bridge.add_argument("--batched", action="store_true",
                         help="batched messages on cdc.{table}.{op}.batch (CDC_MESSAGE_MODE)")
-    bridge.set_defaults(handler=_cmd_bridge)
+    bridge.set_defaults(handler=_cmd_bridge, runs_until_stopped=True)
 
     mirror = commands.add_parser(
         "mirror", help="keep exact SQLite copies of published tables (until Ctrl-C)",
@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "shows this mirror's progress (positions stay in the SQLite file)")
     mirror.add_argument("--once", action="store_true",
                         help="catch up, then exit (0) instead of following")
-    mirror.set_defaults(handler=_cmd_mirror)
+    mirror.set_defaults(handler=_cmd_mirror, runs_until_stopped=True)
 
     check = commands.add_parser("check-config", help="validate settings from the environment")
     check.set_defaults(handler=_cmd_check_config)
@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "runs_until_stopped", False):
+        STOPS.install()
     _configure_logging(args.verbose)
     try:
         return args.handler(args)

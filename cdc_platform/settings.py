@@ -17,7 +17,8 @@ import ssl
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from psycopg.conninfo import make_conninfo
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pydantic import (
     AliasChoices,
     BeforeValidator,
@@ -109,6 +110,22 @@ class PostgresSettings(_Settings):
     connect_timeout: int = Field(10, ge=1, validation_alias=_env("CDC_PG_CONNECT_TIMEOUT"))
     publication: str = Field("cdc_pub", validation_alias=_env("CDC_PUBLICATION"))
     slot: str = Field("cdc_slot", validation_alias=_env("CDC_SLOT"))
+
+    @field_validator("dsn")
+    @classmethod
+    def _usable_dsn(cls, value: SecretStr | None) -> SecretStr | None:
+        # A DSN libpq cannot use never connects: a configuration error now, not "unreachable"
+        # retried forever. (libpq's parse error is not repeated: it may quote the password.)
+        if value is None:
+            return value
+        try:
+            params = conninfo_to_dict(value.get_secret_value())
+        except psycopg.ProgrammingError:
+            raise ValueError("not a libpq connection string or URI") from None
+        for port in str(params.get("port") or "").split(","):
+            if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+                raise ValueError(f"port {port!r} is not a port number (1-65535)")
+        return value
 
     @field_validator("publication", "slot")
     @classmethod

@@ -46,8 +46,8 @@ class BridgeMetrics:
         self.wal_messages = Counter("bridge_wal_messages_received",
                                     "pgoutput messages received", registry=r)
         self.events_published = Counter("bridge_cdc_events_published",
-                                        "Change events stored by JetStream", registry=r)
-        self.events_by_table = Counter("bridge_cdc_events", "Change events stored, by table/op",
+                                        "Change events published (each once, as read)", registry=r)
+        self.events_by_table = Counter("bridge_cdc_events", "Change events published, by table/op",
                                        ["table", "op"], registry=r)
         self.transactions = Counter("bridge_transactions", "Transactions fully stored",
                                     registry=r)
@@ -229,7 +229,8 @@ class TelemetryServer:
         except OSError as exc:
             raise CdcError(f"cannot serve telemetry on {host}:{port} ({exc.strerror}): set "
                            "CDC_HTTP_PORT to a free port (0: any free port)") from None
-        self._thread = threading.Thread(target=self._server.serve_forever,
+        # polled every 0.1 s (not 0.5): stop() waits for the poll, inside the shutdown budget
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,),
                                         name="telemetry-http", daemon=True)
 
     @property

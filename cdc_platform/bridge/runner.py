@@ -17,8 +17,8 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import psycopg
 from nats.js.errors import NotFoundError
@@ -61,6 +61,14 @@ from cdc_platform.wire import (
 log = logging.getLogger(__name__)
 
 Observer = Callable[[dict[str, Any]], None]
+T = TypeVar("T")
+# What the final acknowledgement and closing may take of the shutdown budget, at most.
+_CLOSING_SECONDS = 2.0
+_SLOT_RETRY_SECONDS = 1.0  # the first slot check, while the slot does not exist yet
+
+
+class StopRequested(Exception):
+    """A wait given up because a stop was requested (what it was for is not done)."""
 
 
 class CdcBridge:
@@ -79,6 +87,7 @@ class CdcBridge:
         self.fatal: BaseException | None = None
         self.reader: SlotReader | None = None
         self.publisher: JetStreamPublisher | None = None
+        self._reading_task: asyncio.Task | None = None  # the one that reads the slot
         self._kv = None
         self._claim_checks: ClaimChecks | None = None
         # table -> (fingerprint, oid) of the schema put in KV: a table dropped and created
@@ -94,15 +103,44 @@ class CdcBridge:
         self.telemetry: TelemetryServer | None = None
 
     def request_stop(self) -> None:
-        """Graceful stop from any thread-free context (signal handler, HTTP admin, Dagster):
+        """Graceful stop, called in the bridge's loop (signal handler, HTTP admin, Dagster):
         everything after it (drain, final ack, closing) fits in CDC_SHUTDOWN_TIMEOUT."""
         if not self.stop_requested.is_set():
-            self._stop_deadline = time.monotonic() + self.options.shutdown_timeout_seconds
+            budget = self.options.shutdown_timeout_seconds
+            self._stop_deadline = time.monotonic() + budget
+            log.info("stop requested: draining what is in flight, then the final "
+                     "acknowledgement (at most %gs)", budget)
         self.stop_requested.set()
 
     def _shutdown_left(self, at_most: float = float("inf")) -> float:
         """Seconds left of the shutdown budget (all of ``at_most`` before a stop)."""
-        return max(0.1, min(at_most, self._stop_deadline - time.monotonic()))
+        return max(0.0, min(at_most, self._stop_deadline - time.monotonic()))
+
+    def _drain_left(self) -> float:
+        """Seconds left to wait for NATS in a stop: the budget less what the final
+        acknowledgement and closing take (``_CLOSING_SECONDS``, a quarter of a small budget)."""
+        reserve = min(_CLOSING_SECONDS, self.options.shutdown_timeout_seconds / 4)
+        return max(0.0, self._stop_deadline - reserve - time.monotonic())
+
+    async def _unless_stopped(self, awaitable: Awaitable[T]) -> T:
+        """``awaitable``'s result; :class:`StopRequested` once a stop is requested first (it
+        is cancelled then, or not started)."""
+        task = asyncio.ensure_future(awaitable)
+        if self.stop_requested.is_set():
+            task.cancel()
+        else:
+            stop = asyncio.ensure_future(self.stop_requested.wait())
+            try:
+                await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+                if not task.done():
+                    task.cancel()
+        if task.cancelled() or not task.done():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            raise StopRequested
+        return task.result()
 
     async def _stoppable_sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -112,18 +150,19 @@ class CdcBridge:
         """The NATS connection, waiting for NATS with backoff (one line per attempt) until a
         stop is requested (None then); refused credentials are fatal at once."""
         delay = self.options.reconnect_min_seconds
-        while True:
+        while not self.stop_requested.is_set():
             try:
-                return await connect_nats(self.settings.nats, name="cdc-platform-bridge",
-                                          reconnect_forever=True)
+                return await self._unless_stopped(connect_nats(
+                    self.settings.nats, name="cdc-platform-bridge", reconnect_forever=True))
+            except StopRequested:
+                return None
             except NatsUnreachable as exc:
                 if self.stop_requested.is_set():
                     return None
                 log.warning("%s; retrying in %.0fs", exc, delay)
             await self._stoppable_sleep(delay)
-            if self.stop_requested.is_set():
-                return None
             delay = min(delay * 2, self.options.reconnect_max_seconds)
+        return None
 
     # -- top level -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -215,6 +254,7 @@ class CdcBridge:
         nc._reconnected_cb = on_reconnect
 
     async def _replicate_with_reconnects(self) -> None:
+        self._reading_task = asyncio.current_task()
         delay = self.options.reconnect_min_seconds
         ever_streamed = False
         while not self.stop_requested.is_set():
@@ -222,7 +262,7 @@ class CdcBridge:
                                 status_interval=self.options.status_interval_seconds)
             self.reader = reader
             try:
-                await reader.open()
+                await self._unless_stopped(reader.open())
                 ever_streamed = True
                 delay = self.options.reconnect_min_seconds
                 self.metrics.connected.set(1)
@@ -230,6 +270,8 @@ class CdcBridge:
                 await self._publish_all_schemas(reader)
                 self.builder.reset()  # the server resends from the last confirmed commit
                 await self._stream(reader)
+            except StopRequested:
+                pass  # stopped while connecting or reading a schema
             except (SlotLostError, ReplicationConfigError):
                 raise  # retrying cannot fix these: say what to do
             except (ReplicationError, psycopg.OperationalError, OSError) as exc:
@@ -276,7 +318,10 @@ class CdcBridge:
             metrics.wal_messages.inc(batch.wal_messages)
             built = build(batch.events)
             if built.changed_relations or built.schema_events:
-                await self._follow_shape_changes(reader, built)
+                try:
+                    await self._follow_shape_changes(reader, built)
+                except StopRequested:
+                    break  # this batch is not published: the next start reads it again
             if built.messages or built.position is not None:
                 metrics.last_processing_time_us.set(
                     (perf_counter() - started) * 1e6 / batch.wal_messages)
@@ -284,14 +329,16 @@ class CdcBridge:
                     self._timings.append((built.position, time.monotonic(),
                                           commit_ts_epoch(built.last_commit_ts), built.transactions))
                 await self._publish(reader, built.messages, built.position)
-                metrics.events_published.inc(built.changes)
-                for (table, operation), count in built.counts.items():
-                    metrics.events_by_table.labels(table, operation.lower()).inc(count)
+            # counted when read: a change held back for its transaction's next message is
+            # published with a later batch, which does not count it again
+            metrics.events_published.inc(built.changes)
+            for (table, operation), count in built.counts.items():
+                metrics.events_by_table.labels(table, operation.lower()).inc(count)
             self._confirm_stored(reader)
             metrics.current_lsn = reader.received_lsn
         # graceful stop: drain what is in flight (bounded), then the final ack in finally
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(publisher.flush(), self._shutdown_left())
+            await asyncio.wait_for(publisher.flush(), self._drain_left())
         self._confirm_stored(reader)
 
     async def _publish(self, reader: SlotReader, messages, position) -> None:
@@ -302,21 +349,28 @@ class CdcBridge:
         if ClaimChecks.oversized(messages, max_payload):  # a rare, large row: not per message
             assert self._claim_checks is not None
             messages = await self._claim_checks.replace_oversized(messages, max_payload)
-        task = asyncio.ensure_future(self.publisher.publish(messages, position))
+        # A stop while the publisher applies backpressure drops these messages: they are not
+        # confirmed, so the next start sends them again; what is in flight is drained.
+        with contextlib.suppress(StopRequested):
+            await self._answering(reader, self.publisher.publish(messages, position))
+
+    async def _answering(self, reader: SlotReader | None, awaitable: Awaitable[T]) -> T:
+        """``awaitable``'s result, confirming what is stored and sending PostgreSQL a status
+        update every status interval while it waits (a NATS outage must not make the
+        walsender time us out); :class:`StopRequested` once a stop is requested first."""
+        task = asyncio.ensure_future(self._unless_stopped(awaitable))
         while True:
             done, _ = await asyncio.wait({task}, timeout=self.options.status_interval_seconds)
             if done:
-                task.result()
-                return
-            self._confirm_stored(reader)
-            await reader.send_status()
-            if self.stop_requested.is_set() and time.monotonic() >= self._stop_deadline:
-                # NATS held us past the shutdown budget: what was not stored is not
-                # confirmed, so the next start sends it again
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-                return
+                return task.result()
+            if reader is not None and reader.replication is not None:
+                self._confirm_stored(reader)
+                await reader.send_status()
+
+    def _own_reader(self) -> SlotReader | None:
+        """The slot reader, when called from the task that reads the slot (the only one that
+        may talk to the walsender): its waits answer PostgreSQL."""
+        return self.reader if asyncio.current_task() is self._reading_task else None
 
     def _confirm_stored(self, reader: SlotReader) -> None:
         assert self.publisher is not None
@@ -400,7 +454,8 @@ class CdcBridge:
         stream = self.settings.topology.cdc.name
         while True:
             try:
-                message = await self._js.get_last_msg(stream, cdc_schema_subject(table))
+                message = await self._answering(self._own_reader(), self._js.get_last_msg(
+                    stream, cdc_schema_subject(table)))
                 event = decode_any(message.data)
                 found = AnnouncedShape.from_event(event)
                 break
@@ -417,7 +472,7 @@ class CdcBridge:
                     raise
                 log.warning("could not read the last schema event of %s (%s); retrying",
                             table, exc)
-                await asyncio.sleep(1.0)
+                await self._answering(self._own_reader(), asyncio.sleep(1.0))
         self._announced[table] = found
         return found
 
@@ -429,13 +484,13 @@ class CdcBridge:
         assert self._kv is not None  # (opened before the first batch)
         while True:
             try:
-                await self._kv.put(key, value)
+                await self._answering(self._own_reader(), self._kv.put(key, value))
                 break
             except Exception as exc:  # noqa: BLE001 - NATS away: retry until it is back
                 if self.stop_requested.is_set():
                     return
                 log.warning("could not store schema of %s in KV (%s); retrying", key, exc)
-                await asyncio.sleep(1.0)
+                await self._answering(self._own_reader(), asyncio.sleep(1.0))
         self._published_schemas[key] = (schema.fingerprint, schema.relation_id)
         self.metrics.schema_changes.inc()
         log.info("schema of %s published (fingerprint %s)", key, schema.fingerprint)
@@ -480,7 +535,10 @@ class CdcBridge:
                         conn = await self._sql_connection()
                     state = await read_slot_async(conn, self.settings.postgres.slot)
                     if check_due:
-                        next_check = now + self.options.lag_check_interval_seconds
+                        # no slot yet (the reader is creating it at start): look again soon,
+                        # not a whole interval later
+                        next_check = now + (self.options.lag_check_interval_seconds
+                                            if state is not None else _SLOT_RETRY_SECONDS)
                     if observe_due:
                         next_observation = now + self.observe_interval
                     if state is not None:

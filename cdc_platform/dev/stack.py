@@ -42,6 +42,7 @@ from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision
 from cdc_platform.postgres.admin import provision_database
 from cdc_platform.settings import NatsSettings, PostgresSettings, load_settings
+from cdc_platform.stopping import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -128,36 +129,41 @@ class DevStack:
         return chosen
 
     # -- bring up ----------------------------------------------------------------------
-    def run(self) -> int:
-        previous = {sig: signal.signal(sig, self._on_signal)
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            self.start()
-            if self.options.smoke:
-                self.verify()
-                print("smoke check passed: PostgreSQL, NATS and Dagster are up", flush=True)
+    def run(self, stops: StopSignals) -> int:
+        """Until a stop signal (the smoke check: until it passed); 1 when a stop came before
+        the smoke check could pass."""
+        with stops.listening(self.stop_requested.set):
+            try:
+                self.start()
+                if self.options.smoke:
+                    self.verify()
+                    if self.stop_requested.is_set():
+                        print("smoke check stopped before it finished", file=sys.stderr,
+                              flush=True)
+                        return 1
+                    print("smoke check passed: PostgreSQL, NATS and Dagster are up", flush=True)
+                    return 0
+                while not self.stop_requested.wait(2.0):
+                    self._check_children()
+                    self._report_failed_runs()
                 return 0
-            while not self.stop_requested.wait(2.0):
-                self._check_children()
-                self._report_failed_runs()
-            return 0
-        finally:
-            self.stop()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _on_signal(self, signum, frame) -> None:
-        log.info("received %s, stopping", signal.Signals(signum).name)
-        self.stop_requested.set()
+            finally:
+                if stops.received is not None:
+                    log.info("received %s, stopping", stops.received.name)
+                self.stop()
 
     def start(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         secrets_file = _Secrets.load(self.state_dir / "secrets.env")
         self.pg_settings = pg_settings = self._start_postgres(secrets_file)
+        if self.stop_requested.is_set():
+            return
         self.nats_settings = nats_settings = self._start_nats()
         topology = load_settings().topology
         asyncio.run(self._provision_nats(nats_settings, topology))
         self.child_env = self._platform_env(pg_settings, nats_settings)
+        if self.stop_requested.is_set():
+            return
         if self.options.dagster:
             self._start_dagster()
             with contextlib.suppress(Exception):  # failures of earlier sessions: reported then
@@ -306,6 +312,8 @@ class DevStack:
     def verify(self) -> None:
         """What a newcomer should see: slot creatable by the role, streams and KV present,
         the UI answering."""
+        if self.stop_requested.is_set():
+            return
         assert self.pg_settings is not None and self.nats_settings is not None
         with psycopg.connect(self.pg_settings.conninfo(), autocommit=True) as conn:
             slot = f"smoke_{secrets.token_hex(3)}"
@@ -337,7 +345,10 @@ class DevStack:
             if info.state.subjects:
                 log.info("CDC is streaming: %s", info.state.subjects)
                 return
-            await asyncio.sleep(1.0)
+            for _ in range(10):  # a stop is noticed within 0.1 s
+                if self.stop_requested.is_set():
+                    return
+                await asyncio.sleep(0.1)
         raise CdcError(f"no CDC events on {subject} within {timeout:.0f}s: is the "
                        f"cdc_sensor running? (see {self.state_dir / 'logs'})")
 

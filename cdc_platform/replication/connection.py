@@ -43,11 +43,16 @@ _FATAL_SQLSTATES = ("28", "3D", "42501", "42704")
 # A walsender warning that a publication was skipped (PostgreSQL 18: 55000,
 # object_not_in_prerequisite_state; 42704, undefined_object, as up to 17's error).
 _PUBLICATION_SKIPPED = ("55000", "42704")
-# What libpq says when refusing a connection for the same reasons (no SQLSTATE then).
+# What libpq says when refusing a connection for the same reasons (no SQLSTATE then), or
+# a connection string it cannot use (CDC_PG_DSN `port=abc`: it never tries to connect).
 _FATAL_CONNECT_TEXTS = ("password authentication failed", "does not exist",
                         "no pg_hba.conf entry", "permission denied", "must be superuser",
                         "must have replication", "password is required",
-                        "authentication failed")
+                        "authentication failed", "invalid integer value", "invalid port number",
+                        "invalid connection option", 'missing "=" after',
+                        "unterminated quoted string", "invalid uri", "invalid percent-encoded",
+                        "invalid sslmode value", "invalid gssencmode value",
+                        "invalid target_session_attrs value")
 
 
 def is_config_error(exc: BaseException) -> bool:
