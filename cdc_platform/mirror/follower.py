@@ -112,6 +112,8 @@ class Mirror:
         self.first_event_at: float | None = None
         self.last_commit_at: float | None = None
         self._loaders: dict[str, asyncio.Task] = {}  # table -> its bootstrap under way
+        # tables not streaming in the file yet (loading, or caught up in a shadow, or stale)
+        self.bootstrapping: set[str] = set(self.tables)
         self._loaded = asyncio.Event()  # a shadow is loaded: follow it from the next pass
 
     # -- top level ---------------------------------------------------------------------------
@@ -365,6 +367,7 @@ class Mirror:
                 local[table] = table
             elif _streaming(store.state(shadow_name(table))):
                 local[table] = shadow_name(table)
+        self.bootstrapping = {table for table in self.tables if local.get(table) != table}
         self._start_loaders(nc, js, store, stop, local)
         self._loaded.clear()
         if not local:  # nothing to follow until a shadow is loaded
@@ -681,6 +684,7 @@ class _Following:
         for table in chosen:
             del self._tables[self.shadowed.pop(table)]
             self.local[table] = self._tables[table] = table
+            self.mirror.bootstrapping.discard(table)
         shown = format_lsn(lsn) if lsn is not None else "not known yet (the source is idle)"
         self.mirror.report(f"{', '.join(chosen)}: swapped in; every table consistent at lsn "
                            f"{shown}")
