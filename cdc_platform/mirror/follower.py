@@ -173,14 +173,18 @@ class Mirror:
         """A loader for every table that neither streams nor has a caught-up shadow (the
         snapshots are asked for at once and taken in parallel); one already under way goes
         on across passes."""
+        self._check_loaders()
         for table in self.tables:
             if table in local or table in self._loaders:
                 continue
             state, shadow = store.state(table), store.state(shadow_name(table))
-            why = ("first start" if state is None and shadow is None
-                   else "an interrupted bootstrap" if any(
-                       s is not None and s.status == "bootstrapping" for s in (state, shadow))
-                   else (shadow or state).reason or (shadow or state).status)  # type: ignore[union-attr]
+            latest = shadow or state
+            if latest is None:
+                why = "first start"
+            elif any(s is not None and s.status == "bootstrapping" for s in (state, shadow)):
+                why = "an interrupted bootstrap"
+            else:
+                why = latest.reason or latest.status
             min_lsn = max(s.stale_lsn if s is not None else 0 for s in (state, shadow))
             self.report(f"{table}: bootstrapping ({why})")
             self._loaders[table] = asyncio.create_task(
@@ -191,8 +195,9 @@ class Mirror:
         for table, task in list(self._loaders.items()):
             if task.done():
                 del self._loaders[table]
-                if not task.cancelled() and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+                error = None if task.cancelled() else task.exception()
+                if error is not None:
+                    raise error
 
     async def _stop_loaders(self) -> None:
         for task in self._loaders.values():
