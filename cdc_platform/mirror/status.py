@@ -21,20 +21,23 @@ def status_lines(path: str | Path) -> list[str]:
             db.execute("BEGIN")  # one read transaction: tables and the LSN agree
             rows = db.execute(
                 f"SELECT wire_table, status, snapshot_id, cutover_lsn, applied_commit_lsn,"
-                f" stream_seq, reason FROM {STATE_TABLE} ORDER BY wire_table").fetchall()
+                f" stream_seq, reason FROM {STATE_TABLE}").fetchall()
             try:
                 consistent = db.execute(f"SELECT lsn FROM {CONSISTENT_TABLE}").fetchone()
             except sqlite3.OperationalError:  # (a file an older mirror wrote)
                 consistent = None
     except sqlite3.DatabaseError as exc:
         raise MirrorError(f"{path} is not a mirror database ({exc})") from exc
-    lines = []
+    shown = []
     for table, status, snapshot_id, cutover, applied, seq, reason in rows:
         if table.startswith(SHADOW_PREFIX):
             table = table[len(SHADOW_PREFIX):]
             status = ("loading its snapshot" if status == "bootstrapping"
                       else "snapshot loaded, catching up" if status == "streaming" else status)
             status = f"(shadow) {status}"
+        shown.append((table, status, snapshot_id, cutover, applied, seq, reason))
+    lines = []
+    for table, status, snapshot_id, cutover, applied, seq, reason in sorted(shown):
         line = (f"{table}: {status}; snapshot {snapshot_id} at lsn {format_lsn(cutover)}; "
                 f"applied through {format_lsn(applied) if applied else '-'}; "
                 f"CDC sequence {seq}")

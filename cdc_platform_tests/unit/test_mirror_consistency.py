@@ -127,3 +127,24 @@ def test_an_idle_source_gets_its_shadows_swapped_in_with_the_point_not_known(tmp
     assert _read(path, f"SELECT lsn FROM {CONSISTENT_TABLE}") == [(None,)]
     assert status_lines(path)[-1] == "consistent lsn (every streaming table): not known"
     store.close()
+
+
+def test_mirror_status_prints_each_table_and_the_consistent_lsn(tmp_path, capsys):
+    from cdc_platform import cli
+
+    path = tmp_path / "mirror.db"
+    store = MirrorStore(path)
+    bootstrapped(store, schema("a"), lsn=0x100)
+    store.record_consistent_lsn(0x100)
+    shadow = shadow_name("b")
+    store.begin_bootstrap(TableShape.from_schema(schema(shadow)), "snap2", 0x300)
+    store.close()
+    assert cli.main(["mirror", "status", "--sqlite", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "a: streaming; snapshot snap1 at lsn 0/100; applied through -; CDC sequence 7",
+        ("b: (shadow) loading its snapshot; snapshot snap2 at lsn 0/300; applied through -; "
+         "CDC sequence 0"),
+        "consistent lsn (every streaming table): 0/100"]
+    assert cli.main(["mirror", "--sqlite", str(path)]) == 2
+    assert "--tables is required" in capsys.readouterr().err
+    assert cli.main(["mirror", "status", "--sqlite", str(tmp_path / "none.db")]) == 2
