@@ -4,8 +4,9 @@ Each table is bootstrapped from a snapshot (a recent one in `INIT` whose cutover
 still holds, or one asked for on ``snapshot.request.{table}``) into a shadow, chunk by chunk
 while the other tables go on; every table (shadows included) follows `CDC` from the lowest
 position any of them needs, one whole PostgreSQL transaction per SQLite commit, and a shadow
-is swapped in where it meets the others at one LSN (README "Mirrors", mirror/consistency.py). Positions live in the SQLite file with the rows, so a mirror killed
-at any point resumes with nothing lost and nothing applied twice. A table the stream can no
+is swapped in where it meets the others at one LSN (README "Mirrors", mirror/consistency.py).
+Positions live in the SQLite file with the rows, so a mirror killed at any point resumes with
+nothing lost and nothing applied twice. A table the stream can no
 longer carry (a rewrite, a change no ALTER follows, events gone by retention, a divergence) is
 marked stale, said so, and bootstrapped again; the other tables go on.
 """
