@@ -122,6 +122,14 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
     from cdc_platform.mirror.follower import Mirror
     from cdc_platform.settings import MirrorSettings, load_settings
 
+    if args.action == "status":
+        from cdc_platform.mirror.status import status_lines
+
+        for line in status_lines(args.sqlite):
+            print(line)
+        return 0
+    if not args.tables:
+        raise CdcError("mirror: --tables is required (except for `mirror status`)")
     settings = load_settings()
     tables = [table.strip() for table in args.tables.split(",") if table.strip()]
     mirror = Mirror(settings, tables, args.sqlite, durable=args.durable,
@@ -200,7 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
         "snapshot.request.{table}), then follow the CDC stream, one whole PostgreSQL "
         "transaction per SQLite commit. Stop and start it at will: it resumes exactly. "
         "NATS settings come from CDC_NATS_*; see README \"Mirrors\".")
-    mirror.add_argument("--tables", required=True,
+    mirror.add_argument("action", nargs="?", choices=["status"],
+                        help="status: print what the file holds (each table, the consistent "
+                        "LSN) and exit")
+    mirror.add_argument("--tables",
                         help="comma-separated wire table names (users,sales/orders)")
     mirror.add_argument("--sqlite", required=True, help="the SQLite file (created if missing)")
     mirror.add_argument("--durable", help="a durable JetStream consumer name, so the server "

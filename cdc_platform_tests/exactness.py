@@ -346,12 +346,13 @@ async def bridge_caught_up(pg_admin, slot: str, timeout: float = 120.0) -> None:
 
 async def mirror_caught_up(mirror: Mirror, task: asyncio.Task, nats_client,
                            stream: str = "CDC", timeout: float = 180.0) -> None:
-    """Until the mirror (running as ``task``) has read the whole stream as it is now."""
+    """Until the mirror (running as ``task``) has read the whole stream as it is now, every
+    table streaming in its file (none waiting in a shadow)."""
     last = (await nats_client.jetstream().stream_info(stream)).state.last_seq
 
     def reached() -> bool:
         if task.done():
             task.result()  # the mirror's error, if it stopped on one
             raise AssertionError("the mirror stopped")
-        return mirror.position >= last
+        return mirror.position >= last and not mirror.bootstrapping
     await wait_for(reached, timeout=timeout, what=f"the mirror to reach sequence {last}")

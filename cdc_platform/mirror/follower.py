@@ -1,10 +1,12 @@
 """The mirror: exact SQLite copies of published tables, from the wire contract alone.
 
 Each table is bootstrapped from a snapshot (a recent one in `INIT` whose cutover point `CDC`
-still holds, or one asked for on ``snapshot.request.{table}``), then every table follows `CDC`
-from the lowest position any of them needs, one whole PostgreSQL transaction per SQLite
-commit (README "Mirrors"). Positions live in the SQLite file with the rows, so a mirror killed
-at any point resumes with nothing lost and nothing applied twice. A table the stream can no
+still holds, or one asked for on ``snapshot.request.{table}``) into a shadow, chunk by chunk
+while the other tables go on; every table (shadows included) follows `CDC` from the lowest
+position any of them needs, one whole PostgreSQL transaction per SQLite commit, and a shadow
+is swapped in where it meets the others at one LSN (README "Mirrors", mirror/consistency.py).
+Positions live in the SQLite file with the rows, so a mirror killed at any point resumes with
+nothing lost and nothing applied twice. A table the stream can no
 longer carry (a rewrite, a change no ALTER follows, events gone by retention, a divergence) is
 marked stale, said so, and bootstrapped again; the other tables go on.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -32,6 +35,14 @@ from cdc_platform.errors import CdcError
 from cdc_platform.jetstream.connection import close_nats, connect_nats
 from cdc_platform.jetstream.pull import PulledMessage, PullReader
 from cdc_platform.lsn import format_lsn, parse_lsn_cached
+from cdc_platform.mirror.consistency import (
+    IDLE_SWAP_SECONDS,
+    consistent_point,
+    joining,
+    shadow_event,
+    shadow_name,
+    table_point,
+)
 from cdc_platform.mirror.snapshots import BootstrapProgress, read_chunks
 from cdc_platform.mirror.store import (
     DivergenceError,
@@ -106,6 +117,10 @@ class Mirror:
         # monotonic times of the first event read and the last commit (apply rate figures)
         self.first_event_at: float | None = None
         self.last_commit_at: float | None = None
+        self._loaders: dict[str, asyncio.Task] = {}  # table -> its bootstrap under way
+        # tables not streaming in the file yet (loading, or caught up in a shadow, or stale)
+        self.bootstrapping: set[str] = set(self.tables)
+        self._loaded = asyncio.Event()  # a shadow is loaded: follow it from the next pass
 
     # -- top level ---------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None, *,
@@ -122,15 +137,13 @@ class Mirror:
                 js = nc.jetstream()
                 await self._check_published(js)
                 while not stop.is_set():
-                    await self._bootstrap_all(nc, js, store, stop)
-                    if stop.is_set():
-                        break
                     try:
                         if await self._follow(nc, js, store, stop, until_caught_up):
                             return
                     except _Restart:
                         continue
             finally:
+                await self._stop_loaders()
                 await close_nats(nc, 5.0)
         finally:
             store.close()
@@ -161,57 +174,95 @@ class Mirror:
                 f"table(s) to the publication. Published tables: {', '.join(known) or 'none'}")
 
     # -- bootstrap ---------------------------------------------------------------------------
-    async def _bootstrap_all(self, nc: NatsClient, js: JetStreamContext, store: MirrorStore,
-                             stop: asyncio.Event) -> None:
-        """Every table that is not streaming: snapshots asked for all at once (they are
-        taken in parallel), then loaded one after the other."""
-        needed = {table: store.state(table) for table in self.tables}
-        needed = {table: state for table, state in needed.items() if not _streaming(state)}
-        for table, state in needed.items():
-            why = ("first start" if state is None
-                   else "an interrupted bootstrap" if state.status == "bootstrapping"
-                   else state.reason or state.status)
+    def _start_loaders(self, nc: NatsClient, js: JetStreamContext, store: MirrorStore,
+                       stop: asyncio.Event, local: Mapping[str, str]) -> None:
+        """A loader for every table that neither streams nor has a caught-up shadow (the
+        snapshots are asked for at once and taken in parallel); one already under way goes
+        on across passes."""
+        self._check_loaders()
+        for table in self.tables:
+            if table in local or table in self._loaders:
+                continue
+            state, shadow = store.state(table), store.state(shadow_name(table))
+            latest = shadow or state
+            if latest is None:
+                why = "first start"
+            elif any(s is not None and s.status == "bootstrapping" for s in (state, shadow)):
+                why = "an interrupted bootstrap"
+            else:
+                why = latest.reason or latest.status
+            min_lsn = max(s.stale_lsn if s is not None else 0 for s in (state, shadow))
             self.report(f"{table}: bootstrapping ({why})")
-        snapshots = await asyncio.gather(*(
-            self._snapshot(nc, js, table, state.stale_lsn if state else 0, stop)
-            for table, state in needed.items()))
-        for table, (meta, start_seq) in zip(needed, snapshots, strict=True):
-            if meta is None or stop.is_set():
-                return  # stopped while waiting
-            await self._bootstrap(js, store, table, meta, start_seq, stop)
+            self._loaders[table] = asyncio.create_task(
+                self._load(nc, js, store, table, min_lsn, stop), name=f"bootstrap {table}")
 
-    async def _bootstrap(self, js: JetStreamContext, store: MirrorStore, table: str,
-                         meta: SnapshotMeta, start_seq: int, stop: asyncio.Event) -> None:
+    def _check_loaders(self) -> None:
+        """Raise what a loader failed with (it needs a person); forget finished ones."""
+        for table, task in list(self._loaders.items()):
+            if task.done():
+                del self._loaders[table]
+                error = None if task.cancelled() else task.exception()
+                if error is not None:
+                    raise error
+
+    async def _stop_loaders(self) -> None:
+        for task in self._loaders.values():
+            task.cancel()
+        for task in self._loaders.values():
+            with contextlib.suppress(BaseException):
+                await task
+        self._loaders.clear()
+
+    async def _load(self, nc: NatsClient, js: JetStreamContext, store: MirrorStore,
+                    table: str, min_lsn: int, stop: asyncio.Event) -> None:
+        """Load a snapshot of ``table`` into its shadow, chunk by chunk, each in a short
+        transaction of its own between the follower's (the other tables keep following);
+        then the shadow follows the stream until it is swapped in (mirror/consistency.py)."""
+        meta, start_seq = await self._snapshot(nc, js, table, min_lsn, stop)
+        if meta is None or stop.is_set():
+            return  # stopped while waiting
         assert meta.table_schema is not None  # (_snapshot returns only metas that carry it)
-        shape = TableShape.from_schema(meta.table_schema)
+        shadow = shadow_name(table)
+        shape = dataclasses.replace(TableShape.from_schema(meta.table_schema), table=shadow)
+        await _between_transactions(store)
         store.begin_bootstrap(shape, meta.snapshot_id, meta.lsn)
         progress = BootstrapProgress(table, meta.row_count, meta.batch_count, time.monotonic())
         last_report = time.monotonic()
         from_json = meta.format == "json"
         columns = None if from_json else tuple(c.name for c in shape.columns)
         with contextlib.ExitStack() as stack:
-            # msgpack chunks straight into SQLite where the compiled loader takes them
-            load = stack.enter_context(store.chunk_loader(table, columns)) if columns else None
+            # msgpack chunks straight into SQLite where the compiled loader takes them (on
+            # its own connection: only while the follower has no transaction open)
+            compiled = stack.enter_context(store.chunk_loader(shadow, columns)) \
+                if columns else None
+
+            def load(data: bytes, seen: set[int]) -> tuple[int, int] | None:
+                assert compiled is not None
+                return None if store.in_transaction else compiled(data, seen)
             async for chunk in read_chunks(js, meta, stream=self.settings.topology.init.name,
                                            progress=progress.update, columns=columns,
-                                           load=load):
-                if chunk.loaded is not None:
-                    pass  # written by the loader
-                elif chunk.as_tuples and columns is not None:
-                    store.load_tuples(table, columns, chunk.rows, has_nan=chunk.has_nan)
-                else:
-                    store.load_rows(table, [shape.from_json(r) or {} for r in chunk.rows]
-                                    if from_json else chunk.rows)
+                                           load=load if compiled is not None else None):
+                if chunk.loaded is None:
+                    await _between_transactions(store)
+                    if chunk.as_tuples and columns is not None:
+                        store.load_tuples(shadow, columns, chunk.rows, has_nan=chunk.has_nan)
+                    else:
+                        store.load_rows(shadow, [shape.from_json(r) or {} for r in chunk.rows]
+                                        if from_json else chunk.rows)
                 if time.monotonic() - last_report >= self.options.status_interval_seconds:
                     last_report = time.monotonic()
                     self.report(progress.line())
                 if stop.is_set():
                     return  # left "bootstrapping": the next start begins it again
-        store.finish_bootstrap(table, stream_seq=start_seq - 1)
+                await asyncio.sleep(0)  # the follower's turn
+        await _between_transactions(store)
+        store.finish_bootstrap(shadow, stream_seq=start_seq - 1)
         self.bootstraps += 1
+        self._loaded.set()
         self.report(f"{progress.line()}; done (snapshot {meta.snapshot_id}, cutover lsn "
                     f"{meta.raw.get('lsn')}, following {self.settings.topology.cdc.name} "
-                    f"from sequence {start_seq})")
+                    f"from sequence {start_seq}; swapped in once consistent with the other "
+                    "tables)")
 
     async def _snapshot(self, nc: NatsClient, js: JetStreamContext, table: str, min_lsn: int,
                         stop: asyncio.Event) -> tuple[SnapshotMeta | None, int]:
@@ -376,26 +427,44 @@ class Mirror:
         """Apply `CDC` until stopped (False), caught up with ``until_caught_up`` (True), or a
         table needs a new snapshot (:class:`_Restart`)."""
         stream = self.settings.topology.cdc.name
-        followed = [t for t in self.tables if _streaming(store.state(t))]
-        start = store.resume_seq(followed)
+        local = {}  # followed table -> the local table its events go to (itself, or a shadow)
+        for table in self.tables:
+            if _streaming(store.state(table)):
+                local[table] = table
+            elif _streaming(store.state(shadow_name(table))):
+                local[table] = shadow_name(table)
+        self.bootstrapping = {table for table in self.tables if local.get(table) != table}
+        self._start_loaders(nc, js, store, stop, local)
+        self._loaded.clear()
+        if not local:  # nothing to follow until a shadow is loaded
+            while not stop.is_set():
+                self._check_loaders()
+                if self._loaded.is_set():
+                    raise _Restart
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._loaded.wait(), 0.5)
+            return False
+        followed = list(local)
+        start = store.resume_seq(local.values())
         first = (await js.stream_info(stream)).state.first_seq
         if start < first:
-            for table in followed:
-                state = store.state(table)
+            for table, name in local.items():
+                state = store.state(name)
                 needed = (state.stream_seq if state else 0) + 1
                 if needed < first:
                     reason = (f"{stream} no longer holds the events it needs (it needs "
                               f"sequence {needed}, the stream begins at {first}: retention)")
-                    store.mark_stale(table, reason)
+                    store.mark_stale(name, reason)
                     self.report(f"{table}: {reason}; bootstrapping again")
             raise _Restart
         self.position = start - 1
         reader = await self._subscribe(nc, js, stream, followed, start)
         collector = TransactionCollector(followed, keep_events=False)
-        follow = _Following(self, js, store, collector, followed)
-        last_status = time.monotonic()
+        follow = _Following(self, js, store, collector, local)
+        last_status = last_message = time.monotonic()
         try:
             while not stop.is_set():
+                self._check_loaders()
                 try:
                     messages = await reader.fetch(self.options.fetch_batch, timeout=1.0)
                 except Exception as exc:  # noqa: BLE001 - NATS away or the consumer gone
@@ -420,18 +489,32 @@ class Mirror:
                 follow.commit()
                 if follow.stale or follow.must_restart:
                     raise _Restart
+                now = time.monotonic()
+                if messages:
+                    last_message = now
+                between = not follow.open and collector.pending is None
+                if between and self._loaded.is_set():
+                    raise _Restart  # follow the loaded shadow too
+                if between:
+                    follow.swap_shadows()
                 if messages and self.durable:
                     with contextlib.suppress(Exception):
                         await reader.ack(messages[-1])  # the server's view of progress only
-                now = time.monotonic()
                 idle = not messages and collector.pending is None
                 if idle or now - last_status >= self.options.status_interval_seconds:
-                    pending = await self._pending(js, reader, store, followed, collector)
+                    pending = await self._pending(js, reader, store, follow.local_followed,
+                                                  collector)
                     if now - last_status >= self.options.status_interval_seconds:
                         last_status = now
-                        self.report(self.status_line(pending, len(followed)))
-                    if pending == 0 and until_caught_up and collector.pending is None:
+                        self.report(self.status_line(pending,
+                                                     len(followed) - len(follow.shadowed)))
+                    if (pending == 0 and between and follow.shadowed
+                            and now - last_message >= IDLE_SWAP_SECONDS):
+                        follow.swap_shadows(idle=True)
+                    if (pending == 0 and until_caught_up and collector.pending is None
+                            and not follow.shadowed and not self._loaders):
                         return True
+                await asyncio.sleep(0)  # a loader's turn
             return False
         finally:
             follow.abandon()  # an incomplete transaction is read again on the next pass
@@ -487,14 +570,23 @@ class _Following:
     """One pass over the stream: messages -> events -> whole transactions in SQLite."""
 
     def __init__(self, mirror: Mirror, js: JetStreamContext, store: MirrorStore,
-                 collector: TransactionCollector, followed: Sequence[str]) -> None:
+                 collector: TransactionCollector,
+                 local: Mapping[str, str] | Sequence[str]) -> None:
+        if not isinstance(local, Mapping):  # tables followed as they are, no shadow
+            local = {table: table for table in local}
         self.mirror = mirror
         self.js = js
         self.store = store
         self.collector = collector
-        self.followed = list(followed)
-        self._followed = set(followed)
-        self._subject_prefixes = {table: f"{CDC_PREFIX}.{table}." for table in followed}
+        self.followed = list(local)
+        self._followed = set(local)
+        self._subject_prefixes = {table: f"{CDC_PREFIX}.{table}." for table in local}
+        # followed table -> the local table its events are applied to: itself, or the
+        # shadow it is being bootstrapped in (mirror/consistency.py)
+        self.local = dict(local)
+        self.shadowed = {table: name for table, name in local.items() if name != table}
+        self._tables = {name: table for table, name in local.items()}
+        self.read_through: int | None = None  # commit LSN of the pass's last whole one
         # One SQLite transaction holds whole PostgreSQL transactions (and then, maybe, the
         # one being read) until commit(): a commit per batch read instead of one per
         # transaction, which is most of the cost of small transactions. It commits only
@@ -545,6 +637,10 @@ class _Following:
             if self.stale:
                 return
 
+    @property
+    def local_followed(self) -> list[str]:
+        return list(self.local.values())
+
     def event(self, event: Mapping[str, Any], seq: int, from_json: bool) -> None:
         try:
             fresh, done = self.collector.offer(event, seq)
@@ -560,6 +656,10 @@ class _Following:
                                 or self._followed)
                 self._mark_stale(tables, str(gap), parse_lsn_cached(event["commit_lsn"]))
                 return
+        if self.shadowed:
+            shadow = self.shadowed.get(event["table"])
+            if shadow is not None:
+                event = shadow_event(event, shadow)
         # (once a transaction is open, apply() itself skips what the positions cover)
         if fresh and (self.open or not self.store.covers(event)):
             if not self.open:
@@ -571,11 +671,13 @@ class _Following:
                 self.abandon()
                 # (a batch of another table may have been flushed before this event: the
                 # error names that table)
-                self._mark_stale([exc.table or event["table"]], str(exc),
+                table = exc.table or event["table"]
+                self._mark_stale([self._tables.get(table, table)], str(exc),
                                  parse_lsn_cached(event["commit_lsn"]))
                 return
             self.applied_in_open += 1
         if done is not None:
+            self.read_through = done.commit_lsn
             self.first = False
             self.applied_in_open = 0
             if self.open:
@@ -592,12 +694,13 @@ class _Following:
         if not self.open or self.group_seq is None or self.collector.pending is not None:
             return
         try:
-            applied = self.store.commit(self.group_seq, self.followed)
+            self._record_consistent_lsn()
+            applied = self.store.commit(self.group_seq, self.local_followed)
         except DivergenceError as exc:  # a batch flushed at commit did not fit
             self.open = False  # (the store rolled back)
             self.abandon()
-            self._mark_stale([exc.table] if exc.table else list(self.followed), str(exc),
-                             self.group_commit_lsn)
+            self._mark_stale([self._tables.get(exc.table, exc.table)] if exc.table
+                             else list(self.followed), str(exc), self.group_commit_lsn)
             return
         self.open = False
         mirror = self.mirror
@@ -607,9 +710,52 @@ class _Following:
         mirror.position = max(mirror.position, self.group_seq)
         mirror._last_commit_ts = self.group_commit_ts
         self.group_seq, self.group_transactions = None, 0
-        for table, reason in applied.stale.items():
+        for name, reason in applied.stale.items():
+            table = self._tables.get(name, name)
             self.stale[table] = reason
             mirror.report(f"{table}: {reason}; bootstrapping again")
+
+    def _points(self, tables: Sequence[str]) -> tuple[dict[str, int], bool]:
+        """(each streaming local table of ``tables`` -> its point (mirror/consistency.py),
+        whether the open transaction changed any of them)."""
+        points, changed = {}, False
+        for name, (status, cutover, high_water, touched) in self.store.positions(
+                tables).items():
+            if status == "streaming":
+                points[name] = table_point(cutover, high_water)
+                changed = changed or touched
+        return points, changed
+
+    def _record_consistent_lsn(self) -> None:
+        """In the open transaction, the LSN the streaming tables are consistent at; left as
+        it is while the pass re-reads what they hold already (nothing of theirs changed)."""
+        points, changed = self._points([t for t in self.followed if t not in self.shadowed])
+        lsn = consistent_point(points.values(), self.read_through)
+        if lsn is not None or changed:
+            self.store.record_consistent_lsn(lsn)
+
+    def swap_shadows(self, *, idle: bool = False) -> None:
+        """Swap in the caught-up shadows that keep the file consistent (with ``idle``: every
+        one, the point then not known; see mirror/consistency.py). Between transactions
+        only: the file holds whole ones of every table."""
+        if not self.shadowed:
+            return
+        visible, _ = self._points([t for t in self.followed if t not in self.shadowed])
+        shadows, _ = self._points(list(self.shadowed.values()))
+        ready = {self._tables[name]: point for name, point in shadows.items()}
+        chosen, lsn = joining(visible, ready, self.read_through)
+        if idle and not chosen:
+            chosen, lsn = list(ready), None
+        if not chosen:
+            return
+        self.store.swap_in({table: self.shadowed[table] for table in chosen}, lsn)
+        for table in chosen:
+            del self._tables[self.shadowed.pop(table)]
+            self.local[table] = self._tables[table] = table
+            self.mirror.bootstrapping.discard(table)
+        shown = format_lsn(lsn) if lsn is not None else "not known yet (the source is idle)"
+        self.mirror.report(f"{', '.join(chosen)}: swapped in; every table consistent at lsn "
+                           f"{shown}")
 
     def abandon(self) -> None:
         """Roll back the open transaction (its events come again on the next pass)."""
@@ -623,7 +769,7 @@ class _Following:
 
     def _mark_stale(self, tables: list[str], reason: str, at_lsn: int) -> None:
         for table in tables:
-            self.store.mark_stale(table, reason, at_lsn)
+            self.store.mark_stale(self.local.get(table, table), reason, at_lsn)
             self.stale[table] = reason
             self.mirror.report(f"{table}: {reason}; bootstrapping again")
 
@@ -653,6 +799,13 @@ def _check_event(event: Any, subject: str, subject_prefixes: dict[str, str]) -> 
         raise ValueError(f"{operation} without a data map")
     if operation == "INSERT" and not event["data"]:
         raise ValueError("an INSERT without values")
+
+
+async def _between_transactions(store: MirrorStore) -> None:
+    """Until the follower has no transaction open (a chunk of a shadow is written between
+    two of its transactions, never inside one it may roll back)."""
+    while store.in_transaction:
+        await asyncio.sleep(0.005)
 
 
 def _streaming(state: TableState | None) -> bool:

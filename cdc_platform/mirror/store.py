@@ -47,11 +47,16 @@ from pathlib import Path
 from typing import Any
 
 from cdc_platform.errors import CdcError
-from cdc_platform.lsn import parse_lsn_cached
+from cdc_platform.lsn import format_lsn, parse_lsn_cached
 from cdc_platform.speedups import compiled_twin
 from cdc_platform.wire import SCHEMA_OPERATION, applies
 
 STATE_TABLE = "_cdc_mirror_tables"
+# one row: the LSN at which every streaming table equals the source (README "Mirrors")
+CONSISTENT_TABLE = "_cdc_mirror_consistent_lsn"
+# a table being bootstrapped is loaded and caught up under this prefix, then renamed (wire
+# names never hold a space, so no published table is named like this)
+SHADOW_PREFIX = "_cdc_bootstrap "
 
 _BOOL_OID = 16
 _INTEGER_OIDS = frozenset({20, 21, 23, 26, 28, 29, _BOOL_OID})
@@ -372,6 +377,9 @@ class MirrorStore:
                 " stream_seq INTEGER NOT NULL DEFAULT 0, updated_at REAL NOT NULL,"
                 " shape TEXT NOT NULL DEFAULT '', reason TEXT,"
                 " stale_lsn INTEGER NOT NULL DEFAULT 0)")
+            self._db.execute(
+                f"CREATE TABLE IF NOT EXISTS {CONSISTENT_TABLE} (id INTEGER PRIMARY KEY"
+                " CHECK (id = 1), lsn TEXT, lsn_int INTEGER, updated_at REAL NOT NULL)")
             # the shape each table was last given, as the stream (not today's KV) has it
             shapes = self._load_shapes()
         except (sqlite3.DatabaseError, MirrorError) as exc:
@@ -1021,6 +1029,69 @@ class MirrorStore:
         if shape is None:
             raise MirrorError(f"{table}: no schema applied in this session")
         return shape
+
+    # -- shadows and the consistent LSN (see mirror/consistency.py) ----------------------------
+    def positions(self, tables: Iterable[str]) -> dict[str, tuple[str, int, int, bool]]:
+        """Each of ``tables`` that has a state -> (status, cutover LSN, high-water commit
+        LSN, whether the open transaction changed it), as the open transaction has them."""
+        found = {}
+        for table in tables:
+            state = self._open_states.get(table) or self._cached_state(table)
+            if state is not None:
+                found[table] = (state.status, state.cutover_lsn, state.applied_commit_lsn,
+                                state.touched)
+        return found
+
+    def consistent_lsn(self) -> int | None:
+        """The recorded LSN at which every streaming table equals the source (None: not
+        known)."""
+        row = self._db.execute(f"SELECT lsn_int FROM {CONSISTENT_TABLE}").fetchone()
+        return None if row is None or row[0] is None else int(row[0])
+
+    def record_consistent_lsn(self, lsn: int | None) -> None:
+        """Record ``lsn`` (None: not known) in the current transaction, or in one of its own."""
+        with self._transaction():
+            self._db.execute(
+                f"INSERT OR REPLACE INTO {CONSISTENT_TABLE} VALUES (1, ?, ?, ?)",
+                (None if lsn is None else format_lsn(lsn), lsn, time.time()))
+
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a transaction is open (a chunk of a shadow waits for its end)."""
+        return self._db.in_transaction
+
+    def swap_in(self, shadows: Mapping[str, str], consistent_lsn: int | None) -> None:
+        """Replace each table of ``shadows`` (table -> its shadow) by its caught-up shadow,
+        all in one SQLite transaction (a reader sees the old tables or the new ones, never
+        a mix), recording ``consistent_lsn``."""
+        with self._transaction():
+            for table, shadow in shadows.items():
+                state, shape = self.state(shadow), self._shapes.get(shadow)
+                if state is None or shape is None or state.status != "streaming":
+                    raise MirrorError(f"{table}: no caught-up shadow to swap in")
+                renamed = dataclasses.replace(shape, table=table)
+                self._db.execute(f"DROP TABLE IF EXISTS {quote(table)}")
+                self._db.execute(f"DROP INDEX IF EXISTS {quote(shadow + ' (row lookup)')}")
+                self._db.execute(f"ALTER TABLE {quote(shadow)} RENAME TO {quote(table)}")
+                self._shapes.pop(shadow, None)
+                self._shapes[table] = renamed
+                if not renamed.key_columns:
+                    self._create_lookup(renamed)
+                self._db.execute(f"DELETE FROM {STATE_TABLE} WHERE wire_table = ?", (shadow,))
+                self._states.pop(shadow, None)
+                self._put_state(dataclasses.replace(state, table=table, reason=None,
+                                                    stale_lsn=0), stream_seq=state.stream_seq)
+            self.record_consistent_lsn(consistent_lsn)
+        self._prepared = {key: value for key, value in self._prepared.items()
+                          if key[1] not in shadows and key[1] not in shadows.values()}
+
+    def drop_shadow(self, shadow: str) -> None:
+        """Forget a shadow (a bootstrap begun again from a new snapshot)."""
+        with self._transaction():
+            self._db.execute(f"DROP TABLE IF EXISTS {quote(shadow)}")
+            self._db.execute(f"DELETE FROM {STATE_TABLE} WHERE wire_table = ?", (shadow,))
+        self._states.pop(shadow, None)
+        self._shapes.pop(shadow, None)
 
     # -- plumbing -------------------------------------------------------------------------------
     def _put_state(self, state: TableState, *, stream_seq: int) -> None:

@@ -1,0 +1,47 @@
+"""``cdc-platform mirror status``: what a mirror's SQLite file holds, read without writing
+(a running mirror may hold it)."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from pathlib import Path
+
+from cdc_platform.lsn import format_lsn
+from cdc_platform.mirror.store import CONSISTENT_TABLE, SHADOW_PREFIX, STATE_TABLE, MirrorError
+
+
+def status_lines(path: str | Path) -> list[str]:
+    """One line per table and one for the LSN every streaming table is consistent at."""
+    if not Path(path).exists():
+        raise MirrorError(f"{path}: no such file")
+    uri = f"{Path(path).resolve().as_uri()}?mode=ro"
+    try:
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
+            db.execute("BEGIN")  # one read transaction: tables and the LSN agree
+            rows = db.execute(
+                f"SELECT wire_table, status, snapshot_id, cutover_lsn, applied_commit_lsn,"
+                f" stream_seq, reason FROM {STATE_TABLE}").fetchall()
+            try:
+                consistent = db.execute(f"SELECT lsn FROM {CONSISTENT_TABLE}").fetchone()
+            except sqlite3.OperationalError:  # (a file an older mirror wrote)
+                consistent = None
+    except sqlite3.DatabaseError as exc:
+        raise MirrorError(f"{path} is not a mirror database ({exc})") from exc
+    shown = []
+    for table, status, snapshot_id, cutover, applied, seq, reason in rows:
+        if table.startswith(SHADOW_PREFIX):
+            table = table[len(SHADOW_PREFIX):]
+            status = ("loading its snapshot" if status == "bootstrapping"
+                      else "snapshot loaded, catching up" if status == "streaming" else status)
+            status = f"(shadow) {status}"
+        shown.append((table, status, snapshot_id, cutover, applied, seq, reason))
+    lines = []
+    for table, status, snapshot_id, cutover, applied, seq, reason in sorted(shown):
+        line = (f"{table}: {status}; snapshot {snapshot_id} at lsn {format_lsn(cutover)}; "
+                f"applied through {format_lsn(applied) if applied else '-'}; "
+                f"CDC sequence {seq}")
+        lines.append(line + (f"; {reason}" if reason else ""))
+    lines.append("consistent lsn (every streaming table): "
+                 + (consistent[0] if consistent and consistent[0] else "not known"))
+    return lines
