@@ -24,7 +24,12 @@ import psycopg
 from nats.js.errors import NotFoundError
 
 from cdc_platform.bridge.events import BuiltBatch, MessageBuilder
-from cdc_platform.bridge.shapes import AnnouncedShape, resolve_shape, truncates_after
+from cdc_platform.bridge.shapes import (
+    AnnouncedShape,
+    resolve_shape,
+    storage_unsettled,
+    truncates_of,
+)
 from cdc_platform.errors import (
     CdcError,
     NatsUnreachable,
@@ -360,14 +365,25 @@ class CdcBridge:
                     relation.name, reader.types)
             return read[id(relation)]
 
+        async def baseline(table: str) -> AnnouncedShape | None:
+            return await self._announced_shape(table) or self._published_shapes.get(table)
+
+        read_to = 0  # a new storage may be a TRUNCATE not read yet: read past the catalog
+        for slot in built.schema_events:
+            current = await current_of(slot.relation)
+            table = wire_name(slot.relation.namespace, slot.relation.name)
+            if current is not None and storage_unsettled(slot, current, await baseline(table),
+                                                         built.schema_events):
+                read_to = max(read_to, current.read_at_lsn)
+        if read_to:
+            await self._read_ahead(reader, built, read_to)
         dropped: set[int] = set()
         for slot in built.schema_events:  # (in stream order: each compares with the last)
             current = await current_of(slot.relation)
             table = wire_name(slot.relation.namespace, slot.relation.name)
             previous = await self._announced_shape(table)
-            change = resolve_shape(slot.relation, slot.change, current,
-                                   previous or self._published_shapes.get(table),
-                                   truncates_after(slot, built.schema_events))
+            change = resolve_shape(slot.relation, slot.change, current, await baseline(table),
+                                   truncates_of(slot, built.schema_events))
             schema, reason = change.schema, change.reason
             await self._put_schema(schema)
             if previous is not None and reason is None and (
@@ -388,6 +404,23 @@ class CdcBridge:
         if dropped:
             built.messages[:] = [message for index, message in enumerate(built.messages)
                                  if index not in dropped]
+
+    async def _read_ahead(self, reader: SlotReader, built: BuiltBatch, lsn: int) -> None:
+        """Read on until the walsender has decoded past ``lsn`` (a catalog read's), at most 2 s
+        or 50K messages, adding to ``built``: a new storage the catalog showed is then known
+        to be a TRUNCATE read by now, or taken for a rewrite. (The walsender reports its
+        position when asked; nothing is published meanwhile.)"""
+        deadline = time.monotonic() + 2.0
+        asked = 0.0
+        while reader.decoded_lsn < lsn and time.monotonic() < deadline \
+                and len(built.messages) < 50_000 and not self.stop_requested.is_set():
+            if time.monotonic() - asked >= 0.1:
+                await reader.send_status(reply_requested=True)
+                asked = time.monotonic()
+            batch = await reader.read(timeout=0.05)
+            if batch.wal_messages:
+                self.metrics.wal_messages.inc(batch.wal_messages)
+                built.extend(self.builder.build(batch.events))
 
     async def _announced_shape(self, table: str) -> AnnouncedShape | None:
         """The shape of ``table``'s last schema event in the stream (None: none there)."""
