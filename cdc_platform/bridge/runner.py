@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -48,7 +49,7 @@ from cdc_platform.postgres.catalog import (
 from cdc_platform.protocol.pgoutput import Relation
 from cdc_platform.publishing.claim_check import ClaimChecks
 from cdc_platform.publishing.publisher import JetStreamPublisher
-from cdc_platform.publishing.schemas import schema_entry
+from cdc_platform.publishing.schemas import keeping_storage, schema_entry, stored_schema
 from cdc_platform.replication.reader import SlotReader
 from cdc_platform.replication.slots import WAL_STATUS_LEVELS, read_slot_async, slot_alerts
 from cdc_platform.settings import PlatformSettings
@@ -345,9 +346,26 @@ class CdcBridge:
             found = await table_schema_async(reader.catalog, publication, schema, table,
                                              reader.types)
             if found is not None:
-                self._published_shapes.setdefault(found.wire_name,
-                                                  AnnouncedShape.of(found))
-                await self._put_schema(found)
+                await self._put_schema(await self._as_published(found))
+
+    async def _as_published(self, found: TableSchema) -> TableSchema:
+        """``found`` (the catalog's) with the storage the stream's consumers hold: a restarted
+        bridge keeps the one its KV schema recorded (a rewrite while it was down must still
+        reach consumers). Recorded, the first time, as the rewrite check's baseline until the
+        table's first schema event."""
+        table = found.wire_name
+        while table not in self._published_shapes:
+            assert self._kv is not None
+            try:
+                kept = keeping_storage(found, await stored_schema(self._kv, found))
+            except Exception as exc:  # noqa: BLE001 - NATS away: retry until it is back
+                if self.stop_requested.is_set():
+                    return found
+                log.warning("could not read the schema of %s in KV (%s); retrying", table, exc)
+                await asyncio.sleep(1.0)
+                continue
+            self._published_shapes[table] = AnnouncedShape.of(kept)
+        return dataclasses.replace(found, storage=self._published_shapes[table].storage)
 
     async def _follow_shape_changes(self, reader: SlotReader, built: BuiltBatch) -> None:
         """KV schemas of the relations ``built`` saw change, and its schema events filled in
@@ -577,9 +595,7 @@ class CdcBridge:
                         continue
                     found = await table_schema_async(conn, publication, schema, table)
                     if found is not None:
-                        self._published_shapes.setdefault(found.wire_name,
-                                                          AnnouncedShape.of(found))
-                        await self._put_schema(found)
+                        await self._put_schema(await self._as_published(found))
             except psycopg.Error as exc:
                 log.warning("publication check failed: %s", exc)
                 conn = None

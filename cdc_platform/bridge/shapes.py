@@ -82,8 +82,9 @@ def resolve_shape(relation: Relation, change: ChangeRecord, current: TableSchema
     ``change``."""
     attnums, ambiguous = column_identities(relation, current, announced)
     storage, rewritten = _storage(change, current, announced, truncated_later)
-    return ShapeChange(schema_from_relation(relation, current, attnums), rewritten or ambiguous,
-                       storage)
+    schema = dataclasses.replace(schema_from_relation(relation, current, attnums),
+                                 storage=storage)
+    return ShapeChange(schema, rewritten or ambiguous, storage)
 
 
 def truncates_of(slot: SchemaEventSlot, slots: Sequence[SchemaEventSlot]) -> set[int]:

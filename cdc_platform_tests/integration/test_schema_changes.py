@@ -234,6 +234,27 @@ async def test_a_rewrite_before_the_first_change_since_publication_reaches_the_m
     assert event["needs_snapshot"] is True and "rewritten" in event["reason"]
 
 
+async def test_a_rewrite_while_the_bridge_is_down_reaches_the_mirror(
+        cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path):
+    """The storage consumers hold is kept in the table's KV schema: a bridge restarted after
+    a rewrite, before the table's first change was ever published, still sees it."""
+    table = _published(pg_admin, cdc_database, "rewritten_down", "id int PRIMARY KEY, a int4",
+                       "SELECT g, g FROM generate_series(1, 500) g")
+    mirrored = _Mirrored(cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path, table)
+    async with running_bridge(mirrored.settings), snapshot_responder(mirrored.settings):
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        await mirrored.catch_up()
+    pg_admin.execute(f"ALTER TABLE {table} ALTER COLUMN a TYPE int4 USING a * 10")
+    pg_admin.execute(f"UPDATE {table} SET a = -1 WHERE id = 1")
+    async with running_bridge(mirrored.settings), \
+            snapshot_responder(mirrored.settings) as taken:
+        await mirrored.catch_up()
+        mirrored.assert_equal()
+        assert len(taken) == 1, mirrored.lines
+    [event] = await mirrored.schema_events()
+    assert event["needs_snapshot"] is True
+
+
 async def test_every_rewrite_reaches_the_mirror_whatever_the_types(
         cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path):
     """A same-type rewrite (int4 USING n*10 on an int4 column) sends a Relation message the
