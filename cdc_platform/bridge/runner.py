@@ -86,7 +86,7 @@ class CdcBridge:
         self.publisher: JetStreamPublisher | None = None
         self._kv = None
         self._claim_checks: ClaimChecks | None = None
-        self._published_fingerprints: dict[str, str] = {}
+        self._published: dict[str, tuple[str, int]] = {}  # table -> (fingerprint, storage)
         self._announced: dict[str, AnnouncedShape | None] = {}  # table -> last schema event
         # table -> its shape when this process first published it: what consumers follow
         # until its first schema event (its storage is the rewrite check's first baseline)
@@ -470,7 +470,7 @@ class CdcBridge:
         return found
 
     async def _put_schema(self, schema: TableSchema) -> None:
-        if self._published_fingerprints.get(schema.wire_name) == schema.fingerprint:
+        if self._published.get(schema.wire_name) == (schema.fingerprint, schema.storage):
             return
         key, value = schema_entry(schema, self.encode)
         assert self._kv is not None  # (opened before the first batch)
@@ -483,7 +483,7 @@ class CdcBridge:
                     return
                 log.warning("could not store schema of %s in KV (%s); retrying", key, exc)
                 await asyncio.sleep(1.0)
-        self._published_fingerprints[key] = schema.fingerprint
+        self._published[key] = (schema.fingerprint, schema.storage)
         self.metrics.schema_changes.inc()
         log.info("schema of %s published (fingerprint %s)", key, schema.fingerprint)
 
@@ -591,7 +591,7 @@ class CdcBridge:
                 if conn is None or conn.closed:
                     conn = await self._sql_connection()
                 for schema, table in await published_tables_async(conn, publication):
-                    if wire_name(schema, table) in self._published_fingerprints:
+                    if wire_name(schema, table) in self._published:
                         continue
                     found = await table_schema_async(conn, publication, schema, table)
                     if found is not None:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from cdc_platform.mirror.follower import Mirror
+from cdc_platform.publishing.schemas import describe_published, publish_schemas
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings
+from cdc_platform.wire import decode_any, encoder
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
@@ -255,6 +258,29 @@ async def test_a_rewrite_while_the_bridge_is_down_reaches_the_mirror(
     assert event["needs_snapshot"] is True
 
 
+async def test_republished_schemas_keep_the_storage_consumers_hold(
+        cdc_database, pg_admin, provisioned_nats, nats_client):
+    """The Dagster ``schemas`` asset writes every schema again from the catalog: the KV
+    ``relfilenode`` stays the one consumers hold (a restarted bridge compares with it)."""
+    table = _published(pg_admin, cdc_database, "kept", "id int PRIMARY KEY, a int4",
+                       "VALUES (1, 1)")
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    bucket, encode = settings.topology.schemas.bucket, encoder(settings.encoding.format)
+    conninfo = cdc_database.server.superuser_conninfo()
+    with psycopg.connect(conninfo) as conn:
+        [before] = [s for s in describe_published(conn, cdc_database.publication)
+                    if s.wire_name == table]
+    await publish_schemas(nats_client.jetstream(), bucket, [before], encode)
+    pg_admin.execute(f"ALTER TABLE {table} ALTER COLUMN a TYPE int4 USING a * 10")
+    with psycopg.connect(conninfo) as conn:
+        [after] = [s for s in describe_published(conn, cdc_database.publication)
+                   if s.wire_name == table]
+    assert after.storage != before.storage
+    await publish_schemas(nats_client.jetstream(), bucket, [after], encode)
+    kv = await nats_client.jetstream().key_value(bucket)
+    assert decode_any((await kv.get(table)).value)["relfilenode"] == before.storage
+
+
 async def test_every_rewrite_reaches_the_mirror_whatever_the_types(
         cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path):
     """A same-type rewrite (int4 USING n*10 on an int4 column) sends a Relation message the
@@ -279,6 +305,9 @@ async def test_every_rewrite_reaches_the_mirror_whatever_the_types(
     assert [e["needs_snapshot"] for e in events] == [False, True, True]
     assert len({e["relfilenode"] for e in events}) == 3
     assert len({e["schema_fingerprint"] for e in events}) == 1
+    # the KV schema holds the storage the last event announced
+    kv = await nats_client.jetstream().key_value(mirrored.settings.topology.schemas.bucket)
+    assert decode_any((await kv.get(table)).value)["relfilenode"] == events[-1]["relfilenode"]
 
 
 async def test_a_truncate_is_not_taken_for_a_rewrite(
