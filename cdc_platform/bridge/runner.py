@@ -349,10 +349,10 @@ class CdcBridge:
                 await self._put_schema(await self._as_published(found))
 
     async def _as_published(self, found: TableSchema) -> TableSchema:
-        """``found`` (the catalog's) with the storage the stream's consumers hold: a restarted
-        bridge keeps the one its KV schema recorded (a rewrite while it was down must still
-        reach consumers). Recorded, the first time, as the rewrite check's baseline until the
-        table's first schema event."""
+        """``found`` (the catalog's) with the storage the stream's consumers hold: the last
+        schema event's, or the one the KV schema recorded (a rewrite while the bridge was down
+        must still reach consumers), recorded the first time as the rewrite check's baseline
+        until the table's first schema event."""
         table = found.wire_name
         while table not in self._published_shapes:
             assert self._kv is not None
@@ -365,7 +365,8 @@ class CdcBridge:
                 await asyncio.sleep(1.0)
                 continue
             self._published_shapes[table] = AnnouncedShape.of(kept)
-        return dataclasses.replace(found, storage=self._published_shapes[table].storage)
+        held = self._announced.get(table) or self._published_shapes[table]
+        return dataclasses.replace(found, storage=held.storage)
 
     async def _follow_shape_changes(self, reader: SlotReader, built: BuiltBatch) -> None:
         """KV schemas of the relations ``built`` saw change, and its schema events filled in

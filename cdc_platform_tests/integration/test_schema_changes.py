@@ -289,7 +289,7 @@ async def test_every_rewrite_reaches_the_mirror_whatever_the_types(
     table = _published(pg_admin, cdc_database, "same_type", "id int PRIMARY KEY, n int4",
                        "SELECT g, g FROM generate_series(1, 300) g")
     mirrored = _Mirrored(cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path, table)
-    async with running_bridge(mirrored.settings), \
+    async with running_bridge(mirrored.settings) as bridge, \
             snapshot_responder(mirrored.settings) as taken:
         await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
         await mirrored.catch_up()
@@ -301,13 +301,21 @@ async def test_every_rewrite_reaches_the_mirror_whatever_the_types(
             await mirrored.catch_up()
             mirrored.assert_equal()
         assert len(taken) == 3, mirrored.lines
-    events = await mirrored.schema_events()
+        # a reconnect publishes the schemas again, with the storage announced last (a
+        # restarted bridge reads it there before the table's first schema event)
+        pg_admin.execute("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                         "WHERE slot_name = %s", (cdc_database.slot,))
+        await wait_for(lambda: bridge.metrics.value(bridge.metrics.reconnects) >= 1,
+                       what="the bridge to reconnect")
+        pg_admin.execute("SELECT pg_logical_emit_message(true, 'test', 'streaming again')")
+        await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
+        events = await mirrored.schema_events()
+        kv = await nats_client.jetstream().key_value(mirrored.settings.topology.schemas.bucket)
+        assert decode_any((await kv.get(table)).value)["relfilenode"] == \
+            events[-1]["relfilenode"]
     assert [e["needs_snapshot"] for e in events] == [False, True, True]
     assert len({e["relfilenode"] for e in events}) == 3
     assert len({e["schema_fingerprint"] for e in events}) == 1
-    # the KV schema holds the storage the last event announced
-    kv = await nats_client.jetstream().key_value(mirrored.settings.topology.schemas.bucket)
-    assert decode_any((await kv.get(table)).value)["relfilenode"] == events[-1]["relfilenode"]
 
 
 async def test_a_truncate_is_not_taken_for_a_rewrite(
