@@ -6,6 +6,7 @@ Relation messages) and turns the assembler's events into :class:`OutgoingMessage
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -121,6 +122,21 @@ class BuiltBatch:
     last_commit_ts: str | None  # of the transaction ``position`` ends
     transactions: int = 0  # transactions whose commit this batch holds
     schema_events: list[SchemaEventSlot] = field(default_factory=list)
+
+    def extend(self, later: BuiltBatch) -> None:
+        """Append what the next read batch built (the bridge reading ahead)."""
+        offset = len(self.messages)
+        self.messages.extend(later.messages)
+        self.schema_events.extend(dataclasses.replace(slot, index=slot.index + offset)
+                                  for slot in later.schema_events)
+        if later.position is not None:
+            self.position, self.last_commit_ts = later.position, later.last_commit_ts
+        self.changed_relations.extend(later.changed_relations)
+        self.watermarks.extend(later.watermarks)
+        self.changes += later.changes
+        for key, count in later.counts.items():
+            self.counts[key] = self.counts.get(key, 0) + count
+        self.transactions += later.transactions
 
 
 class MessageBuilder:

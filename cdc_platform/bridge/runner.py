@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -24,7 +25,12 @@ import psycopg
 from nats.js.errors import NotFoundError
 
 from cdc_platform.bridge.events import BuiltBatch, MessageBuilder
-from cdc_platform.bridge.shapes import AnnouncedShape, resolve_shape, truncates_after
+from cdc_platform.bridge.shapes import (
+    AnnouncedShape,
+    resolve_shape,
+    storage_unsettled,
+    truncates_of,
+)
 from cdc_platform.errors import (
     CdcError,
     NatsUnreachable,
@@ -44,7 +50,7 @@ from cdc_platform.postgres.catalog import (
 from cdc_platform.protocol.pgoutput import Relation
 from cdc_platform.publishing.claim_check import ClaimChecks
 from cdc_platform.publishing.publisher import JetStreamPublisher
-from cdc_platform.publishing.schemas import schema_entry
+from cdc_platform.publishing.schemas import keeping_storage, schema_entry, stored_schema
 from cdc_platform.replication.reader import SlotReader
 from cdc_platform.replication.slots import WAL_STATUS_LEVELS, read_slot_async, slot_alerts
 from cdc_platform.settings import PlatformSettings
@@ -90,9 +96,9 @@ class CdcBridge:
         self._reading_task: asyncio.Task | None = None  # the one that reads the slot
         self._kv = None
         self._claim_checks: ClaimChecks | None = None
-        # table -> (fingerprint, oid) of the schema put in KV: a table dropped and created
-        # again under its name, even of the same shape, is another table
-        self._published_schemas: dict[str, tuple[str, int]] = {}
+        # table -> (fingerprint, relation id, storage) of the schema put in KV: a table dropped
+        # and created again under its name, even of the same shape, is another table
+        self._published: dict[str, tuple[str, int, int]] = {}
         self._announced: dict[str, AnnouncedShape | None] = {}  # table -> last schema event
         # table -> its shape when this process first published it: what consumers follow
         # until its first schema event (its storage is the rewrite check's first baseline)
@@ -397,9 +403,28 @@ class CdcBridge:
             found = await table_schema_async(reader.catalog, publication, schema, table,
                                              reader.types)
             if found is not None:
-                self._published_shapes.setdefault(found.wire_name,
-                                                  AnnouncedShape.of(found))
-                await self._put_schema(found)
+                await self._put_schema(await self._as_published(found))
+
+    async def _as_published(self, found: TableSchema) -> TableSchema:
+        """``found`` (the catalog's) with the storage the stream's consumers hold: the last
+        schema event's, or the one the KV schema recorded (a rewrite while the bridge was down
+        must still reach consumers), recorded the first time as the rewrite check's baseline
+        until the table's first schema event."""
+        table = found.wire_name
+        while table not in self._published_shapes:
+            assert self._kv is not None
+            try:
+                kept = keeping_storage(found, await self._answering(
+                    self._own_reader(), stored_schema(self._kv, found)))
+            except Exception as exc:  # noqa: BLE001 - NATS away: retry until it is back
+                if self.stop_requested.is_set():
+                    return found
+                log.warning("could not read the schema of %s in KV (%s); retrying", table, exc)
+                await self._answering(self._own_reader(), asyncio.sleep(1.0))
+                continue
+            self._published_shapes[table] = AnnouncedShape.of(kept)
+        held = self._announced.get(table) or self._published_shapes[table]
+        return dataclasses.replace(found, storage=held.storage)
 
     async def _follow_shape_changes(self, reader: SlotReader, built: BuiltBatch) -> None:
         """KV schemas of the relations ``built`` saw change, and its schema events filled in
@@ -417,14 +442,25 @@ class CdcBridge:
                     relation.name, reader.types)
             return read[id(relation)]
 
+        async def baseline(table: str) -> AnnouncedShape | None:
+            return await self._announced_shape(table) or self._published_shapes.get(table)
+
+        read_to = 0  # a new storage may be a TRUNCATE not read yet: read past the catalog
+        for slot in built.schema_events:
+            current = await current_of(slot.relation)
+            table = wire_name(slot.relation.namespace, slot.relation.name)
+            if current is not None and storage_unsettled(slot, current, await baseline(table),
+                                                         built.schema_events):
+                read_to = max(read_to, current.read_at_lsn)
+        if read_to:
+            await self._read_ahead(reader, built, read_to)
         dropped: set[int] = set()
         for slot in built.schema_events:  # (in stream order: each compares with the last)
             current = await current_of(slot.relation)
             table = wire_name(slot.relation.namespace, slot.relation.name)
             previous = await self._announced_shape(table)
-            change = resolve_shape(slot.relation, slot.change, current,
-                                   previous or self._published_shapes.get(table),
-                                   truncates_after(slot, built.schema_events))
+            change = resolve_shape(slot.relation, slot.change, current, await baseline(table),
+                                   truncates_of(slot, built.schema_events))
             schema, reason = change.schema, change.reason
             await self._put_schema(schema)
             if previous is not None and reason is None and (
@@ -445,6 +481,23 @@ class CdcBridge:
         if dropped:
             built.messages[:] = [message for index, message in enumerate(built.messages)
                                  if index not in dropped]
+
+    async def _read_ahead(self, reader: SlotReader, built: BuiltBatch, lsn: int) -> None:
+        """Read on until the walsender has decoded past ``lsn`` (a catalog read's), at most 2 s
+        or 50K messages, adding to ``built``: a new storage the catalog showed is then known
+        to be a TRUNCATE read by now, or taken for a rewrite. (The walsender reports its
+        position when asked; nothing is published meanwhile.)"""
+        deadline = time.monotonic() + 2.0
+        asked = 0.0
+        while reader.decoded_lsn < lsn and time.monotonic() < deadline \
+                and len(built.messages) < 50_000 and not self.stop_requested.is_set():
+            if time.monotonic() - asked >= 0.1:
+                await reader.send_status(reply_requested=True)
+                asked = time.monotonic()
+            batch = await reader.read(timeout=0.05)
+            if batch.wal_messages:
+                self.metrics.wal_messages.inc(batch.wal_messages)
+                built.extend(self.builder.build(batch.events))
 
     async def _announced_shape(self, table: str) -> AnnouncedShape | None:
         """The shape of ``table``'s last schema event in the stream (None: none there)."""
@@ -477,8 +530,8 @@ class CdcBridge:
         return found
 
     async def _put_schema(self, schema: TableSchema) -> None:
-        if self._published_schemas.get(schema.wire_name) == (schema.fingerprint,
-                                                              schema.relation_id):
+        if self._published.get(schema.wire_name) == (schema.fingerprint, schema.relation_id,
+                                                     schema.storage):
             return
         key, value = schema_entry(schema, self.encode)
         assert self._kv is not None  # (opened before the first batch)
@@ -491,7 +544,7 @@ class CdcBridge:
                     return
                 log.warning("could not store schema of %s in KV (%s); retrying", key, exc)
                 await self._answering(self._own_reader(), asyncio.sleep(1.0))
-        self._published_schemas[key] = (schema.fingerprint, schema.relation_id)
+        self._published[key] = (schema.fingerprint, schema.relation_id, schema.storage)
         self.metrics.schema_changes.inc()
         log.info("schema of %s published (fingerprint %s)", key, schema.fingerprint)
 
@@ -603,15 +656,13 @@ class CdcBridge:
                     conn = await self._sql_connection()
                 relation_ids = await published_relation_ids_async(conn, publication)
                 for schema, table in await published_tables_async(conn, publication):
-                    published = self._published_schemas.get(wire_name(schema, table))
+                    published = self._published.get(wire_name(schema, table))
                     if published is not None and published[1] == relation_ids.get(
                             wire_name(schema, table)):
                         continue
                     found = await table_schema_async(conn, publication, schema, table)
                     if found is not None:
-                        self._published_shapes.setdefault(found.wire_name,
-                                                          AnnouncedShape.of(found))
-                        await self._put_schema(found)
+                        await self._put_schema(await self._as_published(found))
             except psycopg.Error as exc:
                 log.warning("publication check failed: %s", exc)
                 conn = None

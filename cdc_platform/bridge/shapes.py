@@ -82,15 +82,27 @@ def resolve_shape(relation: Relation, change: ChangeRecord, current: TableSchema
     ``change``."""
     attnums, ambiguous = column_identities(relation, current, announced)
     storage, rewritten = _storage(change, current, announced, truncated_later)
-    return ShapeChange(schema_from_relation(relation, current, attnums), rewritten or ambiguous,
-                       storage)
+    schema = dataclasses.replace(schema_from_relation(relation, current, attnums),
+                                 storage=storage)
+    return ShapeChange(schema, rewritten or ambiguous, storage)
 
 
-def truncates_after(slot: SchemaEventSlot, slots: Sequence[SchemaEventSlot]) -> set[int]:
-    """The xids of the TRUNCATEs of ``slot``'s table in ``slots`` (one read batch) after it."""
-    return {later.change.xid for later in slots
-            if later.index > slot.index and later.change.operation == "TRUNCATE"
-            and later.relation.relation_id == slot.relation.relation_id}
+def truncates_of(slot: SchemaEventSlot, slots: Sequence[SchemaEventSlot]) -> set[int]:
+    """The xids of the TRUNCATEs of ``slot``'s table among ``slots`` (what the bridge read)."""
+    return {other.change.xid for other in slots if other.change.operation == "TRUNCATE"
+            and other.relation.relation_id == slot.relation.relation_id}
+
+
+def storage_unsettled(slot: SchemaEventSlot, current: TableSchema | None,
+                      announced: AnnouncedShape | None,
+                      slots: Sequence[SchemaEventSlot]) -> bool:
+    """Whether the storage the catalog shows may come from a TRUNCATE the bridge has not read
+    yet (then it reads on, past the catalog read, before it decides: see :func:`_storage`)."""
+    if current is None or announced is None or not current.storage or not announced.storage:
+        return False
+    return current.storage != announced.storage and not (
+        slot.change.operation == "TRUNCATE" and current.storage_xmin == slot.change.xid) \
+        and current.storage_xmin not in truncates_of(slot, slots)
 
 
 def _storage(change: ChangeRecord, current: TableSchema | None,
@@ -100,9 +112,10 @@ def _storage(change: ChangeRecord, current: TableSchema | None,
 
     The catalog is read after ``change``: a new storage may be a rewrite before it, or any
     change of storage since. The transaction that last wrote the table's pg_class row tells
-    a TRUNCATE's storage apart: when it is this TRUNCATE, or one read after this change (any
-    rewrite hidden behind it changed only rows that TRUNCATE empties), nothing was rewritten
-    that consumers keep. Anything else is taken for a rewrite (at worst a snapshot too many).
+    a TRUNCATE's storage apart: when it is this TRUNCATE, or one the bridge read after this
+    change (having read on past the catalog read: any rewrite hidden behind it changed only
+    rows that TRUNCATE empties), nothing was rewritten that consumers keep. Anything else is
+    taken for a rewrite (VACUUM FULL and CLUSTER included: a snapshot too many).
     """
     now = current.storage if current is not None else 0
     before = announced.storage if announced is not None else 0
@@ -146,6 +159,10 @@ def column_identities(relation: Relation, current: TableSchema | None,
                              "the same name and type: whether before or after this change "
                              "cannot be known from the catalog")
         return attnums, None
+    if current is None:
+        # the table left the publication (or was dropped) since: no consumer can take a
+        # snapshot of it any more, so the columns go by their names, as they did before
+        return [0] * len(columns), None
     unmatched = [c.name for c, attnum in zip(columns, mapped, strict=True) if attnum is None]
     if unmatched:
         return [attnum or 0 for attnum in mapped], (

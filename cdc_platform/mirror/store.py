@@ -315,14 +315,18 @@ def _lsn_or_zero(text: Any) -> int:
         return 0
 
 
-def _renamed(before: TableShape | None, after: TableShape) -> dict[str, str]:
-    """Old name -> new name of each column the two shapes know by one identity (attnum) and
-    two names."""
+def _identities(before: TableShape | None, after: TableShape) -> tuple[dict[str, str], set[str]]:
+    """By identity (attnum), where both shapes know it: old name -> new name of each column
+    renamed, and the names that now belong to another column (dropped and added again)."""
     if before is None:
-        return {}
+        return {}, set()
     names = {c.attnum: c.name for c in after.columns if c.attnum}
-    return {c.name: names[c.attnum] for c in before.columns
-            if c.attnum in names and names[c.attnum] != c.name}
+    attnums = {c.name: c.attnum for c in after.columns}
+    renamed = {c.name: names[c.attnum] for c in before.columns
+               if c.attnum in names and names[c.attnum] != c.name}
+    replaced = {c.name for c in before.columns if c.attnum and c.name not in renamed
+                and attnums.get(c.name, c.attnum) not in (0, c.attnum)}
+    return renamed, replaced
 
 
 @dataclass(frozen=True, slots=True)
@@ -484,7 +488,7 @@ class MirrorStore:
         missing value); a column added without one holds NULL in existing rows.
         """
         existing = self._existing_columns(shape.table)
-        renamed = _renamed(self._shapes.get(shape.table), shape)
+        renamed, replaced = _identities(self._shapes.get(shape.table), shape)
         self._shapes[shape.table] = shape
         self._prepared = {key: value for key, value in self._prepared.items()
                           if key[1] != shape.table}  # (their converters know the types)
@@ -492,10 +496,11 @@ class MirrorStore:
             self._create(shape)
             return SchemaChange.CREATED
         # A renamed column keeps its values: it is compared under its new name. A column
-        # whose name another one takes (its identity gone) is dropped.
+        # whose name another one takes (a renamed one, or a new one: dropped and added again)
+        # is dropped.
         physical = existing
-        retired = [name for name, _, _ in physical
-                   if name not in renamed and name in renamed.values()]
+        retired = [name for name, _, _ in physical if name not in renamed
+                   and (name in renamed.values() or name in replaced)]
         existing = [(renamed.get(name, name), declared, pk) for name, declared, pk in physical
                     if name not in retired]
         wanted = [(c.name, c.sqlite_type, c.is_primary_key) for c in shape.columns]

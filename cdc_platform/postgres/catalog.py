@@ -126,6 +126,7 @@ class TableSchema:
             "replica_identity": REPLICA_IDENTITY_NAMES.get(self.replica_identity,
                                                            self.replica_identity),
             "fingerprint": self.fingerprint,
+            "relfilenode": self.storage,
         }
 
 

@@ -5,13 +5,17 @@ Dagster ``schemas`` asset)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
 
 from cdc_platform.postgres.catalog import TableSchema, published_tables, table_schema
+from cdc_platform.wire import decode_any
 
 
 def schema_entry(schema: TableSchema, encode: Callable[[Any], bytes]) -> tuple[str, bytes]:
@@ -26,8 +30,34 @@ def describe_published(conn: psycopg.Connection, publication: str) -> list[Table
     return [schema for schema in described if schema is not None]
 
 
+async def stored_schema(kv: KeyValue, schema: TableSchema) -> dict[str, Any] | None:
+    """The KV value stored for ``schema``'s table, when it is of this table (the same
+    relation id) and readable; None otherwise."""
+    try:
+        entry = await kv.get(schema.wire_name)
+    except KeyNotFoundError:
+        return None
+    try:
+        value = decode_any(entry.value or b"")
+    except Exception:  # noqa: BLE001 - not a value of ours: as if there were none
+        return None
+    if not isinstance(value, dict) or value.get("relation_id") != schema.relation_id:
+        return None
+    return value
+
+
+def keeping_storage(schema: TableSchema, stored: dict[str, Any] | None) -> TableSchema:
+    """``schema`` with the storage the stored value says consumers hold (README "Schemas":
+    ``relfilenode`` moves with schema events, not with the catalog)."""
+    storage = stored.get("relfilenode") if stored is not None else None
+    if not isinstance(storage, int) or isinstance(storage, bool) or storage <= 0:
+        return schema
+    return dataclasses.replace(schema, storage=storage)
+
+
 async def publish_schemas(js: JetStreamContext, bucket: str, schemas: list[TableSchema],
                           encode: Callable[[Any], bytes]) -> None:
     kv = await js.key_value(bucket)
     for schema in schemas:
-        await kv.put(*schema_entry(schema, encode))
+        await kv.put(*schema_entry(keeping_storage(schema, await stored_schema(kv, schema)),
+                                   encode))

@@ -79,6 +79,9 @@ class SlotReader:
         self.start_lsn = 0
         self.feedback = Feedback()
         self._last_status = 0.0
+        # how far the walsender has decoded: the highest position of its data and of its
+        # keepalives (which it sends when asked: ``send_status(reply_requested=True)``)
+        self.decoded_lsn = 0
 
     @property
     def confirmed_lsn(self) -> int:
@@ -193,6 +196,7 @@ class SlotReader:
                 message = parse_copy_data(payload)
                 if isinstance(message, PrimaryKeepalive):
                     feedback.received(received_lsn)
+                    self.decoded_lsn = max(self.decoded_lsn, message.wal_end)
                     feedback.keepalive(message.wal_end)
                     if message.reply_requested:
                         await self.send_status(reply_requested=False)
@@ -211,6 +215,7 @@ class SlotReader:
                 if type(event) is TransactionCommitted:
                     feedback.committed(event.end_lsn)
         feedback.received(received_lsn)
+        self.decoded_lsn = max(self.decoded_lsn, received_lsn)
         if time.monotonic() - self._last_status >= self.status_interval:
             await self.send_status()
         return ReadBatch(events, len(raw))

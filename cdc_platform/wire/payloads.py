@@ -73,6 +73,9 @@ class TableSchemaValue(TypedDict):
     primary_key: list[str]
     replica_identity: str  # "default" | "full" | "index" | "nothing"
     fingerprint: str
+    # the storage (pg_class.relfilenode) the stream's consumers hold: as the table's last
+    # schema event announced it, or, before any, when the table was published
+    relfilenode: int
 
 
 class SchemaEvent(TypedDict):

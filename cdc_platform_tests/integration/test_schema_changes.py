@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from cdc_platform.mirror.follower import Mirror
+from cdc_platform.publishing.schemas import describe_published, publish_schemas
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings
+from cdc_platform.wire import decode_any, encoder
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
@@ -237,6 +240,50 @@ async def test_a_rewrite_before_the_first_change_since_publication_reaches_the_m
     assert event["needs_snapshot"] is True and "rewritten" in event["reason"]
 
 
+async def test_a_rewrite_while_the_bridge_is_down_reaches_the_mirror(
+        cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path):
+    """The storage consumers hold is kept in the table's KV schema: a bridge restarted after
+    a rewrite, before the table's first change was ever published, still sees it."""
+    table = _published(pg_admin, cdc_database, "rewritten_down", "id int PRIMARY KEY, a int4",
+                       "SELECT g, g FROM generate_series(1, 500) g")
+    mirrored = _Mirrored(cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path, table)
+    async with running_bridge(mirrored.settings), snapshot_responder(mirrored.settings):
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        await mirrored.catch_up()
+    pg_admin.execute(f"ALTER TABLE {table} ALTER COLUMN a TYPE int4 USING a * 10")
+    pg_admin.execute(f"UPDATE {table} SET a = -1 WHERE id = 1")
+    async with running_bridge(mirrored.settings), \
+            snapshot_responder(mirrored.settings) as taken:
+        await mirrored.catch_up()
+        mirrored.assert_equal()
+        assert len(taken) == 1, mirrored.lines
+    [event] = await mirrored.schema_events()
+    assert event["needs_snapshot"] is True
+
+
+async def test_republished_schemas_keep_the_storage_consumers_hold(
+        cdc_database, pg_admin, provisioned_nats, nats_client):
+    """The Dagster ``schemas`` asset writes every schema again from the catalog: the KV
+    ``relfilenode`` stays the one consumers hold (a restarted bridge compares with it)."""
+    table = _published(pg_admin, cdc_database, "kept", "id int PRIMARY KEY, a int4",
+                       "VALUES (1, 1)")
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    bucket, encode = settings.topology.schemas.bucket, encoder(settings.encoding.format)
+    conninfo = cdc_database.server.superuser_conninfo()
+    with psycopg.connect(conninfo) as conn:
+        [before] = [s for s in describe_published(conn, cdc_database.publication)
+                    if s.wire_name == table]
+    await publish_schemas(nats_client.jetstream(), bucket, [before], encode)
+    pg_admin.execute(f"ALTER TABLE {table} ALTER COLUMN a TYPE int4 USING a * 10")
+    with psycopg.connect(conninfo) as conn:
+        [after] = [s for s in describe_published(conn, cdc_database.publication)
+                   if s.wire_name == table]
+    assert after.storage != before.storage
+    await publish_schemas(nats_client.jetstream(), bucket, [after], encode)
+    kv = await nats_client.jetstream().key_value(bucket)
+    assert decode_any((await kv.get(table)).value)["relfilenode"] == before.storage
+
+
 async def test_every_rewrite_reaches_the_mirror_whatever_the_types(
         cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path):
     """A same-type rewrite (int4 USING n*10 on an int4 column) sends a Relation message the
@@ -245,7 +292,7 @@ async def test_every_rewrite_reaches_the_mirror_whatever_the_types(
     table = _published(pg_admin, cdc_database, "same_type", "id int PRIMARY KEY, n int4",
                        "SELECT g, g FROM generate_series(1, 300) g")
     mirrored = _Mirrored(cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path, table)
-    async with running_bridge(mirrored.settings), \
+    async with running_bridge(mirrored.settings) as bridge, \
             snapshot_responder(mirrored.settings) as taken:
         await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
         await mirrored.catch_up()
@@ -257,7 +304,18 @@ async def test_every_rewrite_reaches_the_mirror_whatever_the_types(
             await mirrored.catch_up()
             mirrored.assert_equal()
         assert len(taken) == 3, mirrored.lines
-    events = await mirrored.schema_events()
+        # a reconnect publishes the schemas again, with the storage announced last (a
+        # restarted bridge reads it there before the table's first schema event)
+        pg_admin.execute("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                         "WHERE slot_name = %s", (cdc_database.slot,))
+        await wait_for(lambda: bridge.metrics.value(bridge.metrics.reconnects) >= 1,
+                       what="the bridge to reconnect")
+        pg_admin.execute("SELECT pg_logical_emit_message(true, 'test', 'streaming again')")
+        await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
+        events = await mirrored.schema_events()
+        kv = await nats_client.jetstream().key_value(mirrored.settings.topology.schemas.bucket)
+        assert decode_any((await kv.get(table)).value)["relfilenode"] == \
+            events[-1]["relfilenode"]
     assert [e["needs_snapshot"] for e in events] == [False, True, True]
     assert len({e["relfilenode"] for e in events}) == 3
     assert len({e["schema_fingerprint"] for e in events}) == 1
@@ -285,5 +343,17 @@ async def test_a_truncate_is_not_taken_for_a_rewrite(
         await mirrored.catch_up()
         mirrored.assert_equal()
         assert len(taken) == 1, mirrored.lines
+    # The bridge reads the catalog after the TRUNCATE that follows the change it reads it
+    # for (here: the restarted bridge's first change), and reads them in different batches
+    # (at most 4,096 messages each): it reads on until it knows.
+    pg_admin.execute(f"UPDATE {table} SET v = 'before' WHERE id = 100")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'x', 0 FROM generate_series(1000, 9999) g")
+    pg_admin.execute(f"TRUNCATE {table}")
+    pg_admin.execute(f"INSERT INTO {table} VALUES (1, 'after', 1)")
+    async with running_bridge(mirrored.settings), \
+            snapshot_responder(mirrored.settings) as taken:
+        await mirrored.catch_up()
+        mirrored.assert_equal()
+        assert taken == [], mirrored.lines
     events = await mirrored.schema_events()
     assert not any(e["needs_snapshot"] for e in events), [e["reason"] for e in events]

@@ -529,6 +529,19 @@ def test_renamed_columns_keep_their_values_swaps_and_reused_names_too(store, tmp
     store.close()
 
 
+def test_a_column_dropped_and_added_again_under_its_name_reads_its_missing_value(store):
+    """int4 dropped, int8 added under the same name: the same SQLite type, another column
+    (attnum); existing rows read the new column's missing value, not the old values."""
+    columns = (("id", 23, "integer", True), ("n", 23, "integer", False))
+    bootstrapped(store, _with_attnums(schema(columns=columns), [1, 2]),
+                 loaded=[{"id": 1, "n": 5}])
+    again = _with_attnums(schema(columns=(("id", 23, "integer", True),
+                                          ("n", 20, "bigint", False)), fingerprint="f2"), [1, 3])
+    again["columns"][1]["missing_value"] = 9
+    assert store.apply_transaction([schema_event("0/300", 0, again)], stream_seq=10).stale == {}
+    assert rows(store) == [(1, 9)]
+
+
 def test_a_snapshot_asked_for_by_a_schema_event_starts_at_its_min_snapshot_lsn(store):
     bootstrapped(store, loaded=[{"id": 1, "name": "a"}])
     store.apply_transaction([schema_event("0/300", 0, schema(fingerprint="f2"),
