@@ -64,6 +64,7 @@ Observer = Callable[[dict[str, Any]], None]
 T = TypeVar("T")
 # What the final acknowledgement and closing may take of the shutdown budget, at most.
 _CLOSING_SECONDS = 2.0
+_EXIT_SECONDS = 0.25  # of which, stopping the telemetry server and the process exiting
 _SLOT_RETRY_SECONDS = 1.0  # the first slot check, while the slot does not exist yet
 
 
@@ -212,9 +213,10 @@ class CdcBridge:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             if self.publisher is not None:
-                with contextlib.suppress(Exception):
-                    await self.publisher.close(timeout=self._shutdown_left(5.0))
-            await close_nats(nc, self._shutdown_left(2.0))
+                with contextlib.suppress(Exception):  # (a stop drained it already)
+                    await self.publisher.close(timeout=min(5.0, self._drain_left()))
+            # what is left of a stop's budget, less the moment the process takes to exit
+            await close_nats(nc, max(0.0, self._shutdown_left(2.0) - _EXIT_SECONDS))
             if self.telemetry is not None:
                 self.telemetry.stop()
         if self.fatal is not None:
