@@ -356,13 +356,17 @@ class CdcBridge:
         update every status interval while it waits (a NATS outage must not make the
         walsender time us out); :class:`StopRequested` once a stop is requested first."""
         task = asyncio.ensure_future(self._unless_stopped(awaitable))
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=self.options.status_interval_seconds)
-            if done:
-                return task.result()
-            if reader is not None and reader.replication is not None:
-                self._confirm_stored(reader)
-                await reader.send_status()
+        try:
+            while True:
+                done, _ = await asyncio.wait({task},
+                                             timeout=self.options.status_interval_seconds)
+                if done:
+                    return task.result()
+                if reader is not None and reader.replication is not None:
+                    self._confirm_stored(reader)
+                    await reader.send_status()
+        finally:
+            task.cancel()  # (when this wait is cancelled itself: a side task stopping)
 
     def _own_reader(self) -> SlotReader | None:
         """The slot reader, when called from the task that reads the slot (the only one that
