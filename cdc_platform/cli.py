@@ -5,7 +5,6 @@ Dagster: dev stack, DBA and NATS setup, the CDC bridge)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -19,7 +18,8 @@ same library without it). Settings come from CDC_* environment variables: see
 `cdc-platform check-config` and the README's Configuration section."""
 
 # SIGINT/SIGTERM of the commands that run until stopped (bridge, mirror, dev): caught from
-# the start of main(), so that a stop during imports, settings or connecting is not lost.
+# the start of main(), so that a stop during imports, settings or connecting is not lost
+# (and the imports before main() are kept few: asyncio is imported by the commands).
 STOPS = StopSignals()
 
 
@@ -49,6 +49,8 @@ def _cmd_dev(args: argparse.Namespace) -> int:
 
 
 def _cmd_provision(args: argparse.Namespace) -> int:
+    import asyncio
+
     from cdc_platform.jetstream.connection import connect_nats
     from cdc_platform.jetstream.provision import provision
     from cdc_platform.settings import load_settings
@@ -92,6 +94,7 @@ def _cmd_setup_db(args: argparse.Namespace) -> int:
 
 
 def _cmd_bridge(args: argparse.Namespace) -> int:
+    import asyncio
     import os
 
     from cdc_platform.bridge.runner import CdcBridge
@@ -119,6 +122,8 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
 
 
 def _cmd_mirror(args: argparse.Namespace) -> int:
+    import asyncio
+
     from cdc_platform.mirror.follower import Mirror
     from cdc_platform.settings import MirrorSettings, load_settings
 

@@ -315,13 +315,26 @@ class RequestStreamSettings(StreamLimits):
     max_bytes: Bytes = Field(64 * 1024**2, validation_alias=_env("CDC_REQUESTS_MAX_BYTES"))
     max_msgs: int = Field(100_000, ge=-1, validation_alias=_env("CDC_REQUESTS_MAX_MSGS"))
     replicas: int = Field(1, ge=1, le=5, validation_alias=_env("CDC_REQUESTS_REPLICAS"))
-    # Hostile input: nats-server refuses a request larger than a body can be (4 KB, with room
-    # for headers), and a flood on one table's subject only pushes out older requests of that
-    # table (which one snapshot answers anyway), never another table's.
+    # Hostile input: nats-server refuses a request message over this (the requester gets
+    # its error, the platform never sees it); a body over 4 KB that fits is refused by the
+    # sensor with a reply naming the limit. A flood on one table's subject only pushes out
+    # older requests of that table (which one snapshot answers anyway), never another table's.
     max_message_bytes: int = Field(8192, ge=-1,
                                    validation_alias=_env("CDC_REQUESTS_MAX_MESSAGE_BYTES"))
     max_msgs_per_subject: int = Field(100, ge=-1,
                                       validation_alias=_env("CDC_REQUESTS_MAX_PER_TABLE"))
+
+    @field_validator("max_message_bytes")
+    @classmethod
+    def _room_for_a_body(cls, value: int) -> int:
+        if value != -1 and value < _MIN_REQUEST_MESSAGE_BYTES:
+            raise ValueError(f"must be -1 (no limit) or at least {_MIN_REQUEST_MESSAGE_BYTES}: "
+                             "a 4 KB request body and its headers must fit")
+        return value
+
+
+# A snapshot request body is at most 4 KB (snapshot.requests.MAX_BODY_BYTES) plus headers.
+_MIN_REQUEST_MESSAGE_BYTES = 4096 + 1024
 
 
 class SchemaBucketSettings(_Settings):

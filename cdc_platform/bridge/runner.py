@@ -70,6 +70,7 @@ Observer = Callable[[dict[str, Any]], None]
 T = TypeVar("T")
 # What the final acknowledgement and closing may take of the shutdown budget, at most.
 _CLOSING_SECONDS = 2.0
+_EXIT_SECONDS = 0.25  # of which, stopping the telemetry server and the process exiting
 _SLOT_RETRY_SECONDS = 1.0  # the first slot check, while the slot does not exist yet
 
 
@@ -223,9 +224,10 @@ class CdcBridge:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             if self.publisher is not None:
-                with contextlib.suppress(Exception):
-                    await self.publisher.close(timeout=self._shutdown_left(5.0))
-            await close_nats(nc, self._shutdown_left(2.0))
+                with contextlib.suppress(Exception):  # (a stop drained it already)
+                    await self.publisher.close(timeout=min(5.0, self._drain_left()))
+            # what is left of a stop's budget, less the moment the process takes to exit
+            await close_nats(nc, max(0.0, self._shutdown_left(2.0) - _EXIT_SECONDS))
             if self.telemetry is not None:
                 self.telemetry.stop()
         if self.fatal is not None:
@@ -365,13 +367,17 @@ class CdcBridge:
         update every status interval while it waits (a NATS outage must not make the
         walsender time us out); :class:`StopRequested` once a stop is requested first."""
         task = asyncio.ensure_future(self._unless_stopped(awaitable))
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=self.options.status_interval_seconds)
-            if done:
-                return task.result()
-            if reader is not None and reader.replication is not None:
-                self._confirm_stored(reader)
-                await reader.send_status()
+        try:
+            while True:
+                done, _ = await asyncio.wait({task},
+                                             timeout=self.options.status_interval_seconds)
+                if done:
+                    return task.result()
+                if reader is not None and reader.replication is not None:
+                    self._confirm_stored(reader)
+                    await reader.send_status()
+        finally:
+            task.cancel()  # (when this wait is cancelled itself: a side task stopping)
 
     def _own_reader(self) -> SlotReader | None:
         """The slot reader, when called from the task that reads the slot (the only one that

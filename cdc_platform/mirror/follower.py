@@ -56,7 +56,11 @@ from cdc_platform.naming import parse_wire_name
 from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.settings import MirrorSettings, PlatformSettings
 from cdc_platform.snapshot.meta import MarkerNotInCdcYet, SnapshotMeta, cutover_start_seq
-from cdc_platform.snapshot.requests import reusable_snapshot, snapshot_relation_id
+from cdc_platform.snapshot.requests import (
+    reusable_snapshot,
+    snapshot_relation_id,
+    snapshot_stored_since,
+)
 from cdc_platform.wire import (
     CDC_PREFIX,
     CHANGE_OPERATIONS,
@@ -368,11 +372,12 @@ class Mirror:
                     "max_age_seconds": self.options.snapshot_max_age_seconds}
             if min_lsn:
                 body["min_lsn"] = format_lsn(min_lsn)
+            init = self.settings.topology.init.name
+            asked_after = (await js.stream_info(init)).state.last_seq
             await js.publish(snapshot_request_subject(table), json.dumps(body).encode(),
                              stream=self.settings.topology.requests.name)
             self.report(f"{table}: requested a snapshot (request {request_id})")
             started = last_report = last_look = time.monotonic()
-            asked_at = time.time()
             while not stop.is_set():
                 try:
                     message = await asyncio.wait_for(replies.get(), 1.0)
@@ -382,11 +387,8 @@ class Mirror:
                         # a request that joined a run already in flight, or one the stream
                         # let go in a flood, gets no "done": the snapshot shows up in INIT
                         last_look = now
-                        found = await reusable_snapshot(
-                            js, table, max(self.options.snapshot_max_age_seconds,
-                                           time.time() - asked_at + 5),
-                            self.settings.topology.init.name, min_lsn,
-                            relation_id=relation_id)
+                        found = await snapshot_stored_since(js, table, asked_after, init,
+                                                            min_lsn, relation_id=relation_id)
                         if found is not None:
                             return found
                     if now - started > wait:

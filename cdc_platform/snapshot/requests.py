@@ -77,20 +77,23 @@ def parse_request(subject: str, data: bytes, seq: int) -> SnapshotRequest:
         return SnapshotRequest(table, seq, refused=f"{table!r} is not a wire table name")
     if not data.strip():
         return SnapshotRequest(table, seq)
-    if len(data) > MAX_BODY_BYTES:
-        return SnapshotRequest(table, seq, refused=f"request body over {MAX_BODY_BYTES} bytes")
+    # A body over the limit is still read for its reply fields (the stream stores at most
+    # its max_msg_size, 8 KB by default): the refusal names the limit to whoever asked.
+    too_large = (f"request body is {len(data):,} bytes, over the {MAX_BODY_BYTES:,}-byte limit"
+                 if len(data) > MAX_BODY_BYTES else None)
     try:
         body = json.loads(data)
     except (ValueError, UnicodeDecodeError):
-        return SnapshotRequest(table, seq, refused="request body is not JSON")
+        return SnapshotRequest(table, seq, refused=too_large or "request body is not JSON")
     if not isinstance(body, dict):
-        return SnapshotRequest(table, seq, refused="request body is not a JSON object")
+        return SnapshotRequest(table, seq,
+                               refused=too_large or "request body is not a JSON object")
     request_id, reply_to = body.get("request_id"), body.get("reply_to")
     request_id = request_id if isinstance(request_id, str) and _REQUEST_ID.fullmatch(
         request_id) else None
     reply_to = reply_to if is_reply_subject(reply_to) else None
     max_age = body.get("max_age_seconds")
-    problems = []
+    problems = [too_large] if too_large else []
     if body.get("request_id") is not None and request_id is None:
         problems.append("request_id must be 1-128 printable ASCII characters")
     if body.get("reply_to") is not None and reply_to is None:
@@ -123,7 +126,7 @@ class RunInFlight:
     def joinable(self) -> bool:
         """Whether a request that arrives now may join this run: only while it waits. A
         run that started may have taken its snapshot (even stored its meta) before the
-        request arrived, and a joined requester waits for a meta taken after it asked
+        request arrived, and a joined requester waits for a meta stored after it asked
         (README "Snapshot requests"): it would wait for good."""
         return not self.started
 
@@ -182,6 +185,29 @@ async def reusable_snapshot(js: JetStreamContext, table: str, max_age_seconds: f
     if (meta is None or time.time() - meta.timestamp > max_age_seconds
             or meta.lsn < min_lsn or snapshot_relation_id(meta) != relation_id):
         return None
+    return await _done_if_usable(js, table, meta, reused=True)
+
+
+async def snapshot_stored_since(js: JetStreamContext, table: str, asked_after_seq: int,
+                                init_stream: str = "INIT", min_lsn: int = 0, *,
+                                relation_id: int | None = None) -> dict[str, Any] | None:
+    """The ``done`` fields of the newest meta of ``table`` if it was stored after the
+    request was made (its `INIT` sequence above ``asked_after_seq``, the stream's last
+    sequence read before the request was published), with a cutover LSN of at least
+    ``min_lsn`` and a cutover point the CDC stream still holds: the snapshot a requester that
+    gets no ``done`` (answered ``coalesced``, or asking without ``reply_to``) waits for
+    (README "Snapshot requests"). With ``relation_id``, only a snapshot of that table (not of
+    one dropped since and created again under its name)."""
+    meta = await latest_meta(js, table, init_stream)
+    if meta is None or meta.seq <= asked_after_seq or meta.lsn < min_lsn:
+        return None
+    if relation_id is not None and snapshot_relation_id(meta) != relation_id:
+        return None
+    return await _done_if_usable(js, table, meta, reused=False)
+
+
+async def _done_if_usable(js: JetStreamContext, table: str, meta: SnapshotMeta, *,
+                          reused: bool) -> dict[str, Any] | None:
     try:
         start_seq = await cutover_start_seq(js, meta)
     except SnapshotUnusable:
@@ -189,7 +215,7 @@ async def reusable_snapshot(js: JetStreamContext, table: str, max_age_seconds: f
     return {"snapshot_id": meta.snapshot_id, "lsn": meta.raw["lsn"],
             "cdc_stream": meta.cdc_stream, "cdc_start_seq": start_seq,
             "meta_subject": snapshot_meta_subject(table), "meta_seq": meta.seq,
-            "reused": True}
+            "reused": reused}
 
 
 def snapshot_relation_id(meta: SnapshotMeta) -> int | None:

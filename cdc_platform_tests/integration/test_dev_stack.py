@@ -182,3 +182,37 @@ def test_cdc_comes_back_after_restarts_and_a_killed_run_worker(state_root):
     finally:
         for sock in held:
             sock.close()
+
+
+def test_a_stop_while_the_smoke_check_waits_for_cdc_is_honoured(state_root):
+    """SIGTERM once the stack is up, while `dev --smoke` waits for CDC events: it stops what
+    it started and exits 1 without claiming the check passed (it ignored the signal until CDC
+    streamed, then passed)."""
+    cli = Path(sys.executable).parent / "cdc-platform"
+    ports = [str(free_port()) for _ in range(4)]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CDC_", "PG_", "NATS_", "POSTGRES_"))}
+    log_path = state_root / "dev.log"
+    with open(log_path, "ab") as out:
+        process = subprocess.Popen(
+            [str(cli), "dev", "--state-dir", str(state_root / "state"), "--smoke",
+             "--ui-port", ports[0], "--pg-port", ports[1], "--nats-port", ports[2],
+             "--nats-monitor-port", ports[3]],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "dev stack is up" not in log_path.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, \
+                log_path.read_text()[-3000:]
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    output = log_path.read_text()
+    assert code == 1, output[-3000:]
+    assert "smoke check passed" not in output
+    assert "smoke check stopped before it finished" in output
+    assert "dev stack stopped" in output

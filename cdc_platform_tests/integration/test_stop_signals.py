@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +62,12 @@ class Writes:
                                   "generate_series(%s::int, %s::int)",
                                   (self.written, self.written + size - 1))
             self.written += size
+
+
+def _in_flight(log_path: Path) -> int:
+    """The in-flight messages of the bridge's last METRICS line (0 before one)."""
+    found = re.findall(rb"METRICS .* in_flight=(\d+)", log_path.read_bytes())
+    return int(found[-1]) if found else 0
 
 
 def _delays(count: int, longest: float, chance: random.Random) -> list[float]:
@@ -169,17 +176,21 @@ async def test_a_stop_while_nats_holds_messages_fits_the_shutdown_budget(
         env = {**bridge_env(cdc_database, nats.url), "CDC_SLOT": cdc_database.slot,
                "CDC_PUBLICATION": cdc_database.publication,
                "CDC_SHUTDOWN_TIMEOUT": f"{budget}s", "CDC_STATUS_INTERVAL": "1s",
-               "CDC_MAX_IN_FLIGHT": "1000"}
+               "CDC_MAX_IN_FLIGHT": "1000", "CDC_METRICS_LOG_INTERVAL": "0.2s"}
         log_path = tmp_path / "bridge.log"
         with open(log_path, "ab") as log:
             bridge = subprocess.Popen([CLI, "bridge"], env=env, stdout=log,
                                       stderr=subprocess.STDOUT)
         try:
             await wait_for(lambda: b"streaming slot" in log_path.read_bytes(), timeout=60)
+            pg_admin.execute(f"INSERT INTO {table} VALUES (0)")  # its schema event, stored
+            await wait_for(lambda: b"cdc_events=1 " in log_path.read_bytes(), timeout=60,
+                           what="the first change published")
+            await asyncio.sleep(0.5)
             nats.stop()
             pg_admin.execute(f"INSERT INTO {table} SELECT generate_series(1, 5000)")
-            await wait_for(lambda: b"holding" in log_path.read_bytes(), timeout=30,
-                           what="the bridge holding messages")
+            await wait_for(lambda: _in_flight(log_path) >= 500, timeout=30,
+                           what="an in-flight window held")
             await asyncio.sleep(1.3)  # mid status interval
             bridge.send_signal(signal.SIGTERM)
             sent = time.monotonic()

@@ -60,6 +60,9 @@ def test_nats_url_form_and_cluster_list(monkeypatch):
         ("CDC_INIT_MAX_BYTES", "lots", "CDC_INIT_MAX_BYTES"),
         ("CDC_FORMAT", "xml", "CDC_FORMAT"),
         ("CDC_CHUNK_ROWS", "0", "CDC_CHUNK_ROWS"),
+        ("CDC_PG_DSN", "host=db port=abc", "CDC_PG_DSN"),
+        ("CDC_PG_DSN", "host=db password=pw oops", "CDC_PG_DSN"),
+        ("CDC_REQUESTS_MAX_MESSAGE_BYTES", "1000", "CDC_REQUESTS_MAX_MESSAGE_BYTES"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_variable(monkeypatch, variable, value, named):

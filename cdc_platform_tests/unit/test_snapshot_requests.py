@@ -13,7 +13,7 @@ from cdc_platform.snapshot.requests import RunInFlight, parse_request, summarize
     ("snapshot.request.", b"", "not a wire table name"),
     ("snapshot.request.users", b"\xff\xfe garbage", "not JSON"),
     ("snapshot.request.users", b"[1, 2]", "not a JSON object"),
-    ("snapshot.request.users", b"{" + b" " * 5000 + b"}", "over 4096 bytes"),
+    ("snapshot.request.users", b"{" + b" " * 5000 + b"}", "over the 4,096-byte limit"),
     ("snapshot.request.users", b'{"reply_to": "_INBOX.*"}', "reply_to must be an inbox"),
     # the platform's own subjects: replying there made it overwrite a schema, plant a meta,
     # write into CDC
