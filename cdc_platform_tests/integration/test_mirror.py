@@ -14,10 +14,12 @@ from nats.js.errors import NotFoundError
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.mirror.follower import Mirror
 from cdc_platform.mirror.store import MirrorError
+from cdc_platform.postgres.catalog import published_relation_ids
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings
 from cdc_platform.snapshot import snapshot_table
 from cdc_platform.snapshot.options import SnapshotOptions
+from cdc_platform.snapshot.requests import SnapshotRequest, answer_requests
 from cdc_platform_tests.exactness import (
     bridge_caught_up,
     mirror_caught_up,
@@ -434,6 +436,12 @@ async def test_a_table_created_again_under_its_name_is_not_bootstrapped_from_the
             if await kv_relation_id() != old_id:
                 break
             await asyncio.sleep(0.5)
+        # the request sensor's decision: a new run, not the dropped table's snapshot
+        handled = await answer_requests(
+            nats_client, [SnapshotRequest(table, 1)], publication=cdc_database.publication,
+            published=published_relation_ids(pg_admin, cdc_database.publication),
+            reuse_seconds=600, in_flight={})
+        assert table in handled.runs, handled.notes
         lines: list[str] = []
         await Mirror(settings, [table], tmp_path / "new.db", options=FAST,
                      report=lines.append).run(until_caught_up=True)
