@@ -436,6 +436,7 @@ async def test_a_table_created_again_under_its_name_is_not_bootstrapped_from_the
             if await kv_relation_id() != old_id:
                 break
             await asyncio.sleep(0.5)
+        assert await kv_relation_id() != old_id  # the bridge put the new table's schema
         # the request sensor's decision: a new run, not the dropped table's snapshot
         handled = await answer_requests(
             nats_client, [SnapshotRequest(table, 1)], publication=cdc_database.publication,
