@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -788,15 +789,12 @@ def _check_event(event: Any, subject: str, subject_prefixes: dict[str, str]) -> 
     operation = event.get("operation")
     if operation not in _OPERATIONS:
         raise ValueError(f"unknown operation {operation!r}")
-    if parse_lsn_cached(event["commit_lsn"]) > _INT64_MAX:  # (positions are SQLite integers)
-        raise ValueError(f"commit_lsn {event['commit_lsn']} is beyond any PostgreSQL LSN")
+    _stored_lsn(event["commit_lsn"])
     ordinal = event.get("ordinal")
-    if type(ordinal) is not int or not 0 <= ordinal <= _INT64_MAX:
+    if type(ordinal) is not int or ordinal < 0 or ordinal > _INT64_MAX:
         raise ValueError(f"ordinal {ordinal!r}")
-    tx_tables = event.get("tx_tables")
-    if tx_tables is not None and (type(tx_tables) is not dict or not all(
-            type(name) is str and type(count) is int for name, count in tx_tables.items())):
-        raise ValueError(f"tx_tables {tx_tables!r} is not a map of table names to counts")
+    if "tx_tables" in event:  # (on a table's last change in its transaction only)
+        _check_tx_tables(event["tx_tables"])
     if (operation == "INSERT" or operation == "UPDATE") and type(event.get("data")) is not dict:
         raise ValueError(f"{operation} without a data map")
     if operation == "INSERT" and not event["data"]:
@@ -808,6 +806,23 @@ async def _between_transactions(store: MirrorStore) -> None:
     two of its transactions, never inside one it may roll back)."""
     while store.in_transaction:
         await asyncio.sleep(0.005)
+
+
+def _check_tx_tables(tx_tables: Any) -> None:
+    if type(tx_tables) is not dict:
+        raise ValueError(f"tx_tables {tx_tables!r:.200} is not a map of tables to counts")
+    for name, count in tx_tables.items():
+        if type(name) is not str or type(count) is not int:
+            raise ValueError(f"tx_tables {tx_tables!r:.200} is not a map of tables to counts")
+
+
+@functools.lru_cache(maxsize=256)  # (one text per transaction, as parse_lsn_cached)
+def _stored_lsn(text: str) -> int:
+    """An event's LSN, which the mirror stores as an SQLite integer (int64)."""
+    lsn = parse_lsn_cached(text)
+    if lsn > _INT64_MAX:
+        raise ValueError(f"commit_lsn {text} is beyond any PostgreSQL LSN")
+    return lsn
 
 
 def _streaming(state: TableState | None) -> bool:

@@ -938,6 +938,7 @@ class MirrorStore:
                 f"{quote(shape.table)} WHERE {where}", params)
             row = next((candidate for candidate in found
                         if _same_values(candidate[1:], params)), None)
+            found.close()  # (not read to its end: reset before the row is changed)
         if row is None:
             raise DivergenceError(f"{shape.table}: {event['operation']} {event.get('msg_id')} "
                                   f"names a row the mirror does not hold: "

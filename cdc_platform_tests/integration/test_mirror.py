@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 
@@ -14,10 +13,12 @@ from nats.js.errors import NotFoundError
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.mirror.follower import Mirror
 from cdc_platform.mirror.store import MirrorError
+from cdc_platform.postgres.catalog import published_relation_ids
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings
 from cdc_platform.snapshot import snapshot_table
 from cdc_platform.snapshot.options import SnapshotOptions
+from cdc_platform.snapshot.requests import SnapshotRequest, answer_requests
 from cdc_platform_tests.exactness import (
     bridge_caught_up,
     mirror_caught_up,
@@ -40,6 +41,26 @@ def _published_table(pg_admin, cdc_database, prefix: str, rows: int) -> str:
     return table
 
 
+async def _bridge_ready(pg_admin, cdc_database, settings, tables: list[str]) -> None:
+    """Until the bridge has its slot and has put the schemas of ``tables`` in KV, which it
+    does just after (a mirror started before says they are not published)."""
+    await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+    client = await connect_nats(settings.nats, name="cdc-tests-ready")
+    try:
+        kv = await client.jetstream().key_value(settings.topology.schemas.bucket)
+
+        async def in_kv() -> bool:
+            for table in tables:
+                try:
+                    await kv.get(table)
+                except NotFoundError:
+                    return False
+            return True
+        await wait_for(in_kv, what=f"the schemas of {tables} in KV")
+    finally:
+        await client.close()
+
+
 @pytest.mark.every_major
 async def test_a_mirror_bootstraps_follows_and_equals_the_source(
         cdc_database, pg_admin, provisioned_nats, tmp_path):
@@ -52,7 +73,7 @@ async def test_a_mirror_bootstraps_follows_and_equals_the_source(
     db = tmp_path / "mirror.db"
     lines: list[str] = []
     async with running_bridge(settings), snapshot_responder(settings) as taken:
-        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        await _bridge_ready(pg_admin, cdc_database, settings, [table])
         mirror = Mirror(settings, [table], db, options=FAST, report=lines.append)
         await mirror.run(until_caught_up=True)
         assert len(taken) == 1
@@ -82,7 +103,7 @@ async def test_mirrors_asking_for_one_table_at_once_share_one_snapshot(
     table = _published_table(pg_admin, cdc_database, "shared", 300)
     settings = platform_settings(cdc_database, provisioned_nats.url)
     async with running_bridge(settings), snapshot_responder(settings) as taken:
-        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        await _bridge_ready(pg_admin, cdc_database, settings, [table])
         mirrors = [Mirror(settings, [table], tmp_path / f"m{i}.db", options=FAST,
                           report=lambda line: None) for i in range(20)]
         await asyncio.gather(*(mirror.run(until_caught_up=True) for mirror in mirrors))
@@ -112,7 +133,7 @@ async def test_a_request_that_joined_a_run_in_flight_finds_its_snapshot_in_init(
     lines: list[str] = []
     try:
         async with running_bridge(settings):
-            await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+            await _bridge_ready(pg_admin, cdc_database, settings, [table])
             mirror = Mirror(settings, [table], tmp_path / "m.db", options=FAST,
                             report=lines.append)
             following = asyncio.create_task(mirror.run(until_caught_up=True))
@@ -149,7 +170,7 @@ async def test_malformed_messages_on_the_stream_are_refused_and_change_nothing(
         msgpack.packb({"table": table}),
     ]
     async with running_bridge(settings), snapshot_responder(settings):
-        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        await _bridge_ready(pg_admin, cdc_database, settings, [table])
         await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
             until_caught_up=True)
         client = await connect_nats(settings.nats, name="cdc-tests-forger")
@@ -185,7 +206,7 @@ async def test_a_row_missing_from_the_mirror_makes_the_table_bootstrap_again(
     lines: list[str] = []
     async with running_bridge(settings), snapshot_responder(settings,
                                                             max_age_seconds=0) as taken:
-        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        await _bridge_ready(pg_admin, cdc_database, settings, [table])
         await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
             until_caught_up=True)
         with sqlite3.connect(db) as tampering:
@@ -221,7 +242,7 @@ async def test_events_gone_by_retention_make_the_mirror_bootstrap_again(
         lines: list[str] = []
         async with running_bridge(settings), snapshot_responder(settings,
                                                                 max_age_seconds=0) as taken:
-            await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+            await _bridge_ready(pg_admin, cdc_database, settings, [table])
             await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
                 until_caught_up=True)
             pg_admin.execute(f"UPDATE {table} SET v = 'lost' WHERE id <= 50")
@@ -242,22 +263,10 @@ async def test_events_gone_by_retention_make_the_mirror_bootstrap_again(
         cdc_database.server.superuser_conninfo(), table, ["id", "v"])
 
 
-async def _schemas_in_kv(nats_client, tables: list[str]) -> None:
-    """Until the bridge has put the schemas of ``tables`` in KV (just after its slot)."""
-    kv = await nats_client.jetstream().key_value("schemas")
-    for table in tables:
-        for _ in range(100):
-            with contextlib.suppress(NotFoundError):
-                await kv.get(table)
-                break
-            await asyncio.sleep(0.1)
-
-
 async def _following(mirror: Mirror, stop: asyncio.Event, lines: list[str], nats_client,
                      timeout: float = 90.0) -> asyncio.Task:
-    """Start ``mirror`` (reporting to ``lines``), once its tables' schemas are in KV, and
-    wait until it bootstrapped every table and read the whole stream."""
-    await _schemas_in_kv(nats_client, mirror.tables)
+    """Start ``mirror`` (reporting to ``lines``) and wait until it bootstrapped every table
+    and read the whole stream."""
     task = asyncio.create_task(mirror.run(stop))
     await wait_for(lambda: task.done() or all(
         any(line.startswith(f"bootstrap {table}:") and "; done" in line for line in lines)
@@ -318,7 +327,7 @@ async def test_a_hostile_message_never_stops_the_mirror(
                 conninfo, table, ["id", "v"]), (round_, table, lines)
 
     async with running_bridge(settings), snapshot_responder(settings, max_age_seconds=0):
-        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        await _bridge_ready(pg_admin, cdc_database, settings, [victim, bystander])
         stop = asyncio.Event()
         mirror = Mirror(settings, [victim, bystander], db, options=FAST, report=lines.append)
         with caplog.at_level(logging.ERROR, logger="cdc_platform.mirror.follower"):
@@ -364,7 +373,7 @@ async def test_a_keyless_table_changes_the_row_with_the_sign_of_zero_it_names(
     settings = platform_settings(cdc_database, provisioned_nats.url)
     db = tmp_path / "m.db"
     async with running_bridge(settings), snapshot_responder(settings):
-        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        await _bridge_ready(pg_admin, cdc_database, settings, [table])
         await Mirror(settings, [table], db, options=FAST, report=lambda line: None).run(
             until_caught_up=True)
         pg_admin.execute(f"UPDATE {table} SET v = 'minus' WHERE f::text = '-0' AND n = 1")
@@ -383,14 +392,13 @@ async def test_a_keyless_table_changes_the_row_with_the_sign_of_zero_it_names(
 
 
 async def test_a_first_bootstrap_waits_for_a_bridge_that_is_behind(
-        cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path):
+        cdc_database, pg_admin, provisioned_nats, tmp_path):
     """The snapshot is taken while the bridge is stopped: its watermark marker reaches `CDC`
     only when the bridge runs again. The mirror waits (saying so) instead of exiting."""
     table = _published_table(pg_admin, cdc_database, "behind", 40)
     settings = platform_settings(cdc_database, provisioned_nats.url)
     async with running_bridge(settings):  # the table's schema into KV, then stopped
-        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
-        await _schemas_in_kv(nats_client, [table])
+        await _bridge_ready(pg_admin, cdc_database, settings, [table])
     lines: list[str] = []
     db = tmp_path / "m.db"
     async with snapshot_responder(settings, options=SnapshotOptions(
@@ -421,8 +429,7 @@ async def test_a_table_created_again_under_its_name_is_not_bootstrapped_from_the
         return msgpack.unpackb((await kv.get(table)).value)["relation_id"]
 
     async with running_bridge(settings), snapshot_responder(settings) as taken:
-        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
-        await _schemas_in_kv(nats_client, [table])
+        await _bridge_ready(pg_admin, cdc_database, settings, [table])
         await Mirror(settings, [table], tmp_path / "old.db", options=FAST,
                      report=lambda line: None).run(until_caught_up=True)
         old_id = await kv_relation_id()
@@ -435,6 +442,13 @@ async def test_a_table_created_again_under_its_name_is_not_bootstrapped_from_the
             if await kv_relation_id() != old_id:
                 break
             await asyncio.sleep(0.5)
+        assert await kv_relation_id() != old_id  # the bridge put the new table's schema
+        # the request sensor's decision: a new run, not the dropped table's snapshot
+        handled = await answer_requests(
+            nats_client, [SnapshotRequest(table, 1)], publication=cdc_database.publication,
+            published=published_relation_ids(pg_admin, cdc_database.publication),
+            reuse_seconds=600, in_flight={})
+        assert table in handled.runs, handled.notes
         lines: list[str] = []
         await Mirror(settings, [table], tmp_path / "new.db", options=FAST,
                      report=lines.append).run(until_caught_up=True)

@@ -484,8 +484,8 @@ def test_an_update_of_unchanged_values_only_changes_nothing_and_one_naming_no_ro
     ({"ordinal": -1}, "ordinal -1"),
     ({"ordinal": 1 << 63}, "ordinal 9223372036854775808"),
     ({"commit_lsn": "FFFFFFFF/FFFFFFFF"}, "beyond any PostgreSQL LSN"),
-    ({"tx_tables": [1, 2]}, "not a map of table names to counts"),
-    ({"tx_tables": {"users": "1"}}, "not a map of table names to counts"),
+    ({"tx_tables": [1, 2]}, "not a map of tables to counts"),
+    ({"tx_tables": {"users": "1"}}, "not a map of tables to counts"),
     ({"table": "orders"}, "an event of table 'orders' on subject cdc.users.insert"),
 ])
 def test_what_is_not_an_event_of_the_contract_is_refused_before_the_database(forged, why):
