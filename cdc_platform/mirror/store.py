@@ -110,7 +110,7 @@ def _from_the_change(exc: Exception, db: sqlite3.Connection) -> bool:
 
 def _does_not_fit(table: str, event: Mapping[str, Any] | None, exc: Exception
                   ) -> DivergenceError:
-    what = (f"{event.get('operation')} {event.get('msg_id')}" if event is not None
+    what = (f"{event.get('operation')} {event.get('msg_id')!s:.80}" if event is not None
             else "a batch of changes")
     error = DivergenceError(f"{table}: {what} cannot be applied "
                             f"({type(exc).__name__}: {exc})")
@@ -635,8 +635,8 @@ class MirrorStore:
                 why = self._apply_schema_event(event, from_json)
                 if why is None:
                     state.fingerprint = self.shape(table).fingerprint
-                else:
-                    state.status, state.reason, state.stale_lsn = "stale", why, commit_lsn
+                else:  # (from a snapshot past its transaction: one at it reads it again)
+                    state.status, state.reason, state.stale_lsn = "stale", why, commit_lsn + 1
                     self._open.stale[table] = why
                 return
             if from_json:
