@@ -649,16 +649,23 @@ class _Following:
             fresh, done = self.collector.offer(event, seq)
         except StreamGap as gap:
             pending = self.collector.pending
-            self.abandon()
-            if self.first and pending is not None and self.applied_in_open == 0:
+            # the tables its missing events are of, as far as the stream tells
+            seen = {*pending.counts, *(t for t, _ in pending.schema_events)} if pending else set()
+            tables = sorted(seen & self._followed or self._followed)
+            if pending is not None and self._before(tables, pending.commit_lsn):
+                # nothing of it applies to them (a transaction cut short, or forged, before
+                # their cutover; apply() skipped what it was handed): its missing events lose
+                # nothing. (Taken for a gap, it made a table stale, bootstrapped again from a
+                # snapshot after it: for ever.)
+                self.collector.reset()
+            else:
+                self.abandon()
+                if not (self.first and pending is not None and self.applied_in_open == 0):
+                    self._mark_stale(tables, str(gap), parse_lsn_cached(event["commit_lsn"]))
+                    return
                 # began before this pass started and held nothing new: not a gap
                 self.first = False
-                fresh, done = self.collector.offer(event, seq)
-            else:
-                tables = sorted(set(pending.counts if pending else ()) & self._followed
-                                or self._followed)
-                self._mark_stale(tables, str(gap), parse_lsn_cached(event["commit_lsn"]))
-                return
+            fresh, done = self.collector.offer(event, seq)
         if self.shadowed:
             shadow = self.shadowed.get(event["table"])
             if shadow is not None:
@@ -673,10 +680,11 @@ class _Following:
             except DivergenceError as exc:
                 self.abandon()
                 # (a batch of another table may have been flushed before this event: the
-                # error names that table)
+                # error names that table.) A snapshot past the transaction that did not fit:
+                # one at its commit LSN would apply it again, and again.
                 table = exc.table or event["table"]
                 self._mark_stale([self._tables.get(table, table)], str(exc),
-                                 parse_lsn_cached(event["commit_lsn"]))
+                                 parse_lsn_cached(event["commit_lsn"]) + 1)
                 return
             self.applied_in_open += 1
         if done is not None:
@@ -691,6 +699,18 @@ class _Following:
                 if self.store.open_events >= _GROUP_EVENTS:
                     self.commit()
 
+    def _before(self, tables: list[str], commit_lsn: int) -> bool:
+        """Whether no event of the transaction ``commit_lsn`` applies to ``tables``: it
+        precedes each one's cutover or high-water mark (as committed), its shadow's too when
+        it is bootstrapped aside."""
+        for table in [*tables, *(self.shadowed[t] for t in tables if t in self.shadowed)]:
+            state = self.store.state(table)
+            if (state is not None and state.status == "streaming"
+                    and commit_lsn >= state.cutover_lsn
+                    and commit_lsn >= state.applied_commit_lsn):
+                return False
+        return True
+
     def commit(self) -> None:
         """Commit the whole transactions applied since the last commit, with the positions
         they reached (nothing while a transaction is still being read)."""
@@ -703,7 +723,7 @@ class _Following:
             self.open = False  # (the store rolled back)
             self.abandon()
             self._mark_stale([self._tables.get(exc.table, exc.table)] if exc.table
-                             else list(self.followed), str(exc), self.group_commit_lsn)
+                             else list(self.followed), str(exc), self.group_commit_lsn + 1)
             return
         self.open = False
         mirror = self.mirror

@@ -115,7 +115,7 @@ def _from_the_change(exc: Exception, db: sqlite3.Connection) -> bool:
 
 def _does_not_fit(table: str, event: Mapping[str, Any] | None, exc: Exception
                   ) -> DivergenceError:
-    what = (f"{event.get('operation')} {event.get('msg_id')}" if event is not None
+    what = (f"{event.get('operation')} {event.get('msg_id')!s:.80}" if event is not None
             else "a batch of changes")
     error = DivergenceError(f"{table}: {what} cannot be applied "
                             f"({type(exc).__name__}: {exc})")
@@ -688,9 +688,9 @@ class MirrorStore:
                 why = self._apply_schema_event(event, from_json)
                 if why is None:
                     state.fingerprint = self.shape(table).fingerprint
-                else:
+                else:  # (from a snapshot past its transaction: one at it reads it again)
                     state.status, state.reason = "stale", why
-                    state.stale_lsn = max(commit_lsn,
+                    state.stale_lsn = max(commit_lsn + 1,
                                           _lsn_or_zero(event.get("min_snapshot_lsn")))
                     self._open.stale[table] = why
                 return

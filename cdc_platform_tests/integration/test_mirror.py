@@ -455,3 +455,48 @@ async def test_a_table_created_again_under_its_name_is_not_bootstrapped_from_the
     assert mirror_rows(tmp_path / "new.db", table, ["id", "v"]) == source_rows(
         cdc_database.server.superuser_conninfo(), table, ["id", "v"]), lines
     assert len(taken) == 2
+
+
+async def test_random_payloads_published_into_a_running_mirror_never_stop_it(
+        cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path):
+    """The property test's payloads (random bytes, maps shaped like events with wrong fields)
+    through the real path: pulled from `CDC`, on every subject of the table. The mirror keeps
+    running and both tables end equal to their sources."""
+    import random
+
+    from cdc_platform_tests.unit.test_mirror_hostile import _payload
+
+    victim = _published_table(pg_admin, cdc_database, "fuzzed", 20)
+    bystander = _published_table(pg_admin, cdc_database, "spared", 20)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    conninfo = cdc_database.server.superuser_conninfo()
+    db = tmp_path / "m.db"
+    lines: list[str] = []
+    rng = random.Random(23)
+    async with running_bridge(settings), snapshot_responder(settings, max_age_seconds=0):
+        await _bridge_ready(pg_admin, cdc_database, settings, [victim, bystander])
+        stop = asyncio.Event()
+        mirror = Mirror(settings, [victim, bystander], db, options=FAST, report=lines.append)
+        task = await _following(mirror, stop, lines, nats_client)
+        attacker = await connect_nats(settings.nats, name="cdc-tests-fuzzer")
+        try:
+            for _ in range(200):
+                lsn = pg_admin.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0]
+                op = rng.choice(["insert", "update", "delete", "truncate", "schema",
+                                 "insert.batch"])
+                await attacker.jetstream().publish(f"cdc.{victim}.{op}",
+                                                   _payload(rng, victim, lsn), stream="CDC")
+        finally:
+            await attacker.close()
+        for table in (victim, bystander):
+            pg_admin.execute(f"UPDATE {table} SET v = 'after' WHERE id <= 3")
+        await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
+        await mirror_caught_up(mirror, task, nats_client, timeout=120)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await asyncio.wait_for(Mirror(settings, [victim, bystander], db, options=FAST,
+                                      report=lines.append).run(until_caught_up=True), 60)
+    assert not [line for line in lines if line.startswith(f"{bystander}: ")
+                and "bootstrapping again" in line], lines
+    for table in (victim, bystander):
+        assert mirror_rows(db, table, ["id", "v"]) == source_rows(conninfo, table, ["id", "v"])
