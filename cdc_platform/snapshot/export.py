@@ -70,9 +70,11 @@ async def exported_snapshot(pg: PostgresSettings,
         replication.close()
 
 
-# the slot creation waits for a transaction that waits for the guard's lock
-_DEADLOCKED = """SELECT EXISTS (SELECT 1 FROM unnest(pg_blocking_pids(%s)) AS holder(pid)
-                 WHERE pg_backend_pid() = ANY(pg_blocking_pids(holder.pid)))"""
+# whether the slot creation waits, through any chain of waits, for the guard's session
+_DEADLOCKED = """WITH RECURSIVE waited(pid) AS (
+                     SELECT unnest(pg_blocking_pids(%s))
+                     UNION SELECT unnest(pg_blocking_pids(waited.pid)) FROM waited)
+                 SELECT pg_backend_pid() IN (SELECT pid FROM waited)"""
 
 
 async def _give_way_to_ddl(creating: asyncio.Future, guard: psycopg.Connection,
