@@ -80,9 +80,9 @@ _DEADLOCKED = """WITH RECURSIVE waited(pid) AS (
 async def _give_way_to_ddl(creating: asyncio.Future, guard: psycopg.Connection,
                            walsender_pid: int) -> None:
     """Until the slot is created. Creating it waits for every transaction running; one that
-    wrote and then asked for a lock conflicting with the guard's (ALTER TABLE in a migration
-    transaction) waits for the snapshot, which waits for it: PostgreSQL sees no deadlock (one
-    wait is the driver's), so it is looked for here, and the snapshot gives way
+    asked for a lock conflicting with the guard's (ALTER TABLE with a transaction id already)
+    waits for the snapshot, which waits for it: PostgreSQL sees no deadlock (one wait is the
+    driver's), so it is looked for here, and the snapshot gives way
     (:class:`TableLockWaitError`: taken again once the DDL is through)."""
     while not creating.done():
         await asyncio.wait([creating], timeout=0.25)
@@ -94,7 +94,7 @@ async def _give_way_to_ddl(creating: asyncio.Future, guard: psycopg.Connection,
                 guard.execute("SELECT pg_cancel_backend(%s)", (walsender_pid,))
             raise TableLockWaitError(
                 "the exporting slot waits for a transaction that waits for the snapshot's "
-                "lock on the table (DDL in a transaction that wrote); the snapshot gives way "
+                "lock on the table (DDL); the snapshot gives way "
                 "and is taken again")
 
 

@@ -22,7 +22,8 @@ this order:
    transaction is visible in the snapshot iff its commit record is before it. The connection
    stays open and idle (which keeps the exported snapshot importable) until every task is done;
    closing it drops the temporary slot. Creating the slot waits for every running
-   transaction: one that wrote and then queued DDL behind the guard would wait for it
+   transaction: one whose DDL queued behind the guard (with a transaction id already: it
+   wrote before, or on PostgreSQL 18 an ``ADD COLUMN ... DEFAULT``) would wait for it
    forever (PostgreSQL sees no cycle), so the snapshot gives way then, as its tasks do.
 6. **Spark**: ctid block ranges (``plan``), one per partition, ``mapPartitions`` reads and
    publishes (``reader``); tasks return statistics only.
