@@ -94,8 +94,7 @@ async def _give_way_to_ddl(creating: asyncio.Future, guard: psycopg.Connection,
                 guard.execute("SELECT pg_cancel_backend(%s)", (walsender_pid,))
             raise TableLockWaitError(
                 "the exporting slot waits for a transaction that waits for the snapshot's "
-                "lock on the table (DDL); the snapshot gives way "
-                "and is taken again")
+                "lock on the table (DDL); the snapshot gives way and is taken again")
 
 
 async def marker_seq(js: JetStreamContext, stream: str, subject: str) -> int | None:
