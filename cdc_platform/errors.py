@@ -56,9 +56,10 @@ class SnapshotError(CdcError):
 
 class TableLockWaitError(SnapshotError):
     """A snapshot task could not lock its table in time: a lock request that conflicts with
-    the snapshot's (DDL, typically ALTER TABLE) waits in front of it. The snapshot gives way
+    the snapshot's (DDL, typically ALTER TABLE) waits in front of it; or the snapshot's slot
+    waits for a transaction whose DDL waits for the snapshot's lock. The snapshot gives way
     and is taken again (the DDL would otherwise wait for the snapshot, and the snapshot's
-    tasks for the DDL)."""
+    tasks or slot for the DDL)."""
 
 
 class SnapshotRequestRefused(SnapshotError):

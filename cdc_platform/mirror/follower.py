@@ -462,7 +462,12 @@ class Mirror:
             raise _Restart
         self.position = start - 1
         reader = await self._subscribe(nc, js, stream, followed, start)
-        collector = TransactionCollector(followed, keep_events=False)
+        # a table holds every transaction committed before its point: the pass may begin
+        # inside one (its events of it before the start), which must not be waited for
+        positions = store.positions(local.values())
+        held = {table: table_point(positions[name][1], positions[name][2])
+                for table, name in local.items() if name in positions}
+        collector = TransactionCollector(followed, keep_events=False, held=held)
         follow = _Following(self, js, store, collector, local)
         last_status = last_message = time.monotonic()
         try:

@@ -67,12 +67,13 @@ class Transaction:
             self.ended.add(table)
         return True
 
-    def complete_for(self, followed: set[str]) -> bool:
+    def complete_for(self, followed: set[str], held: Mapping[str, int]) -> bool:
         if self.tables is None:
             return False
         for table, count in self.tables.items():
-            if table in followed and (table not in self.ended
-                                      or len(self.counts.get(table, ())) != count):
+            if (table in followed and (table not in self.ended
+                                       or len(self.counts.get(table, ())) != count)
+                    and self.commit_lsn >= held.get(table, 0)):
                 return False
         return True
 
@@ -86,11 +87,19 @@ class TransactionCollector:
     ``keep_events=False``: the transaction keeps only what completeness needs, and the
     consumer applies each new event as it comes (:meth:`offer` says which are new), so one
     huge transaction does not have to fit in memory.
+
+    ``held``: followed table -> the commit LSN from which it needs transactions (it holds
+    every one committed before). Such a table's events of an earlier transaction are not
+    waited for: reading starts from the lowest position any table needs, which can be inside
+    a transaction a table already holds whole (its events before the start), and no later
+    transaction may ever come to show that one is over.
     """
 
-    def __init__(self, followed: Iterable[str], *, keep_events: bool = True) -> None:
+    def __init__(self, followed: Iterable[str], *, keep_events: bool = True,
+                 held: Mapping[str, int] | None = None) -> None:
         self.followed = set(followed)
         self.keep_events = keep_events
+        self.held = dict(held or {})
         self._open: Transaction | None = None
         self._last_complete = -1
 
@@ -113,7 +122,7 @@ class TransactionCollector:
         if current is None:
             current = self._open = Transaction(commit_lsn, self.keep_events)
         fresh = current.add(event, seq)
-        if current.tables is not None and current.complete_for(self.followed):
+        if current.tables is not None and current.complete_for(self.followed, self.held):
             self._open = None
             self._last_complete = commit_lsn
             return fresh, current

@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from psycopg import sql
 
-from cdc_platform.errors import SnapshotError
+from cdc_platform.errors import SnapshotError, TableLockWaitError
 from cdc_platform.lsn import format_lsn
 from cdc_platform.replication.connection import ReplicationConnection
 from cdc_platform.settings import PostgresSettings
@@ -44,20 +44,57 @@ def take_guard(control: psycopg.Connection, publication: str, table: str,
 
 
 @contextlib.asynccontextmanager
-async def exported_snapshot(pg: PostgresSettings) -> AsyncIterator[tuple[str, str]]:
+async def exported_snapshot(pg: PostgresSettings,
+                            guard: psycopg.Connection) -> AsyncIterator[tuple[str, str]]:
     """Step 5: a temporary slot that exports a snapshot: ``(snapshot name, its LSN)`` (the
     slot's consistent point: the cutover). Closing the connection on exit ends the exported
-    snapshot and drops the slot."""
+    snapshot and drops the slot. :class:`TableLockWaitError` when the slot waits for a
+    transaction that waits for ``guard``'s lock (see :func:`_give_way_to_ddl`)."""
     replication = await ReplicationConnection.connect(
         pg.conninfo(replication=True, application_name="cdc_platform_snapshot"), pg.describe())
     try:
-        created = await replication.create_logical_slot(f"cdc_snap_{secrets.token_hex(8)}",
-                                                        temporary=True, snapshot="export")
+        creating = asyncio.ensure_future(replication.create_logical_slot(
+            f"cdc_snap_{secrets.token_hex(8)}", temporary=True, snapshot="export"))
+        try:
+            await _give_way_to_ddl(creating, guard, replication.backend_pid)
+        finally:
+            if not creating.done():
+                creating.cancel()
+                with contextlib.suppress(BaseException):
+                    await creating
+        created = creating.result()
         if not created.snapshot_name:
             raise SnapshotError("CREATE_REPLICATION_SLOT exported no snapshot")
         yield created.snapshot_name, format_lsn(created.consistent_point)
     finally:
         replication.close()
+
+
+# whether the slot creation waits, through any chain of waits, for the guard's session
+_DEADLOCKED = """WITH RECURSIVE waited(pid) AS (
+                     SELECT unnest(pg_blocking_pids(%s))
+                     UNION SELECT unnest(pg_blocking_pids(waited.pid)) FROM waited)
+                 SELECT pg_backend_pid() IN (SELECT pid FROM waited)"""
+
+
+async def _give_way_to_ddl(creating: asyncio.Future, guard: psycopg.Connection,
+                           walsender_pid: int) -> None:
+    """Until the slot is created. Creating it waits for every transaction running; one that
+    asked for a lock conflicting with the guard's (ALTER TABLE with a transaction id already)
+    waits for the snapshot, which waits for it: PostgreSQL sees no deadlock (one wait is the
+    driver's), so it is looked for here, and the snapshot gives way
+    (:class:`TableLockWaitError`: taken again once the DDL is through)."""
+    while not creating.done():
+        await asyncio.wait([creating], timeout=0.25)
+        if creating.done():
+            return
+        row = guard.execute(_DEADLOCKED, (walsender_pid,)).fetchone()
+        if row is not None and row[0]:
+            with contextlib.suppress(psycopg.Error):  # (gone already: nothing to stop)
+                guard.execute("SELECT pg_cancel_backend(%s)", (walsender_pid,))
+            raise TableLockWaitError(
+                "the exporting slot waits for a transaction that waits for the snapshot's "
+                "lock on the table (DDL); the snapshot gives way and is taken again")
 
 
 async def marker_seq(js: JetStreamContext, stream: str, subject: str) -> int | None:

@@ -21,7 +21,10 @@ this order:
    pgoutput (SNAPSHOT 'export')``. Its ``consistent_point`` is the snapshot ``lsn``: a
    transaction is visible in the snapshot iff its commit record is before it. The connection
    stays open and idle (which keeps the exported snapshot importable) until every task is done;
-   closing it drops the temporary slot.
+   closing it drops the temporary slot. Creating the slot waits for every running
+   transaction: one whose DDL queued behind the guard (with a transaction id already: it
+   wrote before, or on PostgreSQL 18 an ``ADD COLUMN ... DEFAULT``) would wait for it
+   forever (PostgreSQL sees no cycle), so the snapshot gives way then, as its tasks do.
 6. **Spark**: ctid block ranges (``plan``), one per partition, ``mapPartitions`` reads and
    publishes (``reader``); tasks return statistics only.
 7. **Meta** on ``init.meta.{table}`` once every chunk is acknowledged.
@@ -199,7 +202,7 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
             watermark_lsn = emit_watermark(control, snapshot_id, wire_table)
             described = take_guard(control, pg.publication, table, described)
             # 5. export
-            async with exported_snapshot(pg) as (snapshot_name, lsn):
+            async with exported_snapshot(pg, control) as (snapshot_name, lsn):
                 layout = chunk_layout(described, settings, snapshot_id, lsn,
                                       client.max_payload, trained)
                 spark, ranges = plan_tasks(spark, described, options)

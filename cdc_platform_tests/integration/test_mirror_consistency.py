@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import sqlite3
 import threading
 import time
 
+import msgpack
 import psycopg
 
+from cdc_platform.mirror.consistency import shadow_name
 from cdc_platform.mirror.follower import Mirror
 from cdc_platform.mirror.status import status_lines
-from cdc_platform.mirror.store import CONSISTENT_TABLE, STATE_TABLE, quote
+from cdc_platform.mirror.store import CONSISTENT_TABLE, STATE_TABLE, MirrorStore, TableShape, quote
 from cdc_platform.replication.slots import read_slot
-from cdc_platform.settings import MirrorSettings
+from cdc_platform.settings import MirrorSettings, NatsSettings, PlatformSettings
 from cdc_platform_tests.exactness import (
     bridge_caught_up,
     mirror_caught_up,
@@ -28,6 +31,7 @@ from cdc_platform_tests.exactness import (
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
 from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
+from cdc_platform_tests.unit.test_mirror_store import event, schema
 
 FAST = MirrorSettings(status_interval_seconds=1.0, snapshot_wait_seconds=120.0)
 ACCOUNTS = 500
@@ -203,3 +207,52 @@ async def test_other_tables_go_on_while_one_table_bootstraps_again(
     with contextlib.closing(sqlite3.connect(db)) as local:
         assert local.execute(f"SELECT count(*), min(k) FROM {quote(bulk)}").fetchone() == (
             600_000, -1)
+
+
+async def test_a_pass_that_starts_inside_a_transaction_a_table_already_holds_completes_it(
+        provisioned_nats, nats_client, tmp_path):
+    """A transaction changed ``a`` then ``b`` while the mirror followed only ``a``: ``a``
+    committed it whole at ``a``'s event, its position in the middle of the transaction. Then
+    ``b``'s shadow was loaded, and the next pass, from just after ``a``'s position, reads only
+    ``b``'s part. ``a`` holds the transaction already: nothing of ``a``'s must be waited for,
+    even when nothing else is ever written (before, the pass waited for it forever, the
+    shadow never swapped in: the exactness suite's mirror hung at "0 events behind")."""
+    a, b = random_name("held"), random_name("joining")
+    settings = PlatformSettings(nats=NatsSettings(url=provisioned_nats.url))
+    js = nats_client.jetstream()
+    kv = await js.key_value("schemas")
+    for table in (a, b):
+        await kv.put(table, json.dumps(schema(table)).encode())
+    first = event("UPDATE", "0/200", 0, table=a, data={"id": 1, "name": "5"},
+                  tx_tables={a: 1, b: 1})
+    second = event("UPDATE", "0/200", 1, table=b, data={"id": 1, "name": "15"},
+                   tx_tables={a: 1, b: 1})
+    db = tmp_path / "mirror.db"
+    store = MirrorStore(db)
+    try:
+        store.begin_bootstrap(TableShape.from_schema(schema(a)), "snap-a", 0x100)
+        store.load_rows(a, [{"id": 1, "name": "10"}])
+        store.finish_bootstrap(a, stream_seq=0)
+        a_seq = (await js.publish(f"cdc.{a}.update", msgpack.packb(first), stream="CDC")).seq
+        store.begin()  # what a pass following only ``a`` committed
+        store.apply(first)
+        store.commit(a_seq, [a])
+        await js.publish(f"cdc.{b}.update", msgpack.packb(second), stream="CDC")
+        # b's snapshot came after the transaction (it holds its change)
+        shadow = shadow_name(b)
+        store.begin_bootstrap(TableShape.from_schema(schema(shadow)), "snap-b", 0x300)
+        store.load_rows(shadow, [{"id": 1, "name": "15"}])
+        store.finish_bootstrap(shadow, stream_seq=(await js.stream_info("CDC")).state.last_seq)
+    finally:
+        store.close()
+    lines: list[str] = []
+    mirror = Mirror(settings, [a, b], db, options=FAST, report=lines.append)
+    try:
+        await asyncio.wait_for(mirror.run(until_caught_up=True), 30)
+    except TimeoutError:
+        raise AssertionError(f"the mirror never caught up: {lines[-2:]}") from None
+    assert not mirror.bootstrapping, lines
+    with contextlib.closing(sqlite3.connect(db)) as local:
+        assert _statuses(local) == {a: "streaming", b: "streaming"}
+        assert [local.execute(f"SELECT id, name FROM {quote(table)}").fetchall()
+                for table in (a, b)] == [[(1, "5")], [(1, "15")]]

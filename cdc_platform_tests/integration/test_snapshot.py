@@ -609,3 +609,47 @@ async def test_a_small_table_is_read_without_spark_and_equals_the_spark_read(
     direct = direct_rows(cdc_database.server.superuser_conninfo(), small_types_table,
                          TYPES_COLUMNS)
     assert by_key(rows) == by_key(direct)
+
+
+async def test_a_snapshot_gives_way_to_ddl_its_export_waits_for(
+        cdc_database, pg_admin, provisioned_nats, nats_client):
+    """A transaction that already wrote runs ALTER TABLE on the table while the snapshot holds
+    its guard lock and creates its exporting slot. The slot waits for every transaction
+    running (the ALTER's too), the ALTER for the guard: the snapshot gives way and is taken
+    again once the DDL is through (before, both waited forever: the schema-change exactness
+    suite hung on PostgreSQL 18 with a mirror "waiting for the snapshot")."""
+    table = random_name("ddlwait")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' FROM generate_series(1, 10) g")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    with psycopg.connect(cdc_database.server.superuser_conninfo()) as migration:
+        migration.execute(f"UPDATE {table} SET v = 'w' WHERE id = 1")  # (it has an xid)
+        snapshot = asyncio.create_task(snapshot_table(
+            None, settings, table, options=SnapshotOptions(watermark_wait_seconds=0.2)))
+
+        def exporting_waits() -> bool:
+            return pg_admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender' AND "
+                "application_name = 'cdc_platform_snapshot' AND wait_event_type = 'Lock'"
+            ).fetchone()[0] > 0
+        for _ in range(200):
+            if exporting_waits() or snapshot.done():
+                break
+            await asyncio.sleep(0.05)
+        assert exporting_waits()
+
+        def alter() -> None:
+            migration.execute(f"ALTER TABLE {table} ADD COLUMN w int DEFAULT 7")
+            migration.commit()
+        altering = asyncio.create_task(asyncio.to_thread(alter))
+        try:
+            result = await asyncio.wait_for(asyncio.shield(snapshot), 60)
+        finally:
+            snapshot.cancel()
+            with contextlib.suppress(BaseException):
+                await snapshot
+            await altering
+    assert result.snapshot_id.endswith("-r1")  # the second attempt, after the DDL
+    rows = sorted((r["id"], r["v"], r["w"]) for r in await snapshot_data(nats_client, result))
+    assert rows == [(1, "w", 7), *((i, "v", 7) for i in range(2, 11))]

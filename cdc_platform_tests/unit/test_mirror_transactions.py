@@ -41,6 +41,16 @@ def test_not_complete_before_the_last_event_of_a_followed_table():
     assert collector.pending is not None
 
 
+def test_a_table_holding_the_transaction_already_is_not_waited_for():
+    """Reading began after ``a``'s events of 0/10 (``a`` holds every transaction before
+    0/11); ``b`` needs it. 0/20 needs both again."""
+    tx = {"a": 1, "b": 1}
+    collector = TransactionCollector({"a", "b"}, held={"a": 0x11, "b": 0x5})
+    done = feed(collector, [change("b", "0/10", 1, tx), change("a", "0/20", 0, tx)])
+    assert done == [(0x10, [("b", 1, "INSERT")], 1)]
+    assert collector.pending is not None  # 0/20: b's event still to come
+
+
 def test_redelivered_events_and_transactions_add_nothing():
     tx = {"a": 2}
     done = feed(TransactionCollector({"a"}), [
