@@ -56,7 +56,12 @@ from cdc_platform.mirror.transactions import StreamGap, TransactionCollector
 from cdc_platform.naming import parse_wire_name
 from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.settings import MirrorSettings, PlatformSettings
-from cdc_platform.snapshot.meta import MarkerNotInCdcYet, SnapshotMeta, cutover_start_seq
+from cdc_platform.snapshot.meta import (
+    MarkerNotInCdcYet,
+    SnapshotMeta,
+    SnapshotUnusable,
+    cutover_start_seq,
+)
 from cdc_platform.snapshot.requests import (
     reusable_snapshot,
     snapshot_relation_id,
@@ -88,6 +93,9 @@ _LOOK_FOR_SNAPSHOT_SECONDS = 5.0
 _INT64_MAX = (1 << 63) - 1
 # how long a snapshot of another table than the KV schema's may wait for KV to catch up
 _KV_CATCH_UP_SECONDS = 30.0
+# Snapshots in a row whose chunks cannot be used before a person is needed (each is asked
+# for past the last one's cutover LSN, so a new one is taken each time).
+_UNUSABLE_SNAPSHOTS = 3
 
 
 class _Restart(Exception):
@@ -222,10 +230,29 @@ class Mirror:
                     table: str, min_lsn: int, stop: asyncio.Event) -> None:
         """Load a snapshot of ``table`` into its shadow, chunk by chunk, each in a short
         transaction of its own between the follower's (the other tables keep following);
-        then the shadow follows the stream until it is swapped in (mirror/consistency.py)."""
-        meta, start_seq = await self._snapshot(nc, js, table, min_lsn, stop)
-        if meta is None or stop.is_set():
-            return  # stopped while waiting
+        then the shadow follows the stream until it is swapped in (mirror/consistency.py).
+        A snapshot whose chunks cannot be used (gone from `INIT`, unreadable, not adding up
+        to its meta) gives way to a newer one, a few times in a row at most."""
+        for attempt in range(1, _UNUSABLE_SNAPSHOTS + 1):
+            meta, start_seq = await self._snapshot(nc, js, table, min_lsn, stop)
+            if meta is None or stop.is_set():
+                return  # stopped while waiting
+            try:
+                await self._load_snapshot(js, store, table, meta, start_seq, stop)
+                return
+            except SnapshotUnusable as exc:
+                if attempt == _UNUSABLE_SNAPSHOTS:
+                    raise MirrorError(f"{table}: {_UNUSABLE_SNAPSHOTS} snapshots in a row are "
+                                      f"unusable, the last: {exc}") from exc
+                self.report(f"{table}: snapshot {meta.snapshot_id} is unusable ({exc}); "
+                            "asking for a newer one")
+                # past its cutover LSN: neither reused nor given again by the sensor (the
+                # shadow's rows so far go with the next begin_bootstrap)
+                min_lsn = max(min_lsn, meta.lsn + 1)
+
+    async def _load_snapshot(self, js: JetStreamContext, store: MirrorStore, table: str,
+                             meta: SnapshotMeta, start_seq: int, stop: asyncio.Event) -> None:
+        """One snapshot into the shadow (:class:`SnapshotUnusable`: its chunks cannot be)."""
         assert meta.table_schema is not None  # (_snapshot returns only metas that carry it)
         shadow = shadow_name(table)
         shape = dataclasses.replace(TableShape.from_schema(meta.table_schema), table=shadow)

@@ -17,9 +17,11 @@ from typing import Any
 import zstandard
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import KeyNotFoundError
 
+from cdc_platform.errors import PublishError
 from cdc_platform.mirror.store import ChunkLoad
-from cdc_platform.publishing.claim_check import resolve_payload
+from cdc_platform.publishing.claim_check import UnresolvableClaimCheck, resolve_payload
 from cdc_platform.snapshot.dictionary import decompressor, fetch_dictionary
 from cdc_platform.snapshot.meta import SnapshotMeta, SnapshotUnusable
 from cdc_platform.speedups import compiled_twin
@@ -30,6 +32,11 @@ log = logging.getLogger(__name__)
 # A chunk is up to max_payload bytes: fetch a few at a time (the client's pending limits).
 _FETCH_BATCH = 16
 
+
+# A chunk message's content that cannot be used: a claim check naming no (whole) object, a
+# dictionary not in KV, a payload that does not decompress or decode to a chunk.
+_UNUSABLE_CHUNK = (UnresolvableClaimCheck, PublishError, KeyNotFoundError, zstandard.ZstdError,
+                   KeyError, ValueError, TypeError)
 
 _twin = compiled_twin(__name__)  # decode_chunk (cdc_platform/speedups.py)
 
@@ -68,7 +75,8 @@ async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str =
                       load: ChunkLoad | None = None) -> AsyncIterator[ChunkRows]:
     """Each chunk's rows (as tuples in ``columns`` order where it can: see
     :func:`decode_chunk`), every chunk exactly once; :class:`SnapshotUnusable` when the
-    stream no longer holds all ``batch_count`` chunks. With ``load``, a chunk it takes is
+    stream no longer holds all ``batch_count`` chunks, a chunk message cannot be read, or
+    the rows do not add up to the meta's ``row_count``. With ``load``, a chunk it takes is
     written by it and comes with ``loaded`` set instead of its rows."""
     bucket = dictionary_bucket or meta.raw.get("dictionary_bucket") or "zstd_dictionaries"
     decompressors: dict[str | None, zstandard.ZstdDecompressor] = {}
@@ -87,26 +95,33 @@ async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str =
         while len(seen) < meta.batch_count:
             for message in await subscription.fetch(_FETCH_BATCH, timeout=10.0):
                 headers = message.headers or {}
-                # a one-row chunk over max_payload is a claim check; its headers describe
-                # the object (README "Large values")
-                data = await resolve_payload(js, message.data, headers)
-                if headers.get("Content-Encoding") == "zstd":
-                    dict_id = headers.get("Cdc-Zstd-Dict")
-                    if dict_id not in decompressors:
-                        decompressors[dict_id] = decompressor(
-                            None if dict_id is None
-                            else await fetch_dictionary(js, meta.table, int(dict_id),
-                                                        bucket=bucket))
-                    data = decompressors[dict_id].decompress(data)
-                taken = load(data, seen) if load is not None else None
-                if taken is not None:
-                    chunk = ChunkRows(taken[0], [], loaded=taken[1])
-                else:
-                    chunk = decode_chunk(data, columns)
-                if chunk.number in seen:  # a retried task's chunk stored twice past the
-                    continue              # dedupe window (``load`` leaves those to us)
-                seen.add(chunk.number)
-                rows += len(chunk.rows) if chunk.loaded is None else chunk.loaded
+                try:
+                    # a one-row chunk over max_payload is a claim check; its headers describe
+                    # the object (README "Large values")
+                    data = await resolve_payload(js, message.data, headers)
+                    if headers.get("Content-Encoding") == "zstd":
+                        dict_id = headers.get("Cdc-Zstd-Dict")
+                        if dict_id not in decompressors:
+                            decompressors[dict_id] = decompressor(
+                                None if dict_id is None
+                                else await fetch_dictionary(js, meta.table, int(dict_id),
+                                                            bucket=bucket))
+                        data = decompressors[dict_id].decompress(data)
+                    taken = load(data, seen) if load is not None else None
+                    if taken is not None:
+                        chunk = ChunkRows(taken[0], [], loaded=taken[1])
+                    else:
+                        chunk = decode_chunk(data, columns)
+                    if chunk.number in seen:  # a retried task's chunk stored twice past
+                        continue              # the dedupe window (``load`` leaves those)
+                    seen.add(chunk.number)
+                    rows += len(chunk.rows) if chunk.loaded is None else chunk.loaded
+                except _UNUSABLE_CHUNK as exc:
+                    # what the snapshot holds, not NATS being away: no reading of it helps
+                    raise SnapshotUnusable(
+                        f"snapshot {meta.snapshot_id} of {meta.table}: chunk message "
+                        f"{message.metadata.sequence.stream} in {stream} cannot be read "
+                        f"({type(exc).__name__}: {exc})") from exc
                 yield chunk
                 if progress is not None:
                     progress(rows, len(seen))

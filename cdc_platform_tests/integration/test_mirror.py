@@ -17,6 +17,7 @@ from cdc_platform.postgres.catalog import published_relation_ids
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings
 from cdc_platform.snapshot import snapshot_table
+from cdc_platform.snapshot.meta import latest_meta
 from cdc_platform.snapshot.options import SnapshotOptions
 from cdc_platform.snapshot.requests import SnapshotRequest, answer_requests
 from cdc_platform_tests.exactness import (
@@ -500,3 +501,47 @@ async def test_random_payloads_published_into_a_running_mirror_never_stop_it(
                 and "bootstrapping again" in line], lines
     for table in (victim, bystander):
         assert mirror_rows(db, table, ["id", "v"]) == source_rows(conninfo, table, ["id", "v"])
+
+
+@pytest.mark.parametrize("damage", ["chunk deleted", "chunk replaced by garbage"])
+async def test_a_snapshot_whose_chunks_cannot_be_used_gives_way_to_a_newer_one(
+        damage, cdc_database, pg_admin, provisioned_nats, tmp_path):
+    """A snapshot in `INIT` within the reuse window but with a chunk gone (deleted, aged
+    out) or unreadable: the mirror says it is unusable and bootstraps the table from a newer
+    one it asks for, instead of stopping (and failing again on the same one at each start)."""
+    table = _published_table(pg_admin, cdc_database, "unusable", 300)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    init = settings.topology.init.name
+    lines: list[str] = []
+    client = await connect_nats(settings.nats, name="cdc-tests-damage")
+    js = client.jetstream()
+    try:
+        async with running_bridge(settings), snapshot_responder(settings) as taken:
+            await _bridge_ready(pg_admin, cdc_database, settings, [table])
+            await Mirror(settings, [table], tmp_path / "first.db", options=FAST,
+                         report=lines.append).run(until_caught_up=True)
+            assert len(taken) == 1
+            damaged = taken[0].snapshot_id
+            meta = await latest_meta(js, table, init)
+            assert meta is not None and meta.snapshot_id == damaged
+            chunks = await js.pull_subscribe(f"{meta.chunk_subject_prefix}>", stream=init)
+            chunk = (await chunks.fetch(1, timeout=5.0))[0]
+            await chunks.unsubscribe()
+            await js.delete_msg(init, chunk.metadata.sequence.stream)
+            if damage == "chunk replaced by garbage":
+                # (a new message id: the stream would take it for the deleted one's retry)
+                headers = {key: value for key, value in (chunk.headers or {}).items()
+                           if key != "Nats-Msg-Id"}
+                await js.publish(chunk.subject, b"not a zstd frame", stream=init,
+                                 headers={**headers, "Content-Encoding": "zstd"})
+            pg_admin.execute(f"UPDATE {table} SET v = 'after' WHERE id <= 20")
+            db = tmp_path / "m.db"
+            await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
+                until_caught_up=True)
+    finally:
+        await client.close()
+    assert any(line.startswith(f"{table}: snapshot {damaged} is unusable (")
+               and line.endswith("asking for a newer one") for line in lines), lines
+    assert len(taken) == 2 and taken[1].snapshot_id != damaged
+    assert mirror_rows(db, table, ["id", "v"]) == source_rows(
+        cdc_database.server.superuser_conninfo(), table, ["id", "v"])
