@@ -69,10 +69,14 @@ async def test_the_mirror_equals_the_source_after_a_randomized_workload(
         stop.set()
         await asyncio.wait_for(mirroring, 60)
     assert differences(conninfo, workload, db) == {}, "\n".join(lines[-30:])
-    # every table bootstrapped once, and the table rewritten by a volatile default again
+    # every table bootstrapped once, and the table rewritten by a volatile default again: as
+    # a rewrite, or (when the bridge reads the catalog only after the workload dropped that
+    # column again, as PostgreSQL 18 here often lets it) as a shape it cannot know
     bootstraps = [line for line in lines if ": bootstrapping (" in line]
     assert len(bootstraps) == 5, bootstraps
-    assert sum("rewritten" in line for line in bootstraps) == 1, bootstraps
+    (again,) = [line for line in bootstraps if "(first start)" not in line]
+    assert f"{workload.types}: " in again, bootstraps
+    assert "rewritten" in again or "cannot be known" in again, bootstraps
     assert not [line for line in lines if "does not hold" in line or "already mirrored" in line]
     assert len(taken) >= 4
     assert bootstrapped_at[0] < SIZE.transactions * 0.7  # the workload went on after it
