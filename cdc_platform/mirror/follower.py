@@ -449,9 +449,15 @@ class Mirror:
                         last_status = now
                         self.report(self.status_line(pending,
                                                      len(followed) - len(follow.shadowed)))
-                    if (pending == 0 and between and follow.shadowed
-                            and now - last_message >= IDLE_SWAP_SECONDS):
-                        follow.swap_shadows(idle=True)
+                    if pending == 0 and between and follow.shadowed:
+                        # read to the end: the stream's last message (any table's) bounds
+                        # where the followed tables are
+                        end = await _commit_lsn_at(js, stream, self.position)
+                        if end is not None:
+                            follow.read_through = max(follow.read_through or 0, end - 1)
+                            follow.swap_shadows()
+                        if follow.shadowed and now - last_message >= IDLE_SWAP_SECONDS:
+                            follow.swap_shadows(idle=True)
                     if (pending == 0 and until_caught_up and collector.pending is None
                             and not follow.shadowed and not self._loaders):
                         return True
@@ -733,6 +739,19 @@ def _check_event(event: Any, subject: str, subject_prefixes: dict[str, str]) -> 
         raise ValueError(f"{operation} without a data map")
     if operation == "INSERT" and not event["data"]:
         raise ValueError("an INSERT without values")
+
+
+async def _commit_lsn_at(js: JetStreamContext, stream: str, seq: int) -> int | None:
+    """The commit LSN of the message at ``seq`` of ``stream`` (an event, a batch, a watermark
+    marker), None when it has none to read. Stream order is commit order: every transaction
+    that committed before it was stored before it."""
+    try:
+        message = await js.get_msg(stream, seq=seq)
+        decoded = decode_any(message.data or b"")
+        event = decoded[-1] if isinstance(decoded, list) and decoded else decoded
+        return parse_lsn_cached(event["commit_lsn"]) if isinstance(event, dict) else None
+    except (NatsError, TimeoutError, ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 async def _between_transactions(store: MirrorStore) -> None:
