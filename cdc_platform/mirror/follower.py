@@ -616,8 +616,7 @@ class _Following:
                 self.abandon()
                 # (a batch of another table may have been flushed before this event: the
                 # error names that table)
-                table = exc.table or event["table"]
-                self._mark_stale([self._tables.get(table, table)], str(exc),
+                self._mark_stale([exc.table or event["table"]], str(exc),
                                  parse_lsn_cached(event["commit_lsn"]))
                 return
             self.applied_in_open += 1
@@ -644,8 +643,8 @@ class _Following:
         except DivergenceError as exc:  # a batch flushed at commit did not fit
             self.open = False  # (the store rolled back)
             self.abandon()
-            self._mark_stale([self._tables.get(exc.table, exc.table)] if exc.table
-                             else list(self.followed), str(exc), self.group_commit_lsn)
+            self._mark_stale([exc.table] if exc.table else list(self.followed), str(exc),
+                             self.group_commit_lsn)
             return
         self.open = False
         mirror = self.mirror
@@ -713,7 +712,8 @@ class _Following:
         self.collector.reset()
 
     def _mark_stale(self, tables: list[str], reason: str, at_lsn: int) -> None:
-        for table in tables:
+        for name in tables:
+            table = self._tables.get(name, name)  # (a shadow's name: its table's)
             self.store.mark_stale(self.local.get(table, table), reason, at_lsn)
             self.stale[table] = reason
             self.mirror.report(f"{table}: {reason}; bootstrapping again")
