@@ -23,9 +23,11 @@ that point. Anything else is not known to be consistent: a shadow waits, and the
 "not known" (NULL) only when a commit changed a streaming table while its points disagree.
 
 Liveness. A shadow whose cutover is ahead of the others waits for a transaction at or after
-it. A source that writes nothing to the followed tables never provides one: after
-``IDLE_SWAP_SECONDS`` with nothing to read, the shadows are swapped in anyway and the record
-says NULL (not known) until the next change proves a point.
+it. When the pass has read the whole stream, the stream's last message (any table's, or a
+watermark marker) serves too: stream order is commit order, so every transaction that
+committed before it is in the followed tables. A source that writes nothing at all never
+provides one: after ``IDLE_SWAP_SECONDS`` with nothing to read, the shadows are swapped in
+anyway and the record says NULL (not known) until the next change proves a point.
 """
 
 from __future__ import annotations

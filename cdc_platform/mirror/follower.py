@@ -543,9 +543,15 @@ class Mirror:
                         last_status = now
                         self.report(self.status_line(pending,
                                                      len(followed) - len(follow.shadowed)))
-                    if (pending == 0 and between and follow.shadowed
-                            and now - last_message >= IDLE_SWAP_SECONDS):
-                        follow.swap_shadows(idle=True)
+                    if pending == 0 and between and follow.shadowed:
+                        # read to the end: the stream's last message (any table's) bounds
+                        # where the followed tables are
+                        end = await _commit_lsn_at(js, stream, self.position)
+                        if end is not None:
+                            follow.read_through = max(follow.read_through or 0, end - 1)
+                            follow.swap_shadows()
+                        if follow.shadowed and now - last_message >= IDLE_SWAP_SECONDS:
+                            follow.swap_shadows(idle=True)
                     if (pending == 0 and until_caught_up and collector.pending is None
                             and not follow.shadowed and not self._loaders):
                         return True
@@ -714,8 +720,7 @@ class _Following:
                 # (a batch of another table may have been flushed before this event: the
                 # error names that table.) A snapshot past the transaction that did not fit:
                 # one at its commit LSN would apply it again, and again.
-                table = exc.table or event["table"]
-                self._mark_stale([self._tables.get(table, table)], str(exc),
+                self._mark_stale([exc.table or event["table"]], str(exc),
                                  parse_lsn_cached(event["commit_lsn"]) + 1)
                 return
             self.applied_in_open += 1
@@ -754,8 +759,8 @@ class _Following:
         except DivergenceError as exc:  # a batch flushed at commit did not fit
             self.open = False  # (the store rolled back)
             self.abandon()
-            self._mark_stale([self._tables.get(exc.table, exc.table)] if exc.table
-                             else list(self.followed), str(exc), self.group_commit_lsn + 1)
+            self._mark_stale([exc.table] if exc.table else list(self.followed), str(exc),
+                             self.group_commit_lsn + 1)
             return
         self.open = False
         mirror = self.mirror
@@ -823,7 +828,8 @@ class _Following:
         self.collector.reset()
 
     def _mark_stale(self, tables: list[str], reason: str, at_lsn: int) -> None:
-        for table in tables:
+        for name in tables:
+            table = self._tables.get(name, name)  # (a shadow's name: its table's)
             self.store.mark_stale(self.local.get(table, table), reason, at_lsn)
             self.stale[table] = reason
             self.mirror.report(f"{table}: {reason}; bootstrapping again")
@@ -851,6 +857,19 @@ def _check_event(event: Any, subject: str, subject_prefixes: dict[str, str]) -> 
         raise ValueError(f"{operation} without a data map")
     if operation == "INSERT" and not event["data"]:
         raise ValueError("an INSERT without values")
+
+
+async def _commit_lsn_at(js: JetStreamContext, stream: str, seq: int) -> int | None:
+    """The commit LSN of the message at ``seq`` of ``stream`` (an event, a batch, a watermark
+    marker), None when it has none to read. Stream order is commit order: every transaction
+    that committed before it was stored before it."""
+    try:
+        message = await js.get_msg(stream, seq=seq)
+        decoded = decode_any(message.data or b"")
+        event = decoded[-1] if isinstance(decoded, list) and decoded else decoded
+        return parse_lsn_cached(event["commit_lsn"]) if isinstance(event, dict) else None
+    except (NatsError, TimeoutError, ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 async def _between_transactions(store: MirrorStore) -> None:

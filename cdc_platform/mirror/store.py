@@ -1048,12 +1048,6 @@ class MirrorStore:
                                 state.touched)
         return found
 
-    def consistent_lsn(self) -> int | None:
-        """The recorded LSN at which every streaming table equals the source (None: not
-        known)."""
-        row = self._db.execute(f"SELECT lsn_int FROM {CONSISTENT_TABLE}").fetchone()
-        return None if row is None or row[0] is None else int(row[0])
-
     def record_consistent_lsn(self, lsn: int | None) -> None:
         """Record ``lsn`` (None: not known) in the current transaction, or in one of its own."""
         with self._transaction():
@@ -1090,14 +1084,6 @@ class MirrorStore:
             self.record_consistent_lsn(consistent_lsn)
         self._prepared = {key: value for key, value in self._prepared.items()
                           if key[1] not in shadows and key[1] not in shadows.values()}
-
-    def drop_shadow(self, shadow: str) -> None:
-        """Forget a shadow (a bootstrap begun again from a new snapshot)."""
-        with self._transaction():
-            self._db.execute(f"DROP TABLE IF EXISTS {quote(shadow)}")
-            self._db.execute(f"DELETE FROM {STATE_TABLE} WHERE wire_table = ?", (shadow,))
-        self._states.pop(shadow, None)
-        self._shapes.pop(shadow, None)
 
     # -- plumbing -------------------------------------------------------------------------------
     def _put_state(self, state: TableState, *, stream_seq: int) -> None:

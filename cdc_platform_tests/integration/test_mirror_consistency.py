@@ -256,3 +256,38 @@ async def test_a_pass_that_starts_inside_a_transaction_a_table_already_holds_com
         assert _statuses(local) == {a: "streaming", b: "streaming"}
         assert [local.execute(f"SELECT id, name FROM {quote(table)}").fetchall()
                 for table in (a, b)] == [[(1, "5")], [(1, "15")]]
+
+
+async def test_a_change_of_another_table_proves_where_idle_tables_meet(
+        cdc_database, pg_admin, provisioned_nats, tmp_path):
+    """Two tables nobody writes, snapshotted at different points: the stream's last message,
+    a change of a table the mirror does not follow, shows that both are at its LSN, so the
+    second is swapped in with a known consistent LSN instead of after the idle wait."""
+    tables = [random_name("idle_a"), random_name("idle_b")]
+    other = random_name("elsewhere")
+    for table in [*tables, other]:
+        pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v int)")
+        pg_admin.execute(f"INSERT INTO {table} SELECT g, g FROM generate_series(1, 100) g")
+    cdc_database.add_tables(pg_admin, *tables, other)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    db = tmp_path / "mirror.db"
+    lines: list[str] = []
+    async with running_bridge(settings), snapshot_responder(settings, max_age_seconds=0):
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        mirror = Mirror(settings, tables, db, options=FAST, report=reporter(lines))
+        following = asyncio.create_task(mirror.run(until_caught_up=True))
+
+        def both_loaded() -> bool:
+            if following.done():
+                following.result()
+            with contextlib.closing(sqlite3.connect(db)) as local:
+                return mirror.bootstraps == 2 and len(_statuses(local)) == 2
+        await wait_for(both_loaded, timeout=60, interval=0.02, what="both snapshots loaded")
+        pg_admin.execute(f"UPDATE {other} SET v = 0 WHERE id = 1")
+        await asyncio.wait_for(following, 60)
+    assert not any("not known" in line for line in lines), lines
+    with contextlib.closing(sqlite3.connect(db)) as local:
+        assert local.execute(f"SELECT lsn FROM {CONSISTENT_TABLE}").fetchone()[0] is not None
+    conninfo = cdc_database.server.superuser_conninfo()
+    for table in tables:
+        assert mirror_rows(db, table, ["id", "v"]) == source_rows(conninfo, table, ["id", "v"])

@@ -148,3 +148,23 @@ def test_mirror_status_prints_each_table_and_the_consistent_lsn(tmp_path, capsys
     assert cli.main(["mirror", "--sqlite", str(path)]) == 2
     assert "--tables is required" in capsys.readouterr().err
     assert cli.main(["mirror", "status", "--sqlite", str(tmp_path / "none.db")]) == 2
+
+
+def test_a_divergence_in_a_shadow_makes_its_table_bootstrap_again(tmp_path):
+    path = tmp_path / "mirror.db"
+    store = MirrorStore(path)
+    bootstrapped(store, schema("a"), lsn=0x100)
+    shadow = shadow_name("b")
+    store.begin_bootstrap(TableShape.from_schema(schema(shadow)), "snap2", 0x300)
+    store.finish_bootstrap(shadow, stream_seq=3)
+    lines: list[str] = []
+    mirror = Mirror(PlatformSettings(), ["a", "b"], path, report=lines.append)
+    follow = _Following(mirror, None, store, TransactionCollector(["a", "b"],
+                                                                  keep_events=False),
+                        {"a": "a", "b": shadow})
+    follow.event(event("DELETE", "0/400", 0, table="b", data={"id": 9}, old={"id": 9},
+                       tx_tables={"b": 1}), 4, False)
+    assert list(follow.stale) == ["b"]
+    assert store.state(shadow).status == "stale" and store.state(shadow).stale_lsn == 0x401
+    assert any(line.startswith("b: ") and "bootstrapping again" in line for line in lines)
+    store.close()
