@@ -38,6 +38,54 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class PortTaken(CdcError):
+    """A server could not listen on its port: something else took it after we chose it
+    (another process may bind a port between our check and the server's start)."""
+
+
+# What PostgreSQL, nats-server and uvicorn (the Dagster UI) say when their port is taken.
+_PORT_TAKEN_MARKERS = ("address already in use",)
+
+
+_PORT_ATTEMPTS = 3
+
+
+def said_port_taken(output: str) -> bool:
+    return any(marker in output.lower() for marker in _PORT_TAKEN_MARKERS)
+
+
+def read_from(path: Path, offset: int) -> str:
+    """What was appended to the log ``path`` since it was ``offset`` bytes long."""
+    with contextlib.suppress(FileNotFoundError), open(path, "rb") as log_in:
+        log_in.seek(offset)
+        return log_in.read().decode(errors="replace")
+    return ""
+
+
+def log_size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds the listening TCP socket of ``port`` (None: this
+    system has no /proc to tell). A port that answers may be another program's."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()  # local "ADDR:PORT" (hex), state 0A = LISTEN, inode
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    if not os.path.exists("/proc/net/tcp"):
+        return None
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return True
+    return False
+
+
 def port_is_open(host: str, port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
         return True
@@ -216,7 +264,7 @@ class LocalPostgres:
     """
 
     base_dir: Path
-    port: int = field(default_factory=free_port)
+    port: int = 0  # 0: a free one, chosen again should another process take it first
     superuser_password: str = field(default_factory=lambda: secrets.token_urlsafe(16), repr=False)
     # None: find_postgres_bin_dir() for this data dir, chosen in __post_init__
     bin_dir: Path = None  # type: ignore[assignment]
@@ -228,6 +276,9 @@ class LocalPostgres:
         self.data_dir = self.base_dir / "data"
         self.socket_dir = self.base_dir / "socket"
         self.log_file = self.base_dir / "postgres.log"
+        self.port_chosen = self.port == 0
+        if self.port_chosen:
+            self.port = free_port()
         self.os_user = _server_os_user()
         self.bin_dir = (find_postgres_bin_dir(self.data_dir) if self.bin_dir is None
                         else Path(self.bin_dir))
@@ -285,6 +336,16 @@ class LocalPostgres:
             private.chmod(0o700)
 
     def start(self) -> None:
+        for attempt in range(_PORT_ATTEMPTS):
+            try:
+                return self._start()
+            except PortTaken:
+                if not self.port_chosen or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+                self.port = free_port()
+                log.info("PostgreSQL: the port was taken meanwhile, trying %d", self.port)
+
+    def _start(self) -> None:
         if not self.initialized:
             self.init()
         made_by, running = data_dir_major(self.data_dir), server_major(self.bin_dir)
@@ -298,8 +359,15 @@ class LocalPostgres:
             options += " -c fsync=off -c full_page_writes=off"
         self.log_file.touch()
         self._chown(self.log_file)
-        self._run(self.bin_dir / "pg_ctl", "-D", self.data_dir, "-l", self.log_file, "-o",
-                  options, "-w", "-t", "60", "start")
+        log_offset = log_size(self.log_file)
+        try:
+            self._run(self.bin_dir / "pg_ctl", "-D", self.data_dir, "-l", self.log_file, "-o",
+                      options, "-w", "-t", "60", "start")
+        except CdcError as exc:
+            if said_port_taken(read_from(self.log_file, log_offset)):
+                raise PortTaken(f"PostgreSQL could not listen on {self.host}:{self.port}: "
+                                "address already in use") from exc
+            raise
         log.info("PostgreSQL %s started on %s:%s", self.version(), self.host, self.port)
 
     def stop(self, mode: str = "fast") -> None:
@@ -362,8 +430,8 @@ class LocalNatsServer:
     """nats-server with JetStream, file storage in ``base_dir``, on 127.0.0.1:``port``."""
 
     base_dir: Path
-    port: int = field(default_factory=free_port)
-    monitor_port: int = field(default_factory=free_port)
+    port: int = 0  # 0: free ones, chosen again should another process take them first
+    monitor_port: int = 0
     user: str | None = None
     password: str | None = field(default=None, repr=False)
     max_payload: int | None = None
@@ -375,6 +443,15 @@ class LocalNatsServer:
         self.log_file = self.base_dir / "nats-server.log"
         self.config_file = self.base_dir / "nats-server.conf"
         self.process: subprocess.Popen | None = None
+        self.ports_chosen = (self.port == 0, self.monitor_port == 0)
+        self._choose_ports()
+
+    def _choose_ports(self) -> None:
+        port_chosen, monitor_port_chosen = self.ports_chosen
+        if port_chosen:
+            self.port = free_port()
+        if monitor_port_chosen:
+            self.monitor_port = free_port()
 
     def _write_config(self) -> None:
         lines = [
@@ -396,16 +473,39 @@ class LocalNatsServer:
         self.config_file.chmod(0o600)
 
     def start(self) -> None:
+        for attempt in range(_PORT_ATTEMPTS):
+            try:
+                return self._start()
+            except PortTaken:
+                if not any(self.ports_chosen) or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+                self._choose_ports()
+                log.info("nats-server: a port was taken meanwhile, trying %d", self.port)
+
+    def _start(self) -> None:
         self.base_dir.mkdir(parents=True, exist_ok=True)
         self._write_config()
+        log_offset = log_size(self.log_file)
         with open(self.log_file, "ab") as log_out:
             self.process = subprocess.Popen(
                 [str(find_nats_server()), "-c", str(self.config_file)],
                 stdout=log_out, stderr=subprocess.STDOUT, start_new_session=True,
             )
-        _wait_until(lambda: self.process.poll() is None and port_is_open(self.host, self.port)
-                    and port_is_open(self.host, self.monitor_port),
-                    30, "nats-server", self.log_file)
+        process = self.process
+
+        def ready() -> bool:
+            # Its own "ready" line, not an open port: another server may hold the port
+            # (our process then exits), and it would answer for us.
+            said = read_from(self.log_file, log_offset)
+            if process.poll() is not None:
+                if said_port_taken(said):
+                    raise PortTaken(f"nats-server could not listen on {self.host}:{self.port} "
+                                    f"or {self.monitor_port}: address already in use")
+                raise CdcError(f"nats-server exited with code {process.returncode}:\n"
+                               + "\n".join(said.splitlines()[-20:]))
+            return "Server is ready" in said
+
+        _wait_until(ready, 30, "nats-server", self.log_file)
         log.info("nats-server started on %s", self.url)
 
     def stop(self, timeout: float = 10) -> None:

@@ -33,8 +33,13 @@ from cdc_platform.dev.runs import cancel_runs, failed_runs
 from cdc_platform.dev.servers import (
     LocalNatsServer,
     LocalPostgres,
+    PortTaken,
     free_port,
+    listens_on,
+    log_size,
     port_is_open,
+    read_from,
+    said_port_taken,
     start_logical_postgres,
 )
 from cdc_platform.errors import CdcError
@@ -124,9 +129,20 @@ class DevStack:
         preferred = DEFAULT_PORTS[name]
         if not port_is_open("127.0.0.1", preferred):
             return preferred
-        chosen = free_port()
-        log.info("port %d is taken: using %d for %s", preferred, chosen, flag)
-        return chosen
+        log.info("port %d is taken: using a free one for %s", preferred, flag)
+        return 0  # (the server chooses, and chooses again if another takes it first)
+
+    def _given(self, name: str) -> bool:
+        return getattr(self.options, name) is not None
+
+    def _fall_back(self, names: tuple[str, ...], exc: PortTaken) -> None:
+        """A default port was free when we looked and taken when the server started:
+        free ports instead (a port the user gave is an error)."""
+        if any(self._given(name) or self.ports[name] == 0 for name in names):
+            raise exc
+        log.info("%s; using free ports for %s", exc, ", ".join(names))
+        for name in names:
+            self.ports[name] = 0
 
     # -- bring up ----------------------------------------------------------------------
     def run(self, stops: StopSignals) -> int:
@@ -178,10 +194,16 @@ class DevStack:
             with psycopg.connect(settings.conninfo(), autocommit=True):
                 pass  # fail now, clearly, if it is unreachable or refuses us
             return settings
-        self.postgres = start_logical_postgres(
-            self.state_dir / "postgres", port=self.ports["pg_port"],
-            superuser_password=secrets_file.values["PG_SUPERUSER_PASSWORD"],
-        )
+        try:
+            self.postgres = start_logical_postgres(
+                self.state_dir / "postgres", port=self.ports["pg_port"],
+                superuser_password=secrets_file.values["PG_SUPERUSER_PASSWORD"])
+        except PortTaken as exc:
+            self._fall_back(("pg_port",), exc)
+            self.postgres = start_logical_postgres(
+                self.state_dir / "postgres", port=self.ports["pg_port"],
+                superuser_password=secrets_file.values["PG_SUPERUSER_PASSWORD"])
+        self.ports["pg_port"] = self.postgres.port
         settings = PostgresSettings(
             host=self.postgres.host, port=self.postgres.port, database="postgres",
             user="bridge_reader", password=secrets_file.values["CDC_PG_PASSWORD"],
@@ -202,9 +224,17 @@ class DevStack:
             settings = load_settings(NatsSettings)
             log.info("using the NATS given by the environment: %s", settings.describe())
             return settings
+        names = ("nats_port", "nats_monitor_port")
         self.nats = LocalNatsServer(self.state_dir / "nats", port=self.ports["nats_port"],
                                     monitor_port=self.ports["nats_monitor_port"])
-        self.nats.start()
+        try:
+            self.nats.start()
+        except PortTaken as exc:
+            self._fall_back(names, exc)
+            self.nats = LocalNatsServer(self.state_dir / "nats", port=self.ports["nats_port"],
+                                        monitor_port=self.ports["nats_monitor_port"])
+            self.nats.start()
+        self.ports.update(nats_port=self.nats.port, nats_monitor_port=self.nats.monitor_port)
         return NatsSettings(url=self.nats.url)
 
     async def _provision_nats(self, settings: NatsSettings, topology) -> None:
@@ -252,16 +282,19 @@ class DevStack:
                                   cwd=REPO_ROOT, capture_output=True, text=True, check=False)
         if migrated.returncode != 0:
             raise CdcError(f"dagster instance migrate failed: {migrated.stderr.strip()[-500:]}")
-        for name, command in (
-            ("dagster-webserver", [str(bin_dir / "dagster-webserver"), "-h", "127.0.0.1",
-                                   "-p", str(self.ports["ui_port"]), "-w", workspace]),
-            ("dagster-daemon", [str(bin_dir / "dagster-daemon"), "run", "-w", workspace]),
-        ):
-            with open(logs / f"{name}.log", "ab") as out:
-                process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
-            self.processes.append((name, process))
-        self._wait_for_ui(timeout=180)
+        with open(logs / "dagster-daemon.log", "ab") as out:
+            self.processes.append(("dagster-daemon", subprocess.Popen(
+                [str(bin_dir / "dagster-daemon"), "run", "-w", workspace], cwd=REPO_ROOT,
+                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)))
+        for attempt in range(3):
+            try:
+                self._start_webserver(env, workspace, logs / "dagster-webserver.log")
+                break
+            except PortTaken as exc:
+                if self._given("ui_port") or attempt == 2:
+                    raise
+                self.ports["ui_port"] = free_port()
+                log.info("%s; trying %d", exc, self.ports["ui_port"])
         # The stack provisioned NATS and the bridge publishes schemas, but the UI should not
         # say "never materialized": materialize both for real (idempotent), in the background.
         with open(logs / "materialize-platform.log", "ab") as out:
@@ -271,18 +304,42 @@ class DevStack:
                 cwd=REPO_ROOT, env=env,
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
 
-    def _wait_for_ui(self, timeout: float) -> None:
-        url = f"http://127.0.0.1:{self.ports['ui_port']}/server_info"
+    def _start_webserver(self, env: dict[str, str], workspace: str, log_file: Path,
+                         timeout: float = 180) -> None:
+        """Start the UI and wait until it answers: ours, holding the port, since another UI
+        may hold it (ours then exits) and answer meanwhile."""
+        port = self.ports["ui_port"] or free_port()
+        self.ports["ui_port"] = port
+        log_offset = log_size(log_file)
+        with open(log_file, "ab") as out:
+            process = subprocess.Popen(
+                [str(Path(sys.executable).parent / "dagster-webserver"), "-h", "127.0.0.1",
+                 "-p", str(port), "-w", workspace], cwd=REPO_ROOT, env=env, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}/server_info"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self.stop_requested.is_set():
+            said = read_from(log_file, log_offset)
+            if process.poll() is not None:
+                if said_port_taken(said):
+                    raise PortTaken(f"the Dagster UI could not listen on port {port}: "
+                                    "address already in use")
+                raise CdcError(f"dagster-webserver exited with code {process.returncode} "
+                               f"(see {log_file})")
             self._check_children()
-            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
+            if listens_on(process.pid, port) is not False:  # (None: cannot tell)
+                with (contextlib.suppress(OSError),
+                      urllib.request.urlopen(url, timeout=2) as response):
+                    if response.status == 200:
+                        self.processes.append(("dagster-webserver", process))
+                        return
             time.sleep(0.5)
-        if not self.stop_requested.is_set():
-            raise CdcError(f"Dagster UI did not answer on {url} within {timeout:.0f}s "
-                           f"(see {self.state_dir / 'logs'})")
+        if self.stop_requested.is_set():
+            self.processes.append(("dagster-webserver", process))  # (stop() ends it)
+            return
+        process.kill()
+        raise CdcError(f"Dagster UI did not answer on {url} within {timeout:.0f}s "
+                       f"(see {log_file})")
 
     def _check_children(self) -> None:
         for name, process in self.processes:
@@ -321,7 +378,11 @@ class DevStack:
                          (slot,))
         asyncio.run(self._verify_nats(self.nats_settings))
         if self.options.dagster:
-            self._wait_for_ui(timeout=5)
+            self._check_children()
+            url = f"http://127.0.0.1:{self.ports['ui_port']}/server_info"
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status != 200:
+                    raise CdcError(f"the Dagster UI answered {response.status} on {url}")
 
     async def _verify_nats(self, settings: NatsSettings) -> None:
         topology = load_settings().topology
@@ -410,7 +471,9 @@ class DevStack:
         self._helpers.clear()
         if self.processes:
             self._cancel_runs()
-        for name, process in reversed(self.processes):
+        # The daemon first, right after the runs were canceled: its sensor would start a
+        # new CDC run for the one just canceled.
+        for name, process in sorted(self.processes, key=lambda named: named[0] != "dagster-daemon"):
             # Each child leads its own process group: signal the group so that the code
             # servers Dagster spawns go too.
             with contextlib.suppress(ProcessLookupError):

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import http.server
 import os
 import shutil
 import signal
@@ -9,12 +10,14 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from cdc_platform.dev.servers import free_port
+from cdc_platform.dev.servers import PortTaken, free_port
+from cdc_platform.dev.stack import REPO_ROOT, DevOptions, DevStack
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.settings import NatsSettings
 
@@ -216,3 +219,33 @@ def test_a_stop_while_the_smoke_check_waits_for_cdc_is_honoured(state_root):
     assert "smoke check passed" not in output
     assert "smoke check stopped before it finished" in output
     assert "dev stack stopped" in output
+
+
+def test_a_ui_port_another_ui_holds_is_not_taken_for_ours(tmp_path):
+    """The default UI port was free when the stack looked and another UI holds it when ours
+    starts: ours cannot listen there, and the other one's answers must not count as ours
+    (before, the stack waited for any 200 on the port, and printed the other's address)."""
+    class Answering(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answering)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    stack = DevStack(DevOptions(state_dir=tmp_path))
+    stack.ports["ui_port"] = other.server_address[1]
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    env = {**os.environ, "DAGSTER_HOME": str(home)}
+    try:
+        with pytest.raises(PortTaken, match="address already in use"):
+            stack._start_webserver(env, str(REPO_ROOT / "workspace.yaml"),
+                                   tmp_path / "webserver.log", timeout=120)
+        assert stack.processes == []
+    finally:
+        other.shutdown()
+        other.server_close()

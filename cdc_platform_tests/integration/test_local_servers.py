@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 from pathlib import Path
 
+import psycopg
 import pytest
 
-from cdc_platform.dev.servers import _make_traversable, _server_os_user
+from cdc_platform.dev.servers import (
+    LocalNatsServer,
+    LocalPostgres,
+    PortTaken,
+    _make_traversable,
+    _server_os_user,
+    free_port,
+)
 
 
 def test_the_server_user_reaches_its_dir_without_opening_parents_to_everyone():
@@ -105,3 +115,52 @@ def test_a_state_dir_is_started_by_a_server_of_its_own_major(server_dir, monkeyp
         find_postgres_bin_dir(old)
     with pytest.raises(CdcError, match="made by PostgreSQL 14 and"):
         LocalPostgres(server_dir / "made-by-14", bin_dir=wheel).start()
+
+
+def _hold(port: int) -> socket.socket:
+    """Listen on ``port`` as another program would."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    return sock
+
+
+def test_a_nats_port_taken_after_it_was_chosen_is_chosen_again(tmp_path):
+    """Another process took the free port between our choice and the server's start: the
+    server starts on another one (before, the start waited for an open port, and the other
+    program's answered for ours)."""
+    server = LocalNatsServer(tmp_path / "nats")
+    taken = server.port
+    with contextlib.closing(_hold(taken)):
+        server.start()
+        try:
+            assert server.port != taken
+            assert "Server is ready" in server.log_file.read_text()
+            assert server.process is not None and server.process.poll() is None
+        finally:
+            server.stop()
+
+
+def test_a_given_nats_port_that_is_taken_is_a_clear_error(tmp_path):
+    port = free_port()
+    with contextlib.closing(_hold(port)):
+        server = LocalNatsServer(tmp_path / "nats", port=port)
+        with pytest.raises(PortTaken, match=f"127.0.0.1:{port}.*address already in use"):
+            server.start()
+        server.stop()
+
+
+def test_a_postgres_port_taken_after_it_was_chosen_is_chosen_again(server_dir):
+    server = LocalPostgres(server_dir / "postgres", unsafe_no_fsync=True)
+    taken = server.port
+    with contextlib.closing(_hold(taken)):
+        server.start()
+        try:
+            assert server.port != taken
+            with psycopg.connect(server.superuser_conninfo()) as conn:
+                assert conn.execute("SHOW port").fetchone() == (str(server.port),)
+        finally:
+            server.stop()
+    given = LocalPostgres(server_dir / "postgres", port=free_port())
+    with contextlib.closing(_hold(given.port)), pytest.raises(PortTaken):
+        given.start()
