@@ -5,7 +5,7 @@ import time
 
 import nats
 import pytest
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType
+from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType
 from nats.js.errors import APIError, NotFoundError
 
 from cdc_platform.dev.servers import free_port
@@ -127,26 +127,36 @@ async def test_a_request_flood_pushes_out_no_other_tables_requests(provisioned_n
 
 async def test_update_moves_an_existing_request_stream_keeping_its_pending_requests(
         nats_client):
-    """SNAPSHOT_REQUESTS as an older provision made it (limits retention, discard old, no
-    durable): ``--update`` makes the sensor's durable first, then moves the stream to
-    interest retention and discard new in place; the requests it held are still pending."""
+    """SNAPSHOT_REQUESTS as an older version left it (limits retention, discard old, the
+    durable as the sensor made it): ``--update`` updates the durable first, then moves the
+    stream to interest retention and discard new in place; the requests it held (one of
+    them handled and acked already) are still pending."""
     js = nats_client.jetstream()
     topology = _isolated_topology("moved")
     old = stream_config(topology.requests)
     assert old.retention == RetentionPolicy.LIMITS and old.discard == DiscardPolicy.OLD
     await js.add_stream(old)
     try:
-        for number in range(3):
+        sensor = await js.pull_subscribe(  # what the sensor did before provision made it
+            "moved.req.>", durable=REQUESTS_DURABLE, stream="REQ_moved", config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT, ack_wait=60, max_ack_pending=2000))
+        for number in range(4):
             await js.publish(f"moved.req.table_{number}", b"")
+        (handled,) = await sensor.fetch(1)
+        await handled.ack_sync()
         with pytest.raises(ProvisioningError, match=r"REQ_moved\.retention: existing"):
             await provision(js, topology)
         report = await provision(js, topology, update=True)
-        assert "REQ_moved (retention, discard)" in report.updated
-        config = (await js.stream_info("REQ_moved")).config
+        assert report.updated == [f"consumer:REQ_moved/{REQUESTS_DURABLE} (ack_wait)",
+                                  "REQ_moved (retention, discard)"]
+        info = await js.stream_info("REQ_moved")
+        assert info.state.messages == 3  # the acked one left
+        config = info.config
         assert config.retention == RetentionPolicy.INTEREST
         assert config.discard == DiscardPolicy.NEW
         consumer = await js.consumer_info("REQ_moved", REQUESTS_DURABLE)
-        assert consumer.num_pending == 3 and consumer.config.filter_subject == "moved.req.>"
+        assert consumer.num_pending == 3 and consumer.config.ack_wait == 10
+        assert consumer.config.filter_subject == "moved.req.>"
         assert f"consumer:REQ_moved/{REQUESTS_DURABLE}" in (await provision(
             js, topology)).unchanged
     finally:
