@@ -93,6 +93,7 @@ def test_what_the_ui_shows_of_the_resources_holds_no_secret(dagster_env):
     ("postgres", "sslmode", "disable"), ("postgres", "user", "postgres"),
     ("postgres", "password", "x"), ("nats", "url", "nats://attacker.example:4222"),
     ("nats", "tls_ca_file", "/tmp/attacker-ca.pem"), ("nats", "user", "x"),
+    ("nats_replies", "url", "nats://attacker.example:4222"), ("nats_replies", "user", "x"),
 ])
 def test_run_config_cannot_send_the_credentials_elsewhere(dagster_env, resource, field, value):
     """Run config (the launchpad, `dagster job launch --config`) overriding where a resource
