@@ -11,7 +11,12 @@ from cdc_platform.defs.cdc.assets import cdc_stream
 from cdc_platform.defs.cdc.jobs import build_cdc_job
 from cdc_platform.defs.cdc.sensors import build_cdc_sensor
 from cdc_platform.defs.platform.assets import jetstream_topology
-from cdc_platform.defs.resources import CdcResource, NatsResource, PostgresResource
+from cdc_platform.defs.resources import (
+    CdcResource,
+    NatsRepliesResource,
+    NatsResource,
+    PostgresResource,
+)
 from cdc_platform.defs.schemas.assets import schemas
 from cdc_platform.defs.snapshots.assets import SNAPSHOT_KIND_TAG, init_snapshot
 from cdc_platform.defs.snapshots.schedules import build_snapshot_refresh_schedule
@@ -43,6 +48,7 @@ def build_definitions() -> dg.Definitions:
             # (never run config: it could send them to another host)
             "postgres": PostgresResource(),
             "nats": NatsResource(),
+            "nats_replies": NatsRepliesResource(),
             "cdc": CdcResource(),
             "pyspark": LazyPySparkResource(spark_config=default_spark_config(
                 orchestration.spark_master, orchestration.spark_driver_memory)),

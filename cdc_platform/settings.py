@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import ssl
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -215,9 +215,11 @@ class NatsSettings(_Settings):
         if self.token is not None:
             options["token"] = self.token.get_secret_value()
         if self.creds_file is not None:
-            options["user_credentials"] = _readable(self.creds_file, "CDC_NATS_CREDS")
+            options["user_credentials"] = _readable(self.creds_file,
+                                                    self.variable("creds_file"))
         if self.nkey_seed_file is not None:
-            options["nkeys_seed"] = _readable(self.nkey_seed_file, "CDC_NATS_NKEY_SEED")
+            options["nkeys_seed"] = _readable(self.nkey_seed_file,
+                                              self.variable("nkey_seed_file"))
         tls = self.tls_context()
         if tls is not None:
             options["tls"] = tls
@@ -230,22 +232,30 @@ class NatsSettings(_Settings):
         uses_tls = any(server.startswith(("tls://", "wss://")) for server in self.servers())
         if not uses_tls and all(value is None for value in wanted):
             return None
+        ca, cert, key = (self.variable(name) for name in (
+            "tls_ca_file", "tls_cert_file", "tls_key_file"))
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ConfigError("CDC_NATS_TLS_CERT and CDC_NATS_TLS_KEY go together (a client "
-                              "certificate and its key)")
+            raise ConfigError(f"{cert} and {key} go together (a client certificate and its "
+                              "key)")
         try:
             context = ssl.create_default_context(cafile=self.tls_ca_file)
         except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(f"CDC_NATS_TLS_CA {self.tls_ca_file}: not a readable CA "
+            raise ConfigError(f"{ca} {self.tls_ca_file}: not a readable CA "
                               f"certificate ({exc.__class__.__name__})") from None
         if self.tls_cert_file is not None:
             try:
                 context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
             except (OSError, ssl.SSLError) as exc:
-                raise ConfigError(f"CDC_NATS_TLS_CERT {self.tls_cert_file} / CDC_NATS_TLS_KEY "
+                raise ConfigError(f"{cert} {self.tls_cert_file} / {key} "
                                   f"{self.tls_key_file}: not a readable certificate and key "
                                   f"({exc.__class__.__name__})") from None
         return context
+
+    @classmethod
+    def variable(cls, field: str) -> str:
+        """The environment variable of ``field`` (our own name), for error messages."""
+        alias = cast(AliasChoices, cls.model_fields[field].validation_alias)
+        return str(alias.choices[0])
 
     def describe(self) -> str:
         """Server list for logs, credentials inside URLs redacted."""
@@ -257,6 +267,40 @@ class NatsSettings(_Settings):
                 netloc = f"{netloc}:{parts.port}"
             redacted.append(urlunsplit((parts.scheme, netloc, parts.path, "", "")))
         return ",".join(redacted)
+
+
+class ReplyNatsSettings(NatsSettings):
+    """The connection that replies to snapshot requests go through (README "Snapshots"): a
+    NATS user that may publish inbox subjects and nothing else, so a requester's ``reply_to``
+    can never make the platform write anywhere else. Unset (no ``CDC_REPLY_NATS_*``
+    variable), replies go through the main connection; where the server is (URL or host and
+    port, the TLS CA) defaults to the main connection's, the credentials never do."""
+
+    url: SecretStr | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_URL"))
+    host: str = Field("localhost", validation_alias=_env("CDC_REPLY_NATS_HOST"))
+    port: int = Field(4222, ge=1, le=65535, validation_alias=_env("CDC_REPLY_NATS_PORT"))
+    user: str | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_USER"))
+    password: SecretStr | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_PASSWORD"))
+    token: SecretStr | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_TOKEN"))
+    creds_file: str | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_CREDS"))
+    nkey_seed_file: str | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_NKEY_SEED"))
+    tls_ca_file: str | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_TLS_CA"))
+    tls_cert_file: str | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_TLS_CERT"))
+    tls_key_file: str | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_TLS_KEY"))
+    connect_timeout: float = Field(5.0, gt=0,
+                                   validation_alias=_env("CDC_REPLY_NATS_CONNECT_TIMEOUT"))
+
+    def resolved(self, main: NatsSettings) -> NatsSettings | None:
+        """The settings replies connect with (None: no variable set, reply on the main
+        connection): the server's location taken from ``main`` where none is set here."""
+        given = self.model_fields_set
+        if not given:
+            return None
+        inherited = {} if given & {"url", "host", "port"} else {
+            "url": main.url, "host": main.host, "port": main.port}
+        if "tls_ca_file" not in given:
+            inherited["tls_ca_file"] = main.tls_ca_file
+        return self.model_copy(update=inherited)
 
 
 class StreamLimits(_Settings):
@@ -317,8 +361,9 @@ class RequestStreamSettings(StreamLimits):
     replicas: int = Field(1, ge=1, le=5, validation_alias=_env("CDC_REQUESTS_REPLICAS"))
     # Hostile input: nats-server refuses a request message over this (the requester gets
     # its error, the platform never sees it); a body over 4 KB that fits is refused by the
-    # sensor with a reply naming the limit. A flood on one table's subject only pushes out
-    # older requests of that table (which one snapshot answers anyway), never another table's.
+    # sensor with a reply naming the limit. The stream holds pending requests only and,
+    # when full, refuses new ones (provision.stream_config): a flood pushes out no pending
+    # request; on one table's subject, it replaces that table's older requests only.
     max_message_bytes: int = Field(8192, ge=-1,
                                    validation_alias=_env("CDC_REQUESTS_MAX_MESSAGE_BYTES"))
     max_msgs_per_subject: int = Field(100, ge=-1,
@@ -424,6 +469,10 @@ class OrchestrationSettings(_Settings):
     # a request is answered with a snapshot of the table at most this old (0: always new)
     snapshot_reuse_seconds: Seconds = Field(
         300.0, ge=0, validation_alias=_env("CDC_SNAPSHOT_REUSE_SECONDS"))
+    # a table's snapshot runs started by requests begin at least this far apart: a request
+    # for a fresher snapshot gets one this young, or waits for the next run
+    snapshot_min_interval_seconds: Seconds = Field(
+        60.0, ge=0, validation_alias=_env("CDC_SNAPSHOT_MIN_INTERVAL"))
     cdc_relaunch_backoff_seconds: Seconds = Field(
         30.0, gt=0, validation_alias=_env("CDC_RELAUNCH_BACKOFF"))
     # A cdc_job run whose worker wrote no liveness tag for this long is dead (killed, its

@@ -9,12 +9,13 @@ is read from the environment too, so one environment configures the CLI and Dags
 """
 
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import psycopg
 from dagster import ConfigurableResource
+from nats.aio.client import Client as NatsClient
 
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.settings import (
@@ -24,6 +25,7 @@ from cdc_platform.settings import (
     NatsTopology,
     PlatformSettings,
     PostgresSettings,
+    ReplyNatsSettings,
     load_settings,
 )
 
@@ -59,6 +61,31 @@ class NatsResource(ConfigurableResource):
     @asynccontextmanager
     async def connect(self, name: str = "cdc-platform-dagster"):
         client = await connect_nats(self.settings(), name=name)
+        try:
+            yield client
+        finally:
+            await client.close()
+
+
+class NatsRepliesResource(ConfigurableResource):
+    """The connection replies to snapshot requests go through: a NATS user that may publish
+    inbox subjects only (CDC_REPLY_NATS_* in the environment; none set: the main
+    connection's)."""
+
+    def settings(self) -> NatsSettings | None:
+        """The reply connection's settings; None: replies go through the main connection."""
+        return load_settings(ReplyNatsSettings).resolved(load_settings(NatsSettings))
+
+    @asynccontextmanager
+    async def connect(self, main: NatsClient | None = None,
+                      name: str = "cdc-platform-replies") -> AsyncIterator[NatsClient]:
+        """A client to send replies with: ``main`` itself when no reply connection is
+        configured (a new connection with the main settings when ``main`` is None)."""
+        settings = self.settings()
+        if settings is None and main is not None:
+            yield main
+            return
+        client = await connect_nats(settings or load_settings(NatsSettings), name=name)
         try:
             yield client
         finally:

@@ -62,11 +62,16 @@ async def connect_nats(settings: NatsSettings, *, name: str = "cdc_platform",
         if any(_is_auth_error(e) for e in [*errors_seen, exc]):
             raise NatsAuthError(
                 f"NATS at {settings.describe()} refused our credentials (check "
-                "CDC_NATS_USER/NATS_BRIDGE_USER and its password, CDC_NATS_TOKEN or "
-                "CDC_NATS_CREDS)") from None
+                f"{_credential_variables(settings)})") from None
         cause = next((e for e in reversed(errors_seen) if str(e)), exc)
         raise NatsUnreachable(f"cannot reach NATS at {settings.describe()}: "
                               f"{cause or type(cause).__name__}") from None
+
+
+def _credential_variables(settings: NatsSettings) -> str:
+    user, password, token, creds = (settings.variable(name) for name in (
+        "user", "password", "token", "creds_file"))
+    return f"{user} and {password}, {token} or {creds}"
 
 
 def _is_auth_error(exc: BaseException) -> bool:

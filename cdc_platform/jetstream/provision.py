@@ -4,7 +4,12 @@
   its cutover; the seed's 1 minute is far too short for that, the default here is 7 days).
 * ``INIT`` stream on ``init.>``: snapshot chunks and meta messages.
 * ``SNAPSHOT_REQUESTS`` stream on ``snapshot.request.>``: keeps requests until a sensor has
-  turned them into runs, so a request made while nothing listens is not lost.
+  turned them into runs, so a request made while nothing listens is not lost; with the
+  sensor's durable consumer ``cdc_platform_snapshot_requests``, made here so that the sensor
+  needs no right to create one. Interest retention: a request the sensor acked is gone, so
+  the stream holds pending requests only; when it is full, a new request is refused (discard
+  new), never a pending one pushed out, while the per-table limit still drops that table's
+  own oldest request (README "Floods").
 * ``schemas`` KV bucket: one key per published table.
 * ``zstd_dictionaries`` KV bucket: the zstd dictionaries of compressed snapshots (key =
   ``{table}.{dictionary id}``, one version each: an id never names other bytes).
@@ -21,6 +26,8 @@ from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
     DiscardPolicy,
     KeyValueConfig,
     RetentionPolicy,
@@ -39,6 +46,19 @@ _COMPARED = ("subjects", "retention", "storage", "max_age", "max_bytes", "max_ms
              "max_msg_size", "max_msgs_per_subject", "num_replicas", "duplicate_window",
              "discard", "allow_batched")
 _IMMUTABLE = ("storage", "retention")
+# nats-server moves a stream between these two retentions in place (not to or from work queue)
+_RETENTION_UPDATES = {(RetentionPolicy.LIMITS, RetentionPolicy.INTEREST)}
+
+# The snapshot request sensor's durable consumer on SNAPSHOT_REQUESTS: made by provisioning,
+# only bound to by the sensor. A tick fetches up to 500 requests; each is acked when it comes
+# back after the ack wait to a tick whose cursor is past it, and only then leaves the stream:
+# a 10 s wait drained a flood of 6,000 in 58 s (60 s: 206 s), 2,000 unacked being a few
+# ticks' worth.
+REQUESTS_DURABLE = "cdc_platform_snapshot_requests"
+_REQUESTS_ACK_WAIT_SECONDS = 10.0
+_REQUESTS_MAX_ACK_PENDING = 2000
+_CONSUMER_COMPARED = ("filter_subject", "ack_policy", "ack_wait", "max_ack_pending")
+_CONSUMER_EDITABLE = ("ack_wait", "max_ack_pending")
 
 
 @dataclass
@@ -54,13 +74,16 @@ class ProvisionReport:
         return "; ".join(parts) or "nothing to do"
 
 
-def stream_config(limits: StreamLimits) -> StreamConfig:
+def stream_config(limits: StreamLimits, *, pending_only: bool = False) -> StreamConfig:
+    """``pending_only``: a stream of requests that its consumer removes by acking them, which
+    refuses new messages when full instead of dropping the oldest (per-subject limits still
+    drop a subject's own oldest)."""
     return StreamConfig(
         name=limits.name,
         subjects=list(limits.subjects),
-        retention=RetentionPolicy.LIMITS,
+        retention=RetentionPolicy.INTEREST if pending_only else RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
-        discard=DiscardPolicy.OLD,
+        discard=DiscardPolicy.NEW if pending_only else DiscardPolicy.OLD,
         max_age=limits.max_age_seconds,
         max_bytes=limits.max_bytes,
         max_msgs=limits.max_msgs,
@@ -75,7 +98,40 @@ def stream_config(limits: StreamLimits) -> StreamConfig:
 
 def wanted_streams(topology: NatsTopology) -> list[StreamConfig]:
     return [stream_config(topology.cdc), stream_config(topology.init),
-            stream_config(topology.requests)]
+            stream_config(topology.requests, pending_only=True)]
+
+
+def requests_consumer_config(topology: NatsTopology) -> ConsumerConfig:
+    """The snapshot request sensor's durable consumer (see ``REQUESTS_DURABLE``)."""
+    subjects = topology.requests.subjects
+    return ConsumerConfig(
+        name=REQUESTS_DURABLE, durable_name=REQUESTS_DURABLE, ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=_REQUESTS_ACK_WAIT_SECONDS, max_ack_pending=_REQUESTS_MAX_ACK_PENDING,
+        filter_subject=subjects[0] if len(subjects) == 1 else None)
+
+
+async def _ensure_requests_consumer(js: JetStreamContext, topology: NatsTopology,
+                                    report: ProvisionReport, conflicts: list[str],
+                                    update: bool) -> None:
+    stream, wanted = topology.requests.name, requests_consumer_config(topology)
+    label = f"consumer:{stream}/{REQUESTS_DURABLE}"
+    try:
+        info = await js.consumer_info(stream, REQUESTS_DURABLE)
+    except NotFoundError:
+        await js.add_consumer(stream, wanted)
+        report.created.append(label)
+        return
+    differences = {name: (getattr(info.config, name), getattr(wanted, name))
+                   for name in _CONSUMER_COMPARED
+                   if _normalized(getattr(info.config, name)) != _normalized(
+                       getattr(wanted, name))}
+    if not differences:
+        report.unchanged.append(label)
+    elif update and set(differences) <= set(_CONSUMER_EDITABLE):
+        await js.add_consumer(stream, wanted)  # same durable: nats-server updates it
+        report.updated.append(f"{label} ({', '.join(differences)})")
+    else:
+        conflicts.append(_describe(label, differences))
 
 
 def wanted_buckets(topology: NatsTopology) -> list[KeyValueConfig]:
@@ -178,6 +234,14 @@ def _no_room(name: str, wanted: StreamConfig) -> str:
             f"lower CDC_STREAM_MAX_BYTES / CDC_INIT_MAX_BYTES / CDC_REQUESTS_MAX_BYTES")
 
 
+def _editable(differences: dict[str, tuple]) -> bool:
+    """Whether nats-server can apply ``differences`` to an existing stream."""
+    fixed = set(differences) & set(_IMMUTABLE)
+    if "retention" in fixed and differences["retention"] in _RETENTION_UPDATES:
+        fixed.discard("retention")
+    return not fixed
+
+
 def _describe(stream: str, differences: dict[str, tuple]) -> str:
     return "; ".join(f"{stream}.{name}: existing {have!r}, wanted {want!r}"
                      for name, (have, want) in differences.items())
@@ -190,6 +254,7 @@ async def provision(js: JetStreamContext, topology: NatsTopology, *,
     conflicts: list[str] = []
     for wanted in wanted_streams(topology):
         name = wanted.name or ""  # (every wanted stream is named)
+        info = None
         try:
             info = await js.stream_info(name)
         except NotFoundError:
@@ -200,11 +265,16 @@ async def provision(js: JetStreamContext, topology: NatsTopology, *,
                     raise ProvisioningError(_no_room(name, wanted)) from exc
                 raise
             report.created.append(name)
+        if name == topology.requests.name:
+            # before updating the stream: one moved to interest retention while no consumer
+            # is interested lets its pending requests go
+            await _ensure_requests_consumer(js, topology, report, conflicts, update)
+        if info is None:
             continue
         differences = config_differences(info.config, wanted)
         if not differences:
             report.unchanged.append(name)
-        elif update and not set(differences) & set(_IMMUTABLE):
+        elif update and _editable(differences):
             merged = info.config
             for field_name, (_, want) in differences.items():
                 setattr(merged, field_name, want)

@@ -30,7 +30,7 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from cdc_platform.errors import CdcError
 from cdc_platform.jetstream.connection import close_nats, connect_nats
@@ -90,6 +90,8 @@ _UNREAD = frozenset({"schema", "relation_id", "lsn", "xid", "subject", "schema_f
 _GROUP_EVENTS = 10_000
 # while waiting for "done", how often the mirror also looks for the snapshot in INIT
 _LOOK_FOR_SNAPSHOT_SECONDS = 5.0
+# JSStreamStoreFailedF: what a full SNAPSHOT_REQUESTS answers ("maximum messages exceeded")
+_STREAM_STORE_FAILED = 10077
 _INT64_MAX = (1 << 63) - 1
 # how long a snapshot of another table than the KV schema's may wait for KV to catch up
 _KV_CATCH_UP_SECONDS = 30.0
@@ -402,10 +404,12 @@ class Mirror:
                 body["min_lsn"] = format_lsn(min_lsn)
             init = self.settings.topology.init.name
             asked_after = (await js.stream_info(init)).state.last_seq
-            await js.publish(snapshot_request_subject(table), json.dumps(body).encode(),
-                             stream=self.settings.topology.requests.name)
+            started = time.monotonic()
+            if not await self._publish_request(js, table, json.dumps(body).encode(), started,
+                                               stop):
+                return None
             self.report(f"{table}: requested a snapshot (request {request_id})")
-            started = last_report = last_look = time.monotonic()
+            last_report = last_look = time.monotonic()
             while not stop.is_set():
                 try:
                     message = await asyncio.wait_for(replies.get(), 1.0)
@@ -450,6 +454,29 @@ class Mirror:
         finally:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
+
+    async def _publish_request(self, js: JetStreamContext, table: str, body: bytes,
+                               started: float, stop: asyncio.Event) -> bool:
+        """Publish a snapshot request, asking again every few seconds while the stream is
+        full (a flood: README "Floods"); False: stopped first."""
+        stream = self.settings.topology.requests.name
+        wait = self.options.snapshot_wait_seconds
+        while not stop.is_set():
+            try:
+                await js.publish(snapshot_request_subject(table), body, stream=stream)
+                return True
+            except APIError as exc:
+                if exc.err_code != _STREAM_STORE_FAILED:
+                    raise
+                if time.monotonic() - started > wait:
+                    raise MirrorError(f"{table}: {stream} refused the snapshot request for "
+                                      f"{wait:.0f}s: {exc.description}") from None
+                self.report(f"{table}: {stream} refused the snapshot request "
+                            f"({exc.description}: full, a flood?); asking again in "
+                            f"{_LOOK_FOR_SNAPSHOT_SECONDS:.0f}s")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), _LOOK_FOR_SNAPSHOT_SECONDS)
+        return False
 
     # -- following ---------------------------------------------------------------------------
     async def _follow(self, nc: NatsClient, js: JetStreamContext, store: MirrorStore,

@@ -4,8 +4,8 @@ sensor and the snapshot asset call these.
 A consumer publishes on ``snapshot.request.{table}``; the body is empty or a JSON object:
 ``request_id`` (str, echoed back), ``reply_to`` (an ``_INBOX.`` subject; replies are
 core-NATS publishes there), ``max_age_seconds`` (reuse a snapshot of the table at most this old whose
-cutover point the CDC stream still holds; default ``CDC_SNAPSHOT_REUSE_SECONDS``; 0: always a
-new one), ``min_lsn`` (reuse only a snapshot whose cutover LSN is at least this: a consumer
+cutover point the CDC stream still holds; default ``CDC_SNAPSHOT_REUSE_SECONDS``; never less
+than ``CDC_SNAPSHOT_MIN_INTERVAL``, see ``Pacing``), ``min_lsn`` (reuse only a snapshot whose cutover LSN is at least this: a consumer
 that must bootstrap again after a rewrite asks for one taken after it). Replies are JSON objects: ``request_id``, ``table``, ``status`` (``accepted``,
 ``refused``, ``done``, ``failed``) and per status ``reason`` (refused, failed), ``run_key``
 (accepted), ``snapshot_id``, ``lsn``, ``cdc_stream``, ``cdc_start_seq``, ``meta_subject``,
@@ -24,8 +24,9 @@ from typing import Any
 
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import NotFoundError
 
+from cdc_platform.errors import ProvisioningError
 from cdc_platform.jetstream.connection import fetch_available
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.naming import parse_wire_name
@@ -40,6 +41,9 @@ from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX, snapshot_meta_subject
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4096
+# a run's tag holds at most this many reply subjects (a tag value is kept short); more
+# requesters of one table get "accepted" and find the result in init.meta.{table}
+MAX_REPLIES_PER_RUN = 20
 # Replies go to inbox subjects only: the platform replies with its own credential, and a
 # requester naming `$KV.schemas.users`, `init.meta.users` or `cdc.users.insert` as its
 # reply_to had it overwrite a schema, plant a meta or write into CDC (a confused deputy).
@@ -236,6 +240,39 @@ def request_run_key(table: str, seq: int) -> str:
     return f"snapshot-request-{table}-{seq}"
 
 
+@dataclass
+class HeldRun:
+    """A table's snapshot run that requests asked for, held back until ``not_before``: the
+    table's previous request-started run began less than the minimum interval ago. Its
+    requesters were answered ``accepted`` with its run key, and the run answers them."""
+
+    seq: int  # the stream sequence of its first request (names its run key)
+    requesters: list  # [request_id, reply_to] of the requests it serves
+    not_before: float  # time.time() from which it may start
+
+
+@dataclass
+class Pacing:
+    """The minimum interval between a table's snapshot runs started by requests (README
+    "Floods"; 0: none). ``last_started``: table -> when its newest request-started run was
+    created; ``held``: the runs held back (updated in place)."""
+
+    min_interval: float = 0.0
+    last_started: Mapping[str, float] = field(default_factory=dict)
+    held: dict[str, HeldRun] = field(default_factory=dict)
+
+    def hold(self, table: str, seq: int, now: float) -> HeldRun | None:
+        """The held run a request of ``table`` that needs a new run joins (None: one may
+        start now)."""
+        if table in self.held:
+            return self.held[table]
+        started = self.last_started.get(table)
+        if started is None or now - started >= self.min_interval:
+            return None
+        self.held[table] = HeldRun(seq, [], started + self.min_interval)
+        return self.held[table]
+
+
 @dataclass(frozen=True)
 class HandledRequests:
     """What one pass over new requests decided."""
@@ -247,22 +284,29 @@ class HandledRequests:
 
 async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *,
                           published: Mapping[str, int], publication: str, reuse_seconds: float,
-                          in_flight: dict[str, RunInFlight],
-                          init_stream: str = "INIT") -> HandledRequests:
-    """Decide every request (in stream order) and send the replies that are due now
-    (``published``: the publication's tables -> their oids):
+                          in_flight: dict[str, RunInFlight], init_stream: str = "INIT",
+                          reply_client: NatsClient | None = None,
+                          pacing: Pacing | None = None) -> HandledRequests:
+    """Decide every request (in stream order) and send the replies that are due now, through
+    ``reply_client`` (default: ``client``) (``published``: the publication's tables -> their
+    oids):
     refusals (malformed, unknown or unpublished table), ``done`` with a recent snapshot of
-    the same table (its oid, not only its name),
-    ``accepted``/``coalesced`` for a table whose run is in flight (``in_flight``), and
+    the same table (its oid, not only its name; at most ``max_age_seconds`` old, and never
+    required younger than ``pacing.min_interval``),
+    ``accepted``/``coalesced`` for a table whose run is in flight (``in_flight``),
+    ``accepted`` for a run held back by ``pacing`` (it joins ``pacing.held``), and
     ``accepted`` for the runs to start (one per table, named by its last request); the run
     answers those with ``done`` or ``failed``."""
     js = client.jetstream()
+    pacing = pacing or Pacing()
+    now = time.time()
     runs: dict[str, tuple[int, list]] = {}
     replies: list[tuple[str | None, Reply]] = []
     accepted: list[SnapshotRequest] = []
     notes: list[str] = []
     refusals: list[str] = []
     joined: dict[str, int] = {}
+    held_back: dict[str, int] = {}
     for request in requests:
         reason = request.refused or (
             None if request.table in published
@@ -274,8 +318,8 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
                                                     request.request_id,
                                                     {"reason": reason})))
             continue
-        max_age = reuse_seconds if request.max_age_seconds is None \
-            else request.max_age_seconds
+        max_age = max(pacing.min_interval, reuse_seconds if request.max_age_seconds is None
+                      else request.max_age_seconds)
         reused = await reusable_snapshot(js, request.table, max_age, init_stream,
                                          request.min_lsn,
                                          relation_id=published[request.table])
@@ -292,6 +336,16 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
                 "accepted", request.table, request.request_id,
                 {"run_key": running.run_key, "coalesced": True})))
             continue
+        held = None if request.table in runs else pacing.hold(request.table, request.seq,
+                                                                  now)
+        if held is not None:
+            if request.requester is not None and len(held.requesters) < MAX_REPLIES_PER_RUN:
+                held.requesters.append(request.requester)
+            replies.append((request.reply_to, Reply("accepted", request.table,
+                                                    request.request_id, {
+                "run_key": request_run_key(request.table, held.seq)})))
+            held_back[request.table] = held_back.get(request.table, 0) + 1
+            continue
         _, requesters = runs.get(request.table, (0, []))
         if request.requester is not None:
             requesters.append(request.requester)
@@ -306,21 +360,30 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
               "awaiting a reply)" for table, (seq, requesters) in runs.items()]
     notes += [f"{count} request(s) for {table!r} joined its run already in flight "
               f"({in_flight[table].run_key})" for table, count in joined.items()]
+    notes += [f"{count} request(s) for {table!r} joined its run held back until "
+              f"{time.strftime('%H:%M:%S', time.gmtime(pacing.held[table].not_before))} UTC "
+              f"(its previous request-started run began less than "
+              f"{pacing.min_interval:.0f}s before)" for table, count in held_back.items()]
     if refusals:
         notes[:0] = summarize(refusals)
-    await send_replies(client, replies)
+    await send_replies(reply_client or client, replies)
     return HandledRequests(max(r.seq for r in requests), runs, notes)
 
 
 async def fetch_requests(client: NatsClient, stream: str, durable: str,
                          recorded_through: int, limit: int) -> list[SnapshotRequest]:
     """New requests (stream sequence above ``recorded_through``), read with the durable
-    consumer ``durable``; acks those a previous pass already recorded."""
+    consumer ``durable``; acks those a previous pass already recorded. The consumer is
+    provisioning's (``cdc-platform provision``): binding to it needs no right to create
+    consumers; a missing one is a ProvisioningError saying so."""
     js = client.jetstream()
-    subscription = await js.pull_subscribe(
-        f"{SNAPSHOT_REQUEST_PREFIX}.>", durable=durable, stream=stream,
-        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=60,
-                              max_ack_pending=limit * 4))
+    try:
+        await js.consumer_info(stream, durable)
+    except NotFoundError:
+        raise ProvisioningError(
+            f"the durable consumer {durable} of stream {stream} does not exist: run "
+            "`cdc-platform provision` (it makes it; the sensor only reads with it)") from None
+    subscription = await js.pull_subscribe_bind(durable, stream)
     messages = await fetch_available(subscription, limit, 1.0)
     fresh = []
     for message in messages:

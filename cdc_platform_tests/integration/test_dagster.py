@@ -13,7 +13,12 @@ import msgpack
 import pytest
 import yaml
 
-from cdc_platform.defs.resources import CdcResource, NatsResource, PostgresResource
+from cdc_platform.defs.resources import (
+    CdcResource,
+    NatsRepliesResource,
+    NatsResource,
+    PostgresResource,
+)
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.replication.slots import read_slot
 from cdc_platform_tests.fixtures.services import TEST_SECRETS, random_name, read_subjects
@@ -41,7 +46,8 @@ def dagster_env(cdc_database, provisioned_nats, monkeypatch, tmp_path):
 
 
 def resources(env) -> dict:
-    return {"postgres": PostgresResource(), "nats": NatsResource(), "cdc": CdcResource()}
+    return {"postgres": PostgresResource(), "nats": NatsResource(),
+            "nats_replies": NatsRepliesResource(), "cdc": CdcResource()}
 
 
 def request_sensor_tick(defs, instance, env):
@@ -87,6 +93,7 @@ def test_what_the_ui_shows_of_the_resources_holds_no_secret(dagster_env):
     ("postgres", "sslmode", "disable"), ("postgres", "user", "postgres"),
     ("postgres", "password", "x"), ("nats", "url", "nats://attacker.example:4222"),
     ("nats", "tls_ca_file", "/tmp/attacker-ca.pem"), ("nats", "user", "x"),
+    ("nats_replies", "url", "nats://attacker.example:4222"), ("nats_replies", "user", "x"),
 ])
 def test_run_config_cannot_send_the_credentials_elsewhere(dagster_env, resource, field, value):
     """Run config (the launchpad, `dagster job launch --config`) overriding where a resource
@@ -271,6 +278,139 @@ async def test_a_request_flood_starts_one_run_per_table(dagster_env, cdc_databas
             await asyncio.sleep(0.05)
         assert {(r["status"], r.get("coalesced"), r.get("run_key")) for r in replies} == {
             ("accepted", None, third.run_requests[0].run_key)}
+
+
+async def test_a_flood_across_tables_leaves_a_pending_request_in_place(
+        dagster_env, cdc_database, pg_admin, monkeypatch, tmp_path):
+    """Issue 24: a flood across many subjects (``snapshot.request.bogus_1..N``) pushed a real
+    table's pending request out of SNAPSHOT_REQUESTS before the sensor saw it. On a
+    nats-server of its own with small limits (settings), the flood fills the stream and the
+    rest of it is refused; the table's request is still there, and the sensor runs it."""
+    from cdc_platform.definitions import build_definitions
+    from cdc_platform.dev.servers import LocalNatsServer
+    from cdc_platform.jetstream.connection import close_nats, connect_nats
+    from cdc_platform.jetstream.provision import provision
+    from cdc_platform.settings import NatsSettings, NatsTopology, load_settings
+
+    server = LocalNatsServer(tmp_path / "nats")
+    server.start()
+    client = None
+    try:
+        for name, value in {"CDC_NATS_URL": server.url, "CDC_REQUESTS_MAX_MSGS": "20",
+                            "CDC_REQUESTS_MAX_PER_TABLE": "3"}.items():
+            monkeypatch.setenv(name, value)
+        client = await connect_nats(NatsSettings(url=server.url))
+        await provision(client.jetstream(), load_settings(NatsTopology))
+        table = random_name("pending")
+        pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+        cdc_database.add_tables(pg_admin, table)
+        await client.publish(f"snapshot.request.{table}", b"")
+        for number in range(60):  # core NATS, as an attacker would: no error to see
+            await client.publish(f"snapshot.request.bogus_{number}", b"")
+        await client.flush()
+        await asyncio.sleep(0.5)  # (core publishes: stored a moment after the flush)
+        stored = (await client.jetstream().stream_info("SNAPSHOT_REQUESTS")).state.messages
+        assert stored == 20
+        with dg.instance_for_test() as instance:
+            evaluate = request_sensor_tick(build_definitions(), instance, dagster_env)
+            result = await asyncio.to_thread(evaluate, None)
+        assert [r.partition_key for r in result.run_requests] == [table]
+    finally:
+        if client is not None:
+            await close_nats(client, 5)
+        server.stop()
+
+
+async def test_max_age_0_cannot_force_back_to_back_snapshots(
+        dagster_env, cdc_database, pg_admin, nats_client, monkeypatch):
+    """Issue 24: every request with ``max_age_seconds: 0`` started a full snapshot. Within
+    CDC_SNAPSHOT_MIN_INTERVAL of the table's last request-started run, such a request gets
+    the newest snapshot (``reused``); one that a snapshot that young cannot answer (its
+    ``min_lsn`` is past it) joins a run the sensor holds back until the interval has
+    passed."""
+    import json as jsonlib
+
+    from dagster_pyspark import LazyPySparkResource
+
+    from cdc_platform.bridge.runner import CdcBridge
+    from cdc_platform.definitions import build_definitions
+    from cdc_platform.defs.snapshots.assets import REPLIES_TAG, init_snapshot
+    from cdc_platform.lsn import format_lsn
+    from cdc_platform.settings import load_settings
+    from cdc_platform_tests.integration.test_bridge import wait_for
+
+    interval = 30.0
+    monkeypatch.setenv("CDC_SNAPSHOT_MIN_INTERVAL", str(interval))
+    table = random_name("paced")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT generate_series(1, 100)")
+    cdc_database.add_tables(pg_admin, table)
+    inbox = f"_INBOX.replies.{random_name('r')}"
+    replies: dict[str, dict] = {}
+
+    async def collect(message):
+        reply = jsonlib.loads(message.data)
+        replies[reply["request_id"]] = reply
+
+    await nats_client.subscribe(inbox, cb=collect)
+
+    async def ask(request_id, **body):
+        await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
+            {"reply_to": inbox, "request_id": request_id, **body}).encode())
+        await nats_client.flush()
+
+    async def reply(request_id, status):
+        deadline = time.monotonic() + 30
+        while replies.get(request_id, {}).get("status") != status:
+            assert time.monotonic() < deadline, replies
+            await asyncio.sleep(0.05)
+        return replies[request_id]
+
+    defs = build_definitions()
+    bridge = CdcBridge(load_settings())  # the watermark marker: a cutover point to reuse
+    bridge_task = asyncio.create_task(bridge.run())
+    try:
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        with dg.instance_for_test() as instance:
+            instance.add_dynamic_partitions("published_tables", [table])
+            evaluate = request_sensor_tick(defs, instance, dagster_env)
+
+            await ask("r1", max_age_seconds=0)
+            first = await asyncio.to_thread(evaluate, None)
+            (run_request,) = first.run_requests
+            outcome = await asyncio.to_thread(
+                dg.materialize, [init_snapshot], partition_key=table, instance=instance,
+                tags=run_request.tags, raise_on_error=False,
+                resources={**resources(dagster_env),
+                           "pyspark": LazyPySparkResource(spark_config={})})
+            assert outcome.success
+            taken = await reply("r1", "done")
+
+            await ask("r2", max_age_seconds=0)
+            second = await asyncio.to_thread(evaluate, first.cursor)
+            assert not second.run_requests
+            reused = await reply("r2", "done")
+            assert reused["reused"] is True and reused["snapshot_id"] == taken["snapshot_id"]
+
+            past = format_lsn(parse_lsn(taken["lsn"]) + 1)
+            await ask("r3", max_age_seconds=0, min_lsn=past)
+            third = await asyncio.to_thread(evaluate, second.cursor)
+            assert not third.run_requests
+            held = await reply("r3", "accepted")
+            await ask("r4", max_age_seconds=0, min_lsn=past)
+            fourth = await asyncio.to_thread(evaluate, third.cursor)
+            assert not fourth.run_requests
+            assert (await reply("r4", "accepted"))["run_key"] == held["run_key"]
+            created = instance.get_run_record_by_id(outcome.run_id).create_timestamp
+            assert time.time() < created.timestamp() + interval  # (held: not due yet)
+            await asyncio.sleep(created.timestamp() + interval + 0.5 - time.time())
+            due = await asyncio.to_thread(evaluate, fourth.cursor)
+            (released,) = due.run_requests
+            assert released.run_key == held["run_key"]
+            assert jsonlib.loads(released.tags[REPLIES_TAG]) == [["r3", inbox], ["r4", inbox]]
+    finally:
+        bridge.request_stop()
+        await asyncio.wait_for(bridge_task, 60)
 
 
 def test_cdc_sensor_keeps_exactly_one_run(dagster_env):

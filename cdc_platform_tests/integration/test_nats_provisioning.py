@@ -5,12 +5,12 @@ import time
 
 import nats
 import pytest
-from nats.js.api import RetentionPolicy, StorageType
+from nats.js.api import AckPolicy, ConsumerConfig, DiscardPolicy, RetentionPolicy, StorageType
 from nats.js.errors import APIError, NotFoundError
 
 from cdc_platform.dev.servers import free_port
 from cdc_platform.errors import ProvisioningError
-from cdc_platform.jetstream.provision import provision
+from cdc_platform.jetstream.provision import REQUESTS_DURABLE, provision, stream_config
 from cdc_platform.settings import NatsTopology
 from cdc_platform_tests.fixtures.services import nats_server_from, random_name
 
@@ -41,6 +41,7 @@ async def test_creates_then_verifies(nats_client):
     second = await provision(js, topology)
     try:
         assert sorted(first.created) == ["CDC_fresh", "INIT_fresh", "REQ_fresh",
+                                         f"consumer:REQ_fresh/{REQUESTS_DURABLE}",
                                          "kv:dictionaries_fresh", "kv:schemas_fresh",
                                          "obj:large_fresh"]
         assert sorted(second.unchanged) == sorted(first.created)
@@ -122,6 +123,83 @@ async def test_a_request_flood_pushes_out_no_other_tables_requests(provisioned_n
     finally:  # (other tests' sensors read this stream)
         for subject in (genuine, flooded):
             await js.purge_stream(stream, subject=subject)
+
+
+async def test_update_moves_an_existing_request_stream_keeping_its_pending_requests(
+        nats_client):
+    """SNAPSHOT_REQUESTS as an older version left it (limits retention, discard old, the
+    durable as the sensor made it): ``--update`` updates the durable first, then moves the
+    stream to interest retention and discard new in place; the requests it held (one of
+    them handled and acked already) are still pending."""
+    js = nats_client.jetstream()
+    topology = _isolated_topology("moved")
+    old = stream_config(topology.requests)
+    assert old.retention == RetentionPolicy.LIMITS and old.discard == DiscardPolicy.OLD
+    await js.add_stream(old)
+    try:
+        sensor = await js.pull_subscribe(  # what the sensor did before provision made it
+            "moved.req.>", durable=REQUESTS_DURABLE, stream="REQ_moved", config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT, ack_wait=60, max_ack_pending=2000))
+        for number in range(4):
+            await js.publish(f"moved.req.table_{number}", b"")
+        (handled,) = await sensor.fetch(1)
+        await handled.ack_sync()
+        with pytest.raises(ProvisioningError, match=r"REQ_moved\.retention: existing"):
+            await provision(js, topology)
+        report = await provision(js, topology, update=True)
+        assert report.updated == [f"consumer:REQ_moved/{REQUESTS_DURABLE} (ack_wait)",
+                                  "REQ_moved (retention, discard)"]
+        info = await js.stream_info("REQ_moved")
+        assert info.state.messages == 3  # the acked one left
+        config = info.config
+        assert config.retention == RetentionPolicy.INTEREST
+        assert config.discard == DiscardPolicy.NEW
+        consumer = await js.consumer_info("REQ_moved", REQUESTS_DURABLE)
+        assert consumer.num_pending == 3 and consumer.config.ack_wait == 10
+        assert consumer.config.filter_subject == "moved.req.>"
+        assert f"consumer:REQ_moved/{REQUESTS_DURABLE}" in (await provision(
+            js, topology)).unchanged
+    finally:
+        await _delete(js, topology)
+
+
+async def test_a_full_request_stream_refuses_new_requests_and_keeps_pending_ones(
+        nats_client):
+    """Issue 24: a flood across many subjects (``snapshot.request.bogus_1..N``) pushed a real
+    table's pending request out of the stream (discard old across the stream). Now the stream
+    is full of pending requests only and refuses new ones, with an error a JetStream publish
+    sees; per table, the limit still drops that table's own oldest request."""
+    js = nats_client.jetstream()
+    topology = _isolated_topology("full")
+    topology = topology.model_copy(update={"requests": topology.requests.model_copy(
+        update={"max_msgs": 20, "max_msgs_per_subject": 3})})
+    await provision(js, topology)
+    try:
+        await js.publish("full.req.real", b'{"request_id": "mine"}')
+        for number in range(3):
+            await js.publish("full.req.repeated", str(number).encode())
+        refused = None
+        for number in range(40):
+            try:
+                await js.publish(f"full.req.bogus_{number}", b"")
+            except APIError as exc:
+                refused = exc
+                break
+        assert refused is not None and refused.err_code == 10077, refused
+        assert refused.description == "maximum messages exceeded"
+        assert (await js.get_last_msg("REQ_full", "full.req.real")).data == \
+            b'{"request_id": "mine"}'
+        # a table at its own limit: its newest request replaces its oldest, full or not
+        await js.publish("full.req.repeated", b"3")
+        assert (await js.stream_info("REQ_full", subjects_filter="full.req.repeated")
+                ).state.subjects == {"full.req.repeated": 3}
+        # the sensor acks what it handled: that leaves the stream, and room for new ones
+        subscription = await js.pull_subscribe_bind(REQUESTS_DURABLE, "REQ_full")
+        for message in await subscription.fetch(5):
+            await message.ack_sync()
+        await js.publish("full.req.later", b"")
+    finally:
+        await _delete(js, topology)
 
 
 async def test_conflicting_config_is_reported_field_by_field(nats_client):

@@ -6,6 +6,7 @@ from cdc_platform.settings import (
     NatsSettings,
     PlatformSettings,
     PostgresSettings,
+    ReplyNatsSettings,
     load_settings,
     parse_duration_seconds,
     parse_size_bytes,
@@ -138,3 +139,24 @@ def test_the_deploy_env_example_is_valid_settings(monkeypatch):
     assert settings.nats.servers()[0].startswith("tls://")
     assert settings.nats.tls_ca_file == "/etc/cdc-platform/nats-ca.pem"
     assert settings.postgres.sslmode == "verify-full"
+
+
+def test_the_reply_connection_has_its_own_credentials(monkeypatch, tmp_path):
+    """Unset: replies go through the main connection; set: its own user on the main
+    connection's servers (unless it names its own), never the main connection's password."""
+    monkeypatch.setenv("CDC_NATS_URL", "nats://nats.internal:4222")
+    monkeypatch.setenv("CDC_NATS_USER", "sensor")
+    monkeypatch.setenv("CDC_NATS_PASSWORD", "sensor-secret")
+    main = load_settings(NatsSettings)
+    assert load_settings(ReplyNatsSettings).resolved(main) is None
+    monkeypatch.setenv("CDC_REPLY_NATS_USER", "replier")
+    replies = load_settings(ReplyNatsSettings).resolved(main)
+    assert replies.servers() == ["nats://nats.internal:4222"]
+    assert (replies.connect_options()["user"], replies.connect_options()["password"]) == (
+        "replier", "")
+    monkeypatch.setenv("CDC_REPLY_NATS_URL", "nats://replies.internal:4222")
+    assert load_settings(ReplyNatsSettings).resolved(main).servers() == [
+        "nats://replies.internal:4222"]
+    monkeypatch.setenv("CDC_REPLY_NATS_CREDS", str(tmp_path / "missing.creds"))
+    with pytest.raises(ConfigError, match="CDC_REPLY_NATS_CREDS .*missing.creds"):
+        load_settings(ReplyNatsSettings).resolved(main).connect_options()

@@ -6,7 +6,12 @@ import json
 import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 
-from cdc_platform.defs.resources import CdcResource, NatsResource, PostgresResource
+from cdc_platform.defs.resources import (
+    CdcResource,
+    NatsRepliesResource,
+    NatsResource,
+    PostgresResource,
+)
 from cdc_platform.defs.snapshots.partitions import published_tables_partitions
 from cdc_platform.settings import OrchestrationSettings, load_settings
 from cdc_platform.snapshot.requests import Reply, done_fields, send_replies
@@ -25,7 +30,7 @@ REPLIES_TAG = "cdc_platform/replies"
     deps=["schemas"],
 )
 def init_snapshot(context: dg.AssetExecutionContext, postgres: PostgresResource,
-                  nats: NatsResource, cdc: CdcResource,
+                  nats: NatsResource, nats_replies: NatsRepliesResource, cdc: CdcResource,
                   pyspark: LazyPySparkResource) -> dg.MaterializeResult:
     """A consistent snapshot of one published table, chunked into `init.snap.{table}.*`,
     then `init.meta.{table}`. The metadata holds the cutover point: apply CDC events with
@@ -45,11 +50,11 @@ def init_snapshot(context: dg.AssetExecutionContext, postgres: PostgresResource,
     try:
         result = run_snapshot(spark_session, settings, table, options=options)
     except Exception as exc:
-        _answer(nats, requesters, Reply("failed", table, fields={
+        _answer(nats_replies, requesters, Reply("failed", table, fields={
             "reason": str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__,
             "run_id": context.run.run_id}))
         raise
-    _answer(nats, requesters, Reply("done", table, fields=done_fields(result)))
+    _answer(nats_replies, requesters, Reply("done", table, fields=done_fields(result)))
     context.log.info(f"snapshot {result.snapshot_id} of {table}: {result.row_count} rows in "
                      f"{result.batch_count} chunks, cutover at LSN {result.lsn}")
     return dg.MaterializeResult(metadata={
@@ -70,13 +75,13 @@ def init_snapshot(context: dg.AssetExecutionContext, postgres: PostgresResource,
     })
 
 
-def _answer(nats: NatsResource, requesters: list, reply: Reply) -> None:
+def _answer(replies: NatsRepliesResource, requesters: list, reply: Reply) -> None:
     """The same reply to every request this run serves (each with its own request_id)."""
     if not requesters:
         return
 
     async def send() -> None:
-        async with nats.connect("cdc-platform-snapshot-replies") as client:
+        async with replies.connect(name="cdc-platform-snapshot-replies") as client:
             await send_replies(client, [
                 (reply_to, Reply(reply.status, reply.table, request_id, reply.fields))
                 for request_id, reply_to in requesters])

@@ -10,22 +10,32 @@
   in one tick become one run, and a request for a table whose snapshot run is already queued
 or running joins that run (``accepted`` with ``coalesced``) instead of starting another, so a
 flood of requests starts at most one run per table (README "Snapshots"). Unknown or
-unpublished tables are skipped with a reason.
+unpublished tables are skipped with a reason. A table's runs started by requests begin at
+least ``CDC_SNAPSHOT_MIN_INTERVAL`` apart: a request that needs a new run sooner joins a run
+the sensor holds back in its cursor until then (``max_age_seconds: 0`` cannot make it
+snapshot a table back to back).
 """
 
 import asyncio
 import json
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import dagster as dg
 
-from cdc_platform.defs.resources import NatsResource, PostgresResource
+from cdc_platform.defs.resources import NatsRepliesResource, NatsResource, PostgresResource
 from cdc_platform.defs.snapshots.assets import REPLIES_TAG
 from cdc_platform.defs.snapshots.partitions import PUBLISHED_TABLES, published_tables_partitions
+from cdc_platform.jetstream.provision import REQUESTS_DURABLE
 from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import published_relation_ids, published_tables
 from cdc_platform.settings import NatsTopology, OrchestrationSettings, load_settings
 from cdc_platform.snapshot.requests import (
+    MAX_REPLIES_PER_RUN,
     HandledRequests,
+    HeldRun,
+    Pacing,
     RunInFlight,
     answer_requests,
     fetch_requests,
@@ -34,12 +44,9 @@ from cdc_platform.snapshot.requests import (
 
 PARTITION_TAG = "dagster/partition"
 RUN_KEY_TAG = "dagster/run_key"
+REQUEST_SEQ_TAG = "cdc_platform/request_seq"  # on runs started by requests
 
-DURABLE = "cdc_platform_snapshot_requests"
 FETCH_LIMIT = 500
-# a run's tag holds at most this many reply subjects (a tag value is kept short); more
-# requesters of one table get "accepted" and find the result in init.meta.{table}
-MAX_REPLIES_PER_RUN = 20
 
 
 def _published_relation_ids(postgres: PostgresResource) -> dict[str, int]:
@@ -91,35 +98,85 @@ def _runs_in_flight(instance: dg.DagsterInstance, job_name: str) -> dict[str, Ru
     return in_flight
 
 
+def _request_runs_since(instance: dg.DagsterInstance, since: float) -> dict[str, float]:
+    """Table -> when its newest snapshot run started by requests (tagged with the request's
+    sequence) was created, of the runs created after ``since``."""
+    created: dict[str, float] = {}
+    for record in instance.get_run_records(dg.RunsFilter(
+            created_after=datetime.fromtimestamp(since, UTC))):
+        table = record.dagster_run.tags.get(PARTITION_TAG)
+        if table is not None and REQUEST_SEQ_TAG in record.dagster_run.tags:
+            created[table] = max(created.get(table, 0.0), record.create_timestamp.timestamp())
+    return created
+
+
+@dataclass
+class _Cursor:
+    """The sensor's cursor: the highest stream sequence handled (its RunRequests recorded),
+    and the runs held back by the minimum interval (JSON; a bare number before them)."""
+
+    recorded_through: int = 0
+    held: dict[str, HeldRun] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str | None) -> "_Cursor":
+        if not text:
+            return cls()
+        if text.isdigit():
+            return cls(int(text))
+        value = json.loads(text)
+        return cls(value["through"], {table: HeldRun(*held)
+                                      for table, held in value["held"].items()})
+
+    def dump(self) -> str:
+        return json.dumps({"through": self.recorded_through, "held": {
+            table: [held.seq, held.requesters, held.not_before]
+            for table, held in self.held.items()}})
+
+
 def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
     @dg.sensor(job=snapshot_job, minimum_interval_seconds=2,
                default_status=dg.DefaultSensorStatus.RUNNING,
                description="`snapshot.request.{table}` messages -> `init_snapshot` runs, "
                "with replies (accepted, refused, done, failed) to requests that ask for them.")
     def snapshot_request_sensor(context: dg.SensorEvaluationContext, nats: NatsResource,
+                                nats_replies: NatsRepliesResource,
                                 postgres: PostgresResource):
-        recorded_through = int(context.cursor) if context.cursor else 0
-        reuse_seconds = load_settings(OrchestrationSettings).snapshot_reuse_seconds
+        cursor = _Cursor.parse(context.cursor)
+        settings = load_settings(OrchestrationSettings)
+        interval = settings.snapshot_min_interval_seconds
+        pacing = Pacing(interval, _request_runs_since(context.instance, time.time() - interval)
+                        if interval else {}, cursor.held)
         outcome = asyncio.run(_handle_requests(
-            nats, recorded_through, _published_relation_ids(postgres),
-            postgres.settings().publication, reuse_seconds,
-            _runs_in_flight(context.instance, snapshot_job.name)))
-        if outcome is None:
-            return dg.SkipReason("no new snapshot requests")
-        highest, runs, notes = outcome.highest_seq, outcome.runs, outcome.notes
+            nats, nats_replies, cursor.recorded_through, _published_relation_ids(postgres),
+            postgres.settings().publication, settings.snapshot_reuse_seconds,
+            _runs_in_flight(context.instance, snapshot_job.name), pacing))
+        runs = dict(outcome.runs) if outcome else {}
+        notes = list(outcome.notes) if outcome else []
+        now = time.time()
+        for table in [table for table, held in pacing.held.items() if held.not_before <= now]:
+            held = pacing.held.pop(table)
+            runs[table] = (held.seq, held.requesters)
+            notes.append(f"snapshot run for {table!r} (request seq {held.seq}, "
+                         f"{len(held.requesters)} awaiting a reply), held back until now")
+        if outcome is None and not runs:
+            return dg.SkipReason("no new snapshot requests" + (
+                f"; {len(pacing.held)} run(s) held back" if pacing.held else ""))
+        cursor = _Cursor(outcome.highest_seq if outcome else cursor.recorded_through,
+                         pacing.held)
         for note in notes:
             context.log.info(note)
         if not runs:  # say why in the tick itself, not only in its logs
-            return dg.SensorResult(cursor=str(highest), skip_reason="; ".join(notes)[:1000])
+            return dg.SensorResult(cursor=cursor.dump(), skip_reason="; ".join(notes)[:1000])
         known = set(context.instance.get_dynamic_partitions(PUBLISHED_TABLES))
         new_partitions = sorted(set(runs) - known)
         return dg.SensorResult(
             run_requests=[dg.RunRequest(
                 run_key=request_run_key(table, seq), partition_key=table,
-                tags={"cdc_platform/request_seq": str(seq),
+                tags={REQUEST_SEQ_TAG: str(seq),
                       REPLIES_TAG: json.dumps(requesters[:MAX_REPLIES_PER_RUN])})
                 for table, (seq, requesters) in runs.items()],
-            cursor=str(highest),
+            cursor=cursor.dump(),
             dynamic_partitions_requests=[
                 published_tables_partitions.build_add_request(new_partitions)]
             if new_partitions else [])
@@ -127,17 +184,21 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
     return snapshot_request_sensor
 
 
-async def _handle_requests(nats: NatsResource, recorded_through: int,
+async def _handle_requests(nats: NatsResource, nats_replies: NatsRepliesResource,
+                           recorded_through: int,
                            published: dict[str, int],
                            publication: str, reuse_seconds: float,
-                           in_flight: dict[str, RunInFlight]) -> HandledRequests | None:
+                           in_flight: dict[str, RunInFlight],
+                           pacing: Pacing) -> HandledRequests | None:
     """What the new requests decided (None: nothing new); see ``answer_requests``."""
     topology = load_settings(NatsTopology)
     async with nats.connect("cdc-platform-snapshot-sensor") as client:
-        requests = await fetch_requests(client, topology.requests.name, DURABLE,
+        requests = await fetch_requests(client, topology.requests.name, REQUESTS_DURABLE,
                                         recorded_through, FETCH_LIMIT)
         if not requests:
             return None
-        return await answer_requests(client, requests, published=published,
-                                     publication=publication, reuse_seconds=reuse_seconds,
-                                     in_flight=in_flight, init_stream=topology.init.name)
+        async with nats_replies.connect(client) as reply_client:
+            return await answer_requests(client, requests, published=published,
+                                         publication=publication, reuse_seconds=reuse_seconds,
+                                         in_flight=in_flight, init_stream=topology.init.name,
+                                         reply_client=reply_client, pacing=pacing)
