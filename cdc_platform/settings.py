@@ -30,6 +30,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cdc_platform.errors import ConfigError
+from cdc_platform.wire.signing import MessageSigner, SignatureVerifier, public_key_bytes
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2,
@@ -75,6 +76,20 @@ def _readable(path: str, variable: str) -> str:
             return path
     except OSError as exc:
         raise ConfigError(f"{variable} {path}: not readable ({exc.strerror})") from None
+
+
+def _read_signer(path: str) -> MessageSigner:
+    try:
+        with open(path, encoding="ascii") as file:
+            return MessageSigner(file.read())
+    except OSError as exc:
+        raise ValueError(f"{path}: not readable ({exc.strerror})") from None
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError(f"{path} holds no nkey seed (S..., 58 characters)") from None
+
+
+def _listed(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def _env(*names: str) -> AliasChoices:
@@ -407,6 +422,19 @@ class BridgeSettings(_Settings):
                                            validation_alias=_env("CDC_RECONNECT_MAX"))
     shutdown_timeout_seconds: Seconds = Field(
         30.0, gt=0, validation_alias=_env("CDC_SHUTDOWN_TIMEOUT"))
+    # an nkey seed file: the bridge signs every message it publishes (README "Signatures")
+    signing_key_seed: str | None = Field(None, validation_alias=_env("CDC_SIGNING_KEY_SEED"))
+
+    @field_validator("signing_key_seed")
+    @classmethod
+    def _usable_seed(cls, value: str | None) -> str | None:
+        if value is not None:
+            _read_signer(value)
+        return value
+
+    def signer(self) -> MessageSigner | None:
+        """What signs the bridge's messages (None: signing is off)."""
+        return _read_signer(self.signing_key_seed) if self.signing_key_seed else None
 
 
 class OrchestrationSettings(_Settings):
@@ -444,6 +472,20 @@ class MirrorSettings(_Settings):
     status_interval_seconds: Seconds = Field(
         10.0, gt=0, validation_alias=_env("CDC_MIRROR_STATUS_INTERVAL"))
     fetch_batch: int = Field(256, ge=1, le=10_000, validation_alias=_env("CDC_MIRROR_FETCH_BATCH"))
+    # public nkeys, comma-separated: only messages signed by one of them are applied
+    trusted_keys: str = Field("", validation_alias=_env("CDC_MIRROR_TRUSTED_KEYS"))
+
+    @field_validator("trusted_keys")
+    @classmethod
+    def _public_keys(cls, value: str) -> str:
+        for key in _listed(value):
+            public_key_bytes(key)
+        return value
+
+    def verifier(self) -> SignatureVerifier | None:
+        """What checks each message before it is applied (None: no key is trusted)."""
+        keys = _listed(self.trusted_keys)
+        return SignatureVerifier(keys) if keys else None
 
 
 class NatsTopology(_Settings):

@@ -200,11 +200,14 @@ class CdcBridge:
                 raise CdcError(f"JetStream stream {stream} or KV bucket "
                                f"{self.settings.topology.schemas.bucket} is missing: run "
                                "`cdc-platform provision` first") from None
+            signer = self.options.signer()
+            if signer is not None:
+                log.info("signing every message with key %s", signer.public_key)
             self.publisher = JetStreamPublisher(
                 nc, stream=stream, mode=self.options.publish_mode,
                 max_in_flight_messages=self.options.max_in_flight_messages,
                 max_in_flight_bytes=self.options.max_in_flight_bytes,
-                control_subject=CONTROL_EOB_SUBJECT)
+                control_subject=CONTROL_EOB_SUBJECT, signer=signer)
             await self.publisher.start()
             self._claim_checks = ClaimChecks(js, self.settings.topology.large.bucket,
                                              self.settings.encoding.format)

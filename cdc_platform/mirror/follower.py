@@ -78,6 +78,7 @@ from cdc_platform.wire import (
     payload_format,
     snapshot_request_subject,
 )
+from cdc_platform.wire.signing import SignatureVerifier
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,9 @@ class Mirror:
         self.applied_events = 0
         self.applied_transactions = 0
         self.bootstraps = 0
+        # None: every message is taken as the platform's; else only those it verifies
+        self.verifier = self.options.verifier()
+        self.refused_messages = 0  # refused for their signature (README "Signatures")
         self._last_commit_ts: str | None = None
         # monotonic times of the first event read and the last commit (apply rate figures)
         self.first_event_at: float | None = None
@@ -346,7 +350,7 @@ class Mirror:
         pause = 0.5
         while True:
             try:
-                return await cutover_start_seq(js, meta)
+                return await cutover_start_seq(js, meta, self.verifier)
             except MarkerNotInCdcYet as exc:
                 waited = time.monotonic() - started
                 if waited > self.options.snapshot_wait_seconds:
@@ -508,6 +512,8 @@ class Mirror:
                     await asyncio.sleep(1.0)
                     raise _Restart from None
                 for message in messages:
+                    if self.verifier is not None and not follow.authentic(message):
+                        continue
                     if message.has_header(HEADER_CLAIM_CHECK):  # in the object store
                         try:
                             await follow.claim_checked(message)
@@ -546,7 +552,7 @@ class Mirror:
                     if pending == 0 and between and follow.shadowed:
                         # read to the end: the stream's last message (any table's) bounds
                         # where the followed tables are
-                        end = await _commit_lsn_at(js, stream, self.position)
+                        end = await _commit_lsn_at(js, stream, self.position, self.verifier)
                         if end is not None:
                             follow.read_through = max(follow.read_through or 0, end - 1)
                             follow.swap_shadows()
@@ -604,7 +610,9 @@ class Mirror:
         return (f"mirror: {streaming} table(s) streaming, {self.applied_transactions:,} "
                 f"transactions / {self.applied_events:,} events applied, {pending:,} events "
                 f"behind, {behind:.1f}s behind the source commit time; position "
-                f"{self.position}")
+                f"{self.position}"
+                + (f"; {self.refused_messages:,} unsigned or badly signed messages refused"
+                   if self.refused_messages else ""))
 
 
 class _Following:
@@ -641,6 +649,17 @@ class _Following:
         self.must_restart = False  # whole transactions were rolled back: read them again
         self.first = True  # the first transaction of this pass may have begun before it
         self.stale: dict[str, str] = {}
+
+    def authentic(self, message: PulledMessage) -> bool:
+        """Whether ``message`` is signed by a trusted key; said and counted when not. It
+        never reaches the database then, so it moves no position either."""
+        assert self.mirror.verifier is not None
+        refusal = self.mirror.verifier.refusal(message.subject, message.headers, message.data)
+        if refusal is None:
+            return True
+        self.mirror.refused_messages += 1
+        log.error("refused message %s on %s: %s", message.stream_seq, message.subject, refusal)
+        return False
 
     async def claim_checked(self, message: PulledMessage) -> None:
         """The events of a message whose payload is an object (README "Large values")."""
@@ -859,12 +878,16 @@ def _check_event(event: Any, subject: str, subject_prefixes: dict[str, str]) -> 
         raise ValueError("an INSERT without values")
 
 
-async def _commit_lsn_at(js: JetStreamContext, stream: str, seq: int) -> int | None:
+async def _commit_lsn_at(js: JetStreamContext, stream: str, seq: int,
+                         verifier: SignatureVerifier | None) -> int | None:
     """The commit LSN of the message at ``seq`` of ``stream`` (an event, a batch, a watermark
-    marker), None when it has none to read. Stream order is commit order: every transaction
-    that committed before it was stored before it."""
+    marker), None when it has none to read or ``verifier`` refuses it. Stream order is commit
+    order: every transaction that committed before it was stored before it."""
     try:
         message = await js.get_msg(stream, seq=seq)
+        if verifier is not None and verifier.refusal(
+                message.subject or "", message.headers or {}, message.data or b"") is not None:
+            return None
         decoded = decode_any(message.data or b"")
         event = decoded[-1] if isinstance(decoded, list) and decoded else decoded
         return parse_lsn_cached(event["commit_lsn"]) if isinstance(event, dict) else None

@@ -1,0 +1,131 @@
+"""Signed messages (README "Signatures") against real servers: a bridge holding a signing key
+signs what it publishes; a mirror trusting that key applies it and refuses what anyone else
+stores in `CDC` (the test nats-server has no permissions, as a server whose publish rights
+leak), staying exact, with no position moved, also after a restart."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sqlite3
+
+import msgpack
+import pytest
+
+from cdc_platform.lsn import parse_lsn
+from cdc_platform.mirror.follower import Mirror
+from cdc_platform.settings import MirrorSettings
+from cdc_platform.wire import HEADER_SIGNATURE, HEADER_SIGNING_KEY, MessageSigner
+from cdc_platform.wire.signing import new_seed
+from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
+from cdc_platform_tests.fixtures.responder import snapshot_responder
+from cdc_platform_tests.fixtures.services import platform_settings, random_name
+from cdc_platform_tests.integration.test_bridge import running_bridge
+from cdc_platform_tests.integration.test_mirror import _bridge_ready
+
+# the audit's forged event: a well-formed INSERT whose commit LSN is above any real one
+FORGED_LSN = "7FFFFFFF/FFFFFF00"
+
+
+def _event(table: str, operation: str, commit_lsn: str, **fields) -> dict:
+    return {"table": table, "schema": "public", "operation": operation, "relation_id": 1,
+            "lsn": commit_lsn, "commit_lsn": commit_lsn, "xid": 1,
+            "commit_ts": "2026-11-25T00:00:00Z", "ordinal": 0, "msg_id": f"{commit_lsn}:0",
+            "subject": f"cdc.{table}.{operation.lower()}", "unchanged_toast": [],
+            "tx_tables": {table: 1}, **fields}
+
+
+async def _forged_messages(nats_client, table: str, lsn: str) -> list[tuple[str, bytes, dict]]:
+    """(subject, payload, headers) a forger stores: unsigned events (a TRUNCATE, the audit's
+    INSERT), one signed by a key nobody trusts, and a genuine signed message stored again
+    under another subject and id."""
+    untrusted = MessageSigner(new_seed(os.urandom(32)))
+    truncate = msgpack.packb(_event(table, "TRUNCATE", lsn, data=None, cascade=False,
+                                    restart_identity=False))
+    insert = msgpack.packb(_event(table, "INSERT", FORGED_LSN, data={"id": 1000, "v": "forged"}))
+    other_insert = msgpack.packb(_event(table, "INSERT", lsn, ordinal=0,
+                                        data={"id": 1001, "v": "forged"}))
+    subject = f"cdc.{table}.insert"
+    genuine = await nats_client.jetstream().get_last_msg("CDC", f"cdc.{table}.>")
+    assert genuine.headers and HEADER_SIGNATURE in genuine.headers, genuine.headers
+    return [
+        (f"cdc.{table}.truncate", truncate, {"Nats-Msg-Id": f"{lsn}:0"}),
+        # (the id made unique: the stream drops a second one within its duplicate window)
+        (subject, insert, {"Nats-Msg-Id": f"{FORGED_LSN}:0:{table}"}),
+        (subject, other_insert, {
+            "Nats-Msg-Id": f"{lsn}:1", HEADER_SIGNING_KEY: untrusted.public_key,
+            HEADER_SIGNATURE: untrusted.signature(subject, f"{lsn}:1", {}, other_insert)}),
+        (f"cdc.{table}.truncate", genuine.data,
+         {**genuine.headers, "Nats-Msg-Id": f"{lsn}:2"}),
+    ]
+
+
+def _positions(db) -> tuple[list[int], int | None]:
+    """Every table's high-water commit LSN, and the file's consistent LSN."""
+    with contextlib.closing(sqlite3.connect(db)) as connection:
+        marks = [row[0] for row in connection.execute(
+            "SELECT applied_commit_lsn FROM _cdc_mirror_tables")]
+        consistent = connection.execute(
+            "SELECT lsn_int FROM _cdc_mirror_consistent_lsn").fetchone()
+    return marks, consistent[0] if consistent else None
+
+
+@pytest.mark.every_major
+@pytest.mark.parametrize("message_mode", ["per-change", "batched"])
+async def test_a_mirror_trusting_the_bridge_key_refuses_forged_events_and_stays_exact(
+        message_mode, cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path, caplog):
+    seed_file = tmp_path / "signing.seed"
+    seed_file.write_text(new_seed(os.urandom(32)) + "\n")
+    public_key = MessageSigner(seed_file.read_text()).public_key
+    table = random_name("signed")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 40) g")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url, message_mode=message_mode,
+                                 signing_key_seed=str(seed_file))
+    options = MirrorSettings(status_interval_seconds=1.0, snapshot_wait_seconds=120.0,
+                             trusted_keys=f"{MessageSigner(new_seed(os.urandom(32))).public_key},"
+                                          f"{public_key}")  # (two: a key rotation)
+    conninfo = cdc_database.server.superuser_conninfo()
+    db = tmp_path / "m.db"
+    lines: list[str] = []
+
+    async def mirrored() -> Mirror:
+        mirror = Mirror(settings, [table], db, options=options, report=lines.append)
+        await mirror.run(until_caught_up=True)
+        assert mirror_rows(db, table, ["id", "v"]) == source_rows(conninfo, table, ["id", "v"])
+        return mirror
+
+    async with running_bridge(settings), snapshot_responder(settings):
+        await _bridge_ready(pg_admin, cdc_database, settings, [table])
+        await mirrored()
+        pg_admin.execute(f"UPDATE {table} SET v = 'signed' WHERE id <= 3")
+        await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
+        lsn = pg_admin.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0]
+        forged = await _forged_messages(nats_client, table, lsn)
+        for subject, payload, headers in forged:
+            await nats_client.jetstream().publish(subject, payload, stream="CDC",
+                                                  headers=headers)
+        pg_admin.execute(f"UPDATE {table} SET v = 'after' WHERE id BETWEEN 4 AND 6")
+        pg_admin.execute(f"INSERT INTO {table} VALUES (41, 'new')")
+        await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
+        with caplog.at_level(logging.ERROR, logger="cdc_platform.mirror.follower"):
+            following = await mirrored()
+        refusals = [r.getMessage() for r in caplog.records if "refused message" in r.getMessage()]
+        assert following.refused_messages == len(forged) == len(refusals), refusals
+        assert sum("not signed" in refusal for refusal in refusals) == 2, refusals
+        assert sum("not a trusted key" in refusal for refusal in refusals) == 1, refusals
+        assert sum("bad signature" in refusal for refusal in refusals) == 1, refusals
+        marks, consistent = _positions(db)
+        source_lsn = parse_lsn(pg_admin.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+        assert marks and max(marks) <= source_lsn and (consistent or 0) <= source_lsn, \
+            (marks, consistent)
+        # a restart: the forged messages moved nothing it resumes from; it keeps following
+        pg_admin.execute(f"DELETE FROM {table} WHERE id = 7")
+        pg_admin.execute(f"UPDATE {table} SET v = 'restarted' WHERE id = 41")
+        await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
+        await mirrored()
+    marks, consistent = _positions(db)
+    assert max(marks) < parse_lsn(FORGED_LSN) and (consistent or 0) < parse_lsn(FORGED_LSN)
+    assert not any("bootstrapping again" in line for line in lines), lines

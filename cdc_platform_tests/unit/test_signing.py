@@ -1,0 +1,103 @@
+"""Message signatures (README "Signatures"): the signed bytes pinned by test vectors, checked
+with libraries other than the platform's own code, and what a verifier refuses."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import nkeys
+import pytest
+from nacl.signing import VerifyKey
+
+from cdc_platform.wire import HEADER_SIGNATURE, HEADER_SIGNING_KEY, MessageSigner, SignatureVerifier
+from cdc_platform.wire.signing import new_seed, public_key_bytes
+from cdc_platform_tests import golden
+
+VECTORS = json.loads(golden.SIGNATURES.read_text())
+
+
+def test_the_signature_vectors_are_what_the_signer_writes():
+    """A failure here is a wire change: make it only on purpose (README, CHANGELOG), then
+    rewrite the file with ``python -m cdc_platform_tests.golden``."""
+    assert golden.signature_vectors() == golden.SIGNATURES.read_text()
+
+
+@pytest.mark.parametrize("index", range(len(VECTORS["messages"])))
+def test_a_vector_verifies_with_a_plain_ed25519_library(index):
+    """What a consumer in another language does: the public nkey decoded by nkeys' own
+    code, the signed bytes built by the README's rule, the signature checked by libsodium."""
+    vector = VECTORS["messages"][index]
+    headers, payload = vector["headers"], bytes.fromhex(vector["payload"])
+    seed = bytearray(VECTORS["seed"].encode())
+    assert nkeys.from_seed(seed).public_key.decode() == VECTORS["public_key"]
+    assert public_key_bytes(VECTORS["public_key"]).hex() == VECTORS["public_key_ed25519"]
+    assert headers[HEADER_SIGNING_KEY] == VECTORS["public_key"]
+    lines = [vector["subject"], headers["Nats-Msg-Id"],
+             *(headers.get(name, "") for name in ("Cdc-Schema-Fingerprint", "Cdc-Claim-Check",
+                                                  "Content-Type", "Content-Encoding",
+                                                  "Cdc-Zstd-Dict"))]
+    expected = b"cdc-platform-signature-v1\n" + "".join(f"{line}\n" for line in lines).encode()
+    assert bytes.fromhex(vector["signed_bytes"]) == expected + payload
+    signature = base64.urlsafe_b64decode(headers[HEADER_SIGNATURE] + "==")
+    VerifyKey(bytes.fromhex(VECTORS["public_key_ed25519"])).verify(
+        bytes.fromhex(vector["signed_bytes"]), signature)
+    assert SignatureVerifier([VECTORS["public_key"]]).refusal(
+        vector["subject"], headers, payload) is None
+
+
+def _signed(signer: MessageSigner, subject: str, headers: dict[str, str], payload: bytes):
+    signature = signer.signature(subject, headers["Nats-Msg-Id"], headers, payload)
+    return {**headers, HEADER_SIGNATURE: signature, HEADER_SIGNING_KEY: signer.public_key}
+
+
+SIGNER = MessageSigner(golden.SIGNING_SEED)
+OTHER = MessageSigner(new_seed(bytes(range(1, 33))))
+HEADERS = {"Nats-Msg-Id": "7FFFFFFF/FFFFFF00:0", "Cdc-Schema-Fingerprint": "9b5d96cfd7385bfd"}
+SUBJECT, PAYLOAD = "cdc.users.insert", b"\x81\xa5table\xa5users"
+GOOD = _signed(SIGNER, SUBJECT, HEADERS, PAYLOAD)
+
+REFUSED = {
+    "unsigned": (SUBJECT, HEADERS, PAYLOAD, "not signed"),
+    "signed by an untrusted key": (SUBJECT, _signed(OTHER, SUBJECT, HEADERS, PAYLOAD), PAYLOAD,
+                                   "not a trusted key"),
+    "an untrusted key naming a trusted one": (
+        SUBJECT, {**_signed(OTHER, SUBJECT, HEADERS, PAYLOAD),
+                  HEADER_SIGNING_KEY: SIGNER.public_key}, PAYLOAD, "bad signature"),
+    "stored under another subject": ("cdc.users.truncate", GOOD, PAYLOAD, "bad signature"),
+    "stored under another message id": (SUBJECT, {**GOOD, "Nats-Msg-Id": "0/1:0"}, PAYLOAD,
+                                        "bad signature"),
+    "without its message id": (SUBJECT, {k: v for k, v in GOOD.items() if k != "Nats-Msg-Id"},
+                               PAYLOAD, "no Nats-Msg-Id"),
+    "a claim check added": (SUBJECT, {**GOOD, "Cdc-Claim-Check": "cdc_large/x"}, PAYLOAD,
+                            "bad signature"),
+    "another fingerprint": (SUBJECT, {**GOOD, "Cdc-Schema-Fingerprint": "0" * 16}, PAYLOAD,
+                            "bad signature"),
+    "another payload": (SUBJECT, GOOD, PAYLOAD + b"x", "bad signature"),
+    "a signature that is not one": (SUBJECT, {**GOOD, HEADER_SIGNATURE: "%%%"}, PAYLOAD,
+                                    "not a base64url ed25519 signature"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_the_verifier_refuses(case):
+    subject, headers, payload, said = REFUSED[case]
+    refusal = SignatureVerifier([SIGNER.public_key]).refusal(subject, headers, payload)
+    assert refusal is not None and said in refusal, refusal
+
+
+def test_several_keys_are_trusted_at_once_while_keys_rotate():
+    verifier = SignatureVerifier([OTHER.public_key, SIGNER.public_key])
+    assert verifier.refusal(SUBJECT, GOOD, PAYLOAD) is None
+    assert verifier.refusal(SUBJECT, _signed(OTHER, SUBJECT, HEADERS, PAYLOAD), PAYLOAD) is None
+
+
+@pytest.mark.parametrize("key", ["", "ABC", VECTORS["public_key"][:-1] + "A", VECTORS["seed"]])
+def test_a_trusted_key_that_is_no_public_nkey_is_refused(key):
+    with pytest.raises(ValueError):
+        SignatureVerifier([key])
+
+
+def test_a_signer_refuses_a_public_key_for_a_seed():
+    with pytest.raises(ValueError, match="seed"):
+        MessageSigner(VECTORS["public_key"])
