@@ -14,9 +14,17 @@ import msgpack
 import pytest
 
 from cdc_platform.lsn import parse_lsn
-from cdc_platform.mirror.follower import Mirror
+from cdc_platform.mirror.follower import Mirror, _commit_lsn_at
 from cdc_platform.settings import MirrorSettings
-from cdc_platform.wire import HEADER_SIGNATURE, HEADER_SIGNING_KEY, MessageSigner
+from cdc_platform.snapshot.meta import SnapshotMeta, cutover_start_seq
+from cdc_platform.wire import (
+    HEADER_SIGNATURE,
+    HEADER_SIGNING_KEY,
+    MessageSigner,
+    SignatureVerifier,
+    watermark_msg_id,
+    watermark_subject,
+)
 from cdc_platform.wire.signing import new_seed
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
 from cdc_platform_tests.fixtures.responder import snapshot_responder
@@ -129,3 +137,37 @@ async def test_a_mirror_trusting_the_bridge_key_refuses_forged_events_and_stays_
     marks, consistent = _positions(db)
     assert max(marks) < parse_lsn(FORGED_LSN) and (consistent or 0) < parse_lsn(FORGED_LSN)
     assert not any("bootstrapping again" in line for line in lines), lines
+
+
+async def test_a_forged_watermark_marker_or_last_message_moves_no_point(
+        provisioned_nats, nats_client):
+    """The two places the mirror reads a position from a message of `CDC` outside its
+    follow loop: a snapshot's cutover (step 2 of the rule: the last message on the
+    watermark subject) and where idle tables meet (the stream's last message). A forged
+    marker stored after the genuine one would start the table past changes it needs; a
+    forged last event would put the meeting point at its LSN."""
+    js = nats_client.jetstream()
+    signer = MessageSigner(new_seed(os.urandom(32)))
+    verifier = SignatureVerifier([signer.public_key])
+    snapshot_id = random_name("snap")
+    subject = watermark_subject(snapshot_id)
+    marker = msgpack.packb({"type": "watermark", "snapshot_id": snapshot_id})
+    msg_id = watermark_msg_id(snapshot_id)
+    genuine = await js.publish(subject, marker, stream="CDC", headers={
+        "Nats-Msg-Id": msg_id, HEADER_SIGNING_KEY: signer.public_key,
+        HEADER_SIGNATURE: signer.signature(subject, msg_id, {}, marker)})
+    await js.publish(subject, marker, stream="CDC", headers={"Nats-Msg-Id": f"{msg_id}:forged"})
+    meta = SnapshotMeta(
+        table="t", snapshot_id=snapshot_id, lsn=1, batch_count=0, row_count=0,
+        cdc_stream="CDC", cdc_start_seq=None, watermark_subject=subject,
+        chunk_subject_prefix="init.snap.t", schema_fingerprint="", format="msgpack",
+        timestamp=0.0, raw={})
+    assert await cutover_start_seq(js, meta, verifier) <= genuine.seq
+    assert await cutover_start_seq(js, meta) > genuine.seq  # (what it was before)
+
+    table = random_name("idle")
+    forged = await js.publish(
+        f"cdc.{table}.insert", msgpack.packb(_event(table, "INSERT", FORGED_LSN, data={"id": 1})),
+        stream="CDC", headers={"Nats-Msg-Id": f"{FORGED_LSN}:0:{table}"})
+    assert await _commit_lsn_at(js, "CDC", forged.seq, verifier) is None
+    assert await _commit_lsn_at(js, "CDC", forged.seq, None) == parse_lsn(FORGED_LSN)
