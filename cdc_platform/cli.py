@@ -183,6 +183,8 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
           f" slot={settings.postgres.slot}")
     print(f"NATS: {settings.nats.describe()}")
     print(f"format={settings.encoding.format} zstd={settings.encoding.zstd}")
+    signer = settings.bridge.signer()
+    print(f"signing: key {signer.public_key}" if signer is not None else "signing: off")
     return 0
 
 

@@ -432,9 +432,18 @@ class BridgeSettings(_Settings):
             _read_signer(value)
         return value
 
+    def signing_seed(self) -> str | None:
+        """The seed's text (None: signing is off); snapshot tasks get it with their spec."""
+        if self.signing_key_seed is None:
+            return None
+        _read_signer(self.signing_key_seed)
+        with open(self.signing_key_seed, encoding="ascii") as file:
+            return file.read().strip()
+
     def signer(self) -> MessageSigner | None:
-        """What signs the bridge's messages (None: signing is off)."""
-        return _read_signer(self.signing_key_seed) if self.signing_key_seed else None
+        """What signs the platform's messages (None: signing is off)."""
+        seed = self.signing_seed()
+        return MessageSigner(seed) if seed is not None else None
 
 
 class OrchestrationSettings(_Settings):

@@ -277,7 +277,8 @@ class Mirror:
                 return None if store.in_transaction else compiled(data, seen)
             async for chunk in read_chunks(js, meta, stream=self.settings.topology.init.name,
                                            progress=progress.update, columns=columns,
-                                           load=load if compiled is not None else None):
+                                           load=load if compiled is not None else None,
+                                           verifier=self.verifier):
                 if chunk.loaded is None:
                     await _between_transactions(store)
                     if chunk.as_tuples and columns is not None:
@@ -309,17 +310,25 @@ class Mirror:
         init = self.settings.topology.init.name
         relation_id = await self._relation_id(js, table)
         reused = await reusable_snapshot(js, table, self.options.snapshot_max_age_seconds,
-                                         init, min_lsn, relation_id=relation_id)
+                                         init, min_lsn, relation_id=relation_id,
+                                         verifier=self.verifier)
         if reused is not None:
             meta = await self._meta(js, table, reused)
-            if meta.table_schema is not None:  # else taken by an older platform: ask anew
+            if meta is not None and meta.table_schema is not None:  # else taken by an older
+                # platform (or not by the platform): ask anew
                 self.report(f"{table}: using snapshot {meta.snapshot_id} taken "
                             f"{time.time() - meta.timestamp:.0f}s ago")
                 return meta, reused["cdc_start_seq"]
-        reply = await self._request_snapshot(nc, js, table, min_lsn, relation_id, stop)
-        if reply is None:
-            return None, 0
-        meta = await self._meta(js, table, reply)
+        while True:
+            reply = await self._request_snapshot(nc, js, table, min_lsn, relation_id, stop)
+            if reply is None:
+                return None, 0
+            meta = await self._meta(js, table, reply)
+            if meta is not None:
+                break
+            self.report(f"{table}: the snapshot answered is not signed by a trusted key; "
+                        "asking again")
+            await asyncio.sleep(1.0)
         if meta.table_schema is None:
             raise MirrorError(f"{table}: snapshot {meta.snapshot_id}'s meta has no "
                               "table_schema (taken by an older platform): upgrade the "
@@ -379,11 +388,20 @@ class Mirror:
         return relation_id if type(relation_id) is int else None
 
     async def _meta(self, js: JetStreamContext, table: str,
-                    done: Mapping[str, Any]) -> SnapshotMeta:
-        """The meta a ``done`` reply names (``meta_seq`` in `INIT`)."""
+                    done: Mapping[str, Any]) -> SnapshotMeta | None:
+        """The meta a ``done`` reply names (``meta_seq`` in `INIT`); None when it is not
+        signed by a trusted key (said and counted)."""
         try:
             message = await js.get_msg(self.settings.topology.init.name,
                                        seq=int(done["meta_seq"]))
+            if self.verifier is not None:
+                refusal = self.verifier.refusal(message.subject or "", message.headers or {},
+                                                message.data or b"")
+                if refusal is not None:
+                    self.refused_messages += 1
+                    log.error("refused the snapshot meta at %s of %s: %s", message.seq,
+                              self.settings.topology.init.name, refusal)
+                    return None
             return SnapshotMeta.from_wire(decode_any(message.data or b""), message.seq or 0)
         except (KeyError, TypeError, ValueError, NotFoundError) as exc:
             raise MirrorError(f"{table}: the snapshot reply names no readable meta "
@@ -420,7 +438,8 @@ class Mirror:
                         # let go in a flood, gets no "done": the snapshot shows up in INIT
                         last_look = now
                         found = await snapshot_stored_since(js, table, asked_after, init,
-                                                            min_lsn, relation_id=relation_id)
+                                                            min_lsn, relation_id=relation_id,
+                                                            verifier=self.verifier)
                         if found is not None:
                             return found
                     if now - started > wait:

@@ -36,7 +36,7 @@ from cdc_platform.wire import (
     watermark_subject,
 )
 from cdc_platform.wire.encoding import Format
-from cdc_platform.wire.signing import SignatureVerifier
+from cdc_platform.wire.signing import MessageSigner, SignatureVerifier
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +80,16 @@ def snapshot_meta(*, snapshot_id: str, lsn: str, watermark_lsn: str, cdc_stream:
     return cast(SnapshotMetaPayload, in_field_order(SnapshotMetaPayload, fields))
 
 
-async def publish_meta(js: JetStreamContext, meta: SnapshotMetaPayload, fmt: Format) -> int:
-    """Store ``meta`` on ``init.meta.{table}`` (deduplicated by snapshot id); its sequence."""
-    ack = await js.publish(snapshot_meta_subject(meta["table"]), encoder(fmt)(meta), headers={
-        HEADER_MSG_ID: meta_msg_id(meta["snapshot_id"]),
-        HEADER_CONTENT_TYPE: CONTENT_TYPES[fmt]})
+async def publish_meta(js: JetStreamContext, meta: SnapshotMetaPayload, fmt: Format,
+                       signer: MessageSigner | None = None) -> int:
+    """Store ``meta`` on ``init.meta.{table}`` (deduplicated by snapshot id), signed by
+    ``signer`` when there is one; its sequence."""
+    subject, payload = snapshot_meta_subject(meta["table"]), encoder(fmt)(meta)
+    headers = {HEADER_MSG_ID: meta_msg_id(meta["snapshot_id"]),
+               HEADER_CONTENT_TYPE: CONTENT_TYPES[fmt]}
+    if signer is not None:
+        headers = signer.signed_headers(subject, headers, payload)
+    ack = await js.publish(subject, payload, headers=headers)
     return ack.seq
 
 
@@ -139,12 +144,18 @@ class SnapshotMeta:
             raise SnapshotUnusable(f"malformed snapshot meta ({exc!r})") from exc
 
 
-async def latest_meta(js: JetStreamContext, table: str,
-                      stream: str = "INIT") -> SnapshotMeta | None:
-    """The newest meta of ``table`` still in the `INIT` stream, or None."""
+async def latest_meta(js: JetStreamContext, table: str, stream: str = "INIT",
+                      verifier: SignatureVerifier | None = None) -> SnapshotMeta | None:
+    """The newest meta of ``table`` still in the `INIT` stream, or None (also when
+    ``verifier`` refuses it: not the platform's)."""
     try:
         message = await js.get_last_msg(stream, snapshot_meta_subject(table))
     except NotFoundError:
+        return None
+    refusal = verifier.refusal(message.subject or "", message.headers or {},
+                               message.data or b"") if verifier is not None else None
+    if refusal is not None:
+        log.error("refused the snapshot meta at %s of %s: %s", message.seq, stream, refusal)
         return None
     return SnapshotMeta.from_wire(decode_any(message.data or b""), message.seq or 0)
 

@@ -35,6 +35,9 @@ SIGNATURE_CONTEXT = b"cdc-platform-signature-v1\n"
 SIGNED_HEADERS = (HEADER_SCHEMA_FINGERPRINT, HEADER_CLAIM_CHECK, HEADER_CONTENT_TYPE,
                   HEADER_CONTENT_ENCODING, HEADER_ZSTD_DICT)
 
+# what the two headers add to a message's header block (their lengths are fixed)
+SIGNATURE_HEADERS_BYTES = len(f"{HEADER_SIGNATURE}: \r\n{HEADER_SIGNING_KEY}: \r\n") + 86 + 56
+
 _SEED_PREFIX = 18 << 3       # nkeys' "S" (a seed): the first 5 bits of a seed's first byte
 _PUBLIC_PREFIXES = {         # nkeys' key roles: the first byte of a public key
     14 << 3: "operator", 2 << 3: "cluster", 0: "account", 20 << 3: "user", 13 << 3: "server",
@@ -112,6 +115,13 @@ class MessageSigner:
         """The ``Cdc-Signature`` value: the signature, base64url without padding."""
         signed = crypto_sign(signed_bytes(subject, msg_id, headers, payload), self._secret)
         return base64.urlsafe_b64encode(signed[:64]).decode().rstrip("=")
+
+    def signed_headers(self, subject: str, headers: Mapping[str, str],
+                       payload: bytes) -> dict[str, str]:
+        """``headers`` (which name the ``Nats-Msg-Id``) with the two signature headers."""
+        return {**headers, HEADER_SIGNATURE: self.signature(
+            subject, headers[HEADER_MSG_ID], headers, payload),
+            HEADER_SIGNING_KEY: self.public_key}
 
 
 class SignatureVerifier:

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import sqlite3
+import time
 
 import msgpack
 import pytest
@@ -171,3 +172,51 @@ async def test_a_forged_watermark_marker_or_last_message_moves_no_point(
         stream="CDC", headers={"Nats-Msg-Id": f"{FORGED_LSN}:0:{table}"})
     assert await _commit_lsn_at(js, "CDC", forged.seq, verifier) is None
     assert await _commit_lsn_at(js, "CDC", forged.seq, None) == parse_lsn(FORGED_LSN)
+
+
+async def test_a_forged_snapshot_is_neither_handed_out_nor_loaded(
+        cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path, caplog):
+    """A whole snapshot forged into `INIT` (a meta newer than the genuine one and its chunk,
+    rows of the forger's choosing): the snapshot sensor does not hand it out and a mirror
+    trusting the key does not load it; the table is bootstrapped from a genuine one."""
+    seed_file = tmp_path / "signing.seed"
+    seed_file.write_text(new_seed(os.urandom(32)))
+    table = random_name("snapped")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 30) g")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url,
+                                 signing_key_seed=str(seed_file))
+    options = MirrorSettings(status_interval_seconds=1.0, snapshot_wait_seconds=120.0,
+                             trusted_keys=MessageSigner(seed_file.read_text()).public_key)
+    conninfo = cdc_database.server.superuser_conninfo()
+    js = nats_client.jetstream()
+    lines: list[str] = []
+    async with running_bridge(settings), snapshot_responder(settings) as taken:
+        await _bridge_ready(pg_admin, cdc_database, settings, [table])
+        await Mirror(settings, [table], tmp_path / "first.db", options=options,
+                     report=lines.append).run(until_caught_up=True)
+        genuine = await js.get_last_msg("INIT", f"init.meta.{table}")
+        assert HEADER_SIGNATURE in (genuine.headers or {})
+        meta = msgpack.unpackb(genuine.data)
+        forged_id = f"{meta['snapshot_id']}-forged"
+        prefix = f"init.snap.{table}.{forged_id}."
+        chunk = {"table": table, "operation": "snapshot", "snapshot_id": forged_id, "chunk": 0,
+                 "lsn": meta["lsn"], "data": [{"id": 1, "v": "forged"}], "partition": 0,
+                 "schema_fingerprint": meta["schema_fingerprint"]}
+        await js.publish(f"{prefix}0", msgpack.packb(chunk), stream="INIT", headers={
+            "Nats-Msg-Id": f"{forged_id}:0", "Content-Type": "application/msgpack",
+            "Cdc-Schema-Fingerprint": meta["schema_fingerprint"]})
+        await js.publish(f"init.meta.{table}", msgpack.packb({
+            **meta, "snapshot_id": forged_id, "chunk_subject_prefix": prefix,
+            "batch_count": 1, "row_count": 1, "chunks": [[0, 0, 1]],
+            "timestamp": int(time.time())}), stream="INIT",
+            headers={"Nats-Msg-Id": f"{forged_id}:meta", "Content-Type": "application/msgpack"})
+        with caplog.at_level(logging.ERROR):
+            await Mirror(settings, [table], tmp_path / "second.db", options=options,
+                         report=lines.append).run(until_caught_up=True)
+    assert mirror_rows(tmp_path / "second.db", table, ["id", "v"]) == source_rows(
+        conninfo, table, ["id", "v"])
+    assert len(taken) == 2, lines  # the first mirror's, and one instead of the forged one
+    assert any("refused the snapshot meta" in r.getMessage() for r in caplog.records)
+

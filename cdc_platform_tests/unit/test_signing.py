@@ -10,6 +10,9 @@ import nkeys
 import pytest
 from nacl.signing import VerifyKey
 
+from cdc_platform.settings import BridgeSettings, PlatformSettings
+from cdc_platform.snapshot.chunks import CHUNK_NUMBER_STRIDE, headers_size
+from cdc_platform.snapshot.source import SourceTable, chunk_layout
 from cdc_platform.wire import HEADER_SIGNATURE, HEADER_SIGNING_KEY, MessageSigner, SignatureVerifier
 from cdc_platform.wire.signing import new_seed, public_key_bytes
 from cdc_platform_tests import golden
@@ -101,3 +104,22 @@ def test_a_trusted_key_that_is_no_public_nkey_is_refused(key):
 def test_a_signer_refuses_a_public_key_for_a_seed():
     with pytest.raises(ValueError, match="seed"):
         MessageSigner(VECTORS["public_key"])
+
+
+def test_a_signed_chunk_at_its_payload_budget_still_fits_max_payload(tmp_path):
+    """Chunks are cut to the server's max_payload with their headers; a signed one carries
+    two more, for which the cut leaves room."""
+    seed_file = tmp_path / "signing.seed"
+    seed_file.write_text(golden.SIGNING_SEED)
+    max_payload = 1024 * 1024
+
+    def layout(settings: PlatformSettings):
+        return chunk_layout(SourceTable(golden.table_schema(), (), 1, 8192, 1.0), settings,
+                            "20261122T100000Z-0a0b0c0d", "1/900", max_payload, None)
+
+    widest = CHUNK_NUMBER_STRIDE * CHUNK_NUMBER_STRIDE - 1
+    unsigned = layout(PlatformSettings())
+    assert unsigned.payload_budget() + headers_size(unsigned.headers(widest)) == max_payload
+    signed = layout(PlatformSettings(bridge=BridgeSettings(signing_key_seed=str(seed_file))))
+    headers = SIGNER.signed_headers("init.snap.users.x.1", signed.headers(widest), b"")
+    assert signed.payload_budget() + headers_size(headers) <= max_payload

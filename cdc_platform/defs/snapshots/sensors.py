@@ -23,7 +23,12 @@ from cdc_platform.defs.snapshots.assets import REPLIES_TAG
 from cdc_platform.defs.snapshots.partitions import PUBLISHED_TABLES, published_tables_partitions
 from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import published_relation_ids, published_tables
-from cdc_platform.settings import NatsTopology, OrchestrationSettings, load_settings
+from cdc_platform.settings import (
+    BridgeSettings,
+    NatsTopology,
+    OrchestrationSettings,
+    load_settings,
+)
 from cdc_platform.snapshot.requests import (
     HandledRequests,
     RunInFlight,
@@ -31,6 +36,7 @@ from cdc_platform.snapshot.requests import (
     fetch_requests,
     request_run_key,
 )
+from cdc_platform.wire import SignatureVerifier
 
 PARTITION_TAG = "dagster/partition"
 RUN_KEY_TAG = "dagster/run_key"
@@ -133,6 +139,8 @@ async def _handle_requests(nats: NatsResource, recorded_through: int,
                            in_flight: dict[str, RunInFlight]) -> HandledRequests | None:
     """What the new requests decided (None: nothing new); see ``answer_requests``."""
     topology = load_settings(NatsTopology)
+    signer = load_settings(BridgeSettings).signer()  # (its own snapshots' key)
+    verifier = SignatureVerifier([signer.public_key]) if signer is not None else None
     async with nats.connect("cdc-platform-snapshot-sensor") as client:
         requests = await fetch_requests(client, topology.requests.name, DURABLE,
                                         recorded_through, FETCH_LIMIT)
@@ -140,4 +148,5 @@ async def _handle_requests(nats: NatsResource, recorded_through: int,
             return None
         return await answer_requests(client, requests, published=published,
                                      publication=publication, reuse_seconds=reuse_seconds,
-                                     in_flight=in_flight, init_stream=topology.init.name)
+                                     in_flight=in_flight, init_stream=topology.init.name,
+                                     verifier=verifier)
