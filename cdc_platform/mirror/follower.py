@@ -34,6 +34,7 @@ from nats.js.errors import NotFoundError
 
 from cdc_platform.errors import CdcError
 from cdc_platform.jetstream.connection import close_nats, connect_nats
+from cdc_platform.jetstream.kv import verified_value
 from cdc_platform.jetstream.pull import PulledMessage, PullReader
 from cdc_platform.lsn import format_lsn, parse_lsn_cached
 from cdc_platform.mirror.consistency import (
@@ -379,10 +380,13 @@ class Mirror:
         """The oid of the table ``table`` names in KV ``schemas`` (which table the stream
         follows; None: unreadable). A snapshot of another table of that name (one dropped
         since) must not bootstrap it."""
+        bucket = self.settings.topology.schemas.bucket
         try:
-            kv = await js.key_value(self.settings.topology.schemas.bucket)
-            entry = await kv.get(table)
-            relation_id = decode_any(entry.value or b"").get("relation_id")
+            if self.verifier is not None:
+                value = await verified_value(js, bucket, table, self.verifier)
+            else:
+                value = (await (await js.key_value(bucket)).get(table)).value
+            relation_id = decode_any(value or b"").get("relation_id")
         except (NotFoundError, ValueError, TypeError, AttributeError):
             return None
         return relation_id if type(relation_id) is int else None

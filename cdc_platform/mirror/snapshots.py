@@ -113,7 +113,7 @@ async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str =
                             decompressors[dict_id] = decompressor(
                                 None if dict_id is None
                                 else await fetch_dictionary(js, meta.table, int(dict_id),
-                                                            bucket=bucket))
+                                                            bucket=bucket, verifier=verifier))
                         data = decompressors[dict_id].decompress(data)
                     taken = load(data, seen) if load is not None else None
                     if taken is not None:

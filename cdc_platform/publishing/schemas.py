@@ -14,8 +14,9 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
+from cdc_platform.jetstream.kv import put_value
 from cdc_platform.postgres.catalog import TableSchema, published_tables, table_schema
-from cdc_platform.wire import decode_any
+from cdc_platform.wire import MessageSigner, decode_any
 
 
 def schema_entry(schema: TableSchema, encode: Callable[[Any], bytes]) -> tuple[str, bytes]:
@@ -56,8 +57,10 @@ def keeping_storage(schema: TableSchema, stored: dict[str, Any] | None) -> Table
 
 
 async def publish_schemas(js: JetStreamContext, bucket: str, schemas: list[TableSchema],
-                          encode: Callable[[Any], bytes]) -> None:
+                          encode: Callable[[Any], bytes],
+                          signer: MessageSigner | None = None) -> None:
     kv = await js.key_value(bucket)
     for schema in schemas:
-        await kv.put(*schema_entry(keeping_storage(schema, await stored_schema(kv, schema)),
-                                   encode))
+        key, value = schema_entry(keeping_storage(schema, await stored_schema(kv, schema)),
+                                  encode)
+        await put_value(js, kv, bucket, key, value, signer)

@@ -298,7 +298,7 @@ async def _dictionary(control: psycopg.Connection, js: JetStreamContext,
         return None, None
     key = await dictionaries.publish_dictionary(
         js, described.schema.wire_name, trained, bucket=settings.topology.dictionaries.bucket,
-        replicas=settings.topology.dictionaries.replicas)
+        replicas=settings.topology.dictionaries.replicas, signer=settings.bridge.signer())
     return trained, key
 
 

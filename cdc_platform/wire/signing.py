@@ -46,9 +46,10 @@ _PUBLIC_PREFIXES = {         # nkeys' key roles: the first byte of a public key
 
 def signed_bytes(subject: str, msg_id: str, headers: Mapping[str, str],
                  payload: bytes) -> bytes:
-    """What is signed: the context line, the subject, the message id, then each of
-    :data:`SIGNED_HEADERS`' values (empty when absent), each followed by ``\\n``, then the
-    payload as stored. (None of those texts may hold a line break: NATS forbids it.)"""
+    """What is signed: the context line, the subject, the message id (empty: a KV value has
+    none), then each of :data:`SIGNED_HEADERS`' values (empty when absent), each followed by
+    ``\\n``, then the payload as stored. (None of those texts may hold a line break: NATS
+    forbids it.)"""
     lines = [subject, msg_id, *(headers.get(name, "") for name in SIGNED_HEADERS)]
     return SIGNATURE_CONTEXT + "".join(line + "\n" for line in lines).encode() + payload
 
@@ -118,9 +119,9 @@ class MessageSigner:
 
     def signed_headers(self, subject: str, headers: Mapping[str, str],
                        payload: bytes) -> dict[str, str]:
-        """``headers`` (which name the ``Nats-Msg-Id``) with the two signature headers."""
+        """``headers`` with the two signature headers."""
         return {**headers, HEADER_SIGNATURE: self.signature(
-            subject, headers[HEADER_MSG_ID], headers, payload),
+            subject, headers.get(HEADER_MSG_ID, ""), headers, payload),
             HEADER_SIGNING_KEY: self.public_key}
 
 
@@ -142,9 +143,7 @@ class SignatureVerifier:
         key = self.keys.get(key_text)
         if key is None:
             return f"signed by {key_text[:60]!r}, which is not a trusted key"
-        msg_id = headers.get(HEADER_MSG_ID)
-        if msg_id is None:
-            return f"no {HEADER_MSG_ID} header"
+        msg_id = headers.get(HEADER_MSG_ID, "")
         try:
             signature = base64.urlsafe_b64decode(signature_text + "=" * (-len(signature_text) % 4))
         except (binascii.Error, ValueError):

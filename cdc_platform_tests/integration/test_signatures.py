@@ -14,10 +14,18 @@ import time
 import msgpack
 import pytest
 
+from cdc_platform.jetstream.kv import verified_value
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.mirror.follower import Mirror, _commit_lsn_at
-from cdc_platform.settings import MirrorSettings
-from cdc_platform.snapshot.meta import SnapshotMeta, cutover_start_seq
+from cdc_platform.mirror.snapshots import read_chunks
+from cdc_platform.settings import BridgeSettings, MirrorSettings
+from cdc_platform.snapshot import snapshot_table
+from cdc_platform.snapshot.meta import (
+    SnapshotMeta,
+    SnapshotUnusable,
+    cutover_start_seq,
+    latest_meta,
+)
 from cdc_platform.wire import (
     HEADER_SIGNATURE,
     HEADER_SIGNING_KEY,
@@ -32,6 +40,11 @@ from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
 from cdc_platform_tests.integration.test_bridge import running_bridge
 from cdc_platform_tests.integration.test_mirror import _bridge_ready
+from cdc_platform_tests.integration.test_snapshot import (
+    NO_BRIDGE,
+    create_types_table,
+    settings_for,
+)
 
 # the audit's forged event: a well-formed INSERT whose commit LSN is above any real one
 FORGED_LSN = "7FFFFFFF/FFFFFF00"
@@ -219,4 +232,44 @@ async def test_a_forged_snapshot_is_neither_handed_out_nor_loaded(
         conninfo, table, ["id", "v"])
     assert len(taken) == 2, lines  # the first mirror's, and one instead of the forged one
     assert any("refused the snapshot meta" in r.getMessage() for r in caplog.records)
+    # the table's KV schema, signed by the bridge; one put by someone else is not taken
+    verifier = SignatureVerifier([options.trusted_keys])
+    genuine_schema = await verified_value(js, "schemas", table, verifier)
+    assert genuine_schema is not None
+    await (await js.key_value("schemas")).put(table, genuine_schema)
+    assert await verified_value(js, "schemas", table, verifier) is None
 
+
+
+@pytest.mark.spark
+async def test_spark_tasks_sign_chunks_and_a_forged_dictionary_is_not_used(
+        pg_admin, cdc_database, provisioned_nats, nats_client, spark_session, tmp_path):
+    """Chunks written by Spark executors (the seed travels in their task spec) verify, and
+    so does the table's zstd dictionary; one replaced in KV, whose bytes would decide what
+    the chunks decompress to, makes the snapshot unusable instead of read."""
+    seed_file = tmp_path / "signing.seed"
+    seed_file.write_text(new_seed(os.urandom(32)))
+    verifier = SignatureVerifier([MessageSigner(seed_file.read_text()).public_key])
+    table = random_name("zstd_signed")
+    create_types_table(pg_admin, table, 3_000)
+    cdc_database.add_tables(pg_admin, table)
+    settings = settings_for(cdc_database, provisioned_nats.url, zstd=True, chunk_rows=500)
+    settings = settings.model_copy(update={"bridge": BridgeSettings(
+        http_port=0, signing_key_seed=str(seed_file))})
+    result = await snapshot_table(spark_session, settings, table, options=NO_BRIDGE)
+    assert result.dictionary_id is not None and result.batch_count > 1
+    js = nats_client.jetstream()
+    meta = await latest_meta(js, table, verifier=verifier)
+    assert meta is not None and meta.snapshot_id == result.snapshot_id
+    rows = 0
+    async for chunk in read_chunks(js, meta, verifier=verifier):
+        rows += len(chunk.rows)
+    assert rows == 3_000
+
+    kv = await js.key_value("zstd_dictionaries")
+    key = f"{table}.{result.dictionary_id}"
+    genuine = (await kv.get(key)).value
+    await kv.put(key, genuine[:-256] + bytes(256))  # its header and id kept
+    with pytest.raises(SnapshotUnusable, match="signed by a trusted key"):
+        async for _ in read_chunks(js, meta, verifier=verifier):
+            pass

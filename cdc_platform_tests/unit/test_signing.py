@@ -71,7 +71,7 @@ REFUSED = {
     "stored under another message id": (SUBJECT, {**GOOD, "Nats-Msg-Id": "0/1:0"}, PAYLOAD,
                                         "bad signature"),
     "without its message id": (SUBJECT, {k: v for k, v in GOOD.items() if k != "Nats-Msg-Id"},
-                               PAYLOAD, "no Nats-Msg-Id"),
+                               PAYLOAD, "bad signature"),
     "a claim check added": (SUBJECT, {**GOOD, "Cdc-Claim-Check": "cdc_large/x"}, PAYLOAD,
                             "bad signature"),
     "another fingerprint": (SUBJECT, {**GOOD, "Cdc-Schema-Fingerprint": "0" * 16}, PAYLOAD,
