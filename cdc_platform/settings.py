@@ -78,14 +78,17 @@ def _readable(path: str, variable: str) -> str:
         raise ConfigError(f"{variable} {path}: not readable ({exc.strerror})") from None
 
 
-def _read_signer(path: str) -> MessageSigner:
+def _read_seed(path: str) -> str:
+    """The nkey seed a file holds (ValueError saying why not, never quoting it)."""
     try:
         with open(path, encoding="ascii") as file:
-            return MessageSigner(file.read())
+            seed = file.read().strip()
+        MessageSigner(seed)
     except OSError as exc:
         raise ValueError(f"{path}: not readable ({exc.strerror})") from None
     except (UnicodeDecodeError, ValueError):
         raise ValueError(f"{path} holds no nkey seed (S..., 58 characters)") from None
+    return seed
 
 
 def _listed(text: str) -> list[str]:
@@ -429,16 +432,12 @@ class BridgeSettings(_Settings):
     @classmethod
     def _usable_seed(cls, value: str | None) -> str | None:
         if value is not None:
-            _read_signer(value)
+            _read_seed(value)
         return value
 
     def signing_seed(self) -> str | None:
         """The seed's text (None: signing is off); snapshot tasks get it with their spec."""
-        if self.signing_key_seed is None:
-            return None
-        _read_signer(self.signing_key_seed)
-        with open(self.signing_key_seed, encoding="ascii") as file:
-            return file.read().strip()
+        return _read_seed(self.signing_key_seed) if self.signing_key_seed else None
 
     def signer(self) -> MessageSigner | None:
         """What signs the platform's messages (None: signing is off)."""

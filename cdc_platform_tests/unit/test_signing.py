@@ -10,7 +10,9 @@ import nkeys
 import pytest
 from nacl.signing import VerifyKey
 
-from cdc_platform.settings import BridgeSettings, PlatformSettings
+from cdc_platform import cli
+from cdc_platform.errors import ConfigError
+from cdc_platform.settings import BridgeSettings, MirrorSettings, PlatformSettings, load_settings
 from cdc_platform.snapshot.chunks import CHUNK_NUMBER_STRIDE, headers_size
 from cdc_platform.snapshot.source import SourceTable, chunk_layout
 from cdc_platform.wire import HEADER_SIGNATURE, HEADER_SIGNING_KEY, MessageSigner, SignatureVerifier
@@ -123,3 +125,46 @@ def test_a_signed_chunk_at_its_payload_budget_still_fits_max_payload(tmp_path):
     signed = layout(PlatformSettings(bridge=BridgeSettings(signing_key_seed=str(seed_file))))
     headers = SIGNER.signed_headers("init.snap.users.x.1", signed.headers(widest), b"")
     assert signed.payload_budget() + headers_size(headers) <= max_payload
+
+
+def test_a_seed_file_without_a_seed_is_one_config_error_line(tmp_path, monkeypatch):
+    seed_file = tmp_path / "not-a-seed"
+    seed_file.write_text("SUPER-SECRET-BUT-NOT-A-SEED")
+    monkeypatch.setenv("CDC_SIGNING_KEY_SEED", str(seed_file))
+    with pytest.raises(ConfigError, match="invalid setting CDC_SIGNING_KEY_SEED: .*no nkey seed") \
+            as raised:
+        load_settings(PlatformSettings)
+    assert "SUPER-SECRET" not in str(raised.value)
+    monkeypatch.setenv("CDC_SIGNING_KEY_SEED", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="CDC_SIGNING_KEY_SEED: .*not readable"):
+        load_settings(PlatformSettings)
+
+
+def test_trusted_keys_are_public_nkeys_comma_separated(monkeypatch):
+    monkeypatch.setenv("CDC_MIRROR_TRUSTED_KEYS", f" {SIGNER.public_key} , {OTHER.public_key}")
+    verifier = load_settings(MirrorSettings).verifier()
+    assert set(verifier.keys) == {SIGNER.public_key, OTHER.public_key}
+    monkeypatch.setenv("CDC_MIRROR_TRUSTED_KEYS", golden.SIGNING_SEED)  # a seed, not a key
+    with pytest.raises(ConfigError, match="invalid setting CDC_MIRROR_TRUSTED_KEYS"):
+        load_settings(MirrorSettings)
+    monkeypatch.delenv("CDC_MIRROR_TRUSTED_KEYS")
+    assert load_settings(MirrorSettings).verifier() is None
+
+
+def test_the_signing_key_command_creates_a_seed_once_and_prints_its_public_key(
+        tmp_path, capsys):
+    seed_file = tmp_path / "bridge.seed"
+    assert cli.main(["signing-key", str(seed_file)]) == 0
+    public_key = capsys.readouterr().out.strip()
+    assert seed_file.stat().st_mode & 0o777 == 0o600
+    assert MessageSigner(seed_file.read_text()).public_key == public_key
+    assert cli.main(["signing-key", str(seed_file)]) == 0  # kept, not replaced
+    assert capsys.readouterr().out.strip() == public_key
+
+
+def test_a_mirror_given_a_trusted_key_that_is_none_says_so_before_it_starts(tmp_path):
+    # (the command's handler itself: cli.main would take this process's stop signals)
+    args = cli.build_parser().parse_args(["mirror", "--tables", "users", "--sqlite",
+                                          str(tmp_path / "m.db"), "--trusted-key", "not-a-key"])
+    with pytest.raises(ConfigError, match="invalid setting CDC_MIRROR_TRUSTED_KEYS"):
+        args.handler(args)
