@@ -427,7 +427,9 @@ class CdcBridge:
             assert self._kv is not None
             try:
                 kept = keeping_storage(found, await self._answering(
-                    self._own_reader(), stored_schema(self._kv, found)))
+                    self._own_reader(), stored_schema(
+                        self._js, self._kv, self.settings.topology.schemas.bucket, found,
+                        self._signer)))
             except Exception as exc:  # noqa: BLE001 - NATS away: retry until it is back
                 if self.stop_requested.is_set():
                     return found
