@@ -73,13 +73,13 @@ from cdc_platform.wire import (
     CHANGE_OPERATIONS,
     HEADER_CLAIM_CHECK,
     SCHEMA_OPERATION,
+    SignatureVerifier,
     commit_ts_epoch,
     decode_any,
     decode_payload,
     payload_format,
     snapshot_request_subject,
 )
-from cdc_platform.wire.signing import SignatureVerifier
 
 log = logging.getLogger(__name__)
 

@@ -360,8 +360,8 @@ class JetStreamPublisher:
         """
         max_payload = self._nc.max_payload
         subjects, extras, signer = self._subjects, self._extra_headers, self._signer
-        if _twin is not None and signer is None:  # the same loop compiled; None: something
-            # to admit or refuse
+        # the same loop compiled (None: something to admit or refuse); it does not sign
+        if _twin is not None and signer is None:
             framed = _twin.frame_messages(messages, subjects, extras, max_payload)
             if framed is not None:
                 return framed

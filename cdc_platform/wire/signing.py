@@ -1,5 +1,5 @@
-"""Message signatures (README "Signatures"): the bytes the bridge signs, its headers, and the
-check a consumer makes before it trusts a message.
+"""Message signatures (README "Signatures"): the bytes the platform signs, the headers that
+carry a signature, and the check a consumer makes before it trusts a message.
 
 A signature is ed25519 over :func:`signed_bytes`, which binds the subject, the
 ``Nats-Msg-Id``, the headers that change what a payload means, and the payload, so a signed
@@ -39,9 +39,8 @@ SIGNED_HEADERS = (HEADER_SCHEMA_FINGERPRINT, HEADER_CLAIM_CHECK, HEADER_CONTENT_
 SIGNATURE_HEADERS_BYTES = len(f"{HEADER_SIGNATURE}: \r\n{HEADER_SIGNING_KEY}: \r\n") + 86 + 56
 
 _SEED_PREFIX = 18 << 3       # nkeys' "S" (a seed): the first 5 bits of a seed's first byte
-_PUBLIC_PREFIXES = {         # nkeys' key roles: the first byte of a public key
-    14 << 3: "operator", 2 << 3: "cluster", 0: "account", 20 << 3: "user", 13 << 3: "server",
-}
+# nkeys' key roles, the first byte of a public key: operator, cluster, account, user, server
+_PUBLIC_PREFIXES = frozenset({14 << 3, 2 << 3, 0, 20 << 3, 13 << 3})
 
 
 def signed_bytes(subject: str, msg_id: str, headers: Mapping[str, str],
