@@ -37,8 +37,9 @@ from cdc_platform.wire import (
 from cdc_platform.wire.signing import new_seed
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
 from cdc_platform_tests.fixtures.responder import snapshot_responder
-from cdc_platform_tests.fixtures.services import platform_settings, random_name
-from cdc_platform_tests.integration.test_bridge import running_bridge
+from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
+from cdc_platform_tests.integration.test_bridge import running_bridge, slot_confirmed, wait_for
+from cdc_platform_tests.integration.test_large_values import small_nats  # noqa: F401 (fixture)
 from cdc_platform_tests.integration.test_mirror import _bridge_ready
 from cdc_platform_tests.integration.test_snapshot import (
     NO_BRIDGE,
@@ -273,3 +274,30 @@ async def test_spark_tasks_sign_chunks_and_a_forged_dictionary_is_not_used(
     with pytest.raises(SnapshotUnusable, match="signed by a trusted key"):
         async for _ in read_chunks(js, meta, verifier=verifier):
             pass
+
+
+@pytest.mark.parametrize("mode", ["per-change", "batched"])
+async def test_a_claim_check_stand_in_is_signed_with_its_header(
+        mode, small_nats, cdc_database, pg_admin, tmp_path):  # noqa: F811 (the fixture)
+    """A row over max_payload travels as a claim check: its stand-in is signed, the
+    ``Cdc-Claim-Check`` header included, like every other message of the stream."""
+    server, client = small_nats
+    seed_file = tmp_path / "signing.seed"
+    seed_file.write_text(new_seed(os.urandom(32)))
+    verifier = SignatureVerifier([MessageSigner(seed_file.read_text()).public_key])
+    table = random_name("large_signed")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, body text)")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, server.url, message_mode=mode,
+                                 signing_key_seed=str(seed_file))
+    async with running_bridge(settings):
+        await wait_for(lambda: slot_confirmed(pg_admin, cdc_database.slot) > 0)
+        pg_admin.execute(f"INSERT INTO {table} VALUES (1, %s), (2, 'small')",
+                         ("".join(f"{i:08d}" for i in range(40_000)),))
+        messages = await read_subjects(client, "CDC", f"cdc.{table}.>", expect=1)
+    claimed = [m for m in messages if "Cdc-Claim-Check" in (m.headers or {})]
+    assert claimed, messages
+    for message in messages:
+        assert verifier.refusal(message.subject, message.headers or {}, message.data) is None
+    forged = {**claimed[0].headers, "Cdc-Claim-Check": "cdc_large/another"}
+    assert "bad signature" in verifier.refusal(claimed[0].subject, forged, claimed[0].data)
