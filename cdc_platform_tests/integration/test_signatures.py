@@ -95,9 +95,11 @@ def _positions(db) -> tuple[list[int], int | None]:
 
 
 @pytest.mark.every_major
-@pytest.mark.parametrize("message_mode", ["per-change", "batched"])
+@pytest.mark.parametrize(("message_mode", "publish_mode"),
+                         [("per-change", "fast-batch"), ("batched", "per-message")])
 async def test_a_mirror_trusting_the_bridge_key_refuses_forged_events_and_stays_exact(
-        message_mode, cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path, caplog):
+        message_mode, publish_mode, cdc_database, pg_admin, provisioned_nats, nats_client,
+        tmp_path, caplog):
     seed_file = tmp_path / "signing.seed"
     seed_file.write_text(new_seed(os.urandom(32)) + "\n")
     public_key = MessageSigner(seed_file.read_text()).public_key
@@ -106,7 +108,7 @@ async def test_a_mirror_trusting_the_bridge_key_refuses_forged_events_and_stays_
     pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 40) g")
     cdc_database.add_tables(pg_admin, table)
     settings = platform_settings(cdc_database, provisioned_nats.url, message_mode=message_mode,
-                                 signing_key_seed=str(seed_file))
+                                 publish_mode=publish_mode, signing_key_seed=str(seed_file))
     options = MirrorSettings(status_interval_seconds=1.0, snapshot_wait_seconds=120.0,
                              trusted_keys=f"{MessageSigner(new_seed(os.urandom(32))).public_key},"
                                           f"{public_key}")  # (two: a key rotation)
