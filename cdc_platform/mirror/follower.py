@@ -523,6 +523,7 @@ class Mirror:
                 for table, name in local.items() if name in positions}
         collector = TransactionCollector(followed, keep_events=False, held=held)
         follow = _Following(self, js, store, collector, local)
+        verifying = self.verifier is not None
         last_status = last_message = time.monotonic()
         try:
             while not stop.is_set():
@@ -535,7 +536,7 @@ class Mirror:
                     await asyncio.sleep(1.0)
                     raise _Restart from None
                 for message in messages:
-                    if self.verifier is not None and not follow.authentic(message):
+                    if verifying and not follow.authentic(message):
                         continue
                     if message.has_header(HEADER_CLAIM_CHECK):  # in the object store
                         try:
