@@ -126,6 +126,8 @@ async def test_a_mirror_trusting_the_bridge_key_refuses_forged_events_and_stays_
         await _bridge_ready(pg_admin, cdc_database, settings, [table])
         await mirrored()
         pg_admin.execute(f"UPDATE {table} SET v = 'signed' WHERE id <= 3")
+        # (enough messages at once for the mirror to verify them on several threads)
+        pg_admin.execute(f"UPDATE {table} SET v = v || ' bulk' WHERE id > 3")
         await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
         lsn = pg_admin.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()[0]
         forged = await _forged_messages(nats_client, table, lsn)
