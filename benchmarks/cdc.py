@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/cdc.py [--rows 200000] [--small-txns 20] [--small-rows 10000]
                                        [--steady-seconds 10] [--modes per-change,batched]
+                                       [--signing]
 
 Starts its own PostgreSQL and nats-server (temp dir), a 5-column table in a publication, and
 for each workload measures, on WAL already committed (both readers catch up from the same
@@ -11,6 +12,9 @@ point):
   slot becoming active to its ``confirmed_flush_lsn`` passing the workload's end LSN;
 * ``pg_recvlogical`` (pgoutput, same publication, output to /dev/null, ``--endpos``): the
   physical limit of reading the same WAL, in the same run -> the ratio.
+
+With ``--signing`` each mode's catch-ups run twice in the same run, the second time with the
+bridge signing every message (``CDC_SIGNING_KEY_SEED``, README "Signatures").
 
 Then the ceiling of per-change mode here: the same per-change messages built in memory and
 published by the bridge's publisher to a stream configured like ``CDC``, nothing else
@@ -92,12 +96,15 @@ def slot_state(conn: psycopg.Connection, slot: str) -> tuple[bool, int]:
     return bool(row[0]), parse_lsn(row[1]) if row and row[1] else 0
 
 
-def bridge_env(pg: LocalPostgres, nats: LocalNatsServer, slot: str, mode: str) -> dict:
+def bridge_env(pg: LocalPostgres, nats: LocalNatsServer, slot: str, mode: str,
+               seed: Path | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CDC_", "PG_", "NATS_"))}
     env.update({"CDC_PG_HOST": pg.host, "CDC_PG_PORT": str(pg.port), "CDC_PG_USER": ROLE,
                 "CDC_PG_PASSWORD": PASSWORD, "CDC_PG_SSLMODE": "disable",
                 "CDC_PUBLICATION": PUBLICATION, "CDC_SLOT": slot, "CDC_NATS_URL": nats.url,
                 "CDC_HTTP_PORT": "0", "CDC_MESSAGE_MODE": mode})
+    if seed is not None:
+        env["CDC_SIGNING_KEY_SEED"] = str(seed)
     return env
 
 
@@ -133,14 +140,15 @@ NATS_PID: int | None = None
 
 
 def run_bridge_catch_up(admin: psycopg.Connection, pg, nats, mode: str, slot: str,
-                        end_lsn: int, events: int, log: Path) -> tuple[float, float]:
+                        end_lsn: int, events: int, log: Path,
+                        seed: Path | None) -> tuple[float, float]:
     command = [str(Path(sys.executable).parent / "cdc-platform"), "bridge"]
     if PROFILE_DIR is not None:
         command = [str(Path(sys.executable).parent / "py-spy"), "record", "--format", "raw",
                    "-r", "200", "-o", str(PROFILE_DIR / f"{slot}.txt"), "--", *command]
     with open(log, "ab") as out:
-        process = subprocess.Popen(command, env=bridge_env(pg, nats, slot, mode), stdout=out,
-                                   stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, env=bridge_env(pg, nats, slot, mode, seed),
+                                   stdout=out, stderr=subprocess.STDOUT)
     try:
         while not slot_state(admin, slot)[0]:
             if process.poll() is not None:
@@ -190,8 +198,10 @@ def drop_slots(admin: psycopg.Connection, *names: str) -> None:
 
 
 def throughput(admin, pg, nats, mode: str, workload: str, txns: int, rows: int,
-               next_id: list[int], log: Path) -> dict:
-    bridge_slot, baseline_slot = f"b_{mode.replace('-', '_')}_{workload}", f"r_{workload}"
+               next_id: list[int], log: Path, seed: Path | None = None) -> dict:
+    signed = "_signed" if seed else ""
+    bridge_slot = f"b_{mode.replace('-', '_')}_{workload}{signed}"
+    baseline_slot = f"r_{workload}{signed}"
     create_slots(admin, bridge_slot, baseline_slot)
     for _ in range(txns):
         insert_rows(admin, next_id[0], rows)
@@ -200,9 +210,9 @@ def throughput(admin, pg, nats, mode: str, workload: str, txns: int, rows: int,
     events = txns * rows
     baseline = run_recvlogical_catch_up(pg, baseline_slot, end_lsn, events)
     bridge, rss, cores = run_bridge_catch_up(admin, pg, nats, mode, bridge_slot, end_lsn,
-                                             events, log)
+                                             events, log, seed)
     drop_slots(admin, bridge_slot, baseline_slot)
-    return {"mode": mode, "workload": workload, "events": events, "bridge": bridge,
+    return {"mode": mode + ("+signed" if seed else ""), "workload": workload, "events": events, "bridge": bridge,
             "pg_recvlogical": baseline, "ratio": bridge / baseline, "rss_mb": rss,
             "cores": cores}
 
@@ -318,6 +328,8 @@ def main() -> None:
     parser.add_argument("--steady-seconds", type=float, default=10.0)
     parser.add_argument("--modes", default="per-change,batched")
     parser.add_argument("--profile", type=Path, help="write py-spy profiles to this folder")
+    parser.add_argument("--signing", action="store_true",
+                        help="also run each catch-up with the bridge signing its messages")
     args = parser.parse_args()
     global PROFILE_DIR, NATS_PID
     PROFILE_DIR = args.profile
@@ -325,15 +337,23 @@ def main() -> None:
     pg, nats = start_servers(base)
     NATS_PID = nats.process.pid if nats.process else None
     log = base / "bridge.log"
+    seeds: list[Path | None] = [None]
+    if args.signing:
+        from cdc_platform.wire.signing import new_seed
+
+        seeds.append(base / "signing.seed")
+        seeds[-1].write_text(new_seed(os.urandom(32)))
     next_id = [1]
     results, latencies, ceiling = [], [], None
     try:
         with psycopg.connect(pg.superuser_conninfo(), autocommit=True) as admin:
             for mode in args.modes.split(","):
-                results.append(throughput(admin, pg, nats, mode, "1x200k", 1, args.rows,
-                                          next_id, log))
-                results.append(throughput(admin, pg, nats, mode, "20x10k", args.small_txns,
-                                          args.small_rows, next_id, log))
+                for seed in seeds:
+                    results.append(throughput(admin, pg, nats, mode, "1x200k", 1, args.rows,
+                                              next_id, log, seed))
+                    results.append(throughput(admin, pg, nats, mode, "20x10k",
+                                              args.small_txns, args.small_rows, next_id, log,
+                                              seed))
         ceiling = (asyncio.run(publish_ceiling(nats, args.rows))
                    if "per-change" in args.modes.split(",") else None)
         for mode in args.modes.split(","):
@@ -344,12 +364,12 @@ def main() -> None:
         pg.stop()
     print(f"\nPostgreSQL {pg.version()}, nats-server, {os.cpu_count()} cores, all on this "
           "machine")
-    print(f"{'mode':<11} {'workload':<8} {'events':>8} {'bridge ev/s':>12} "
+    print(f"{'mode':<18} {'workload':<8} {'events':>8} {'bridge ev/s':>12} "
           f"{'pg_recvlogical ev/s':>20} {'ratio':>6} {'peak RSS MB':>12}  "
           "cores used: bridge/walsender/nats")
     for r in results:
         cores = r["cores"]
-        print(f"{r['mode']:<11} {r['workload']:<8} {r['events']:>8} {r['bridge']:>12,.0f} "
+        print(f"{r['mode']:<18} {r['workload']:<8} {r['events']:>8} {r['bridge']:>12,.0f} "
               f"{r['pg_recvlogical']:>20,.0f} {r['ratio']:>6.2f} {r['rss_mb']:>12.0f}  "
               f"{cores['bridge']:.2f}/{cores['walsender']:.2f}/{cores['nats-server']:.2f}")
     if ceiling is not None:

@@ -10,6 +10,10 @@ follower commits after each batch read.
 Prints CPU µs per event, against a baseline measured in the same run: decoding the same
 payloads with ``msgpack.unpackb`` and nothing else.
 
+``--signing`` replays the messages twice: as kept, then signed here with a throwaway key
+(the headers a bridge with ``CDC_SIGNING_KEY_SEED`` writes) by a mirror that trusts that key
+and so verifies each one first (README "Signatures"); it prints both and the difference.
+
 This VM's clock swings ~1.5x within a session; instruction counts do not. Under callgrind
 the script counts the replay loop alone (``callgrind_control`` switches collection on and off
 around it), so two versions of the code compare to the instruction:
@@ -24,6 +28,7 @@ not a dependency.)
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import os
 import pickle
@@ -44,7 +49,9 @@ from cdc_platform.jetstream.pull import PulledMessage
 from cdc_platform.mirror.follower import Mirror, _Following
 from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.mirror.transactions import TransactionCollector
-from cdc_platform.settings import PlatformSettings
+from cdc_platform.settings import MirrorSettings, PlatformSettings
+from cdc_platform.wire import HEADER_SIGNATURE, HEADER_SIGNING_KEY, MessageSigner
+from cdc_platform.wire.signing import new_seed
 
 
 def main() -> None:
@@ -55,6 +62,8 @@ def main() -> None:
                              "transaction")
     parser.add_argument("--callgrind", action="store_true",
                         help="count the loop's instructions (run under valgrind, see above)")
+    parser.add_argument("--signing", action="store_true",
+                        help="also replay them signed, verified by a mirror trusting the key")
     args = parser.parse_args()
     with (args.replay / "messages.pickle").open("rb") as kept:
         saved = pickle.load(kept)
@@ -66,42 +75,77 @@ def main() -> None:
             cut += 1  # (a transaction's last event carries tx_tables)
         messages = messages[:cut]
 
+    signer = MessageSigner(new_seed(os.urandom(32))) if args.signing else None
+    signed = [_signed(message, signer) for message in messages] if signer else []
+    gc.collect()
+    gc.freeze()  # (the messages above are not the mirror's to collect)
+    events, cpu, wall, instructions = _replay(args.replay, table, batch, messages, None,
+                                              args.callgrind)
+    started = time.process_time()
+    for message in messages:
+        msgpack.unpackb(message.data, raw=False, strict_map_key=False)
+    baseline = time.process_time() - started
+    print(f"replay: {events:,} events applied, {cpu / events * 1e6:.2f} µs CPU an event "
+          f"(wall {wall / events * 1e6:.2f}); baseline msgpack.unpackb of the same "
+          f"payloads {baseline / len(messages) * 1e6:.2f} µs a message, ratio "
+          f"{cpu / events / (baseline / len(messages)):.1f}")
+    if instructions is not None:
+        print(f"callgrind: {instructions / events:,.0f} instructions an event")
+    if signer is not None:
+        verified, signed_cpu, signed_wall, _ = _replay(args.replay, table, batch, signed,
+                                                       signer.public_key, False)
+        print(f"signed and verified: {verified:,} events applied, "
+              f"{signed_cpu / verified * 1e6:.2f} µs CPU an event (wall "
+              f"{signed_wall / verified * 1e6:.2f}); verifying costs "
+              f"{(signed_cpu - cpu) / len(messages) * 1e6:.2f} µs a message "
+              f"({len(messages) / verified:.3f} messages an event), apply rate x"
+              f"{cpu / signed_cpu:.2f}")
+
+
+def _replay(replay: Path, table: str, batch: int, messages: list[PulledMessage],
+            trusted_key: str | None, callgrind: bool) -> tuple[int, float, float, int | None]:
+    """Apply ``messages`` to a copy of the replay's database as the follower does (verified
+    first with ``trusted_key``) -> (events, CPU seconds, wall seconds, instructions)."""
     work = Path(tempfile.mkdtemp(prefix="cdc-mirror-replay-"))
     try:
-        shutil.copy(args.replay / "mirror.db", work / "mirror.db")
-        mirror = Mirror(PlatformSettings(), [table], work / "mirror.db", report=lambda line: None)
+        shutil.copy(replay / "mirror.db", work / "mirror.db")
+        options = MirrorSettings(trusted_keys=trusted_key or "")
+        mirror = Mirror(PlatformSettings(), [table], work / "mirror.db", options=options,
+                        report=lambda line: None)
         store = MirrorStore(work / "mirror.db")
         follow = _Following(mirror, None, store, TransactionCollector([table], keep_events=False),
                             [table])
-        gc.collect()
-        gc.freeze()  # (the messages above are not the mirror's to collect)
-        _collect(args.callgrind, "on")
+        verify = mirror.verifier is not None
+        loop = asyncio.new_event_loop()  # (the follower verifies a batch read at a time)
+        _collect(callgrind, "on")
         started, wall_started = time.process_time(), time.perf_counter()
-        for number, message in enumerate(messages, start=1):
-            follow.payload(message, message.data)
-            if number % batch == 0:
-                follow.commit()
-        follow.commit()
+        for first in range(0, len(messages), batch):
+            read = messages[first:first + batch]
+            for message in loop.run_until_complete(follow.authentic(read)) if verify else read:
+                follow.payload(message, message.data)
+            follow.commit()
         cpu, wall = time.process_time() - started, time.perf_counter() - wall_started
-        instructions = _collect(args.callgrind, "off")
+        instructions = _collect(callgrind, "off")
+        loop.close()
         store.close()
-        events = mirror.applied_events
-        if events == 0:
-            raise SystemExit("nothing was applied: is this replay's database the one its "
-                             "messages follow?")
-
-        started = time.process_time()
-        for message in messages:
-            msgpack.unpackb(message.data, raw=False, strict_map_key=False)
-        baseline = time.process_time() - started
-        print(f"replay: {events:,} events applied, {cpu / events * 1e6:.2f} µs CPU an event "
-              f"(wall {wall / events * 1e6:.2f}); baseline msgpack.unpackb of the same "
-              f"payloads {baseline / len(messages) * 1e6:.2f} µs a message, ratio "
-              f"{cpu / events / (baseline / len(messages)):.1f}")
-        if instructions is not None:
-            print(f"callgrind: {instructions / events:,.0f} instructions an event")
+        if mirror.applied_events == 0 or mirror.refused_messages:
+            raise SystemExit("nothing was applied, or messages were refused: is this "
+                             "replay's database the one its messages follow?")
+        return mirror.applied_events, cpu, wall, instructions
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _signed(message: PulledMessage, signer: MessageSigner) -> PulledMessage:
+    """``message`` with the signature headers a signing bridge writes."""
+    headers = message.headers
+    signature = signer.signature(message.subject, headers["Nats-Msg-Id"], headers,
+                                 message.data)
+    raw = (message.raw_headers or b"NATS/1.0\r\n\r\n")[:-2] + (
+        f"{HEADER_SIGNATURE}: {signature}\r\n{HEADER_SIGNING_KEY}: {signer.public_key}\r\n"
+        "\r\n").encode()
+    return PulledMessage(message.subject, message.stream_seq, message.data, raw,
+                         message.raw_reply)
 
 
 def _collect(enabled: bool, switch: str) -> int | None:

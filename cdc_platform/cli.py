@@ -137,8 +137,9 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
         raise CdcError("mirror: --tables is required (except for `mirror status`)")
     settings = load_settings()
     tables = [table.strip() for table in args.tables.split(",") if table.strip()]
+    keys = {"trusted_keys": ",".join(args.trusted_key)} if args.trusted_key else {}
     mirror = Mirror(settings, tables, args.sqlite, durable=args.durable,
-                    options=load_settings(MirrorSettings), report=print)
+                    options=load_settings(MirrorSettings, **keys), report=print)
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -150,6 +151,30 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_signing_key(args: argparse.Namespace) -> int:
+    import os
+
+    from nacl.utils import random as random_bytes
+
+    from cdc_platform.wire.signing import MessageSigner, new_seed
+
+    try:  # created only when missing, readable by its owner alone
+        with os.fdopen(os.open(args.seed_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
+                       "w", encoding="ascii") as file:
+            file.write(new_seed(random_bytes(32)) + "\n")
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise CdcError(f"{args.seed_file}: cannot be created ({exc.strerror})") from None
+    try:
+        with open(args.seed_file, encoding="ascii") as file:
+            signer = MessageSigner(file.read())
+    except (OSError, UnicodeDecodeError, ValueError):
+        raise CdcError(f"{args.seed_file} is not a readable nkey seed file") from None
+    print(signer.public_key)
+    return 0
+
+
 def _cmd_check_config(args: argparse.Namespace) -> int:
     from cdc_platform.settings import load_settings
 
@@ -158,6 +183,8 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
           f" slot={settings.postgres.slot}")
     print(f"NATS: {settings.nats.describe()}")
     print(f"format={settings.encoding.format} zstd={settings.encoding.zstd}")
+    signer = settings.bridge.signer()
+    print(f"signing: key {signer.public_key}" if signer is not None else "signing: off")
     return 0
 
 
@@ -223,7 +250,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "shows this mirror's progress (positions stay in the SQLite file)")
     mirror.add_argument("--once", action="store_true",
                         help="catch up, then exit (0) instead of following")
+    mirror.add_argument("--trusted-key", action="append", metavar="PUBLIC_NKEY",
+                        help="apply only messages signed by this key (repeat it for several, "
+                        "while keys are rotated; replaces CDC_MIRROR_TRUSTED_KEYS); see "
+                        "README \"Signatures\"")
     mirror.set_defaults(handler=_cmd_mirror, runs_until_stopped=True)
+
+    signing = commands.add_parser(
+        "signing-key", help="create a signing key seed file (when missing), print its public key",
+        description="The bridge signs its messages with the seed in CDC_SIGNING_KEY_SEED; "
+        "mirrors trust the public key printed here (--trusted-key). See README \"Signatures\".")
+    signing.add_argument("seed_file", help="the seed file (created, mode 0600, if missing)")
+    signing.set_defaults(handler=_cmd_signing_key)
 
     check = commands.add_parser("check-config", help="validate settings from the environment")
     check.set_defaults(handler=_cmd_check_config)

@@ -30,6 +30,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cdc_platform.errors import ConfigError
+from cdc_platform.wire.signing import MessageSigner, SignatureVerifier, public_key_bytes
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2,
@@ -75,6 +76,23 @@ def _readable(path: str, variable: str) -> str:
             return path
     except OSError as exc:
         raise ConfigError(f"{variable} {path}: not readable ({exc.strerror})") from None
+
+
+def _read_seed(path: str) -> str:
+    """The nkey seed a file holds (ValueError saying why not, never quoting it)."""
+    try:
+        with open(path, encoding="ascii") as file:
+            seed = file.read().strip()
+        MessageSigner(seed)
+    except OSError as exc:
+        raise ValueError(f"{path}: not readable ({exc.strerror})") from None
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError(f"{path} holds no nkey seed (S..., 58 characters)") from None
+    return seed
+
+
+def _listed(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def _env(*names: str) -> AliasChoices:
@@ -452,6 +470,24 @@ class BridgeSettings(_Settings):
                                            validation_alias=_env("CDC_RECONNECT_MAX"))
     shutdown_timeout_seconds: Seconds = Field(
         30.0, gt=0, validation_alias=_env("CDC_SHUTDOWN_TIMEOUT"))
+    # an nkey seed file: the bridge signs every message it publishes (README "Signatures")
+    signing_key_seed: str | None = Field(None, validation_alias=_env("CDC_SIGNING_KEY_SEED"))
+
+    @field_validator("signing_key_seed")
+    @classmethod
+    def _usable_seed(cls, value: str | None) -> str | None:
+        if value is not None:
+            _read_seed(value)
+        return value
+
+    def signing_seed(self) -> str | None:
+        """The seed's text (None: signing is off); snapshot tasks get it with their spec."""
+        return _read_seed(self.signing_key_seed) if self.signing_key_seed else None
+
+    def signer(self) -> MessageSigner | None:
+        """What signs the platform's messages (None: signing is off)."""
+        seed = self.signing_seed()
+        return MessageSigner(seed) if seed is not None else None
 
 
 class OrchestrationSettings(_Settings):
@@ -481,6 +517,26 @@ class OrchestrationSettings(_Settings):
         90.0, ge=10, validation_alias=_env("CDC_RUN_LIVENESS_TIMEOUT"))
     cdc_liveness_interval_seconds: Seconds = Field(
         10.0, gt=0, validation_alias=_env("CDC_RUN_LIVENESS_INTERVAL"))
+    # the public nkeys of the platform's signing keys (comma-separated, for rotation): the
+    # snapshot request sensor hands out only snapshots they signed, without holding the seed
+    signing_public_keys: str = Field("", validation_alias=_env("CDC_SIGNING_PUBLIC_KEYS"))
+
+    @field_validator("signing_public_keys")
+    @classmethod
+    def _signing_public_keys(cls, value: str) -> str:
+        for key in _listed(value):
+            public_key_bytes(key)
+        return value
+
+    def snapshot_verifier(self) -> SignatureVerifier | None:
+        """What a snapshot the sensor hands out must be signed by: the keys given, else the
+        platform's own key when this process holds its seed (one environment for all, as in
+        the dev stack), else nothing (signing is off)."""
+        keys = _listed(self.signing_public_keys)
+        if not keys:
+            signer = load_settings(BridgeSettings).signer()
+            keys = [signer.public_key] if signer is not None else []
+        return SignatureVerifier(keys) if keys else None
 
 
 class MirrorSettings(_Settings):
@@ -493,6 +549,20 @@ class MirrorSettings(_Settings):
     status_interval_seconds: Seconds = Field(
         10.0, gt=0, validation_alias=_env("CDC_MIRROR_STATUS_INTERVAL"))
     fetch_batch: int = Field(256, ge=1, le=10_000, validation_alias=_env("CDC_MIRROR_FETCH_BATCH"))
+    # public nkeys, comma-separated: only messages signed by one of them are applied
+    trusted_keys: str = Field("", validation_alias=_env("CDC_MIRROR_TRUSTED_KEYS"))
+
+    @field_validator("trusted_keys")
+    @classmethod
+    def _public_keys(cls, value: str) -> str:
+        for key in _listed(value):
+            public_key_bytes(key)
+        return value
+
+    def verifier(self) -> SignatureVerifier | None:
+        """What checks each message before it is applied (None: no key is trusted)."""
+        keys = _listed(self.trusted_keys)
+        return SignatureVerifier(keys) if keys else None
 
 
 class NatsTopology(_Settings):

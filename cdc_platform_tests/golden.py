@@ -2,6 +2,9 @@
 and format in ``data/golden/`` (msgpack as hex, JSON as text). ``test_golden.py`` checks that
 both writers (pure Python and the compiled twins) still produce exactly these bytes.
 
+``signatures.json`` holds test vectors of message signatures (README "Signatures"): a fixed
+key's signatures of golden messages, with the exact bytes signed.
+
 Write them again only on purpose (a wire change, in the CHANGELOG):
 
     .venv/bin/python -m cdc_platform_tests.golden
@@ -33,11 +36,17 @@ from cdc_platform.wire import (
     CONTENT_TYPES,
     HEADER_CONTENT_TYPE,
     HEADER_MSG_ID,
+    HEADER_SIGNATURE,
+    HEADER_SIGNING_KEY,
     WATERMARK_PREFIX,
+    WATERMARK_SUBJECT_PREFIX,
+    MessageSigner,
     encoder,
     meta_msg_id,
+    signed_bytes,
     snapshot_meta_subject,
 )
+from cdc_platform.wire.signing import new_seed, public_key_bytes
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
 FORMATS = ("msgpack", "json")
@@ -200,12 +209,50 @@ def path(case: str, fmt: str) -> Path:
     return GOLDEN / f"{case}.{fmt}.jsonl"
 
 
+SIGNATURES = GOLDEN / "signatures.json"
+# a fixed signing key (never use it for anything but these vectors)
+SIGNING_SEED = new_seed(bytes(range(32)))
+
+
+def signature_vectors() -> str:
+    """``signatures.json``'s text: golden messages of several kinds (a change, a batch, a
+    watermark marker, a claim check's stand-in), each with the bytes signed and
+    the two signature headers a bridge holding :data:`SIGNING_SEED` writes."""
+    signer = MessageSigner(SIGNING_SEED)
+    per_change_messages = per_change("msgpack", "python")
+    chosen = [per_change_messages[1],
+              next(m for m in batched("msgpack", "python") if m["subject"].endswith(".batch")),
+              next(m for m in per_change_messages if m["subject"].startswith(WATERMARK_SUBJECT_PREFIX)),
+              {**per_change_messages[1], "payload": encoder("msgpack")(
+                  {"table": "users", "claim_check": {
+                      "bucket": "cdc_large", "object": per_change_messages[1]["msg_id"],
+                      "size": 2_000_000, "sha256": "00" * 32}}),
+               "headers": [*per_change_messages[1]["headers"],
+                           ["Cdc-Claim-Check", f"cdc_large/{per_change_messages[1]['msg_id']}"]]}]
+    vectors = []
+    for message in chosen:
+        headers = {HEADER_MSG_ID: message["msg_id"], **dict(message["headers"])}
+        signed = signed_bytes(message["subject"], message["msg_id"], headers, message["payload"])
+        vectors.append({
+            "subject": message["subject"], "headers": {
+                **headers, HEADER_SIGNATURE: signer.signature(
+                    message["subject"], message["msg_id"], headers, message["payload"]),
+                HEADER_SIGNING_KEY: signer.public_key},
+            "payload": message["payload"].hex(), "signed_bytes": signed.hex()})
+    return json.dumps({
+        "seed": SIGNING_SEED, "public_key": signer.public_key,
+        "public_key_ed25519": public_key_bytes(signer.public_key).hex(),
+        "messages": vectors}, indent=1) + "\n"
+
+
 def main() -> None:
     GOLDEN.mkdir(parents=True, exist_ok=True)
     for case, build in CASES.items():
         for fmt in FORMATS:
             path(case, fmt).write_text(to_file(build(fmt, "python"), fmt))
             print(path(case, fmt))
+    SIGNATURES.write_text(signature_vectors())
+    print(SIGNATURES)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from cdc_platform.errors import (
     SlotLostError,
 )
 from cdc_platform.jetstream.connection import close_nats, connect_nats
+from cdc_platform.jetstream.kv import put_value
 from cdc_platform.lsn import format_lsn
 from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import (
@@ -58,6 +59,7 @@ from cdc_platform.telemetry import BridgeMetrics, TelemetryServer
 from cdc_platform.wire import (
     CONTROL_EOB_SUBJECT,
     HEARTBEAT_PREFIX,
+    MessageSigner,
     cdc_schema_subject,
     commit_ts_epoch,
     decode_any,
@@ -96,6 +98,7 @@ class CdcBridge:
         self.publisher: JetStreamPublisher | None = None
         self._reading_task: asyncio.Task | None = None  # the one that reads the slot
         self._kv = None
+        self._signer: MessageSigner | None = None  # KV values are signed too
         self._claim_checks: ClaimChecks | None = None
         # table -> (fingerprint, relation id, storage) of the schema put in KV: a table dropped
         # and created again under its name, even of the same shape, is another table
@@ -200,11 +203,14 @@ class CdcBridge:
                 raise CdcError(f"JetStream stream {stream} or KV bucket "
                                f"{self.settings.topology.schemas.bucket} is missing: run "
                                "`cdc-platform provision` first") from None
+            signer = self._signer = self.options.signer()
+            if signer is not None:
+                log.info("signing every message with key %s", signer.public_key)
             self.publisher = JetStreamPublisher(
                 nc, stream=stream, mode=self.options.publish_mode,
                 max_in_flight_messages=self.options.max_in_flight_messages,
                 max_in_flight_bytes=self.options.max_in_flight_bytes,
-                control_subject=CONTROL_EOB_SUBJECT)
+                control_subject=CONTROL_EOB_SUBJECT, signer=signer)
             await self.publisher.start()
             self._claim_checks = ClaimChecks(js, self.settings.topology.large.bucket,
                                              self.settings.encoding.format)
@@ -421,7 +427,9 @@ class CdcBridge:
             assert self._kv is not None
             try:
                 kept = keeping_storage(found, await self._answering(
-                    self._own_reader(), stored_schema(self._kv, found)))
+                    self._own_reader(), stored_schema(
+                        self._js, self._kv, self.settings.topology.schemas.bucket, found,
+                        self._signer)))
             except Exception as exc:  # noqa: BLE001 - NATS away: retry until it is back
                 if self.stop_requested.is_set():
                     return found
@@ -543,7 +551,9 @@ class CdcBridge:
         assert self._kv is not None  # (opened before the first batch)
         while True:
             try:
-                await self._answering(self._own_reader(), self._kv.put(key, value))
+                await self._answering(self._own_reader(), put_value(
+                    self._js, self._kv, self.settings.topology.schemas.bucket, key, value,
+                    self._signer))
                 break
             except Exception as exc:  # noqa: BLE001 - NATS away: retry until it is back
                 if self.stop_requested.is_set():

@@ -25,7 +25,7 @@ from cdc_platform.publishing.claim_check import UnresolvableClaimCheck, resolve_
 from cdc_platform.snapshot.dictionary import decompressor, fetch_dictionary
 from cdc_platform.snapshot.meta import SnapshotMeta, SnapshotUnusable
 from cdc_platform.speedups import compiled_twin
-from cdc_platform.wire import decode_any
+from cdc_platform.wire import SignatureVerifier, decode_any
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +72,14 @@ Progress = Callable[[int, int], None]  # (rows so far, chunks so far)
 async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str = "INIT",
                       dictionary_bucket: str | None = None, progress: Progress | None = None,
                       columns: tuple[str, ...] | None = None,
-                      load: ChunkLoad | None = None) -> AsyncIterator[ChunkRows]:
+                      load: ChunkLoad | None = None,
+                      verifier: SignatureVerifier | None = None) -> AsyncIterator[ChunkRows]:
     """Each chunk's rows (as tuples in ``columns`` order where it can: see
     :func:`decode_chunk`), every chunk exactly once; :class:`SnapshotUnusable` when the
     stream no longer holds all ``batch_count`` chunks, a chunk message cannot be read, or
     the rows do not add up to the meta's ``row_count``. With ``load``, a chunk it takes is
-    written by it and comes with ``loaded`` set instead of its rows."""
+    written by it and comes with ``loaded`` set instead of its rows. A chunk ``verifier``
+    refuses is not the platform's: said, and read past."""
     bucket = dictionary_bucket or meta.raw.get("dictionary_bucket") or "zstd_dictionaries"
     decompressors: dict[str | None, zstandard.ZstdDecompressor] = {}
     subscription = await js.pull_subscribe(
@@ -95,6 +97,12 @@ async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str =
         while len(seen) < meta.batch_count:
             for message in await subscription.fetch(_FETCH_BATCH, timeout=10.0):
                 headers = message.headers or {}
+                if verifier is not None:
+                    refusal = verifier.refusal(message.subject, headers, message.data)
+                    if refusal is not None:
+                        log.error("refused chunk message %s on %s: %s",
+                                  message.metadata.sequence.stream, message.subject, refusal)
+                        continue
                 try:
                     # a one-row chunk over max_payload is a claim check; its headers describe
                     # the object (README "Large values")
@@ -105,7 +113,7 @@ async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str =
                             decompressors[dict_id] = decompressor(
                                 None if dict_id is None
                                 else await fetch_dictionary(js, meta.table, int(dict_id),
-                                                            bucket=bucket))
+                                                            bucket=bucket, verifier=verifier))
                         data = decompressors[dict_id].decompress(data)
                     taken = load(data, seen) if load is not None else None
                     if taken is not None:

@@ -85,6 +85,7 @@ from cdc_platform.publishing.messages import (
     PublishStats,
 )
 from cdc_platform.speedups import compiled_twin
+from cdc_platform.wire.signing import HEADER_SIGNATURE, HEADER_SIGNING_KEY, MessageSigner
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,13 @@ _CACHE_LIMIT = 10_000
 
 
 _twin = compiled_twin(__name__)  # frame_messages (cdc_platform/speedups.py)
+
+
+def _signature_lines(signer: MessageSigner, message: OutgoingMessage) -> str:
+    signature = signer.signature(message.subject, message.msg_id, dict(message.headers),
+                                 message.payload)
+    return (f"{HEADER_SIGNATURE}: {signature}\r\n"
+            f"{HEADER_SIGNING_KEY}: {signer.public_key}\r\n")
 
 
 class JetStreamPublisher:
@@ -118,7 +126,8 @@ class JetStreamPublisher:
                  commit_max_delay: float = 0.05,
                  flow: int | None = None,
                  on_stored: Callable[[int], None] | None = None,
-                 control_subject: str | None = None) -> None:
+                 control_subject: str | None = None,
+                 signer: MessageSigner | None = None) -> None:
         """
         ``max_in_flight_*`` bound what is held (queued or awaiting an ack); a single call larger
         than the bound is still accepted, alone. ``ack_timeout``: how long the server may owe
@@ -129,7 +138,8 @@ class JetStreamPublisher:
         to the traffic. ``on_stored(position)`` is called, synchronously, each time
         :attr:`stored_position` advances. ``control_subject``: the subject of fast-ingest
         commit markers (captured by the stream, never stored); default: the batch's last
-        message subject.
+        message subject. ``signer``: every message gets its signature headers (README
+        "Signatures").
         """
         if mode not in ("fast-batch", "per-message", "auto"):
             raise ValueError(f"unknown publish mode {mode!r}")
@@ -148,6 +158,7 @@ class JetStreamPublisher:
         self._flow = flow
         self._control_subject = control_subject
         self._on_stored = on_stored
+        self._signer = signer
 
         self.stats = PublishStats()
         self.mode: Literal["fast-batch", "per-message"] | None = None
@@ -348,8 +359,9 @@ class JetStreamPublisher:
         Raises before anything of the call is queued.
         """
         max_payload = self._nc.max_payload
-        subjects, extras = self._subjects, self._extra_headers
-        if _twin is not None:  # the same loop compiled; None: something to admit or refuse
+        subjects, extras, signer = self._subjects, self._extra_headers, self._signer
+        # the same loop compiled (None: something to admit or refuse); it does not sign
+        if _twin is not None and signer is None:
             framed = _twin.frame_messages(messages, subjects, extras, max_payload)
             if framed is not None:
                 return framed
@@ -362,7 +374,11 @@ class JetStreamPublisher:
             if not msg_id or not (msg_id.isascii() and msg_id.isprintable()):
                 raise PublishError(f"Nats-Msg-Id {msg_id!r} of a message on {message.subject!r} "
                                    "must be non-empty printable ASCII")
-            if message.headers:
+            if signer is not None:
+                extra = (extras.get(message.headers) or self._encode_headers(message)
+                         if message.headers else "") + _signature_lines(signer, message)
+                header = f"NATS/1.0\r\nNats-Msg-Id: {msg_id}\r\n{extra}\r\n".encode()
+            elif message.headers:
                 extra = extras.get(message.headers) or self._encode_headers(message)
                 header = f"NATS/1.0\r\nNats-Msg-Id: {msg_id}\r\n{extra}\r\n".encode()
             else:

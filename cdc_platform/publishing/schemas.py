@@ -14,8 +14,9 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
+from cdc_platform.jetstream.kv import put_value, verified_value
 from cdc_platform.postgres.catalog import TableSchema, published_tables, table_schema
-from cdc_platform.wire import decode_any
+from cdc_platform.wire import MessageSigner, SignatureVerifier, decode_any
 
 
 def schema_entry(schema: TableSchema, encode: Callable[[Any], bytes]) -> tuple[str, bytes]:
@@ -30,15 +31,23 @@ def describe_published(conn: psycopg.Connection, publication: str) -> list[Table
     return [schema for schema in described if schema is not None]
 
 
-async def stored_schema(kv: KeyValue, schema: TableSchema) -> dict[str, Any] | None:
+async def stored_schema(js: JetStreamContext, kv: KeyValue, bucket: str, schema: TableSchema,
+                        signer: MessageSigner | None = None) -> dict[str, Any] | None:
     """The KV value stored for ``schema``'s table, when it is of this table (the same
-    relation id) and readable; None otherwise."""
+    relation id) and readable, and signed by ``signer``'s key when the platform signs (its
+    ``relfilenode`` decides whether the bridge asks for snapshots); None otherwise."""
+    if signer is not None:
+        data = await verified_value(js, bucket, schema.wire_name,
+                                    SignatureVerifier([signer.public_key]))
+        if data is None:
+            return None
+    else:
+        try:
+            data = (await kv.get(schema.wire_name)).value or b""
+        except KeyNotFoundError:
+            return None
     try:
-        entry = await kv.get(schema.wire_name)
-    except KeyNotFoundError:
-        return None
-    try:
-        value = decode_any(entry.value or b"")
+        value = decode_any(data)
     except Exception:  # noqa: BLE001 - not a value of ours: as if there were none
         return None
     if not isinstance(value, dict) or value.get("relation_id") != schema.relation_id:
@@ -56,8 +65,10 @@ def keeping_storage(schema: TableSchema, stored: dict[str, Any] | None) -> Table
 
 
 async def publish_schemas(js: JetStreamContext, bucket: str, schemas: list[TableSchema],
-                          encode: Callable[[Any], bytes]) -> None:
+                          encode: Callable[[Any], bytes],
+                          signer: MessageSigner | None = None) -> None:
     kv = await js.key_value(bucket)
     for schema in schemas:
-        await kv.put(*schema_entry(keeping_storage(schema, await stored_schema(kv, schema)),
-                                   encode))
+        stored = await stored_schema(js, kv, bucket, schema, signer)
+        key, value = schema_entry(keeping_storage(schema, stored), encode)
+        await put_value(js, kv, bucket, key, value, signer)

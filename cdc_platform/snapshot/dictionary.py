@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 import zstandard
 from nats.js import JetStreamContext
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
 
+from cdc_platform.jetstream.kv import put_value, verified_value
 from cdc_platform.jetstream.provision import dictionary_bucket_config
 from cdc_platform.settings import DictionaryBucketSettings
-from cdc_platform.wire import Format, encoder
+from cdc_platform.wire import Format, MessageSigner, SignatureVerifier, encoder
 
 log = logging.getLogger(__name__)
 
@@ -94,23 +95,32 @@ def sample_ratios(rows: Sequence[dict], fmt: Format, *, level: int, dictionary: 
 
 async def publish_dictionary(js: JetStreamContext, table: str,
                              dictionary: TrainedDictionary, *,
-                             bucket: str = DICTIONARY_BUCKET, replicas: int = 1) -> str:
+                             bucket: str = DICTIONARY_BUCKET, replicas: int = 1,
+                             signer: MessageSigner | None = None) -> str:
     """Store the dictionary in ``bucket`` (``provision`` creates it; created here if
-    missing); returns its key."""
+    missing), signed by ``signer`` when there is one; returns its key."""
     try:
         kv = await js.key_value(bucket)
     except (BucketNotFoundError, NotFoundError):  # provisioned before the bucket existed
         kv = await js.create_key_value(dictionary_bucket_config(bucket, replicas))
     key = dictionary_key(table, dictionary.dictionary_id)
-    await kv.put(key, dictionary.data)
+    await put_value(js, kv, bucket, key, dictionary.data, signer)
     return key
 
 
 async def fetch_dictionary(js: JetStreamContext, table: str, dictionary_id: int, *,
-                           bucket: str = DICTIONARY_BUCKET) -> bytes:
-    """For consumers and tests: the dictionary a chunk names."""
+                           bucket: str = DICTIONARY_BUCKET,
+                           verifier: SignatureVerifier | None = None) -> bytes:
+    """For consumers and tests: the dictionary a chunk names (KeyNotFoundError also when
+    ``verifier`` refuses it: its bytes decide what a chunk decompresses to)."""
+    key = dictionary_key(table, dictionary_id)
+    if verifier is not None:
+        value = await verified_value(js, bucket, key, verifier)
+        if value is None:
+            raise KeyNotFoundError(message=f"no dictionary {key} signed by a trusted key")
+        return value
     kv = await js.key_value(bucket)
-    entry = await kv.get(dictionary_key(table, dictionary_id))
+    entry = await kv.get(key)
     return entry.value or b""
 
 

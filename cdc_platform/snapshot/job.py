@@ -215,6 +215,7 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
                     publish_window=options.publish_window,
                     publish_timeout=options.publish_timeout, fault=fault,
                     lock_timeout_ms=options.lock_timeout_ms,
+                    signing_seed=settings.bridge.signing_seed(),
                     qualified_table=sql.Identifier(
                         described.schema.schema, described.schema.table).as_string(control))
                 log.info("snapshot %s of %s: lsn %s, %d blocks in %d ranges", snapshot_id,
@@ -252,7 +253,8 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
                 dictionary_id=trained.dictionary_id if trained else None,
                 dictionary_bucket=settings.topology.dictionaries.bucket,
                 dictionary_key=dictionary_key, duration=duration)
-            meta_seq = await publish_meta(js, meta, settings.encoding.format)
+            meta_seq = await publish_meta(js, meta, settings.encoding.format,
+                                          settings.bridge.signer())
         finally:
             await client.close()
 
@@ -296,7 +298,7 @@ async def _dictionary(control: psycopg.Connection, js: JetStreamContext,
         return None, None
     key = await dictionaries.publish_dictionary(
         js, described.schema.wire_name, trained, bucket=settings.topology.dictionaries.bucket,
-        replicas=settings.topology.dictionaries.replicas)
+        replicas=settings.topology.dictionaries.replicas, signer=settings.bridge.signer())
     return trained, key
 
 

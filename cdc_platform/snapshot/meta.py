@@ -6,6 +6,7 @@ snapshot request sensor (which answers with a recent snapshot when it can)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,9 @@ from cdc_platform.wire import (
     watermark_subject,
 )
 from cdc_platform.wire.encoding import Format
+from cdc_platform.wire.signing import MessageSigner, SignatureVerifier
+
+log = logging.getLogger(__name__)
 
 
 def snapshot_meta(*, snapshot_id: str, lsn: str, watermark_lsn: str, cdc_stream: str,
@@ -76,11 +80,16 @@ def snapshot_meta(*, snapshot_id: str, lsn: str, watermark_lsn: str, cdc_stream:
     return cast(SnapshotMetaPayload, in_field_order(SnapshotMetaPayload, fields))
 
 
-async def publish_meta(js: JetStreamContext, meta: SnapshotMetaPayload, fmt: Format) -> int:
-    """Store ``meta`` on ``init.meta.{table}`` (deduplicated by snapshot id); its sequence."""
-    ack = await js.publish(snapshot_meta_subject(meta["table"]), encoder(fmt)(meta), headers={
-        HEADER_MSG_ID: meta_msg_id(meta["snapshot_id"]),
-        HEADER_CONTENT_TYPE: CONTENT_TYPES[fmt]})
+async def publish_meta(js: JetStreamContext, meta: SnapshotMetaPayload, fmt: Format,
+                       signer: MessageSigner | None = None) -> int:
+    """Store ``meta`` on ``init.meta.{table}`` (deduplicated by snapshot id), signed by
+    ``signer`` when there is one; its sequence."""
+    subject, payload = snapshot_meta_subject(meta["table"]), encoder(fmt)(meta)
+    headers = {HEADER_MSG_ID: meta_msg_id(meta["snapshot_id"]),
+               HEADER_CONTENT_TYPE: CONTENT_TYPES[fmt]}
+    if signer is not None:
+        headers = signer.signed_headers(subject, headers, payload)
+    ack = await js.publish(subject, payload, headers=headers)
     return ack.seq
 
 
@@ -135,20 +144,30 @@ class SnapshotMeta:
             raise SnapshotUnusable(f"malformed snapshot meta ({exc!r})") from exc
 
 
-async def latest_meta(js: JetStreamContext, table: str,
-                      stream: str = "INIT") -> SnapshotMeta | None:
-    """The newest meta of ``table`` still in the `INIT` stream, or None."""
+async def latest_meta(js: JetStreamContext, table: str, stream: str = "INIT",
+                      verifier: SignatureVerifier | None = None) -> SnapshotMeta | None:
+    """The newest meta of ``table`` still in the `INIT` stream, or None (also when
+    ``verifier`` refuses it: not the platform's)."""
     try:
         message = await js.get_last_msg(stream, snapshot_meta_subject(table))
     except NotFoundError:
         return None
+    refusal = verifier.refusal(message.subject or "", message.headers or {},
+                               message.data or b"") if verifier is not None else None
+    if refusal is not None:
+        log.error("refused the snapshot meta at %s of %s: %s", message.seq, stream, refusal)
+        return None
     return SnapshotMeta.from_wire(decode_any(message.data or b""), message.seq or 0)
 
 
-async def cutover_start_seq(js: JetStreamContext, meta: SnapshotMeta) -> int:
+async def cutover_start_seq(js: JetStreamContext, meta: SnapshotMeta,
+                            verifier: SignatureVerifier | None = None) -> int:
     """The `CDC` stream sequence to read from (the cutover rule, step 2), checked to be still
-    held by the stream; :class:`SnapshotUnusable` when retention dropped it."""
+    held by the stream; :class:`SnapshotUnusable` when retention dropped it. A marker
+    ``verifier`` refuses is not the bridge's: the stream's first message is then the start
+    (any earlier sequence is correct, a later one would lose changes)."""
     start = meta.cdc_start_seq
+    info = None
     if start is None:
         try:
             marker = await js.get_last_msg(meta.cdc_stream, meta.watermark_subject)
@@ -157,7 +176,14 @@ async def cutover_start_seq(js: JetStreamContext, meta: SnapshotMeta) -> int:
                 f"snapshot {meta.snapshot_id} of {meta.table}: its watermark marker "
                 f"{meta.watermark_subject} is not in {meta.cdc_stream}") from None
         start = marker.seq or 0  # (always set; from the start would also be correct)
-    info = await js.stream_info(meta.cdc_stream)
+        refusal = verifier.refusal(marker.subject or "", marker.headers or {},
+                                   marker.data or b"") if verifier is not None else None
+        if refusal is not None:
+            info = await js.stream_info(meta.cdc_stream)
+            log.error("refused the watermark marker at %s of %s: %s; reading from the "
+                      "stream's first message", start, meta.cdc_stream, refusal)
+            start = info.state.first_seq
+    info = info or await js.stream_info(meta.cdc_stream)
     if start < info.state.first_seq:
         raise SnapshotUnusable(
             f"snapshot {meta.snapshot_id} of {meta.table}: its cutover point (sequence "

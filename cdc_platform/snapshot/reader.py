@@ -54,7 +54,7 @@ from cdc_platform.publishing.messages import OutgoingMessage
 from cdc_platform.settings import NatsSettings
 from cdc_platform.snapshot.chunks import Chunk, Chunker, ChunkLayout
 from cdc_platform.snapshot.plan import BlockRange
-from cdc_platform.wire import HEADER_MSG_ID
+from cdc_platform.wire import HEADER_MSG_ID, MessageSigner
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class TaskSpec:
     # How long a task waits for its table's lock (see TableLockWaitError); 0: forever.
     lock_timeout_ms: int = 5_000
     qualified_table: str = ""  # for the LOCK that waits at most lock_timeout_ms
+    signing_seed: str | None = field(default=None, repr=False)  # chunks signed with it
 
     def copy_command(self, block_range: BlockRange) -> str:
         return self.select.replace("{range}", block_range.predicate().as_string(None))
@@ -206,8 +207,10 @@ class ChunkPublisher:
     with the same ``Nats-Msg-Id`` (JetStream keeps one)."""
 
     def __init__(self, js: JetStreamContext, stream: str, window: int, timeout: float,
-                 claim_checks: ClaimChecks | None = None, max_payload: int = 0) -> None:
+                 claim_checks: ClaimChecks | None = None, max_payload: int = 0,
+                 signer: MessageSigner | None = None) -> None:
         self._js = js
+        self._signer = signer
         self._claim_checks = claim_checks
         self._max_payload = max_payload
         self._stream = stream
@@ -256,6 +259,8 @@ class ChunkPublisher:
         payload, headers = chunk.payload, dict(chunk.headers)
         if chunk.oversized:
             payload, headers = await self._check_in(chunk)
+        if self._signer is not None:
+            headers = self._signer.signed_headers(chunk.subject, headers, payload)
         delay = 0.2
         for attempt in range(1, _PUBLISH_ATTEMPTS + 1):
             try:
@@ -309,7 +314,8 @@ async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 
         chunker = Chunker(layout, converters_for(spec), block_range.index)
         publisher = ChunkPublisher(
             js, spec.stream, spec.publish_window, spec.publish_timeout,
-            ClaimChecks(js, spec.large_bucket, layout.format), client.max_payload)
+            ClaimChecks(js, spec.large_bucket, layout.format), client.max_payload,
+            MessageSigner(spec.signing_seed) if spec.signing_seed else None)
         fault = spec.fault if (spec.fault and spec.fault.partition == block_range.index
                                and attempt == 0) else None
         # not ``with``: leaving a failed COPY must not try a ROLLBACK on a busy connection

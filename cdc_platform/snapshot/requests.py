@@ -36,7 +36,7 @@ from cdc_platform.snapshot.meta import (
     cutover_start_seq,
     latest_meta,
 )
-from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX, snapshot_meta_subject
+from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX, SignatureVerifier, snapshot_meta_subject
 
 log = logging.getLogger(__name__)
 
@@ -176,44 +176,50 @@ async def send_replies(client: NatsClient, replies: list[tuple[str | None, Reply
 
 async def reusable_snapshot(js: JetStreamContext, table: str, max_age_seconds: float,
                             init_stream: str = "INIT", min_lsn: int = 0, *,
-                            relation_id: int | None) -> dict[str, Any] | None:
+                            relation_id: int | None,
+                            verifier: SignatureVerifier | None = None) -> dict[str, Any] | None:
     """The ``done`` fields of the newest snapshot of ``table`` at most ``max_age_seconds``
     old, with a cutover LSN of at least ``min_lsn``, of the table whose oid is
     ``relation_id`` (not one dropped since and created again under its name), whose cutover
     point the CDC stream still holds (None: a new one is needed). So a hundred mirrors
     asking for one table within minutes share one snapshot (and after a rewrite, one taken
-    after it). ``relation_id`` None: the table is not known to exist, nothing is reused."""
+    after it). ``relation_id`` None: the table is not known to exist, nothing is reused.
+    A meta ``verifier`` refuses is none."""
     if max_age_seconds <= 0 or relation_id is None:
         return None
-    meta = await latest_meta(js, table, init_stream)
+    meta = await latest_meta(js, table, init_stream, verifier)
     if (meta is None or time.time() - meta.timestamp > max_age_seconds
             or meta.lsn < min_lsn or snapshot_relation_id(meta) != relation_id):
         return None
-    return await _done_if_usable(js, table, meta, reused=True)
+    return await _done_if_usable(js, table, meta, reused=True, verifier=verifier)
 
 
 async def snapshot_stored_since(js: JetStreamContext, table: str, asked_after_seq: int,
                                 init_stream: str = "INIT", min_lsn: int = 0, *,
-                                relation_id: int | None = None) -> dict[str, Any] | None:
+                                relation_id: int | None = None,
+                                verifier: SignatureVerifier | None = None
+                                ) -> dict[str, Any] | None:
     """The ``done`` fields of the newest meta of ``table`` if it was stored after the
     request was made (its `INIT` sequence above ``asked_after_seq``, the stream's last
     sequence read before the request was published), with a cutover LSN of at least
     ``min_lsn`` and a cutover point the CDC stream still holds: the snapshot a requester that
     gets no ``done`` (answered ``coalesced``, or asking without ``reply_to``) waits for
     (README "Snapshot requests"). With ``relation_id``, only a snapshot of that table (not of
-    one dropped since and created again under its name)."""
-    meta = await latest_meta(js, table, init_stream)
+    one dropped since and created again under its name). A meta ``verifier`` refuses is
+    none."""
+    meta = await latest_meta(js, table, init_stream, verifier)
     if meta is None or meta.seq <= asked_after_seq or meta.lsn < min_lsn:
         return None
     if relation_id is not None and snapshot_relation_id(meta) != relation_id:
         return None
-    return await _done_if_usable(js, table, meta, reused=False)
+    return await _done_if_usable(js, table, meta, reused=False, verifier=verifier)
 
 
 async def _done_if_usable(js: JetStreamContext, table: str, meta: SnapshotMeta, *,
-                          reused: bool) -> dict[str, Any] | None:
+                          reused: bool, verifier: SignatureVerifier | None = None
+                          ) -> dict[str, Any] | None:
     try:
-        start_seq = await cutover_start_seq(js, meta)
+        start_seq = await cutover_start_seq(js, meta, verifier)
     except SnapshotUnusable:
         return None
     return {"snapshot_id": meta.snapshot_id, "lsn": meta.raw["lsn"],
@@ -286,7 +292,8 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
                           published: Mapping[str, int], publication: str, reuse_seconds: float,
                           in_flight: dict[str, RunInFlight], init_stream: str = "INIT",
                           reply_client: NatsClient | None = None,
-                          pacing: Pacing | None = None) -> HandledRequests:
+                          pacing: Pacing | None = None,
+                          verifier: SignatureVerifier | None = None) -> HandledRequests:
     """Decide every request (in stream order) and send the replies that are due now, through
     ``reply_client`` (default: ``client``) (``published``: the publication's tables -> their
     oids):
@@ -296,7 +303,8 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     ``accepted``/``coalesced`` for a table whose run is in flight (``in_flight``),
     ``accepted`` for a run held back by ``pacing`` (it joins ``pacing.held``), and
     ``accepted`` for the runs to start (one per table, named by its last request); the run
-    answers those with ``done`` or ``failed``."""
+    answers those with ``done`` or ``failed``. With ``verifier`` (the platform signs its
+    snapshots), a meta it refuses is never handed out."""
     js = client.jetstream()
     pacing = pacing or Pacing()
     now = time.time()
@@ -322,7 +330,8 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
                       else request.max_age_seconds)
         reused = await reusable_snapshot(js, request.table, max_age, init_stream,
                                          request.min_lsn,
-                                         relation_id=published[request.table])
+                                         relation_id=published[request.table],
+                                         verifier=verifier)
         if reused is not None:
             notes.append(f"request for {request.table!r} (stream seq {request.seq}) "
                          f"answered with snapshot {reused['snapshot_id']}")

@@ -16,6 +16,7 @@ from cdc_platform.protocol.values import TYPE_CATALOG_QUERY, TypeRegistry
 from cdc_platform.settings import PlatformSettings
 from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
 from cdc_platform.snapshot.dictionary import TrainedDictionary
+from cdc_platform.wire.signing import SIGNATURE_HEADERS_BYTES
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,10 @@ def chunk_layout(table: SourceTable, settings: PlatformSettings, snapshot_id: st
         table=schema.wire_name, snapshot_id=snapshot_id, lsn=lsn,
         schema_fingerprint=schema.fingerprint, columns=tuple(names),
         key_columns=tuple(names.index(n) for n in schema.primary_key),
-        format=encoding.format, chunk_rows=encoding.chunk_rows, max_payload=max_payload,
+        format=encoding.format, chunk_rows=encoding.chunk_rows,
+        # (signed chunks carry two more headers)
+        max_payload=max_payload - (SIGNATURE_HEADERS_BYTES
+                                   if settings.bridge.signing_key_seed else 0),
         zstd_level=encoding.zstd_level if encoding.zstd else None,
         dictionary=dictionary.data if dictionary else None,
         dictionary_id=dictionary.dictionary_id if dictionary else None)

@@ -5,7 +5,8 @@ documents it; change it only on purpose):
 - :mod:`.headers`: headers and content types;
 - :mod:`.payloads`: every payload, typed, with its field order;
 - :mod:`.encoding`: msgpack and JSON;
-- :mod:`.cutover`: where a snapshot ends and the stream begins.
+- :mod:`.cutover`: where a snapshot ends and the stream begins;
+- :mod:`.signing`: what a signature covers, and its check.
 
 Golden payloads in ``cdc_platform_tests/data/golden/`` pin the bytes.
 """
@@ -42,6 +43,13 @@ from cdc_platform.wire.payloads import (
     in_field_order,
     schema_fingerprint,
 )
+from cdc_platform.wire.signing import (
+    HEADER_SIGNATURE,
+    HEADER_SIGNING_KEY,
+    MessageSigner,
+    SignatureVerifier,
+    signed_bytes,
+)
 from cdc_platform.wire.subjects import (
     CDC_PREFIX,
     CHANGE_OPERATIONS,
@@ -74,14 +82,16 @@ __all__ = [
     "CDC_PREFIX", "CHANGE_OPERATIONS", "CONTENT_ENCODING_ZSTD", "CONTENT_TYPES",
     "CONTROL_EOB_SUBJECT", "CONTROL_TOKEN", "CUTOVER_RULE", "HEADER_CLAIM_CHECK",
     "HEADER_CONTENT_ENCODING", "HEADER_CONTENT_TYPE", "HEADER_MSG_ID",
-    "HEADER_SCHEMA_FINGERPRINT", "HEADER_ZSTD_DICT", "HEARTBEAT_PREFIX", "INIT_META_PREFIX",
-    "INIT_SNAP_PREFIX", "SCHEMA_OPERATION", "SNAPSHOT_REQUEST_PREFIX", "WATERMARK_PREFIX",
-    "WATERMARK_SUBJECT_PREFIX", "ChangeEvent", "ColumnSchema", "Format", "SchemaEvent",
-    "SnapshotChunk", "SnapshotMetaPayload", "SnapshotReply", "TableSchemaValue",
-    "WatermarkMarker", "applies", "batch_msg_id", "cdc_batch_subject", "cdc_schema_subject",
-    "cdc_subject", "change_msg_id", "chunk_msg_id", "commit_ts_epoch", "cutover_rule_text",
-    "decode_any", "decode_payload", "encode_json", "encoder", "in_field_order", "meta_msg_id", "payload_format",
-    "schema_event_msg_id", "schema_fingerprint", "snapshot_chunk_prefix",
+    "HEADER_SCHEMA_FINGERPRINT", "HEADER_SIGNATURE", "HEADER_SIGNING_KEY",
+    "HEADER_ZSTD_DICT", "HEARTBEAT_PREFIX", "INIT_META_PREFIX", "INIT_SNAP_PREFIX",
+    "SCHEMA_OPERATION", "SNAPSHOT_REQUEST_PREFIX", "WATERMARK_PREFIX",
+    "WATERMARK_SUBJECT_PREFIX", "ChangeEvent", "ColumnSchema", "Format", "MessageSigner",
+    "SchemaEvent", "SignatureVerifier", "SnapshotChunk", "SnapshotMetaPayload",
+    "SnapshotReply", "TableSchemaValue", "WatermarkMarker", "applies", "batch_msg_id",
+    "cdc_batch_subject", "cdc_schema_subject", "cdc_subject", "change_msg_id",
+    "chunk_msg_id", "commit_ts_epoch", "cutover_rule_text", "decode_any", "decode_payload",
+    "encode_json", "encoder", "in_field_order", "meta_msg_id", "payload_format",
+    "schema_event_msg_id", "schema_fingerprint", "signed_bytes", "snapshot_chunk_prefix",
     "snapshot_chunk_subject", "snapshot_meta_subject", "snapshot_request_subject",
     "watermark_msg_id", "watermark_subject",
 ]

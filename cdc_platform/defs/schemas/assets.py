@@ -21,7 +21,7 @@ def schemas(context: dg.AssetExecutionContext, postgres: PostgresResource, nats:
     async def put_all() -> None:
         async with nats.connect("cdc-platform-schemas") as client:
             await publish_schemas(client.jetstream(), settings.topology.schemas.bucket, found,
-                                  encoder(settings.encoding.format))
+                                  encoder(settings.encoding.format), settings.bridge.signer())
 
     asyncio.run(put_all())
     context.log.info(f"published {len(found)} schemas from publication {publication}")

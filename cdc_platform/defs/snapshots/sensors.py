@@ -192,6 +192,7 @@ async def _handle_requests(nats: NatsResource, nats_replies: NatsRepliesResource
                            pacing: Pacing) -> HandledRequests | None:
     """What the new requests decided (None: nothing new); see ``answer_requests``."""
     topology = load_settings(NatsTopology)
+    verifier = load_settings(OrchestrationSettings).snapshot_verifier()
     async with nats.connect("cdc-platform-snapshot-sensor") as client:
         requests = await fetch_requests(client, topology.requests.name, REQUESTS_DURABLE,
                                         recorded_through, FETCH_LIMIT)
@@ -201,4 +202,5 @@ async def _handle_requests(nats: NatsResource, nats_replies: NatsRepliesResource
             return await answer_requests(client, requests, published=published,
                                          publication=publication, reuse_seconds=reuse_seconds,
                                          in_flight=in_flight, init_stream=topology.init.name,
-                                         reply_client=reply_client, pacing=pacing)
+                                         reply_client=reply_client, pacing=pacing,
+                                         verifier=verifier)

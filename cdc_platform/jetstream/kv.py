@@ -1,0 +1,46 @@
+"""KV values as messages of their bucket's stream, where they carry headers: a value the
+platform signs (README "Signatures") is put with its signature and read back with it.
+(nats-py's ``KeyValue`` neither writes nor returns headers.)"""
+
+from __future__ import annotations
+
+import logging
+
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
+
+from cdc_platform.wire import MessageSigner, SignatureVerifier
+
+log = logging.getLogger(__name__)
+
+_REMOVED = ("DEL", "PURGE")  # KV-Operation of a deleted or purged key
+
+
+async def put_value(js: JetStreamContext, kv: KeyValue, bucket: str, key: str, value: bytes,
+                    signer: MessageSigner | None) -> int:
+    """``kv.put(key, value)``, signed by ``signer`` when there is one; the revision."""
+    if signer is None:
+        return await kv.put(key, value)
+    subject = f"$KV.{bucket}.{key}"
+    ack = await js.publish(subject, value, headers=signer.signed_headers(subject, {}, value))
+    return ack.seq
+
+
+async def verified_value(js: JetStreamContext, bucket: str, key: str,
+                         verifier: SignatureVerifier) -> bytes | None:
+    """The key's value when ``verifier`` accepts it; None when there is none or it refuses
+    it (said)."""
+    try:
+        message = await js.get_last_msg(f"KV_{bucket}", f"$KV.{bucket}.{key}")
+    except NotFoundError:
+        return None
+    headers = message.headers or {}
+    if headers.get("KV-Operation") in _REMOVED:
+        return None
+    refusal = verifier.refusal(message.subject or "", headers, message.data or b"")
+    if refusal is not None:
+        log.error("refused the value of %s in KV %s (revision %s): %s", key, bucket,
+                  message.seq, refusal)
+        return None
+    return message.data or b""
