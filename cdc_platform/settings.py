@@ -25,8 +25,10 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    create_model,
     field_validator,
 )
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cdc_platform.errors import ConfigError
@@ -259,6 +261,27 @@ class NatsSettings(_Settings):
         return ",".join(redacted)
 
 
+
+def _nats_settings_named(prefix: str, doc: str) -> type[NatsSettings]:
+    """:class:`NatsSettings` read from ``{prefix}_*`` in place of ``CDC_NATS_*`` (the same
+    fields, e.g. ``CDC_READERS_NATS_URL``, ``CDC_READERS_NATS_USER``), for a second
+    connection with another credential."""
+    fields: dict[str, Any] = {}
+    for name, info in NatsSettings.model_fields.items():
+        alias = info.validation_alias
+        first = str(alias.choices[0]) if isinstance(alias, AliasChoices) else str(alias)
+        renamed = FieldInfo.merge_field_infos(
+            info, validation_alias=_env(first.replace("CDC_NATS_", f"{prefix}_", 1)))
+        fields[name] = (info.annotation, renamed)
+    model = create_model(f"{prefix.title().replace('_', '')}Settings", __base__=NatsSettings,
+                         __doc__=doc, **fields)
+    return model
+
+
+# `cdc-platform provision --readers`: the READERS account of deploy/nats/nats-server.conf
+ReadersNatsSettings = _nats_settings_named(
+    "CDC_READERS_NATS", "The READERS account's admin credential (its mirror streams).")
+
 class StreamLimits(_Settings):
     """Limits shared by the three streams; each stream gets its own env prefix."""
 
@@ -444,6 +467,19 @@ class MirrorSettings(_Settings):
     status_interval_seconds: Seconds = Field(
         10.0, gt=0, validation_alias=_env("CDC_MIRROR_STATUS_INTERVAL"))
     fetch_batch: int = Field(256, ge=1, le=10_000, validation_alias=_env("CDC_MIRROR_FETCH_BATCH"))
+    # The subject prefix of this mirror's inboxes (nats-py's inbox_prefix): where its replies,
+    # pull deliveries and snapshot replies come. A team user of deploy/nats may subscribe to
+    # its own prefix only (`_INBOX_team_a`), so no other team reads what it is sent.
+    inbox_prefix: str = Field("_INBOX", validation_alias=_env("CDC_MIRROR_INBOX_PREFIX"))
+
+    @field_validator("inbox_prefix")
+    @classmethod
+    def _reply_prefix(cls, value: str) -> str:
+        # the snapshot sensor replies only to inbox subjects (snapshot.requests)
+        if not re.fullmatch(r"_INBOX(_[A-Za-z0-9_-]{1,64})?", value):
+            raise ValueError("must be _INBOX or _INBOX_{name} (name: letters, digits, _ or -, "
+                             "up to 64)")
+        return value
 
 
 class NatsTopology(_Settings):
