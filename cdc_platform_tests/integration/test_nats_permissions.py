@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -18,6 +20,7 @@ from pathlib import Path
 import nats
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
+from pydantic import SecretStr
 
 from cdc_platform.defs.snapshots.sensors import DURABLE
 from cdc_platform.dev.servers import free_port
@@ -45,15 +48,50 @@ CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "nats-server.
 USERS = ("bridge", "provisioner", "sensor", "consumer", "replier", "readers_admin")
 
 
+MAKE_CERTS = CONFIG.parent / "make-certs.sh"
+
+
+def bcrypt_for_server(password: str) -> str:
+    """The server's environment value for ``password``: its bcrypt hash quoted inside the
+    value, as deploy/nats/make-password.sh writes it (cost 4 here: tests connect often)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import crypt
+    hashed = crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16))
+    return '"' + hashed.replace("$2b$", "$2a$", 1) + '"'
+
+
+def make_certs(directory: Path) -> Path:
+    """deploy/nats/make-certs.sh for this host: its CA (what clients trust) is returned."""
+    subprocess.run(["sh", str(MAKE_CERTS), str(directory), "localhost", "127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return directory / "ca.pem"
+
+
+def server_env(tmp_path: Path, port: int, passwords: dict[str, str]) -> dict[str, str]:
+    """What the shipped config reads: places, TLS files (made by make-certs.sh), and each
+    user's password as a bcrypt hash."""
+    tls = tmp_path / "tls"
+    make_certs(tls)
+    return {**os.environ, "NATS_PORT": str(port),
+            "NATS_MONITOR_LISTEN": f"127.0.0.1:{free_port()}",
+            "NATS_STORE_DIR": str(tmp_path / "jetstream"),
+            "NATS_TLS_CERT": str(tls / "server.pem"), "NATS_TLS_KEY": str(tls / "server-key.pem"),
+            **{f"NATS_{user.upper()}_PASSWORD": bcrypt_for_server(password)
+               for user, password in passwords.items()}}
+
+
 @dataclass
 class Deployment:
     """A nats-server started from the deploy config, provisioned on both sides."""
 
     url: str
+    ca: Path
     passwords: dict[str, str]
 
     def nats(self, user: str) -> NatsSettings:
-        return NatsSettings(url=self.url, user=user, password=self.passwords[user])
+        return NatsSettings(url=self.url, user=user, password=self.passwords[user],
+                            tls_ca_file=str(self.ca))
 
     async def connect(self, user: str, inbox_prefix: str = "_INBOX"):
         """A plain nats-py client as ``user``, and the list its asynchronous errors
@@ -65,23 +103,23 @@ class Deployment:
 
         client = await nats.connect(self.url, user=user, password=self.passwords[user],
                                     error_cb=on_error, allow_reconnect=False,
-                                    inbox_prefix=inbox_prefix)
+                                    inbox_prefix=inbox_prefix,
+                                    tls=self.nats(user).tls_context())
         return client, errors
 
 
 @contextlib.asynccontextmanager
 async def _deployment(tmp_path: Path, teams: tuple[str, ...] = (), *,
                       provisioned: bool = True):
-    port, monitor = free_port(), free_port()
+    port = free_port()
     passwords = {user: secret_for_test() for user in (*USERS, *teams)}
     config = tmp_path / "nats-server.conf"
     config.write_text(_with_team_users(CONFIG.read_text(), teams) if teams
                       else CONFIG.read_text())
-    env = {**os.environ, "NATS_PORT": str(port), "NATS_MONITOR_LISTEN": f"127.0.0.1:{monitor}",
-           "NATS_STORE_DIR": str(tmp_path / "jetstream"),
-           **{f"NATS_{user.upper()}_PASSWORD": password for user, password in passwords.items()}}
+    env = server_env(tmp_path, port, passwords)
     with nats_server_from(config, port, tmp_path / "nats.log", env):
-        deployment = Deployment(f"nats://127.0.0.1:{port}", passwords)
+        deployment = Deployment(f"tls://127.0.0.1:{port}", tmp_path / "tls" / "ca.pem",
+                                passwords)
         for user, make in (("provisioner", provision), ("readers_admin", provision_readers)
                            ) if provisioned else ():
             client = await connect_nats(deployment.nats(user))
@@ -417,8 +455,10 @@ async def test_provision_makes_each_side_with_its_own_credential(tmp_path):
                if not name.startswith(("CDC_NATS_", "CDC_READERS_NATS_"))}
         env.update(CDC_NATS_URL=deployment.url, CDC_NATS_USER="provisioner",
                    CDC_NATS_PASSWORD=deployment.passwords["provisioner"],
+                   CDC_NATS_TLS_CA=str(deployment.ca),
                    CDC_READERS_NATS_URL=deployment.url, CDC_READERS_NATS_USER="readers_admin",
-                   CDC_READERS_NATS_PASSWORD=deployment.passwords["readers_admin"])
+                   CDC_READERS_NATS_PASSWORD=deployment.passwords["readers_admin"],
+                   CDC_READERS_NATS_TLS_CA=str(deployment.ca))
 
         def run(*args: str) -> str:
             result = subprocess.run([sys.executable, "-m", "cdc_platform.cli", "provision",
@@ -438,23 +478,36 @@ async def test_provision_makes_each_side_with_its_own_credential(tmp_path):
         await reader.close()
 
 
-async def test_a_wrong_password_is_refused_clearly(deployment):
+async def test_only_tls_clients_with_a_users_password_get_in(deployment, tmp_path):
+    """The shipped config: TLS on the client port (certificates from make-certs.sh, trusted
+    with CDC_NATS_TLS_CA), passwords known to the server only as bcrypt hashes."""
     from cdc_platform.errors import NatsAuthError
 
+    client = await connect_nats(deployment.nats("consumer"))  # (TLS, the hash matched)
+    await client.close()
     with pytest.raises(NatsAuthError, match="refused our credentials"):
-        await connect_nats(NatsSettings(url=deployment.url, user="consumer", password="not-it"))
+        await connect_nats(deployment.nats("consumer").model_copy(
+            update={"password": SecretStr("not-it")}))
+    # the server tells every client it requires TLS before anything else is said
+    host, port = deployment.url.removeprefix("tls://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    info = json.loads((await reader.readline()).removeprefix(b"INFO "))
+    writer.close()
+    assert info["tls_required"] is True
+    log = (tmp_path / "nats.log").read_text()
+    assert "TLS required for client connections" in log
+    assert "Plaintext passwords detected" not in log
 
 
 async def test_a_password_starting_with_a_digit_works_quoted_as_the_config_says(tmp_path):
     """nats-server parses an environment value as a config value: "12-..." reads as a date
     and the server does not start; quoted inside the value it is a string again."""
-    port, monitor = free_port(), free_port()
+    port = free_port()
     password = "12-34-" + secret_for_test()
-    env = {**os.environ, "NATS_PORT": str(port), "NATS_MONITOR_LISTEN": f"127.0.0.1:{monitor}",
-           "NATS_STORE_DIR": str(tmp_path / "jetstream"),
-           **{f"NATS_{user.upper()}_PASSWORD": "unused" for user in USERS},
+    env = {**server_env(tmp_path, port, {user: "unused" for user in USERS}),
            "NATS_BRIDGE_PASSWORD": f'"{password}"'}
     with nats_server_from(CONFIG, port, tmp_path / "nats.log", env):
-        client = await connect_nats(NatsSettings(url=f"nats://127.0.0.1:{port}", user="bridge",
-                                                 password=password))
+        client = await connect_nats(NatsSettings(
+            url=f"tls://127.0.0.1:{port}", user="bridge", password=password,
+            tls_ca_file=str(tmp_path / "tls" / "ca.pem")))
         await client.close()

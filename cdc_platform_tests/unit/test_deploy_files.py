@@ -20,12 +20,15 @@ DEPLOY = REPO / "deploy"
 
 def test_the_compose_file_names_files_that_exist_and_known_settings():
     compose = yaml.safe_load((DEPLOY / "docker-compose.yaml").read_text())
+    make_certs = (DEPLOY / "nats" / "make-certs.sh").read_text()
     services = compose["services"]
     assert {"postgres", "dagster-db", "nats", "code", "webserver", "daemon"} <= set(services)
     for name, service in services.items():
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
-            if source.startswith("."):
+            if source.startswith("./nats/tls/"):  # made by make-certs.sh, never committed
+                assert f'"$dir/{source.removeprefix("./nats/tls/")}"' in make_certs, source
+            elif source.startswith("."):
                 assert (DEPLOY / source).exists(), f"{name}: {source} does not exist"
         build = service.get("build")
         if build:
@@ -55,6 +58,16 @@ def test_compose_gives_nats_every_variable_its_config_reads():
     compose = yaml.safe_load((DEPLOY / "docker-compose.yaml").read_text())
     assert wanted == set(compose["services"]["nats"]["environment"])
     assert {"NATS_BRIDGE_PASSWORD", "NATS_CONSUMER_PASSWORD", "NATS_REPLIER_PASSWORD"} <= wanted
+    # TLS on the client port, and the code location trusting its CA
+    code = compose["services"]["code"]["environment"]
+    assert code["CDC_NATS_URL"].startswith("tls://")
+    assert any(volume.endswith(f":{code['CDC_NATS_TLS_CA']}:ro")
+               for volume in compose["services"]["code"]["volumes"])
+
+
+def test_the_nats_helper_scripts_are_valid_sh():
+    for script in ("make-certs.sh", "make-password.sh"):
+        subprocess.run(["sh", "-n", str(DEPLOY / "nats" / script)], check=True)
 
 
 def _dockerfile_copies() -> list[str]:
