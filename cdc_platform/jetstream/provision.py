@@ -177,12 +177,18 @@ def config_differences(existing: StreamConfig, wanted: StreamConfig) -> dict[str
 _INSUFFICIENT_RESOURCES = 10047  # JSInsufficientResourcesErr
 
 
-def _no_room(name: str, wanted: StreamConfig) -> str:
+_SERVER_LIMIT = "max_file_store; by default 75% of the disk free when it started"
+# a READERS mirror is also held to its account's limit (deploy/nats/nats-server.conf)
+_READERS_LIMIT = (f"the READERS account's jetstream max_file in the server's config, or its "
+                  f"{_SERVER_LIMIT}")
+
+
+def _no_room(name: str, wanted: StreamConfig, limit: str = _SERVER_LIMIT) -> str:
     return (f"nats-server cannot reserve stream {name}'s max_bytes "
             f"({(wanted.max_bytes or 0) / 1024**3:.1f} GiB) in its JetStream storage: its "
-            f"limit (max_file_store; by default 75% of the disk free when it started), less "
-            f"what other streams reserve, is smaller. Raise max_file_store (and the disk), or "
-            f"lower CDC_STREAM_MAX_BYTES / CDC_INIT_MAX_BYTES / CDC_REQUESTS_MAX_BYTES")
+            f"limit ({limit}), less what other streams reserve, is smaller. Raise that limit "
+            f"(and the disk), or lower CDC_STREAM_MAX_BYTES / CDC_INIT_MAX_BYTES / "
+            f"CDC_REQUESTS_MAX_BYTES")
 
 
 def _describe(stream: str, differences: dict[str, tuple]) -> str:
@@ -308,7 +314,7 @@ async def provision_readers(js: JetStreamContext, topology: NatsTopology, *,
                 await js.add_stream(wanted)
             except APIError as exc:
                 if exc.err_code == _INSUFFICIENT_RESOURCES:
-                    raise ProvisioningError(_no_room(name, wanted)) from exc
+                    raise ProvisioningError(_no_room(name, wanted, _READERS_LIMIT)) from exc
                 raise
             report.created.append(f"mirror:{name}")
             continue

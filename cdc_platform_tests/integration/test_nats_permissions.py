@@ -24,10 +24,16 @@ from pydantic import SecretStr
 
 from cdc_platform.defs.snapshots.sensors import DURABLE
 from cdc_platform.dev.servers import free_port
+from cdc_platform.errors import ProvisioningError
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision, provision_readers
 from cdc_platform.mirror.follower import Mirror
-from cdc_platform.settings import MirrorSettings, NatsSettings, NatsTopology
+from cdc_platform.settings import (
+    CdcStreamSettings,
+    MirrorSettings,
+    NatsSettings,
+    NatsTopology,
+)
 from cdc_platform.snapshot.requests import (
     Reply,
     answer_requests,
@@ -476,6 +482,20 @@ async def test_provision_makes_each_side_with_its_own_credential(tmp_path):
         info = await reader.jetstream().stream_info("CDC")
         assert info.mirror is not None and not info.config.subjects
         await reader.close()
+
+
+async def test_mirrors_that_do_not_fit_readers_storage_are_refused_clearly(tmp_path):
+    """READERS' mirrors reserve their origins' max_bytes against READERS' own limit (20 GB
+    in the shipped config): provisioning says which limit, not only the server's."""
+    topology = NatsTopology(cdc=CdcStreamSettings(max_bytes=15 * 1024**3))
+    async with _deployment(tmp_path, provisioned=False) as deployment:
+        client = await connect_nats(deployment.nats("provisioner"))
+        await provision(client.jetstream(), topology)
+        await client.close()
+        client = await connect_nats(deployment.nats("readers_admin"))
+        with pytest.raises(ProvisioningError, match="READERS account's jetstream max_file"):
+            await provision_readers(client.jetstream(), topology)
+        await client.close()
 
 
 async def test_only_tls_clients_with_a_users_password_get_in(deployment, tmp_path):
