@@ -261,7 +261,6 @@ class NatsSettings(_Settings):
         return ",".join(redacted)
 
 
-
 def _nats_settings_named(prefix: str, doc: str) -> type[NatsSettings]:
     """:class:`NatsSettings` read from ``{prefix}_*`` in place of ``CDC_NATS_*`` (the same
     fields, e.g. ``CDC_READERS_NATS_URL``, ``CDC_READERS_NATS_USER``), for a second
@@ -273,14 +272,14 @@ def _nats_settings_named(prefix: str, doc: str) -> type[NatsSettings]:
         renamed = FieldInfo.merge_field_infos(
             info, validation_alias=_env(first.replace("CDC_NATS_", f"{prefix}_", 1)))
         fields[name] = (info.annotation, renamed)
-    model = create_model(f"{prefix.title().replace('_', '')}Settings", __base__=NatsSettings,
-                         __doc__=doc, **fields)
-    return model
+    return create_model(f"{prefix.title().replace('_', '')}Settings", __base__=NatsSettings,
+                        __doc__=doc, **fields)
 
 
 # `cdc-platform provision --readers`: the READERS account of deploy/nats/nats-server.conf
 ReadersNatsSettings = _nats_settings_named(
     "CDC_READERS_NATS", "The READERS account's admin credential (its mirror streams).")
+
 
 class StreamLimits(_Settings):
     """Limits shared by the three streams; each stream gets its own env prefix."""
