@@ -52,15 +52,23 @@ def _cmd_provision(args: argparse.Namespace) -> int:
     import asyncio
 
     from cdc_platform.jetstream.connection import connect_nats
-    from cdc_platform.jetstream.provision import provision
-    from cdc_platform.settings import load_settings
+    from cdc_platform.jetstream.provision import provision, provision_readers
+    from cdc_platform.settings import (
+        NatsSettings,
+        NatsTopology,
+        ReadersNatsSettings,
+        load_settings,
+    )
 
-    settings = load_settings()
+    topology = load_settings(NatsTopology)
+    # --readers: the READERS account's mirrors, as its admin (CDC_READERS_NATS_*)
+    nats_settings = load_settings(ReadersNatsSettings if args.readers else NatsSettings)
+    make = provision_readers if args.readers else provision
 
     async def run() -> None:
-        client = await connect_nats(settings.nats, name="cdc-platform-provision")
+        client = await connect_nats(nats_settings, name="cdc-platform-provision")
         try:
-            report = await provision(client.jetstream(), settings.topology, update=args.update)
+            report = await make(client.jetstream(), topology, update=args.update)
             print(report.summary())
         finally:
             await client.close()
@@ -123,6 +131,7 @@ def _cmd_bridge(args: argparse.Namespace) -> int:
 
 def _cmd_mirror(args: argparse.Namespace) -> int:
     import asyncio
+    import os
 
     from cdc_platform.mirror.follower import Mirror
     from cdc_platform.settings import MirrorSettings, load_settings
@@ -138,6 +147,8 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
     settings = load_settings()
     tables = [table.strip() for table in args.tables.split(",") if table.strip()]
     keys = {"trusted_keys": ",".join(args.trusted_key)} if args.trusted_key else {}
+    if args.inbox_prefix is not None:
+        os.environ["CDC_MIRROR_INBOX_PREFIX"] = args.inbox_prefix
     mirror = Mirror(settings, tables, args.sqlite, durable=args.durable,
                     options=load_settings(MirrorSettings, **keys), report=print)
 
@@ -215,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     prov = commands.add_parser("provision", help="create/verify JetStream streams and KV")
     prov.add_argument("--update", action="store_true", help="apply editable differences")
+    prov.add_argument("--readers", action="store_true",
+                      help="the READERS account's mirror streams instead, connecting with "
+                      "CDC_READERS_NATS_* (README \"NATS setup\")")
     prov.set_defaults(handler=_cmd_provision)
 
     setup = commands.add_parser("setup-db",
@@ -248,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     mirror.add_argument("--sqlite", required=True, help="the SQLite file (created if missing)")
     mirror.add_argument("--durable", help="a durable JetStream consumer name, so the server "
                         "shows this mirror's progress (positions stay in the SQLite file)")
+    mirror.add_argument("--inbox-prefix",
+                        help="the prefix of its inbox subjects (CDC_MIRROR_INBOX_PREFIX, "
+                        "_INBOX): a team user's own, _INBOX_{team} (README \"NATS setup\")")
     mirror.add_argument("--once", action="store_true",
                         help="catch up, then exit (0) instead of following")
     mirror.add_argument("--trusted-key", action="append", metavar="PUBLIC_NKEY",

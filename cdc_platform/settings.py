@@ -25,8 +25,10 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    create_model,
     field_validator,
 )
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cdc_platform.errors import ConfigError
@@ -287,26 +289,32 @@ class NatsSettings(_Settings):
         return ",".join(redacted)
 
 
-class ReplyNatsSettings(NatsSettings):
+def _nats_settings_named(prefix: str, doc: str) -> type[NatsSettings]:
+    """:class:`NatsSettings` read from ``{prefix}_*`` in place of ``CDC_NATS_*`` (the same
+    fields, e.g. ``CDC_READERS_NATS_URL``, ``CDC_READERS_NATS_USER``), for a second
+    connection with another credential."""
+    fields: dict[str, Any] = {}
+    for name, info in NatsSettings.model_fields.items():
+        alias = info.validation_alias
+        first = str(alias.choices[0]) if isinstance(alias, AliasChoices) else str(alias)
+        renamed = FieldInfo.merge_field_infos(
+            info, validation_alias=_env(first.replace("CDC_NATS_", f"{prefix}_", 1)))
+        fields[name] = (info.annotation, renamed)
+    return create_model(f"{prefix.title().replace('_', '')}Settings", __base__=NatsSettings,
+                        __doc__=doc, **fields)
+
+
+# `cdc-platform provision --readers`: the READERS account of deploy/nats/nats-server.conf
+ReadersNatsSettings = _nats_settings_named(
+    "CDC_READERS_NATS", "The READERS account's admin credential (its mirror streams).")
+
+
+class ReplyNatsSettings(_nats_settings_named("CDC_REPLY_NATS", "")):  # type: ignore[misc]
     """The connection that replies to snapshot requests go through (README "Snapshots"): a
     NATS user that may publish inbox subjects and nothing else, so a requester's ``reply_to``
     can never make the platform write anywhere else. Unset (no ``CDC_REPLY_NATS_*``
     variable), replies go through the main connection; where the server is (URL or host and
     port, the TLS CA) defaults to the main connection's, the credentials never do."""
-
-    url: SecretStr | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_URL"))
-    host: str = Field("localhost", validation_alias=_env("CDC_REPLY_NATS_HOST"))
-    port: int = Field(4222, ge=1, le=65535, validation_alias=_env("CDC_REPLY_NATS_PORT"))
-    user: str | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_USER"))
-    password: SecretStr | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_PASSWORD"))
-    token: SecretStr | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_TOKEN"))
-    creds_file: str | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_CREDS"))
-    nkey_seed_file: str | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_NKEY_SEED"))
-    tls_ca_file: str | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_TLS_CA"))
-    tls_cert_file: str | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_TLS_CERT"))
-    tls_key_file: str | None = Field(None, validation_alias=_env("CDC_REPLY_NATS_TLS_KEY"))
-    connect_timeout: float = Field(5.0, gt=0,
-                                   validation_alias=_env("CDC_REPLY_NATS_CONNECT_TIMEOUT"))
 
     def resolved(self, main: NatsSettings) -> NatsSettings | None:
         """The settings replies connect with (None: no variable set, reply on the main
@@ -563,6 +571,20 @@ class MirrorSettings(_Settings):
         """What checks each message before it is applied (None: no key is trusted)."""
         keys = _listed(self.trusted_keys)
         return SignatureVerifier(keys) if keys else None
+
+    # The subject prefix of this mirror's inboxes (nats-py's inbox_prefix): where its replies,
+    # pull deliveries and snapshot replies come. A team user of deploy/nats may subscribe to
+    # its own prefix only (`_INBOX_team_a`), so no other team reads what it is sent.
+    inbox_prefix: str = Field("_INBOX", validation_alias=_env("CDC_MIRROR_INBOX_PREFIX"))
+
+    @field_validator("inbox_prefix")
+    @classmethod
+    def _reply_prefix(cls, value: str) -> str:
+        # the snapshot sensor replies only to inbox subjects (snapshot.requests)
+        if not re.fullmatch(r"_INBOX(_[A-Za-z0-9_-]{1,64})?", value):
+            raise ValueError("must be _INBOX or _INBOX_{name} (name: letters, digits, _ or -, "
+                             "up to 64)")
+        return value
 
 
 class NatsTopology(_Settings):

@@ -19,16 +19,19 @@ log = logging.getLogger(__name__)
 
 
 async def connect_nats(settings: NatsSettings, *, name: str = "cdc_platform",
-                       reconnect_forever: bool = False) -> NatsClient:
+                       reconnect_forever: bool = False,
+                       inbox_prefix: str = "_INBOX") -> NatsClient:
     """Connect, failing fast and clearly at start (:class:`NatsUnreachable`,
     :class:`NatsAuthError`); once connected, nats-py reconnects by itself.
 
     ``reconnect_forever`` is for long-running publishers (the CDC bridge): NATS going away
     mid-stream must never end the process, only pause it. At start every server is tried
     twice: a caller that wants to wait for NATS retries (the bridge does, stoppably).
+    ``inbox_prefix``: where replies to this client go (a mirror's ``--inbox-prefix``).
     """
     options = settings.connect_options()
     options["name"] = name
+    options["inbox_prefix"] = inbox_prefix
     # Applies to the first connection too: -1 would retry there forever, unstoppable and
     # silent (a refused password looks like any other failed attempt).
     options["max_reconnect_attempts"] = 1

@@ -14,6 +14,11 @@
 * ``zstd_dictionaries`` KV bucket: the zstd dictionaries of compressed snapshots (key =
   ``{table}.{dictionary id}``, one version each: an id never names other bytes).
 
+``provision_readers`` makes the other account's side (deploy/nats/nats-server.conf, README
+"NATS setup"): mirrors of ``CDC``, ``INIT``, the two KV buckets and the object store, under
+the same names, sourced across accounts; readers read those, and a mirror listens on no
+subject, so nothing a reader has JetStream deliver anywhere is stored.
+
 An existing object whose config differs is reported field by field and left alone, unless
 ``update=True`` asks to apply the editable differences.
 """
@@ -29,10 +34,12 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DiscardPolicy,
+    ExternalStream,
     KeyValueConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
+    StreamSource,
 )
 from nats.js.errors import APIError, NotFoundError
 
@@ -226,12 +233,18 @@ def config_differences(existing: StreamConfig, wanted: StreamConfig) -> dict[str
 _INSUFFICIENT_RESOURCES = 10047  # JSInsufficientResourcesErr
 
 
-def _no_room(name: str, wanted: StreamConfig) -> str:
+_SERVER_LIMIT = "max_file_store; by default 75% of the disk free when it started"
+# a READERS mirror is also held to its account's limit (deploy/nats/nats-server.conf)
+_READERS_LIMIT = (f"the READERS account's jetstream max_file in the server's config, or its "
+                  f"{_SERVER_LIMIT}")
+
+
+def _no_room(name: str, wanted: StreamConfig, limit: str = _SERVER_LIMIT) -> str:
     return (f"nats-server cannot reserve stream {name}'s max_bytes "
             f"({(wanted.max_bytes or 0) / 1024**3:.1f} GiB) in its JetStream storage: its "
-            f"limit (max_file_store; by default 75% of the disk free when it started), less "
-            f"what other streams reserve, is smaller. Raise max_file_store (and the disk), or "
-            f"lower CDC_STREAM_MAX_BYTES / CDC_INIT_MAX_BYTES / CDC_REQUESTS_MAX_BYTES")
+            f"limit ({limit}), less what other streams reserve, is smaller. Raise that limit "
+            f"(and the disk), or lower CDC_STREAM_MAX_BYTES / CDC_INIT_MAX_BYTES / "
+            f"CDC_REQUESTS_MAX_BYTES")
 
 
 def _editable(differences: dict[str, tuple]) -> bool:
@@ -293,4 +306,102 @@ async def provision(js: JetStreamContext, topology: NatsTopology, *,
             "changes, or change the settings): " + " | ".join(conflicts)
         )
     log.info("NATS provisioned: %s", report.summary())
+    return report
+
+
+# Where READERS reaches PLATFORM (deploy/nats/nats-server.conf): the consumer-create API it
+# imports, under this prefix, and the deliver subjects PLATFORM exports to it.
+READERS_API_PREFIX = "$PLATFORM.API"
+READERS_DELIVER_PREFIX = "deliver.PLATFORM"
+# What a mirror keeps of its origin's config (a mirror has no subjects of its own).
+_MIRROR_COMPARED = ("mirror", "storage", "max_age", "max_bytes", "max_msgs",
+                    "max_msgs_per_subject", "num_replicas")
+
+
+def mirror_config(origin: str, limits: StreamConfig, *, api_prefix: str = READERS_API_PREFIX,
+                  deliver_prefix: str = READERS_DELIVER_PREFIX) -> StreamConfig:
+    """A mirror of PLATFORM's stream ``origin`` under its name, kept as long as the origin
+    keeps messages (``limits``: the origin's config). A mirror keeps the origin's stream
+    sequences and headers, so a snapshot meta's ``cdc_start_seq`` holds in both."""
+    return StreamConfig(
+        name=origin,
+        mirror=StreamSource(name=origin, external=ExternalStream(
+            api=api_prefix, deliver=f"{deliver_prefix}.{origin}")),
+        retention=RetentionPolicy.LIMITS, storage=StorageType.FILE, discard=DiscardPolicy.OLD,
+        max_age=limits.max_age or 0.0, max_bytes=limits.max_bytes or -1,
+        max_msgs=limits.max_msgs or -1, max_msgs_per_subject=limits.max_msgs_per_subject or -1,
+        num_replicas=limits.num_replicas or 1)
+
+
+def wanted_mirrors(topology: NatsTopology) -> list[StreamConfig]:
+    """The READERS mirrors: ``CDC``, ``INIT``, ``KV_{schemas}``, ``KV_{dictionaries}``,
+    ``OBJ_{large}``, with their origins' limits (a KV mirror keeps its history)."""
+    from cdc_platform.publishing.claim_check import object_store_config
+
+    schemas, dictionaries = wanted_buckets(topology)
+    large = object_store_config(topology.large.bucket, topology.cdc.max_age_seconds,
+                                topology.large.replicas)
+    origins = [
+        stream_config(topology.cdc), stream_config(topology.init),
+        StreamConfig(name=f"KV_{schemas.bucket}", max_msgs_per_subject=schemas.history,
+                     num_replicas=schemas.replicas),
+        StreamConfig(name=f"KV_{dictionaries.bucket}",
+                     max_msgs_per_subject=dictionaries.history,
+                     num_replicas=dictionaries.replicas),
+        StreamConfig(name=f"OBJ_{large.bucket}", max_age=large.ttl,
+                     num_replicas=large.replicas),
+    ]
+    return [mirror_config(origin.name or "", origin) for origin in origins]
+
+
+def _mirror_differences(existing: StreamConfig, wanted: StreamConfig) -> dict[str, tuple]:
+    differences = {}
+    for name in _MIRROR_COMPARED:
+        have, want = getattr(existing, name), getattr(wanted, name)
+        if name == "mirror":
+            have, want = (None if have is None else (have.name, have.external)), (
+                want.name, want.external)
+        elif name in ("max_bytes", "max_msgs", "max_msgs_per_subject") and have in (None, 0):
+            have = -1
+        if _normalized(have) != _normalized(want):
+            differences[name] = (have, want)
+    return differences
+
+
+async def provision_readers(js: JetStreamContext, topology: NatsTopology, *,
+                            update: bool = False) -> ProvisionReport:
+    """Create the READERS mirrors that are missing, verify those that exist (connected as
+    READERS' admin user); like :func:`provision`, a difference is reported, and applied
+    with ``update`` where a mirror may change (not its origin, nor its storage)."""
+    report = ProvisionReport()
+    conflicts: list[str] = []
+    for wanted in wanted_mirrors(topology):
+        name = wanted.name or ""
+        try:
+            info = await js.stream_info(name)
+        except NotFoundError:
+            try:
+                await js.add_stream(wanted)
+            except APIError as exc:
+                if exc.err_code == _INSUFFICIENT_RESOURCES:
+                    raise ProvisioningError(_no_room(name, wanted, _READERS_LIMIT)) from exc
+                raise
+            report.created.append(f"mirror:{name}")
+            continue
+        differences = _mirror_differences(info.config, wanted)
+        if not differences:
+            report.unchanged.append(f"mirror:{name}")
+        elif update and not set(differences) & {"mirror", "storage"}:
+            merged = info.config
+            for field_name, (_, want) in differences.items():
+                setattr(merged, field_name, want)
+            await js.update_stream(merged)
+            report.updated.append(f"mirror:{name} ({', '.join(differences)})")
+        else:
+            conflicts.append(_describe(f"mirror:{name}", differences))
+    if conflicts:
+        raise ProvisioningError(
+            "existing READERS mirror config differs (re-run with --update to apply editable "
+            "changes, or change the settings): " + " | ".join(conflicts))
+    log.info("NATS READERS provisioned: %s", report.summary())
     return report

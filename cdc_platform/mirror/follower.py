@@ -156,7 +156,8 @@ class Mirror:
         store = MirrorStore(self.path)  # a corrupt file is an error before anything else
         try:
             nc = await connect_nats(self.settings.nats, name="cdc-platform-mirror",
-                                    reconnect_forever=True)
+                                    reconnect_forever=True,
+                                    inbox_prefix=self.options.inbox_prefix)
             try:
                 js = nc.jetstream()
                 await self._check_published(js)

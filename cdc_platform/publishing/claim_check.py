@@ -13,6 +13,7 @@ is its consumer side.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ HEADER_ALLOWANCE = 1024
 _ENVELOPE_DROPPED = ("data", "old")
 _PAYLOAD = itemgetter(2)  # OutgoingMessage.payload
 _DEFAULT_CHUNK = 128 * 1024  # nats-py's own object chunk size
+_CHUNK_TIMEOUT_SECONDS = 30.0  # (a TimeoutError past it: NATS away, not a missing object)
 
 
 def object_store_config(bucket: str, max_age_seconds: float, replicas: int = 1
@@ -132,6 +134,34 @@ def _envelope(value: Any) -> dict[str, Any]:
     return {key: field for key, field in event.items() if key not in _ENVELOPE_DROPPED}
 
 
+async def read_object(js: JetStreamContext, bucket: str, name: str) -> bytes:
+    """The bytes of object ``name`` of ``bucket``, its digest checked. Not nats-py's
+    ``ObjectStore.get``: that finds the bucket's stream by the chunks' subject, which a
+    mirror (the READERS account's ``OBJ_{bucket}``, README "NATS setup") does not list."""
+    info = await (await js.object_store(bucket)).get_info(name)
+    if not info.nuid:
+        raise BadObjectMetaError
+    if info.is_link():  # the bridge stores none
+        raise LinkIsABucketError
+    if not info.size:
+        return b""
+    subscription = await js.subscribe(f"$O.{bucket}.C.{info.nuid}", stream=f"OBJ_{bucket}",
+                                      ordered_consumer=True)
+    data = bytearray()
+    try:
+        while True:
+            message = await subscription.next_msg(timeout=_CHUNK_TIMEOUT_SECONDS)
+            data += message.data
+            if message.metadata.num_pending == 0:
+                break
+    finally:
+        await subscription.unsubscribe()
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+    if digest.rstrip("=") != (info.digest or "").partition("=")[2].rstrip("="):
+        raise DigestMismatchError
+    return bytes(data)
+
+
 async def resolve_payload(js: JetStreamContext, data: bytes,
                           headers: dict[str, str] | None) -> bytes:
     """The payload a consumer decodes: ``data`` itself, or the object a claim check names
@@ -143,12 +173,11 @@ async def resolve_payload(js: JetStreamContext, data: bytes,
     expected = decode_any(data)
     claim = expected.get("claim_check", {}) if isinstance(expected, dict) else {}
     try:
-        stored = await (await js.object_store(bucket)).get(name)
+        payload = await read_object(js, bucket, name)
     except (NotFoundError, InvalidBucketNameError, BadObjectMetaError, LinkIsABucketError,
             DigestMismatchError) as exc:  # (none of them NATS being away)
         raise UnresolvableClaimCheck(f"claim check {reference!r} names no stored object "
                                      f"({type(exc).__name__})") from None
-    payload = stored.data or b""
     if claim and (len(payload) != claim.get("size")
                   or hashlib.sha256(payload).hexdigest() != claim.get("sha256")):
         raise PublishError(f"object {reference} does not match its claim check "

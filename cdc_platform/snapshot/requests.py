@@ -50,7 +50,7 @@ MAX_REPLIES_PER_RUN = 20
 # `_INBOX.` or a per-user inbox prefix `_INBOX_{name}.` (nats-py's inbox_prefix).
 REPLY_PREFIX = "_INBOX."
 _REPLY_SUBJECT = re.compile(
-    r"_INBOX(_[A-Za-z0-9-]{1,64})?\.[A-Za-z0-9_$=/-]+(\.[A-Za-z0-9_$=/-]+)*")
+    r"_INBOX(_[A-Za-z0-9_-]{1,64})?\.[A-Za-z0-9_$=/-]+(\.[A-Za-z0-9_$=/-]+)*")
 _SUBJECT = re.compile(r"[A-Za-z0-9_$=/-]+(\.[A-Za-z0-9_$=/-]+)*")
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 

@@ -20,12 +20,15 @@ DEPLOY = REPO / "deploy"
 
 def test_the_compose_file_names_files_that_exist_and_known_settings():
     compose = yaml.safe_load((DEPLOY / "docker-compose.yaml").read_text())
+    make_certs = (DEPLOY / "nats" / "make-certs.sh").read_text()
     services = compose["services"]
     assert {"postgres", "dagster-db", "nats", "code", "webserver", "daemon"} <= set(services)
     for name, service in services.items():
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
-            if source.startswith("."):
+            if source.startswith("./nats/tls/"):  # made by make-certs.sh, never committed
+                assert f'"$dir/{source.removeprefix("./nats/tls/")}"' in make_certs, source
+            elif source.startswith("."):
                 assert (DEPLOY / source).exists(), f"{name}: {source} does not exist"
         build = service.get("build")
         if build:
@@ -37,8 +40,34 @@ def test_the_compose_file_names_files_that_exist_and_known_settings():
         for port in service.get("ports", []):
             # published ports: the UI only on localhost; NATS for mirrors (it has users)
             assert port.startswith("127.0.0.1:") or name == "nats", (name, port)
-    # the three services running the platform share one environment
-    assert services["webserver"]["environment"] == services["code"]["environment"]
+    # only the code location (sensors and runs) holds credentials of the platform's; the
+    # webserver and the daemon run no platform code
+    for name in ("webserver", "daemon"):
+        assert not any(variable.startswith("CDC_") for variable in
+                       services[name]["environment"]), name
+    assert services["code"]["environment"]["CDC_NATS_USER"] == "bridge"
+
+
+def test_compose_gives_nats_every_variable_its_config_reads():
+    """nats-server refuses to start on a variable its config names and the environment
+    lacks: compose sets each one the shipped config reads (the per-team template, commented
+    out, reads none)."""
+    config = (DEPLOY / "nats" / "nats-server.conf").read_text()
+    active = "\n".join(line.split("#")[0] for line in config.splitlines())
+    wanted = set(re.findall(r"\$(NATS_[A-Z_]+)", active))
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yaml").read_text())
+    assert wanted == set(compose["services"]["nats"]["environment"])
+    assert {"NATS_BRIDGE_PASSWORD", "NATS_CONSUMER_PASSWORD", "NATS_REPLIER_PASSWORD"} <= wanted
+    # TLS on the client port, and the code location trusting its CA
+    code = compose["services"]["code"]["environment"]
+    assert code["CDC_NATS_URL"].startswith("tls://")
+    assert any(volume.endswith(f":{code['CDC_NATS_TLS_CA']}:ro")
+               for volume in compose["services"]["code"]["volumes"])
+
+
+def test_the_nats_helper_scripts_are_valid_sh():
+    for script in ("make-certs.sh", "make-password.sh"):
+        subprocess.run(["sh", "-n", str(DEPLOY / "nats" / script)], check=True)
 
 
 def _dockerfile_copies() -> list[str]:
@@ -258,11 +287,14 @@ def test_the_helm_values_use_the_charts_keys_and_agree_with_the_platform():
     dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
     uid = re.search(r"useradd .*--uid (\d+)", dockerfile).group(1)
     assert str(deployment["podSecurityContext"]["runAsUser"]) == uid
-    # the pods that run platform code (the code server, the runs) read the same settings;
-    # the webserver and the daemon run none and hold no platform secret
+    # the pods that run platform code (the code server, the runs) read the same settings,
+    # and each its own credential (NATS users `sensor` and `bridge`): the runs do not get
+    # the code server's; the webserver and the daemon run none and hold no platform secret
     launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
-    assert yaml.safe_dump([deployment["envConfigMaps"], deployment["envSecrets"]]) \
-        == yaml.safe_dump([launcher["envConfigMaps"], launcher["envSecrets"]])
+    assert deployment["envConfigMaps"] == launcher["envConfigMaps"]
+    assert deployment["envSecrets"] == [{"name": "cdc-platform-sensor"}]
+    assert launcher["envSecrets"] == [{"name": "cdc-platform-runs"}]
+    assert deployment["includeConfigInLaunchedRuns"]["enabled"] is False
     for name in ("dagsterWebserver", "dagsterDaemon"):
         assert "envSecrets" not in values[name] and "envConfigMaps" not in values[name], name
     # the runs (the bridge, the Spark driver) get resources and a non-root security context
@@ -283,6 +315,26 @@ def test_the_helm_values_use_the_charts_keys_and_agree_with_the_platform():
                                     ("maxResumeRunAttempts", "max_resume_run_attempts"),
                                     ("pollIntervalSeconds", "poll_interval_seconds")):
         assert monitoring[chart_key] == instance["run_monitoring"][instance_key], chart_key
+
+
+def test_the_provisioning_job_provisions_both_accounts_as_their_admins():
+    """The provisioning step of the Helm deployment: the image's own user, the ConfigMap's
+    settings and a Secret of its own (`provisioner`, `readers_admin`), both sides made."""
+    values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
+    (job,) = yaml.safe_load_all((DEPLOY / "helm" / "provision-job.yaml").read_text())
+    assert job["kind"] == "Job"
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    (deployment,) = values["dagster-user-deployments"]["deployments"]
+    image = deployment["image"]
+    assert container["image"] == f"{image['repository']}:{image['tag']}"
+    assert container["command"][-1] == "cdc-platform provision && cdc-platform provision --readers"
+    assert container["envFrom"] == [{"configMapRef": {"name": "cdc-platform-config"}},
+                                    {"secretRef": {"name": "cdc-platform-provision"}}]
+    assert job["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == \
+        deployment["podSecurityContext"]["runAsUser"]
+    (config,) = yaml.safe_load_all((DEPLOY / "helm" / "cdc-platform-config.yaml").read_text())
+    assert "CDC_NATS_USER" not in config["data"]  # per pod, in its Secret
+    assert config["data"]["CDC_READERS_NATS_URL"] == config["data"]["CDC_NATS_URL"]
 
 
 def test_the_helm_files_it_names_exist_and_agree():

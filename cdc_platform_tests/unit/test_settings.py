@@ -76,6 +76,30 @@ def test_bad_input_is_one_line_naming_the_variable(monkeypatch, variable, value,
     assert value not in message or value in ("0",)  # input is not echoed back
 
 
+def test_the_readers_credential_and_a_mirrors_inbox_prefix(monkeypatch):
+    """`provision --readers` connects with CDC_READERS_NATS_* (the fields of CDC_NATS_*,
+    read apart from them); a mirror's inbox prefix is one the snapshot sensor replies to."""
+    from cdc_platform.settings import MirrorSettings, ReadersNatsSettings
+
+    monkeypatch.setenv("CDC_NATS_USER", "provisioner")
+    monkeypatch.setenv("CDC_READERS_NATS_USER", "readers_admin")
+    monkeypatch.setenv("CDC_READERS_NATS_URL", "nats://n1:4222,nats://n2:4222")
+    readers = load_settings(ReadersNatsSettings)
+    assert (readers.user, readers.servers()) == ("readers_admin",
+                                                 ["nats://n1:4222", "nats://n2:4222"])
+    assert load_settings(NatsSettings).user == "provisioner"
+    monkeypatch.setenv("CDC_READERS_NATS_PORT", "0")
+    with pytest.raises(ConfigError, match="^invalid setting CDC_READERS_NATS_PORT: "):
+        load_settings(ReadersNatsSettings)
+
+    monkeypatch.setenv("CDC_MIRROR_INBOX_PREFIX", "_INBOX_team_a")
+    assert load_settings(MirrorSettings).inbox_prefix == "_INBOX_team_a"
+    for wrong in ("INBOX_team_a", "_INBOX_team.a", "_INBOX_"):
+        monkeypatch.setenv("CDC_MIRROR_INBOX_PREFIX", wrong)
+        with pytest.raises(ConfigError, match="^invalid setting CDC_MIRROR_INBOX_PREFIX: "):
+            load_settings(MirrorSettings)
+
+
 def test_secrets_never_printed(monkeypatch):
     monkeypatch.setenv("POSTGRES_BRIDGE_PASSWORD", "pg-very-secret")
     monkeypatch.setenv("NATS_URL", "nats://user:nats-very-secret@h:4222")

@@ -38,6 +38,7 @@ def test_a_refused_request_keeps_what_its_refusal_can_be_sent_with():
 
 @pytest.mark.parametrize(("reply_to", "kept"), [
     ("_INBOX.x1", True), ("_INBOX.a.b", True), ("_INBOX_team-a.x1", True),
+    ("_INBOX_team_a.x1", True),
     ("_INBOXcdc.users", False), ("_INBOX_.x", False), ("x._INBOX.y", False),
     ("_INBOX.>", False), ("_INBOX. x", False)])
 def test_replies_go_to_inbox_subjects_only(reply_to, kept):
