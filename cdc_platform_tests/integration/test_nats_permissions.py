@@ -22,10 +22,10 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 from pydantic import SecretStr
 
-from cdc_platform.defs.snapshots.sensors import DURABLE
 from cdc_platform.dev.servers import free_port
 from cdc_platform.errors import ProvisioningError
 from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.jetstream.provision import REQUESTS_DURABLE as DURABLE
 from cdc_platform.jetstream.provision import provision, provision_readers
 from cdc_platform.mirror.follower import Mirror
 from cdc_platform.settings import (
@@ -377,7 +377,9 @@ async def test_a_reader_reaches_no_platform_consumer_lists_none_and_is_bounded(d
     would go unanswered). No reader lists consumers (other readers' names), publishes on
     the imported API or the mirrors' deliver subjects, or opens consumers without limit."""
     sensor, _ = await deployment.connect("sensor")
-    await fetch_requests(sensor, "SNAPSHOT_REQUESTS", DURABLE, 0, 10)  # creates its durable
+    await fetch_requests(sensor, "SNAPSHOT_REQUESTS", DURABLE, 0, 10)  # (provisioned)
+    assert await _refused(lambda: sensor.jetstream(timeout=2.0).add_consumer(
+        "SNAPSHOT_REQUESTS", ConsumerConfig(name="other", ack_policy=AckPolicy.NONE)))
     reader, errors = await deployment.connect("consumer")
     js = reader.jetstream(timeout=2.0)
     assert await _refused(lambda: js.delete_consumer("SNAPSHOT_REQUESTS", DURABLE))
