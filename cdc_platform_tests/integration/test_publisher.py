@@ -429,6 +429,50 @@ async def test_replayed_duplicates_count_as_stored(nats_client, js, streams, mod
     await publisher.close()
     assert notified == [10, 12]
     assert_exactly(await read_stream(js, stream), stream.messages(0, 1_500))
+    # each replayed duplicate was read back and found to be this very message
+    assert publisher.stats.duplicates_checked >= (500 if mode == "per-message" else 1)
+    assert publisher.stats.duplicate_conflicts == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("planted", [[0], [5], [3, 4, 900]], ids=["first", "later", "several"])
+async def test_an_id_taken_by_other_content_is_an_alarm_and_the_message_is_stored(
+        nats_client, js, streams, mode, planted, caplog):
+    """Someone stored other content under ids the publisher is about to use: each such
+    duplicate is a conflict (an error line naming id, subject and stored sequence; a count),
+    and the message is stored all the same, under its id + ``:conflict:`` + random hex; its
+    position is reported only then. A batch's first message, a later one, several."""
+    stream = await create_stream(js)
+    streams.append(stream)
+    messages = stream.messages(0, 1_000)
+    for index in planted:
+        await js.publish(messages[index].subject, b"forged", stream=stream.name,
+                         headers={"Nats-Msg-Id": messages[index].msg_id})
+    publisher = JetStreamPublisher(nats_client, stream=stream.name, mode=mode)
+    await publisher.start()
+    await publish_in_calls(publisher, messages, largest=100)
+    assert await publisher.flush(timeout=30) == 1_000
+    await publisher.close()
+
+    stored = await read_stream(js, stream)
+    assert [message.payload for message in stored[:len(planted)]] == [b"forged"] * len(planted)
+    genuine = stored[len(planted):]
+    # every message once, the replaced ones under their new ids
+    assert sorted(message.payload for message in genuine) == sorted(
+        message.payload for message in messages)
+    replaced = {message.msg_id.split(":conflict:")[0]: message for message in genuine
+                if ":conflict:" in message.msg_id}
+    assert sorted(replaced) == sorted(messages[index].msg_id for index in planted)
+    for index in planted:
+        again = replaced[messages[index].msg_id]
+        assert (again.subject, again.payload) == (messages[index].subject,
+                                                  messages[index].payload)
+        assert len(again.msg_id.split(":conflict:")[1]) == 16
+        line = next(record.getMessage() for record in caplog.records
+                    if record.levelname == "ERROR" and messages[index].msg_id + " " in
+                    record.getMessage())
+        assert f"stream seq {planted.index(index) + 1}" in line and messages[index].subject in line
+    assert publisher.stats.duplicate_conflicts == len(planted)
 
 
 async def test_fast_batch_tail_is_committed_when_the_caller_goes_idle(nats_client, js, streams):
