@@ -27,10 +27,6 @@ _FAST_BATCH_REPLAN_FACTOR = 4     # start a new batch once the ideal flow is 4x 
 class Host(Protocol):
     """What a channel may do to its publisher."""
 
-    @property
-    def checking(self) -> bool:
-        """Duplicates are being checked: a fast batch waits (stream order, confirmations)."""
-
     def confirm_through(self, end: int) -> None: ...
     def confirm_one(self, index: int) -> None: ...
     def heard(self) -> None: ...
@@ -145,7 +141,7 @@ class FastBatchChannel:
     async def pump(self, now: float, flush_target: int) -> bool:
         ledger, batch = self._ledger, self._batch
         if batch is None:
-            if not ledger.queued or self._host.checking:
+            if not ledger.queued:
                 return False
             # Open a batch with its first message alone: the reply tells us the ack cadence.
             batch = self._batch = _Batch(secrets.token_hex(8), self._wanted_flow(),

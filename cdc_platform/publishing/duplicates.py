@@ -135,8 +135,7 @@ class DuplicateChecker:
         """``held`` published alone under ``msg_id``, awaiting its PubAck."""
         headers = parse_header_block(held[1])
         headers[HEADER_MSG_ID] = msg_id
-        return await self._js.publish(held[0].decode(), held[2], stream=self._stream,
-                                      headers=headers)
+        return await self._js.publish(held[0].decode(), held[2], headers=headers)
 
     async def _get(self, seq: int) -> RawStreamMsg | None:
         try:

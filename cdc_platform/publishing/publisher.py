@@ -26,9 +26,9 @@ Two ways onto the wire; :meth:`JetStreamPublisher.start` picks one ("auto"):
 ``per-message``
     The fallback for streams without ``allow_batched``: every message carries its own reply
     subject ``<inbox>.<epoch>.<index>`` and gets its own PubAck on one wildcard subscription.
-    Caveat: after a reconnect, nats-py replays its
-    outbound buffer while the frames that were in the dead socket are lost, so a resent message
-    can be stored *after* a later one. Positions stay correct; stream order may not.
+    Caveat: after a reconnect, nats-py replays its outbound buffer while the frames that were
+    in the dead socket are lost, so a resent message can be stored *after* a later one.
+    Positions stay correct; stream order may not.
 
 Both frame ``HPUB`` bytes themselves and hand them to nats-py's outbound buffer. Those are private
 nats-py APIs, so they are isolated in :class:`RawWire`, which checks itself at start and falls
@@ -450,7 +450,9 @@ class JetStreamPublisher:
                         f"the NATS connection is closed; {self._ledger.held} messages for "
                         f"stream {self._stream!r} were not stored"))
                     return
-                if self._check_task is not None:   # nothing is sent or resent meanwhile
+                if self._check_task is not None:
+                    # Duplicates first: a fast batch must not confirm past one, and nothing
+                    # is resent while one is looked into.
                     await self._sleep_until(None)
                     continue
                 if not nc.is_connected or nc.stats["reconnects"] != self._generation:
@@ -657,10 +659,6 @@ class JetStreamPublisher:
         self._ledger.heard(asyncio.get_running_loop().time())
 
     # -- duplicates (duplicates.py) ----------------------------------------------------------
-    @property
-    def checking(self) -> bool:
-        return self._check_task is not None
-
     def duplicate(self, index: int, seq: int) -> None:
         held = self._ledger.held_at(index)
         if held is not None and index not in self._checked_indexes:

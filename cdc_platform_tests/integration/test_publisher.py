@@ -253,6 +253,7 @@ async def test_nats_restart_mid_stream_loses_nothing_and_keeps_order(own_nats):
         assert await publisher.flush(timeout=60) == 40_000
         await publisher.close()
         assert publisher.stats.recoveries >= 1
+        assert publisher.stats.duplicate_conflicts == 0   # resends are no conflicts
         assert_exactly(await read_stream(js, stream), messages)
     finally:
         await nc.close()
@@ -278,6 +279,7 @@ async def test_per_message_restart_stores_every_message_once(own_nats):
         await asyncio.wait_for(producer, 60)
         assert await publisher.flush(timeout=60) == 30_000
         await publisher.close()
+        assert publisher.stats.duplicate_conflicts == 0   # resends are no conflicts
         # Resends after a reconnect may land out of order on this path (see the module doc).
         assert_exactly(await read_stream(js, stream), messages, ordered=False)
     finally:

@@ -112,8 +112,6 @@ class FastBatchMachine(RuleBasedStateMachine):
         self.channel = FastBatchChannel(
             self, self.ledger, self.wire, INBOX, PublishStats(), RateMeter(),
             commit_idle=0.01, commit_max_delay=0.05, flow=None, last_seq=0)
-        self.checking = False
-        self.checked = 0
 
     # -- the publisher's side (Host) ---------------------------------------------------------
     def confirm_through(self, end: int) -> None:
@@ -129,13 +127,11 @@ class FastBatchMachine(RuleBasedStateMachine):
         # what the publisher's check finds: the stream holds this message under its id
         held = self.ledger.held_at(index)
         assert held is not None and self.server.stream[seq - 1] == held[2]
-        self.checked += 1
         self.ledger.confirm_one(index, self.now)
 
     def check_batch(self, first: int, end: int, after_seq: int | None, last_seq: int) -> None:
         for held in self.ledger.held_range(first, end):
             assert held[2] in self.server.stream
-        self.checked += 1
         self.ledger.confirm_through(end, self.now)
 
     def reject(self, index: int | None, status: int | None, err_code: int | None,
