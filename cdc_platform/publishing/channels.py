@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 # ADR-50 fast-ingest limits and settings (nats-server 2.14+).
 FAST_BATCH_MAX_FLOW = 500         # the server never acks less often than every 500 messages
 _FAST_BATCH_MIN_FLOW = 1          # at a trickle every message is acked, like a PubAck
-_FAST_BATCH_ACK_INTERVAL = 0.0025 # one flow ack per ~2.5 ms of traffic: bounds the tail's wait
+_FAST_BATCH_ACK_INTERVAL = 0.0025 # one flow ack per ~2.5 ms of traffic: paces the batch
 _FAST_BATCH_OUTSTANDING = 4       # flow-ack windows in flight (measured: 4 beats 2, 8 adds little)
 _FAST_BATCH_UNKNOWN = 10208       # "batch publish ID unknown": the server abandoned the batch
 _FAST_BATCH_REPLAN_FACTOR = 4     # start a new batch once the ideal flow is 4x the current one
@@ -123,9 +123,10 @@ class FastBatchChannel:
     def _wanted_flow(self) -> int:
         """The ack cadence for the current traffic: a power of two, 1 to 500.
 
-        Messages after the last flow ack wait for the next one (or the commit), so acks every
-        ~2.5 ms of traffic keep that wait short at any rate: flow 4 at 2K msg/s, 500 (the
-        server's maximum, fewest acks) from 200K msg/s or whenever a backlog builds up.
+        The window runs up to four flows past the last flow ack, and a batch is committed
+        early once every message written was acked, so acks every ~2.5 ms of traffic keep
+        both going at any rate: flow 4 at 2K msg/s, 500 (the server's maximum, fewest acks)
+        from 200K msg/s or whenever a backlog builds up.
         """
         if self._fixed_flow is not None:
             return self._fixed_flow

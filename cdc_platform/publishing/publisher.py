@@ -135,7 +135,7 @@ class JetStreamPublisher:
                  max_in_flight_bytes: int = 64 * 1024 * 1024,
                  ack_timeout: float = 5.0,
                  commit_idle: float = 0.01,
-                 commit_max_delay: float = 0.005,
+                 commit_max_delay: float = 0.002,
                  flow: int | None = None,
                  on_stored: Callable[[int], None] | None = None,
                  control_subject: str | None = None) -> None:
