@@ -263,12 +263,11 @@ class FastBatchChannel:
                 self._host.duplicate(batch.base, last_seq)
                 return
             after_seq, end = self._stream_seq, batch.base + count
+            self._stream_seq = last_seq
             if after_seq is not None and last_seq - after_seq == count:
-                self._stream_seq = last_seq
                 self._host.confirm_through(end)
-            else:   # fewer stored than taken (duplicates), or messages not ours in between
-                if after_seq is None or last_seq > after_seq:
-                    self._stream_seq = last_seq
+            else:   # fewer stored than taken (duplicates), messages not ours in between, or
+                # a stream purged or made anew
                 self._host.check_batch(batch.base, end, after_seq, last_seq)
             if count < batch.seq:
                 self._host.request_resend(

@@ -96,7 +96,7 @@ class DuplicateChecker:
         messages are looked for in the stream sequences ``(after_seq, last_seq]`` by id;
         one not there is sent again alone, whose PubAck names what holds its id."""
         window: dict[str, RawStreamMsg] = {}
-        if after_seq is not None and last_seq - after_seq <= len(batch) + _WINDOW_SLACK:
+        if after_seq is not None and 0 < last_seq - after_seq <= len(batch) + _WINDOW_SLACK:
             for seq in range(after_seq + 1, last_seq + 1):
                 stored = await self._get(seq)
                 if stored is not None and stored.headers:
