@@ -477,6 +477,35 @@ async def test_an_id_taken_by_other_content_is_an_alarm_and_the_message_is_store
     assert publisher.stats.duplicate_conflicts == len(planted)
 
 
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_id_taken_while_the_publisher_runs_is_an_alarm_too(nats_client, js, streams,
+                                                                     mode):
+    """Other content stored between two calls under the id of a message of the next call,
+    with one more foreign message (a fast batch then moves the stream by one more than its
+    size and is looked up in the stream by id): the same alarm, every message stored."""
+    stream = await create_stream(js)
+    streams.append(stream)
+    messages = stream.messages(0, 20)
+    publisher = JetStreamPublisher(nats_client, stream=stream.name, mode=mode)
+    await publisher.start()
+    await publisher.publish(messages[:10], position=10)
+    assert await publisher.flush(timeout=10) == 10
+    await js.publish(messages[12].subject, b"forged", headers={"Nats-Msg-Id": "m12"})
+    await js.publish(messages[0].subject, b"foreign", headers={"Nats-Msg-Id": "x1"})
+    await publisher.publish(messages[10:], position=20)
+    assert await publisher.flush(timeout=10) == 20
+    await publisher.close()
+
+    stored = await read_stream(js, stream)
+    assert [message.payload for message in stored[10:12]] == [b"forged", b"foreign"]
+    genuine = [message for message in stored if message.payload not in (b"forged", b"foreign")]
+    assert sorted(message.payload for message in genuine) == sorted(
+        message.payload for message in messages)
+    assert [message.msg_id.split(":conflict:")[0] for message in genuine
+            if ":conflict:" in message.msg_id] == ["m12"]
+    assert publisher.stats.duplicate_conflicts == 1
+
+
 async def test_fast_batch_tail_is_committed_when_the_caller_goes_idle(nats_client, js, streams):
     """No flush(): the messages after the last flow ack are committed once the caller idles."""
     stream = await create_stream(js)
