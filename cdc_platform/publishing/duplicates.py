@@ -18,7 +18,7 @@ import secrets
 from typing import Any
 
 from nats.js import JetStreamContext
-from nats.js.api import RawStreamMsg
+from nats.js.api import PubAck, RawStreamMsg
 from nats.js.errors import NotFoundError
 
 from cdc_platform.errors import PublishError
@@ -131,7 +131,7 @@ class DuplicateChecker:
                 raise PublishError(f"Nats-Msg-Id {replacement} on {subject} is taken by other "
                                    f"content (stream seq {ack.seq}) as well; stopping")
 
-    async def _store(self, held: Held, msg_id: str) -> Any:
+    async def _store(self, held: Held, msg_id: str) -> PubAck:
         """``held`` published alone under ``msg_id``, awaiting its PubAck."""
         headers = parse_header_block(held[1])
         headers[HEADER_MSG_ID] = msg_id
