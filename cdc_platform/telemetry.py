@@ -79,6 +79,10 @@ class BridgeMetrics:
                                       "Schemas (re)published to KV", registry=r)
         self.in_flight = Gauge("bridge_in_flight_messages",
                                "Messages published but not yet acknowledged", registry=r)
+        self.duplicate_conflicts = Counter(
+            "bridge_duplicate_conflicts", "Message ids JetStream held with other content than "
+            "the change sent (taken by someone else); each change stored again under a new id",
+            registry=r)
         self.publish_latency = Histogram(
             "bridge_publish_latency_seconds", "Publish-to-PubAck latency per ack batch",
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
@@ -116,6 +120,7 @@ class BridgeMetrics:
             "wal_lag_bytes": int(self.value(self.wal_lag_bytes)),
             "wal_lag_mb": int(self.value(self.wal_lag_bytes)) // (1024 * 1024),
             "in_flight_messages": int(self.value(self.in_flight)),
+            "duplicate_conflicts": int(self.value(self.duplicate_conflicts)),
         }
 
     def readiness(self) -> dict:

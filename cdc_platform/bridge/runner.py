@@ -96,6 +96,7 @@ class CdcBridge:
         self.fatal: BaseException | None = None
         self.reader: SlotReader | None = None
         self.publisher: JetStreamPublisher | None = None
+        self._conflicts_counted = 0   # the publisher's duplicate conflicts in the metrics
         self._reading_task: asyncio.Task | None = None  # the one that reads the slot
         self._kv = None
         self._signer: MessageSigner | None = None  # KV values are signed too
@@ -211,6 +212,7 @@ class CdcBridge:
                 max_in_flight_messages=self.options.max_in_flight_messages,
                 max_in_flight_bytes=self.options.max_in_flight_bytes,
                 control_subject=CONTROL_EOB_SUBJECT, signer=signer)
+            self._conflicts_counted = 0
             await self.publisher.start()
             self._claim_checks = ClaimChecks(js, self.settings.topology.large.bucket,
                                              self.settings.encoding.format)
@@ -406,6 +408,10 @@ class CdcBridge:
         self.metrics.confirmed_lsn = reader.confirmed_lsn
         self.metrics.last_ack_lsn.set(reader.confirmed_lsn)
         self.metrics.in_flight.set(self.publisher.in_flight_messages)
+        conflicts = self.publisher.stats.duplicate_conflicts
+        if conflicts > self._conflicts_counted:
+            self.metrics.duplicate_conflicts.inc(conflicts - self._conflicts_counted)
+            self._conflicts_counted = conflicts
 
     # -- schemas -----------------------------------------------------------------------------
     async def _publish_all_schemas(self, reader: SlotReader) -> None:

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 # ADR-50 fast-ingest limits and settings (nats-server 2.14+).
 FAST_BATCH_MAX_FLOW = 500         # the server never acks less often than every 500 messages
 _FAST_BATCH_MIN_FLOW = 1          # at a trickle every message is acked, like a PubAck
-_FAST_BATCH_ACK_INTERVAL = 0.0025 # one flow ack per ~2.5 ms of traffic: bounds the tail's wait
+_FAST_BATCH_ACK_INTERVAL = 0.0025 # one flow ack per ~2.5 ms of traffic: paces the batch
 _FAST_BATCH_OUTSTANDING = 4       # flow-ack windows in flight (measured: 4 beats 2, 8 adds little)
 _FAST_BATCH_UNKNOWN = 10208       # "batch publish ID unknown": the server abandoned the batch
 _FAST_BATCH_REPLAN_FACTOR = 4     # start a new batch once the ideal flow is 4x the current one
@@ -29,6 +29,10 @@ class Host(Protocol):
 
     def confirm_through(self, end: int) -> None: ...
     def confirm_one(self, index: int) -> None: ...
+    def heard(self) -> None: ...
+    def duplicate(self, index: int, seq: int) -> None: ...
+    def check_batch(self, first: int, end: int, after_seq: int | None,
+                    last_seq: int) -> None: ...
     def reject(self, index: int | None, status: int | None, err_code: int | None,
                description: str) -> None: ...
     def no_responders(self, index: int) -> None: ...
@@ -85,20 +89,25 @@ class FastBatchChannel:
     A batch opens with its first message alone and waits for the server's first flow ack (it
     tells the ack cadence ``msgs``); after that messages may run up to
     ``acked + msgs * 4`` (the ADR-50 rule). The flow asked for is sized to the traffic (see
-    :meth:`_wanted_flow`), so the messages after the last flow ack wait only milliseconds.
-    The batch is committed with an end-of-batch marker (op 3: batch seq last+1, empty, not
-    stored) when flush() wants it, when the caller has been idle for ``commit_idle``, when the
-    oldest unconfirmed message has waited ``commit_max_delay`` (a backstop: the tail after the
-    last flow ack is otherwise confirmed only by the commit), or when the traffic grew so much
-    that a batch with a larger flow is due. Each of these keeps a batch far below the server's
-    10 s inactivity limit.
+    :meth:`_wanted_flow`). Flow acks pace the batch but confirm nothing: the server takes a
+    message it drops as a duplicate silently, and only the commit's PubAck shows how far the
+    stream moved. So batches are short: one is committed with an end-of-batch marker (op 3:
+    batch seq last+1, empty, not stored) as soon as nothing is queued and the server took
+    every message written, when flush() wants it, when the caller has been idle for
+    ``commit_idle``, when its first unconfirmed message has waited ``commit_max_delay``, or
+    when the traffic grew so much that a batch with a larger flow is due. Each of these keeps
+    a batch far below the server's 10 s inactivity limit.
     """
 
     def __init__(self, host: Host, ledger: Ledger, wire: Wire, inbox: str,
                  stats: PublishStats, rate: RateMeter, *, commit_idle: float,
                  commit_max_delay: float, flow: int | None,
-                 control_subject: bytes | None = None) -> None:
+                 control_subject: bytes | None = None, last_seq: int | None = None) -> None:
+        """``last_seq``: the stream's last sequence before our first batch (None: unknown)."""
         self._host, self._ledger, self._wire, self._inbox = host, ledger, wire, inbox
+        # The stream sequence of our last committed message: a batch of n messages that
+        # moves the stream from here by other than n had messages dropped as duplicates.
+        self._stream_seq = last_seq
         self._control_subject = control_subject
         self._stats, self._rate = stats, rate
         self._commit_idle, self._commit_max_delay = commit_idle, commit_max_delay
@@ -114,9 +123,10 @@ class FastBatchChannel:
     def _wanted_flow(self) -> int:
         """The ack cadence for the current traffic: a power of two, 1 to 500.
 
-        Messages after the last flow ack wait for the next one (or the commit), so acks every
-        ~2.5 ms of traffic keep that wait short at any rate: flow 4 at 2K msg/s, 500 (the
-        server's maximum, fewest acks) from 200K msg/s or whenever a backlog builds up.
+        The window runs up to four flows past the last flow ack, and a batch is committed
+        early once every message written was acked, so acks every ~2.5 ms of traffic keep
+        both going at any rate: flow 4 at 2K msg/s, 500 (the server's maximum, fewest acks)
+        from 200K msg/s or whenever a backlog builds up.
         """
         if self._fixed_flow is not None:
             return self._fixed_flow
@@ -174,8 +184,9 @@ class FastBatchChannel:
             return True    # flush() waits for messages that are all written
         if replan:
             return True
-        if not ledger.queued and now - self.last_accept >= self._commit_idle:
-            return True
+        if not ledger.queued and (batch.acked == batch.seq
+                                  or now - self.last_accept >= self._commit_idle):
+            return True   # (every message written was taken: its position waits on this)
         oldest = ledger.oldest_write()
         return oldest is not None and now - oldest >= self._commit_max_delay
 
@@ -192,9 +203,8 @@ class FastBatchChannel:
         return min(times) if times else None
 
     def owed_since(self) -> float | None:
-        """Since when the server owes the commit's PubAck. Every message may already be
-        confirmed by flow acks, so the ledger owes nothing then; a lost PubAck (a slow
-        consumer's dropped reply) must still end in a resend, not a batch waiting forever."""
+        """Since when the server owes the commit's PubAck: a lost PubAck (a slow consumer's
+        dropped reply) must end in a resend, not a batch waiting forever."""
         batch = self._batch
         return batch.committed_at if batch is not None and batch.committing else None
 
@@ -219,13 +229,15 @@ class FastBatchChannel:
         reply = json.loads(data)
         kind = reply.get("type")
         if kind == "ack":
-            # Cumulative: batch messages 1..seq are stored, in order. seq 0 opens the batch.
+            # Cumulative: batch messages 1..seq were taken, in order (seq 0 opens the batch).
+            # Not confirmed yet: one of them may have been dropped as a duplicate, which
+            # only the commit's PubAck can show.
             batch.started = True
             batch.msgs = max(1, int(reply.get("msgs", 1)))
             acked = int(reply["seq"])
             if acked > batch.acked:
                 batch.acked = acked
-                self._host.confirm_through(batch.base + acked)
+                self._host.heard()
         elif kind == "gap":
             # The server missed a frame of the open batch, so it stores nothing after it.
             self._batch = None
@@ -241,10 +253,22 @@ class FastBatchChannel:
             where = int(reply["seq"]) if kind == "err" else seq
             self._host.reject(batch.base + where - 1, status, err_code, description)
         else:
-            # The commit's PubAck: `count` batch messages are stored (duplicates included).
-            count = int(reply.get("count", 0))
+            # The commit's PubAck: `count` batch messages were taken, duplicates included;
+            # `seq` is the stream sequence of the last one stored.
+            count, last_seq = int(reply.get("count", 0)), int(reply.get("seq", 0))
             self._batch = None
-            self._host.confirm_through(batch.base + count)
+            if reply.get("duplicate"):
+                # The batch's first message, sent alone, was a duplicate: the batch ended
+                # there, and the PubAck names the message that holds its id.
+                self._host.duplicate(batch.base, last_seq)
+                return
+            after_seq, end = self._stream_seq, batch.base + count
+            self._stream_seq = last_seq
+            if after_seq is not None and last_seq - after_seq == count:
+                self._host.confirm_through(end)
+            else:   # fewer stored than taken (duplicates), messages not ours in between, or
+                # a stream purged or made anew
+                self._host.check_batch(batch.base, end, after_seq, last_seq)
             if count < batch.seq:
                 self._host.request_resend(
                     f"batch {batch.id} committed {count} of {batch.seq} messages")
@@ -293,7 +317,12 @@ class PerMessageChannel:
         index = int(index_text)
         # `"error":` cannot occur in a successful PubAck (string values escape their quotes).
         if data and not headers and b'"error":' not in data:
-            self._host.confirm_one(index)   # includes "duplicate": true
+            if b'"duplicate"' in data:   # (a cheap test first: this is the hot path)
+                reply = json.loads(data)
+                if reply.get("duplicate"):   # names the stored message that holds the id
+                    self._host.duplicate(index, int(reply["seq"]))
+                    return
+            self._host.confirm_one(index)
             return
         if stale or int(epoch) != self._epoch:
             return

@@ -105,15 +105,15 @@ class PublicWire:
     async def write(self, frames: Sequence[Frame]) -> None:
         for subject, reply, header, payload in frames:
             await self._nc.publish(subject.decode(), payload, reply=reply.decode(),
-                                   headers=None if header is None else _parse_headers(header))
+                                   headers=None if header is None else parse_header_block(header))
 
     async def write_sequence(self, held: list[Held], reply_prefix: bytes, first_seq: int,
                              reply_suffix: bytes) -> None:
         await self.write(frame_sequence(held, reply_prefix, first_seq, reply_suffix))
 
 
-def _parse_headers(block: bytes) -> dict[str, str]:
-    """Our own header block back into a dict (only for :class:`PublicWire`)."""
+def parse_header_block(block: bytes) -> dict[str, str]:
+    """Our own header block back into a dict (:class:`PublicWire`, a message sent alone)."""
     lines = block.decode("ascii").split("\r\n")[1:]
     return dict(line.split(": ", 1) for line in lines if line)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from itertools import islice
 
 from cdc_platform.publishing.messages import Held
 
@@ -93,6 +94,15 @@ class Ledger:
         if 0 <= offset < len(self.sent):
             return self.sent[offset]
         return None
+
+    def held_range(self, first: int, end: int) -> list[Held]:
+        """The written, unconfirmed messages ``[first, end)`` (those of them still held)."""
+        return list(islice(self.sent, max(0, first - self.stored), max(0, end - self.stored)))
+
+    def heard(self, now: float) -> None:
+        """The server showed progress without confirming anything (a fast-ingest flow ack):
+        it is working, not silent."""
+        self.last_confirmed_at = now
 
     def confirm_through(self, end: int, now: float) -> bool:
         """Messages ``[0, end)`` are stored; True if that is news."""

@@ -57,6 +57,8 @@ class PublishStats:
     commits: int = 0                 # fast-ingest end-of-batch commits sent
     resends: int = 0                 # messages written again after an outage, timeout or gap
     recoveries: int = 0              # resend cycles
+    duplicates_checked: int = 0      # duplicates found to hold this very message (resends)
+    duplicate_conflicts: int = 0     # ids found taken by other content; stored again
     last_ack_latency: float | None = None   # seconds from writing a chunk to its last ack
     peak_in_flight_messages: int = 0
     peak_in_flight_bytes: int = 0

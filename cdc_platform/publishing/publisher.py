@@ -12,8 +12,10 @@ Two ways onto the wire; :meth:`JetStreamPublisher.start` picks one ("auto"):
     control state travels in each message's reply subject
     ``<inbox>.<batch id>.<flow>.fail.<batch seq>.<op>.$FI`` (op 0 start, 1 append, 3 commit with
     an end-of-batch marker that is not stored). The server answers with *cumulative* flow acks
-    ``{"type":"ack","seq":N,"msgs":M}`` -- "batch messages 1..N are stored, in order" -- every M
-    stored messages, and the commit with a PubAck ``{"stream","seq","batch","count"}``. Gap mode
+    ``{"type":"ack","seq":N,"msgs":M}`` -- "batch messages 1..N were taken, in order" -- every M
+    messages, and the commit with a PubAck ``{"stream","seq","batch","count"}``. A message
+    dropped as a duplicate is taken silently, so messages are confirmed only at the commit,
+    once the stream's sequence moved by the batch's size (see "Duplicates" below). Gap mode
     ``fail`` makes the server refuse every message after one it did not get, so the stream keeps
     publish order even when frames die with a broken connection. One reply per M messages is what
     makes this path fast (measured: about 4x nats-py's ``publish_async``, the server being the
@@ -23,14 +25,22 @@ Two ways onto the wire; :meth:`JetStreamPublisher.start` picks one ("auto"):
 
 ``per-message``
     The fallback for streams without ``allow_batched``: every message carries its own reply
-    subject ``<inbox>.<epoch>.<index>`` and gets its own PubAck on one wildcard subscription;
-    ``"duplicate": true`` counts as stored. Caveat: after a reconnect, nats-py replays its
-    outbound buffer while the frames that were in the dead socket are lost, so a resent message
-    can be stored *after* a later one. Positions stay correct; stream order may not.
+    subject ``<inbox>.<epoch>.<index>`` and gets its own PubAck on one wildcard subscription.
+    Caveat: after a reconnect, nats-py replays its outbound buffer while the frames that were
+    in the dead socket are lost, so a resent message can be stored *after* a later one.
+    Positions stay correct; stream order may not.
 
 Both frame ``HPUB`` bytes themselves and hand them to nats-py's outbound buffer. Those are private
 nats-py APIs, so they are isolated in :class:`RawWire`, which checks itself at start and falls
 back to the public ``nc.publish`` when the check fails.
+
+Duplicates
+    A message JetStream drops as a duplicate of its ``Nats-Msg-Id`` counts as stored only once
+    the message stored under that id is read back and found to be the same change (our own
+    resend); an id taken by other content is a conflict: an error line, a counter, and the
+    change stored again under a random id (:mod:`duplicates`). Per-message PubAcks name the
+    stored message; a fast batch tells only that the stream moved less (or more) than its
+    size, and then its messages are looked for by id. Sending waits while this runs.
 
 Failure model
     * A JetStream error reply is fatal: the messages stay held, nothing after them is reported
@@ -55,7 +65,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -69,6 +79,7 @@ from cdc_platform.publishing.channels import (
     FastBatchChannel,
     PerMessageChannel,
 )
+from cdc_platform.publishing.duplicates import DuplicateChecker
 from cdc_platform.publishing.framing import (
     PublicWire,
     Wire,
@@ -106,6 +117,15 @@ def _signature_lines(signer: MessageSigner, message: OutgoingMessage) -> str:
             f"{HEADER_SIGNING_KEY}: {signer.public_key}\r\n")
 
 
+class _DuplicateCheck(NamedTuple):
+    """Held messages from ledger index ``first`` on, confirmed once checked."""
+
+    first: int
+    held: list[Held]
+    stored_seq: int     # one duplicate: the stream sequence that holds its id
+    window: tuple[int | None, int] | None = None   # a batch: the sequences (after, last] it moved
+
+
 class JetStreamPublisher:
     """Publishes messages to one stream in order and tells which positions are stored.
 
@@ -123,7 +143,7 @@ class JetStreamPublisher:
                  max_in_flight_bytes: int = 64 * 1024 * 1024,
                  ack_timeout: float = 5.0,
                  commit_idle: float = 0.01,
-                 commit_max_delay: float = 0.05,
+                 commit_max_delay: float = 0.002,
                  flow: int | None = None,
                  on_stored: Callable[[int], None] | None = None,
                  control_subject: str | None = None,
@@ -187,6 +207,10 @@ class JetStreamPublisher:
         self._timeouts_without_progress = 0  # ack-timeout resends since progress
         self._unanswered: OutgoingMessage | None = None   # got a 503, not yet looked into
         self._unanswered_since: float | None = None       # first 503 since the last progress
+        self._duplicates = DuplicateChecker(self._js, stream, self.stats, signer)
+        self._checks: list[_DuplicateCheck] = []
+        self._checked_indexes: set[int] = set()
+        self._check_task: asyncio.Task[None] | None = None
         self._failure: PublishError | None = None
         self._accepting = True
         self._stopping = False
@@ -245,7 +269,7 @@ class JetStreamPublisher:
                 commit_idle=self._commit_idle, commit_max_delay=self._commit_max_delay,
                 flow=self._flow,
                 control_subject=self._control_subject.encode() if self._control_subject
-                else None)
+                else None, last_seq=info.state.last_seq)
         else:
             self._channel = PerMessageChannel(self, self._ledger, wire, inbox, self.stats)
         # Per-message acks can briefly outnumber the window (resends); never drop one.
@@ -340,10 +364,11 @@ class JetStreamPublisher:
         finally:
             self._stopping = True
             self._wake.set()
-            if self._task is not None:
-                self._task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._task
+            for task in (self._task, self._check_task):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             if self._subscription is not None and not self._nc.is_closed:
                 with contextlib.suppress(NatsError):
                     await self._subscription.unsubscribe()
@@ -441,6 +466,11 @@ class JetStreamPublisher:
                         f"the NATS connection is closed; {self._ledger.held} messages for "
                         f"stream {self._stream!r} were not stored"))
                     return
+                if self._check_task is not None:
+                    # Duplicates first: a fast batch must not confirm past one, and nothing
+                    # is resent while one is looked into.
+                    await self._sleep_until(None)
+                    continue
                 if not nc.is_connected or nc.stats["reconnects"] != self._generation:
                     await self._recover()
                     continue
@@ -640,6 +670,57 @@ class JetStreamPublisher:
     def request_resend(self, reason: str) -> None:
         self._resend_reason = reason
         self._wake.set()
+
+    def heard(self) -> None:
+        self._ledger.heard(asyncio.get_running_loop().time())
+
+    # -- duplicates (duplicates.py) ----------------------------------------------------------
+    def duplicate(self, index: int, seq: int) -> None:
+        held = self._ledger.held_at(index)
+        if held is not None and index not in self._checked_indexes:
+            self._checked_indexes.add(index)
+            self._check(_DuplicateCheck(index, [held], seq))
+
+    def check_batch(self, first: int, end: int, after_seq: int | None, last_seq: int) -> None:
+        held = self._ledger.held_range(first, end)
+        if held:
+            self._check(_DuplicateCheck(first, held, last_seq, (after_seq, last_seq)))
+
+    def _check(self, check: _DuplicateCheck) -> None:
+        self._checks.append(check)
+        if self._check_task is None:
+            self._check_task = asyncio.create_task(self._check_duplicates(),
+                                                   name=f"duplicate-check:{self._stream}")
+
+    async def _check_duplicates(self) -> None:
+        """Settle every queued duplicate, then confirm what is still held as it was."""
+        try:
+            while self._checks and self._failure is None:
+                check = self._checks.pop(0)
+                if check.window is None:
+                    await self._duplicates.settle(check.held[0], check.stored_seq)
+                else:
+                    await self._duplicates.settle_batch(check.held, *check.window)
+                self._checked_indexes.discard(check.first)
+                if self._ledger.held_at(check.first) is check.held[0]:   # not resent meanwhile
+                    if check.window is None:
+                        self.confirm_one(check.first)
+                    else:
+                        self.confirm_through(check.first + len(check.held))
+        except (NatsError, TimeoutError, OSError) as exc:
+            # what could not be checked is sent again, and checked again when it is a duplicate
+            self.request_resend(f"could not check a duplicate: {exc!r}")
+        except PublishError as exc:
+            self._fail(exc)
+        except Exception as exc:  # noqa: BLE001 - a bug or an unforeseen reply: stop, say so
+            error = PublishError(f"checking a duplicate on {self._stream!r} failed: {exc!r}")
+            error.__cause__ = exc
+            self._fail(error)
+        finally:
+            self._checks.clear()
+            self._checked_indexes.clear()
+            self._check_task = None
+            self._wake.set()
 
     # -- state changes -----------------------------------------------------------------------
     def _progress(self) -> None:

@@ -34,6 +34,8 @@ from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.publishing import JetStreamPublisher, OutgoingMessage, PublishRejected, framing
 from cdc_platform.publishing import publisher as publisher_module
 from cdc_platform.settings import NatsSettings
+from cdc_platform.wire import MessageSigner, SignatureVerifier
+from cdc_platform_tests import golden
 
 MODES = ["fast-batch", "per-message"]
 
@@ -253,6 +255,7 @@ async def test_nats_restart_mid_stream_loses_nothing_and_keeps_order(own_nats):
         assert await publisher.flush(timeout=60) == 40_000
         await publisher.close()
         assert publisher.stats.recoveries >= 1
+        assert publisher.stats.duplicate_conflicts == 0   # resends are no conflicts
         assert_exactly(await read_stream(js, stream), messages)
     finally:
         await nc.close()
@@ -278,6 +281,7 @@ async def test_per_message_restart_stores_every_message_once(own_nats):
         await asyncio.wait_for(producer, 60)
         assert await publisher.flush(timeout=60) == 30_000
         await publisher.close()
+        assert publisher.stats.duplicate_conflicts == 0   # resends are no conflicts
         # Resends after a reconnect may land out of order on this path (see the module doc).
         assert_exactly(await read_stream(js, stream), messages, ordered=False)
     finally:
@@ -429,6 +433,106 @@ async def test_replayed_duplicates_count_as_stored(nats_client, js, streams, mod
     await publisher.close()
     assert notified == [10, 12]
     assert_exactly(await read_stream(js, stream), stream.messages(0, 1_500))
+    # each replayed duplicate was read back and found to be this very message
+    assert publisher.stats.duplicates_checked >= (500 if mode == "per-message" else 1)
+    assert publisher.stats.duplicate_conflicts == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("planted", [[0], [5], [3, 4, 900]], ids=["first", "later", "several"])
+async def test_an_id_taken_by_other_content_is_an_alarm_and_the_message_is_stored(
+        nats_client, js, streams, mode, planted, caplog):
+    """Someone stored other content under ids the publisher is about to use: each such
+    duplicate is a conflict (an error line naming id, subject and stored sequence; a count),
+    and the message is stored all the same, under its id + ``:conflict:`` + random hex; its
+    position is reported only then. A batch's first message, a later one, several."""
+    stream = await create_stream(js)
+    streams.append(stream)
+    messages = stream.messages(0, 1_000)
+    for index in planted:
+        await js.publish(messages[index].subject, b"forged", stream=stream.name,
+                         headers={"Nats-Msg-Id": messages[index].msg_id})
+    publisher = JetStreamPublisher(nats_client, stream=stream.name, mode=mode)
+    await publisher.start()
+    await publish_in_calls(publisher, messages, largest=100)
+    assert await publisher.flush(timeout=30) == 1_000
+    await publisher.close()
+
+    stored = await read_stream(js, stream)
+    assert [message.payload for message in stored[:len(planted)]] == [b"forged"] * len(planted)
+    genuine = stored[len(planted):]
+    # every message once, the replaced ones under their new ids
+    assert sorted(message.payload for message in genuine) == sorted(
+        message.payload for message in messages)
+    replaced = {message.msg_id.split(":conflict:")[0]: message for message in genuine
+                if ":conflict:" in message.msg_id}
+    assert sorted(replaced) == sorted(messages[index].msg_id for index in planted)
+    for index in planted:
+        again = replaced[messages[index].msg_id]
+        assert (again.subject, again.payload) == (messages[index].subject,
+                                                  messages[index].payload)
+        assert len(again.msg_id.split(":conflict:")[1]) == 16
+        line = next(record.getMessage() for record in caplog.records
+                    if record.levelname == "ERROR" and messages[index].msg_id + " " in
+                    record.getMessage())
+        assert f"stream seq {planted.index(index) + 1}" in line and messages[index].subject in line
+    assert publisher.stats.duplicate_conflicts == len(planted)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_signed_change_stored_again_under_its_new_id_is_signed_for_it(
+        nats_client, js, streams, mode):
+    """The signature binds the id: a change stored again as ``{id}:conflict:...`` carries a
+    signature of that id, so a mirror trusting the key applies it (before, the headers of the
+    first try were sent again as they were, and the mirror refused the genuine change)."""
+    stream = await create_stream(js)
+    streams.append(stream)
+    messages = stream.messages(0, 20)
+    await js.publish(messages[3].subject, b"forged", stream=stream.name,
+                     headers={"Nats-Msg-Id": messages[3].msg_id})
+    signer = MessageSigner(golden.SIGNING_SEED)
+    publisher = JetStreamPublisher(nats_client, stream=stream.name, mode=mode, signer=signer)
+    await publisher.start()
+    await publisher.publish(messages, position=1)
+    assert await publisher.flush(timeout=30) == 1
+    await publisher.close()
+    assert publisher.stats.duplicate_conflicts == 1
+    verifier = SignatureVerifier([signer.public_key])
+    replaced = [message for message in await read_stream(js, stream)
+                if ":conflict:" in message.msg_id]
+    assert len(replaced) == 1
+    again = await js.get_msg(stream.name, seq=replaced[0].seq)
+    assert again.subject == messages[3].subject and again.data == messages[3].payload
+    assert verifier.refusal(again.subject, again.headers, again.data) is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_id_taken_while_the_publisher_runs_is_an_alarm_too(nats_client, js, streams,
+                                                                     mode):
+    """Other content stored between two calls under the id of a message of the next call,
+    with one more foreign message (a fast batch then moves the stream by one more than its
+    size and is looked up in the stream by id): the same alarm, every message stored."""
+    stream = await create_stream(js)
+    streams.append(stream)
+    messages = stream.messages(0, 20)
+    publisher = JetStreamPublisher(nats_client, stream=stream.name, mode=mode)
+    await publisher.start()
+    await publisher.publish(messages[:10], position=10)
+    assert await publisher.flush(timeout=10) == 10
+    await js.publish(messages[12].subject, b"forged", headers={"Nats-Msg-Id": "m12"})
+    await js.publish(messages[0].subject, b"foreign", headers={"Nats-Msg-Id": "x1"})
+    await publisher.publish(messages[10:], position=20)
+    assert await publisher.flush(timeout=10) == 20
+    await publisher.close()
+
+    stored = await read_stream(js, stream)
+    assert [message.payload for message in stored[10:12]] == [b"forged", b"foreign"]
+    genuine = [message for message in stored if message.payload not in (b"forged", b"foreign")]
+    assert sorted(message.payload for message in genuine) == sorted(
+        message.payload for message in messages)
+    assert [message.msg_id.split(":conflict:")[0] for message in genuine
+            if ":conflict:" in message.msg_id] == ["m12"]
+    assert publisher.stats.duplicate_conflicts == 1
 
 
 async def test_fast_batch_tail_is_committed_when_the_caller_goes_idle(nats_client, js, streams):

@@ -2,8 +2,9 @@
 nats-server's batch rules (gap mode ``fail``, cumulative flow acks, the commit's PubAck,
 dedupe by message id) under random traffic, frames lost in transit, replies lost, timeouts and
 batches the server abandons. Whatever happens, the stream holds the messages in publish order
-with none twice, the publisher never counts a message stored that the stream does not hold,
-and once the faults stop everything is stored."""
+with none twice, the publisher never counts a message stored that the stream does not hold
+(duplicates are checked: what the commit shows was dropped is looked up in the stream), and
+once the faults stop everything is stored."""
 
 from __future__ import annotations
 
@@ -83,6 +84,13 @@ class _Server:
                 {"stream": "T", "seq": len(self.stream), "batch": batch_id,
                  "count": state["count"]}).encode()))
             return
+        if seq == 1 and payload in self.stream:
+            # A batch whose first message is a duplicate ends there: a PubAck naming it.
+            self.dead.add(batch_id)
+            self.replies.append((reply_text, json.dumps(
+                {"stream": "T", "seq": self.stream.index(payload) + 1, "duplicate": True,
+                 "batch": batch_id, "count": 1}).encode()))
+            return
         state["next"] += 1
         state["count"] += 1
         if payload not in self.stream:  # Nats-Msg-Id dedupe
@@ -103,7 +111,7 @@ class FastBatchMachine(RuleBasedStateMachine):
         self.published: list[bytes] = []
         self.channel = FastBatchChannel(
             self, self.ledger, self.wire, INBOX, PublishStats(), RateMeter(),
-            commit_idle=0.01, commit_max_delay=0.05, flow=None)
+            commit_idle=0.01, commit_max_delay=0.05, flow=None, last_seq=0)
 
     # -- the publisher's side (Host) ---------------------------------------------------------
     def confirm_through(self, end: int) -> None:
@@ -111,6 +119,20 @@ class FastBatchMachine(RuleBasedStateMachine):
 
     def confirm_one(self, index: int) -> None:
         self.ledger.confirm_one(index, self.now)
+
+    def heard(self) -> None:
+        pass
+
+    def duplicate(self, index: int, seq: int) -> None:
+        # what the publisher's check finds: the stream holds this message under its id
+        held = self.ledger.held_at(index)
+        assert held is not None and self.server.stream[seq - 1] == held[2]
+        self.ledger.confirm_one(index, self.now)
+
+    def check_batch(self, first: int, end: int, after_seq: int | None, last_seq: int) -> None:
+        for held in self.ledger.held_range(first, end):
+            assert held[2] in self.server.stream
+        self.ledger.confirm_through(end, self.now)
 
     def reject(self, index: int | None, status: int | None, err_code: int | None,
                description: str) -> None:
