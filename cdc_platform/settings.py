@@ -289,7 +289,8 @@ class NatsSettings(_Settings):
         return ",".join(redacted)
 
 
-def _nats_settings_named(prefix: str, doc: str) -> type[NatsSettings]:
+def _nats_settings_named(prefix: str, doc: str,
+                        base: type[NatsSettings] = NatsSettings) -> type[NatsSettings]:
     """:class:`NatsSettings` read from ``{prefix}_*`` in place of ``CDC_NATS_*`` (the same
     fields, e.g. ``CDC_READERS_NATS_URL``, ``CDC_READERS_NATS_USER``), for a second
     connection with another credential."""
@@ -300,7 +301,7 @@ def _nats_settings_named(prefix: str, doc: str) -> type[NatsSettings]:
         renamed = FieldInfo.merge_field_infos(
             info, validation_alias=_env(first.replace("CDC_NATS_", f"{prefix}_", 1)))
         fields[name] = (info.annotation, renamed)
-    return create_model(f"{prefix.title().replace('_', '')}Settings", __base__=NatsSettings,
+    return create_model(f"{prefix.title().replace('_', '')}Settings", __base__=base,
                         __doc__=doc, **fields)
 
 
@@ -309,16 +310,15 @@ ReadersNatsSettings = _nats_settings_named(
     "CDC_READERS_NATS", "The READERS account's admin credential (its mirror streams).")
 
 
-class ReplyNatsSettings(_nats_settings_named("CDC_REPLY_NATS", "")):  # type: ignore[misc]
-    """The connection that replies to snapshot requests go through (README "Snapshots"): a
-    NATS user that may publish inbox subjects and nothing else, so a requester's ``reply_to``
-    can never make the platform write anywhere else. Unset (no ``CDC_REPLY_NATS_*``
-    variable), replies go through the main connection; where the server is (URL or host and
-    port, the TLS CA) defaults to the main connection's, the credentials never do."""
+class _OwnCredential(NatsSettings):
+    """A connection of one purpose with a NATS user of its own (``{PREFIX}_*``). Unset (no
+    variable of its prefix), that purpose uses the main connection; where the server is (URL
+    or host and port, the TLS CA) defaults to the main connection's, the credentials never
+    do."""
 
     def resolved(self, main: NatsSettings) -> NatsSettings | None:
-        """The settings replies connect with (None: no variable set, reply on the main
-        connection): the server's location taken from ``main`` where none is set here."""
+        """The settings to connect with (None: no variable set, use the main connection):
+        the server's location taken from ``main`` where none is set here."""
         given = self.model_fields_set
         if not given:
             return None
@@ -327,6 +327,19 @@ class ReplyNatsSettings(_nats_settings_named("CDC_REPLY_NATS", "")):  # type: ig
         if "tls_ca_file" not in given:
             inherited["tls_ca_file"] = main.tls_ca_file
         return self.model_copy(update=inherited)
+
+
+class ReplyNatsSettings(_nats_settings_named("CDC_REPLY_NATS", "", _OwnCredential)):  # type: ignore[misc]
+    """The connection that replies to snapshot requests go through (README "Snapshots"): a
+    NATS user that may publish inbox subjects and nothing else, so a requester's ``reply_to``
+    can never make the platform write anywhere else (``CDC_REPLY_NATS_*``)."""
+
+
+class SensorNatsSettings(_nats_settings_named("CDC_SENSOR_NATS", "", _OwnCredential)):  # type: ignore[misc]
+    """The connection the snapshot request sensor reads requests with: a NATS user that may
+    read SNAPSHOT_REQUESTS through its durable and look snapshots up, and write nothing
+    (``CDC_SENSOR_NATS_*``), also where the sensor's process holds the bridge's credential
+    for the runs it hosts (deploy/docker-compose.yaml)."""
 
 
 class StreamLimits(_Settings):

@@ -26,6 +26,7 @@ from cdc_platform.settings import (
     PlatformSettings,
     PostgresSettings,
     ReplyNatsSettings,
+    SensorNatsSettings,
     load_settings,
 )
 
@@ -59,8 +60,13 @@ class NatsResource(ConfigurableResource):
         return load_settings(NatsSettings)
 
     @asynccontextmanager
-    async def connect(self, name: str = "cdc-platform-dagster"):
-        client = await connect_nats(self.settings(), name=name)
+    async def connect(self, name: str = "cdc-platform-dagster", *,
+                      as_sensor: bool = False):
+        """``as_sensor``: with the snapshot request sensor's own user (CDC_SENSOR_NATS_*,
+        when set: it may write nothing), not the bridge's the process may hold."""
+        main = self.settings()
+        own = load_settings(SensorNatsSettings).resolved(main) if as_sensor else None
+        client = await connect_nats(own or main, name=name)
         try:
             yield client
         finally:

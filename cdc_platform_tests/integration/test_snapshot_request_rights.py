@@ -1,7 +1,8 @@
 """The snapshot request path with the least NATS rights (README "Snapshots", "NATS setup"):
 the sensor as a user that may make exactly the JetStream calls README lists for it and
 publish nothing else, replies (the sensor's and a run's) through a user that may publish
-inbox subjects only (``CDC_REPLY_NATS_*``)."""
+inbox subjects only (``CDC_REPLY_NATS_*``); the sensor with its own user
+(``CDC_SENSOR_NATS_*``) where its process holds another."""
 
 from __future__ import annotations
 
@@ -94,8 +95,12 @@ async def test_the_sensor_and_runs_answer_with_least_rights(
                 "CDC_PG_PORT": str(cdc_database.server.port), "CDC_PG_DB": "postgres",
                 "CDC_PG_USER": cdc_database.role, "CDC_PG_PASSWORD": cdc_database.password,
                 "CDC_PG_SSLMODE": "disable", "CDC_PUBLICATION": cdc_database.publication,
-                "CDC_SLOT": cdc_database.slot, "CDC_NATS_URL": url, "CDC_NATS_USER": "sensor",
-                "CDC_NATS_PASSWORD": passwords["sensor"], "CDC_REPLY_NATS_USER": "replier",
+                # the sensor's process holds another user's credential (compose: the code
+                # location hosts the runs, as `bridge`); the sensor connects as its own
+                "CDC_SLOT": cdc_database.slot, "CDC_NATS_URL": url,
+                "CDC_NATS_USER": "requester", "CDC_NATS_PASSWORD": passwords["requester"],
+                "CDC_SENSOR_NATS_USER": "sensor", "CDC_SENSOR_NATS_PASSWORD": passwords["sensor"],
+                "CDC_REPLY_NATS_USER": "replier",
                 "CDC_REPLY_NATS_PASSWORD": passwords["replier"],
                 "DAGSTER_HOME": str(tmp_path)}.items():
             monkeypatch.setenv(name, value)
@@ -131,6 +136,8 @@ async def test_the_sensor_and_runs_answer_with_least_rights(
             assert by_id["r4"]["status"] == "refused"
             assert {r.partition_key for r in result.run_requests} == {asked, doomed}
             # a run answers through the reply connection too
+            monkeypatch.setenv("CDC_NATS_USER", "sensor")
+            monkeypatch.setenv("CDC_NATS_PASSWORD", passwords["sensor"])
             run = next(r for r in result.run_requests if r.partition_key == doomed)
             instance.add_dynamic_partitions("published_tables", [doomed])
             pg_admin.execute(f"ALTER PUBLICATION {cdc_database.publication} "

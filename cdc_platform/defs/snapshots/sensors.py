@@ -193,7 +193,7 @@ async def _handle_requests(nats: NatsResource, nats_replies: NatsRepliesResource
     """What the new requests decided (None: nothing new); see ``answer_requests``."""
     topology = load_settings(NatsTopology)
     verifier = load_settings(OrchestrationSettings).snapshot_verifier()
-    async with nats.connect("cdc-platform-snapshot-sensor") as client:
+    async with nats.connect("cdc-platform-snapshot-sensor", as_sensor=True) as client:
         requests = await fetch_requests(client, topology.requests.name, REQUESTS_DURABLE,
                                         recorded_through, FETCH_LIMIT)
         if not requests:
