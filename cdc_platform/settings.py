@@ -20,6 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from pydantic import (
+    AfterValidator,
     AliasChoices,
     BeforeValidator,
     Field,
@@ -95,6 +96,16 @@ def _read_seed(path: str) -> str:
 
 def _listed(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _public_keys(text: str) -> str:
+    for key in _listed(text):
+        public_key_bytes(key)
+    return text
+
+
+# public nkeys, comma-separated (several while keys are rotated)
+PublicKeys = Annotated[str, AfterValidator(_public_keys)]
 
 
 def _env(*names: str) -> AliasChoices:
@@ -540,14 +551,7 @@ class OrchestrationSettings(_Settings):
         10.0, gt=0, validation_alias=_env("CDC_RUN_LIVENESS_INTERVAL"))
     # the public nkeys of the platform's signing keys (comma-separated, for rotation): the
     # snapshot request sensor hands out only snapshots they signed, without holding the seed
-    signing_public_keys: str = Field("", validation_alias=_env("CDC_SIGNING_PUBLIC_KEYS"))
-
-    @field_validator("signing_public_keys")
-    @classmethod
-    def _signing_public_keys(cls, value: str) -> str:
-        for key in _listed(value):
-            public_key_bytes(key)
-        return value
+    signing_public_keys: PublicKeys = Field("", validation_alias=_env("CDC_SIGNING_PUBLIC_KEYS"))
 
     def snapshot_verifier(self) -> SignatureVerifier | None:
         """What a snapshot the sensor hands out must be signed by: the keys given, else the
@@ -571,14 +575,7 @@ class MirrorSettings(_Settings):
         10.0, gt=0, validation_alias=_env("CDC_MIRROR_STATUS_INTERVAL"))
     fetch_batch: int = Field(256, ge=1, le=10_000, validation_alias=_env("CDC_MIRROR_FETCH_BATCH"))
     # public nkeys, comma-separated: only messages signed by one of them are applied
-    trusted_keys: str = Field("", validation_alias=_env("CDC_MIRROR_TRUSTED_KEYS"))
-
-    @field_validator("trusted_keys")
-    @classmethod
-    def _public_keys(cls, value: str) -> str:
-        for key in _listed(value):
-            public_key_bytes(key)
-        return value
+    trusted_keys: PublicKeys = Field("", validation_alias=_env("CDC_MIRROR_TRUSTED_KEYS"))
 
     def verifier(self) -> SignatureVerifier | None:
         """What checks each message before it is applied (None: no key is trusted)."""

@@ -39,6 +39,7 @@ from nats.js.api import (
     RetentionPolicy,
     StorageType,
     StreamConfig,
+    StreamInfo,
     StreamSource,
 )
 from nats.js.errors import APIError, NotFoundError
@@ -247,6 +248,23 @@ def _no_room(name: str, wanted: StreamConfig, limit: str = _SERVER_LIMIT) -> str
             f"CDC_REQUESTS_MAX_BYTES")
 
 
+async def _existing_or_created(js: JetStreamContext, wanted: StreamConfig,
+                               storage_limit: str) -> StreamInfo | None:
+    """The stream ``wanted`` names as it exists, or None when it was missing and is created
+    now (refused for room: an error naming ``storage_limit``)."""
+    name = wanted.name or ""
+    try:
+        return await js.stream_info(name)
+    except NotFoundError:
+        try:
+            await js.add_stream(wanted)
+        except APIError as exc:
+            if exc.err_code == _INSUFFICIENT_RESOURCES:
+                raise ProvisioningError(_no_room(name, wanted, storage_limit)) from exc
+            raise
+        return None
+
+
 def _editable(differences: dict[str, tuple]) -> bool:
     """Whether nats-server can apply ``differences`` to an existing stream."""
     fixed = set(differences) & set(_IMMUTABLE)
@@ -267,16 +285,8 @@ async def provision(js: JetStreamContext, topology: NatsTopology, *,
     conflicts: list[str] = []
     for wanted in wanted_streams(topology):
         name = wanted.name or ""  # (every wanted stream is named)
-        info = None
-        try:
-            info = await js.stream_info(name)
-        except NotFoundError:
-            try:
-                await js.add_stream(wanted)
-            except APIError as exc:
-                if exc.err_code == _INSUFFICIENT_RESOURCES:
-                    raise ProvisioningError(_no_room(name, wanted)) from exc
-                raise
+        info = await _existing_or_created(js, wanted, _SERVER_LIMIT)
+        if info is None:
             report.created.append(name)
         if name == topology.requests.name:
             # before updating the stream: one moved to interest retention while no consumer
@@ -377,15 +387,8 @@ async def provision_readers(js: JetStreamContext, topology: NatsTopology, *,
     conflicts: list[str] = []
     for wanted in wanted_mirrors(topology):
         name = wanted.name or ""
-        try:
-            info = await js.stream_info(name)
-        except NotFoundError:
-            try:
-                await js.add_stream(wanted)
-            except APIError as exc:
-                if exc.err_code == _INSUFFICIENT_RESOURCES:
-                    raise ProvisioningError(_no_room(name, wanted, _READERS_LIMIT)) from exc
-                raise
+        info = await _existing_or_created(js, wanted, _READERS_LIMIT)
+        if info is None:
             report.created.append(f"mirror:{name}")
             continue
         differences = _mirror_differences(info.config, wanted)
