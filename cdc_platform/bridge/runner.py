@@ -74,6 +74,8 @@ T = TypeVar("T")
 _CLOSING_SECONDS = 2.0
 _EXIT_SECONDS = 0.25  # of which, stopping the telemetry server and the process exiting
 _SLOT_RETRY_SECONDS = 1.0  # the first slot check, while the slot does not exist yet
+# how long the bridge may read on to tell a TRUNCATE from a rewrite (README "Schema changes")
+_READ_AHEAD_SECONDS = 5.0
 
 
 class StopRequested(Exception):
@@ -503,21 +505,28 @@ class CdcBridge:
                                  if index not in dropped]
 
     async def _read_ahead(self, reader: SlotReader, built: BuiltBatch, lsn: int) -> None:
-        """Read on until the walsender has decoded past ``lsn`` (a catalog read's), at most 2 s
-        or 50K messages, adding to ``built``: a new storage the catalog showed is then known
-        to be a TRUNCATE read by now, or taken for a rewrite. (The walsender reports its
-        position when asked; nothing is published meanwhile.)"""
-        deadline = time.monotonic() + 2.0
+        """Read on until the walsender has decoded past ``lsn`` (a catalog read's), for at
+        most :data:`_READ_AHEAD_SECONDS` and while what ``built`` holds stays within the
+        in-flight byte budget, adding to ``built``: a new storage the catalog showed is then
+        known to be a TRUNCATE read by now, or taken for a rewrite (a snapshot more, never a
+        change lost). A large transaction between the two (100K changes) is read past: a
+        bound in messages made its TRUNCATE a "rewrite". (The walsender reports its position
+        when asked; nothing is published meanwhile.)"""
+        deadline = time.monotonic() + _READ_AHEAD_SECONDS
+        held = sum(len(message.payload) for message in built.messages)
         asked = 0.0
         while reader.decoded_lsn < lsn and time.monotonic() < deadline \
-                and len(built.messages) < 50_000 and not self.stop_requested.is_set():
+                and held < self.options.max_in_flight_bytes \
+                and not self.stop_requested.is_set():
             if time.monotonic() - asked >= 0.1:
                 await reader.send_status(reply_requested=True)
                 asked = time.monotonic()
             batch = await reader.read(timeout=0.05)
             if batch.wal_messages:
                 self.metrics.wal_messages.inc(batch.wal_messages)
-                built.extend(self.builder.build(batch.events))
+                later = self.builder.build(batch.events)
+                held += sum(len(message.payload) for message in later.messages)
+                built.extend(later)
 
     async def _announced_shape(self, table: str) -> AnnouncedShape | None:
         """The shape of ``table``'s last schema event in the stream (None: none there)."""

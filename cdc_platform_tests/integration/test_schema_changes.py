@@ -345,9 +345,11 @@ async def test_a_truncate_is_not_taken_for_a_rewrite(
         assert len(taken) == 1, mirrored.lines
     # The bridge reads the catalog after the TRUNCATE that follows the change it reads it
     # for (here: the restarted bridge's first change), and reads them in different batches
-    # (at most 4,096 messages each): it reads on until it knows.
+    # (at most 4,096 messages each): it reads on until it knows, past a large transaction
+    # between the two too (a bound of 50K messages took this TRUNCATE for a rewrite).
     pg_admin.execute(f"UPDATE {table} SET v = 'before' WHERE id = 100")
-    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'x', 0 FROM generate_series(1000, 9999) g")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'x', 0 "
+                     "FROM generate_series(1000, 80999) g")
     pg_admin.execute(f"TRUNCATE {table}")
     pg_admin.execute(f"INSERT INTO {table} VALUES (1, 'after', 1)")
     async with running_bridge(mirrored.settings), \
