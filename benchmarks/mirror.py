@@ -52,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from cdc_platform.bridge.runner import CdcBridge
+from cdc_platform.consumer.snapshots import latest_meta
 from cdc_platform.dev.servers import LocalNatsServer, start_logical_postgres
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision
@@ -69,7 +70,6 @@ from cdc_platform.settings import (
 )
 from cdc_platform.snapshot import snapshot_table
 from cdc_platform.snapshot.job import SnapshotOptions
-from cdc_platform.snapshot.meta import latest_meta
 
 TABLE = "bench_rows"
 

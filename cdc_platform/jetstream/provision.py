@@ -36,6 +36,7 @@ from nats.js.api import (
     DiscardPolicy,
     ExternalStream,
     KeyValueConfig,
+    ObjectStoreConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -182,7 +183,6 @@ async def _ensure_bucket(js: JetStreamContext, wanted: KeyValueConfig, report: P
 async def _ensure_object_store(js: JetStreamContext, topology: NatsTopology,
                                report: ProvisionReport, conflicts: list[str],
                                update: bool) -> None:
-    from cdc_platform.publishing.claim_check import object_store_config
 
     wanted = object_store_config(topology.large.bucket, topology.cdc.max_age_seconds,
                                  topology.large.replicas)
@@ -246,6 +246,15 @@ def _no_room(name: str, wanted: StreamConfig, limit: str = _SERVER_LIMIT) -> str
             f"limit ({limit}), less what other streams reserve, is smaller. Raise that limit "
             f"(and the disk), or lower CDC_STREAM_MAX_BYTES / CDC_INIT_MAX_BYTES / "
             f"CDC_REQUESTS_MAX_BYTES")
+
+
+def object_store_config(bucket: str, max_age_seconds: float, replicas: int = 1
+                        ) -> ObjectStoreConfig:
+    """The bucket lives as long as the CDC events that reference its objects."""
+    return ObjectStoreConfig(
+        bucket=bucket, storage=StorageType.FILE, replicas=replicas, ttl=max_age_seconds,
+        description="cdc_platform: payloads over max_payload (claim checks of CDC events "
+                    "and snapshot chunks; object = message id)")
 
 
 async def _existing_or_created(js: JetStreamContext, wanted: StreamConfig,
@@ -346,7 +355,6 @@ def mirror_config(origin: str, limits: StreamConfig, *, api_prefix: str = READER
 def wanted_mirrors(topology: NatsTopology) -> list[StreamConfig]:
     """The READERS mirrors: ``CDC``, ``INIT``, ``KV_{schemas}``, ``KV_{dictionaries}``,
     ``OBJ_{large}``, with their origins' limits (a KV mirror keeps its history)."""
-    from cdc_platform.publishing.claim_check import object_store_config
 
     schemas, dictionaries = wanted_buckets(topology)
     large = object_store_config(topology.large.bucket, topology.cdc.max_age_seconds,

@@ -17,11 +17,9 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import math
 import os
-import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -31,11 +29,23 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import NotFoundError
 
+from cdc_platform.consumer.claim_checks import resolve_payload
+from cdc_platform.consumer.requests import SnapshotRequester, SnapshotRequestFailed
+from cdc_platform.consumer.schemas import schema_relation_id
+from cdc_platform.consumer.snapshots import (
+    MarkerNotInCdcYet,
+    NoMetaThere,
+    SnapshotMeta,
+    SnapshotUnusable,
+    cutover_start_seq,
+    meta_at,
+    reusable_snapshot,
+    snapshot_relation_id,
+)
 from cdc_platform.errors import CdcError
 from cdc_platform.jetstream.connection import close_nats, connect_nats
-from cdc_platform.jetstream.kv import verified_value
 from cdc_platform.jetstream.pull import PulledMessage, PullReader
 from cdc_platform.lsn import format_lsn, parse_lsn_cached
 from cdc_platform.mirror.consistency import (
@@ -56,19 +66,7 @@ from cdc_platform.mirror.store import (
 )
 from cdc_platform.mirror.transactions import StreamGap, TransactionCollector
 from cdc_platform.naming import parse_wire_name
-from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.settings import MirrorSettings, PlatformSettings
-from cdc_platform.snapshot.meta import (
-    MarkerNotInCdcYet,
-    SnapshotMeta,
-    SnapshotUnusable,
-    cutover_start_seq,
-)
-from cdc_platform.snapshot.requests import (
-    reusable_snapshot,
-    snapshot_relation_id,
-    snapshot_stored_since,
-)
 from cdc_platform.wire import (
     CDC_PREFIX,
     CHANGE_OPERATIONS,
@@ -79,7 +77,6 @@ from cdc_platform.wire import (
     decode_any,
     decode_payload,
     payload_format,
-    snapshot_request_subject,
 )
 
 log = logging.getLogger(__name__)
@@ -94,10 +91,6 @@ _GROUP_EVENTS = 10_000
 # signatures are checked on this many worker threads, each given this many messages at least
 _VERIFY_THREADS = os.cpu_count() or 1
 _VERIFY_SLICE = 32
-# while waiting for "done", how often the mirror also looks for the snapshot in INIT
-_LOOK_FOR_SNAPSHOT_SECONDS = 5.0
-# JSStreamStoreFailedF: what a full SNAPSHOT_REQUESTS answers ("maximum messages exceeded")
-_STREAM_STORE_FAILED = 10077
 _INT64_MAX = (1 << 63) - 1
 # how long a snapshot of another table than the KV schema's may wait for KV to catch up
 _KV_CATCH_UP_SECONDS = 30.0
@@ -387,128 +380,37 @@ class Mirror:
         """The oid of the table ``table`` names in KV ``schemas`` (which table the stream
         follows; None: unreadable). A snapshot of another table of that name (one dropped
         since) must not bootstrap it."""
-        bucket = self.settings.topology.schemas.bucket
-        try:
-            if self.verifier is not None:
-                value = await verified_value(js, bucket, table, self.verifier)
-            else:
-                value = (await (await js.key_value(bucket)).get(table)).value
-            relation_id = decode_any(value or b"").get("relation_id")
-        except (NotFoundError, ValueError, TypeError, AttributeError):
-            return None
-        return relation_id if type(relation_id) is int else None
+        return await schema_relation_id(js, self.settings.topology.schemas.bucket, table,
+                                        self.verifier)
 
     async def _meta(self, js: JetStreamContext, table: str,
                     done: Mapping[str, Any]) -> SnapshotMeta | None:
         """The meta a ``done`` reply names (``meta_seq`` in `INIT`); None when it is not
         signed by a trusted key (said and counted)."""
         try:
-            message = await js.get_msg(self.settings.topology.init.name,
-                                       seq=int(done["meta_seq"]))
-            if self.verifier is not None:
-                refusal = self.verifier.refusal(message.subject or "", message.headers or {},
-                                                message.data or b"")
-                if refusal is not None:
-                    self.refused_messages += 1
-                    log.error("refused the snapshot meta at %s of %s: %s", message.seq,
-                              self.settings.topology.init.name, refusal)
-                    return None
-            return SnapshotMeta.from_wire(decode_any(message.data or b""), message.seq or 0)
-        except (KeyError, TypeError, ValueError, NotFoundError) as exc:
-            raise MirrorError(f"{table}: the snapshot reply names no readable meta "
-                              f"({exc!r})") from exc
+            meta = await meta_at(js, self.settings.topology.init.name, done, self.verifier)
+        except NoMetaThere as exc:
+            raise MirrorError(f"{table}: {exc}") from exc
+        if meta is None:
+            self.refused_messages += 1
+        return meta
 
     async def _request_snapshot(self, nc: NatsClient, js: JetStreamContext, table: str,
                                 min_lsn: int, relation_id: int | None,
                                 stop: asyncio.Event) -> dict[str, Any] | None:
         """Ask on ``snapshot.request.{table}`` and wait for ``done`` (README "Snapshot
         requests"); refused or failed is a :class:`MirrorError` with the reason."""
-        inbox = nc.new_inbox()
-        replies: asyncio.Queue = asyncio.Queue()
-        subscription = await nc.subscribe(inbox, cb=replies.put)
-        request_id = secrets.token_hex(8)
-        wait = self.options.snapshot_wait_seconds
+        topology, options = self.settings.topology, self.options
+        requester = SnapshotRequester(
+            nc, js, requests_stream=topology.requests.name, init_stream=topology.init.name,
+            max_age_seconds=options.snapshot_max_age_seconds,
+            wait_seconds=options.snapshot_wait_seconds,
+            status_interval_seconds=options.status_interval_seconds, report=self.report,
+            verifier=self.verifier)
         try:
-            body = {"request_id": request_id, "reply_to": inbox,
-                    "max_age_seconds": self.options.snapshot_max_age_seconds}
-            if min_lsn:
-                body["min_lsn"] = format_lsn(min_lsn)
-            init = self.settings.topology.init.name
-            asked_after = (await js.stream_info(init)).state.last_seq
-            started = time.monotonic()
-            if not await self._publish_request(js, table, json.dumps(body).encode(), started,
-                                               stop):
-                return None
-            self.report(f"{table}: requested a snapshot (request {request_id})")
-            last_report = last_look = time.monotonic()
-            while not stop.is_set():
-                try:
-                    message = await asyncio.wait_for(replies.get(), 1.0)
-                except TimeoutError:
-                    now = time.monotonic()
-                    if now - last_look >= _LOOK_FOR_SNAPSHOT_SECONDS:
-                        # a request that joined a run already in flight, or one the stream
-                        # let go in a flood, gets no "done": the snapshot shows up in INIT
-                        last_look = now
-                        found = await snapshot_stored_since(js, table, asked_after, init,
-                                                            min_lsn, relation_id=relation_id,
-                                                            verifier=self.verifier)
-                        if found is not None:
-                            return found
-                    if now - started > wait:
-                        raise MirrorError(
-                            f"{table}: no snapshot within {wait:.0f}s of the request: is the "
-                            "snapshot request sensor running (the Dagster daemon)?") from None
-                    if now - last_report >= self.options.status_interval_seconds:
-                        last_report = now
-                        self.report(f"{table}: waiting for the snapshot "
-                                    f"({now - started:.0f}s)")
-                    continue
-                try:
-                    reply = json.loads(message.data)
-                    status = reply["status"]
-                except (ValueError, KeyError, TypeError):
-                    log.warning("%s: ignored an unreadable reply on %s", table, inbox)
-                    continue
-                if reply.get("request_id") != request_id:
-                    continue
-                if status == "accepted":
-                    self.report(f"{table}: snapshot request accepted "
-                                f"(run key {reply.get('run_key')})")
-                elif status == "refused":
-                    raise MirrorError(f"{table}: snapshot request refused: "
-                                      f"{reply.get('reason')}")
-                elif status == "failed":
-                    raise MirrorError(f"{table}: the snapshot failed: {reply.get('reason')}")
-                elif status == "done":
-                    return reply
-            return None
-        finally:
-            with contextlib.suppress(Exception):
-                await subscription.unsubscribe()
-
-    async def _publish_request(self, js: JetStreamContext, table: str, body: bytes,
-                               started: float, stop: asyncio.Event) -> bool:
-        """Publish a snapshot request, asking again every few seconds while the stream is
-        full (a flood: README "Floods"); False: stopped first."""
-        stream = self.settings.topology.requests.name
-        wait = self.options.snapshot_wait_seconds
-        while not stop.is_set():
-            try:
-                await js.publish(snapshot_request_subject(table), body, stream=stream)
-                return True
-            except APIError as exc:
-                if exc.err_code != _STREAM_STORE_FAILED:
-                    raise
-                if time.monotonic() - started > wait:
-                    raise MirrorError(f"{table}: {stream} refused the snapshot request for "
-                                      f"{wait:.0f}s: {exc.description}") from None
-                self.report(f"{table}: {stream} refused the snapshot request "
-                            f"({exc.description}: full, a flood?); asking again in "
-                            f"{_LOOK_FOR_SNAPSHOT_SECONDS:.0f}s")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), _LOOK_FOR_SNAPSHOT_SECONDS)
-        return False
+            return await requester.request(table, min_lsn, relation_id, stop)
+        except SnapshotRequestFailed as exc:
+            raise MirrorError(str(exc)) from exc
 
     # -- following ---------------------------------------------------------------------------
     async def _follow(self, nc: NatsClient, js: JetStreamContext, store: MirrorStore,

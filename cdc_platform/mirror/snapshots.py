@@ -19,11 +19,15 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError
 
+from cdc_platform.consumer.claim_checks import UnresolvableClaimCheck, resolve_payload
+from cdc_platform.consumer.snapshots import (
+    SnapshotMeta,
+    SnapshotUnusable,
+    decompressor,
+    fetch_dictionary,
+)
 from cdc_platform.errors import PublishError
 from cdc_platform.mirror.store import ChunkLoad
-from cdc_platform.publishing.claim_check import UnresolvableClaimCheck, resolve_payload
-from cdc_platform.snapshot.dictionary import decompressor, fetch_dictionary
-from cdc_platform.snapshot.meta import SnapshotMeta, SnapshotUnusable
 from cdc_platform.speedups import compiled_twin
 from cdc_platform.wire import SignatureVerifier, decode_any
 

@@ -7,13 +7,12 @@ and a small payload: the envelope fields of the event (everything but ``data`` a
 for a batch, those of its first event) plus ``claim_check`` = ``{bucket, object, size,
 sha256}``. The object is stored before the reference is published, so stream order and
 "acknowledge PostgreSQL only what is stored" hold; a replay stores the same bytes under the
-same name again. README "Large values (claim check)" is the contract; :func:`resolve_payload`
-is its consumer side.
+same name again. README "Large values (claim check)" is the contract;
+``cdc_platform.consumer.claim_checks`` is its consumer side.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import logging
 from collections.abc import Sequence
@@ -21,22 +20,17 @@ from operator import itemgetter
 from typing import Any
 
 from nats.js import JetStreamContext
-from nats.js.api import ObjectMeta, ObjectMetaOptions, ObjectStoreConfig, StorageType
+from nats.js.api import ObjectMeta, ObjectMetaOptions
 from nats.js.errors import (
-    BadObjectMetaError,
     BucketNotFoundError,
-    DigestMismatchError,
-    InvalidBucketNameError,
-    LinkIsABucketError,
     NotFoundError,
 )
 
-from cdc_platform.errors import CdcError, PublishError
+from cdc_platform.errors import PublishError
 from cdc_platform.publishing.messages import OutgoingMessage
 from cdc_platform.wire import (
     HEADER_CLAIM_CHECK,
     Format,
-    decode_any,
     decode_payload,
     encoder,
 )
@@ -48,16 +42,6 @@ HEADER_ALLOWANCE = 1024
 _ENVELOPE_DROPPED = ("data", "old")
 _PAYLOAD = itemgetter(2)  # OutgoingMessage.payload
 _DEFAULT_CHUNK = 128 * 1024  # nats-py's own object chunk size
-_CHUNK_TIMEOUT_SECONDS = 30.0  # (a TimeoutError past it: NATS away, not a missing object)
-
-
-def object_store_config(bucket: str, max_age_seconds: float, replicas: int = 1
-                        ) -> ObjectStoreConfig:
-    """The bucket lives as long as the CDC events that reference its objects."""
-    return ObjectStoreConfig(
-        bucket=bucket, storage=StorageType.FILE, replicas=replicas, ttl=max_age_seconds,
-        description="cdc_platform: payloads over max_payload (claim checks of CDC events "
-                    "and snapshot chunks; object = message id)")
 
 
 class ClaimChecks:
@@ -121,65 +105,9 @@ class ClaimChecks:
         return self._store
 
 
-class UnresolvableClaimCheck(CdcError):
-    """A claim check names an object that is not there, or not whole (or no valid bucket):
-    nothing to wait for, since an object is stored before its reference is published."""
-
-
 def _envelope(value: Any) -> dict[str, Any]:
     """An event's fields but its row values (a batch: its first event's)."""
     event = value[0] if isinstance(value, list) and value else value
     if not isinstance(event, dict):
         return {}
     return {key: field for key, field in event.items() if key not in _ENVELOPE_DROPPED}
-
-
-async def read_object(js: JetStreamContext, bucket: str, name: str) -> bytes:
-    """The bytes of object ``name`` of ``bucket``, its digest checked. Not nats-py's
-    ``ObjectStore.get``: that finds the bucket's stream by the chunks' subject, which a
-    mirror (the READERS account's ``OBJ_{bucket}``, README "NATS setup") does not list."""
-    info = await (await js.object_store(bucket)).get_info(name)
-    if not info.nuid:
-        raise BadObjectMetaError
-    if info.is_link():  # the bridge stores none
-        raise LinkIsABucketError
-    if not info.size:
-        return b""
-    subscription = await js.subscribe(f"$O.{bucket}.C.{info.nuid}", stream=f"OBJ_{bucket}",
-                                      ordered_consumer=True)
-    data = bytearray()
-    try:
-        while True:
-            message = await subscription.next_msg(timeout=_CHUNK_TIMEOUT_SECONDS)
-            data += message.data
-            if message.metadata.num_pending == 0:
-                break
-    finally:
-        await subscription.unsubscribe()
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
-    if digest.rstrip("=") != (info.digest or "").partition("=")[2].rstrip("="):
-        raise DigestMismatchError
-    return bytes(data)
-
-
-async def resolve_payload(js: JetStreamContext, data: bytes,
-                          headers: dict[str, str] | None) -> bytes:
-    """The payload a consumer decodes: ``data`` itself, or the object a claim check names
-    (checked against its size and sha256)."""
-    reference = (headers or {}).get(HEADER_CLAIM_CHECK)
-    if reference is None:
-        return data
-    bucket, _, name = reference.partition("/")  # (an object name holds "/": an LSN)
-    expected = decode_any(data)
-    claim = expected.get("claim_check", {}) if isinstance(expected, dict) else {}
-    try:
-        payload = await read_object(js, bucket, name)
-    except (NotFoundError, InvalidBucketNameError, BadObjectMetaError, LinkIsABucketError,
-            DigestMismatchError) as exc:  # (none of them NATS being away)
-        raise UnresolvableClaimCheck(f"claim check {reference!r} names no stored object "
-                                     f"({type(exc).__name__})") from None
-    if claim and (len(payload) != claim.get("size")
-                  or hashlib.sha256(payload).hexdigest() != claim.get("sha256")):
-        raise PublishError(f"object {reference} does not match its claim check "
-                           f"({len(payload)} bytes)")
-    return payload

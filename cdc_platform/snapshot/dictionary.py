@@ -21,24 +21,19 @@ from dataclasses import dataclass
 
 import zstandard
 from nats.js import JetStreamContext
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from cdc_platform.jetstream.kv import put_value, verified_value
+from cdc_platform.consumer.snapshots import DICTIONARY_BUCKET
+from cdc_platform.jetstream.kv import put_value
 from cdc_platform.jetstream.provision import dictionary_bucket_config
-from cdc_platform.settings import DictionaryBucketSettings
-from cdc_platform.wire import Format, MessageSigner, SignatureVerifier, encoder
+from cdc_platform.wire import Format, MessageSigner, dictionary_key, encoder
 
 log = logging.getLogger(__name__)
 
-DICTIONARY_BUCKET: str = DictionaryBucketSettings.model_fields["bucket"].default
 DEFAULT_DICTIONARY_BYTES = 64 * 1024
 DEFAULT_SAMPLE_ROWS = 20_000
 # zstd's trainer wants many samples and much more sample data than dictionary.
 _MIN_SAMPLES = 100
-
-
-def dictionary_key(table: str, dictionary_id: int) -> str:
-    return f"{table}.{dictionary_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,23 +103,3 @@ async def publish_dictionary(js: JetStreamContext, table: str,
     return key
 
 
-async def fetch_dictionary(js: JetStreamContext, table: str, dictionary_id: int, *,
-                           bucket: str = DICTIONARY_BUCKET,
-                           verifier: SignatureVerifier | None = None) -> bytes:
-    """For consumers and tests: the dictionary a chunk names (KeyNotFoundError also when
-    ``verifier`` refuses it: its bytes decide what a chunk decompresses to)."""
-    key = dictionary_key(table, dictionary_id)
-    if verifier is not None:
-        value = await verified_value(js, bucket, key, verifier)
-        if value is None:
-            raise KeyNotFoundError(message=f"no dictionary {key} signed by a trusted key")
-        return value
-    kv = await js.key_value(bucket)
-    entry = await kv.get(key)
-    return entry.value or b""
-
-
-def decompressor(dictionary: bytes | None) -> zstandard.ZstdDecompressor:
-    if dictionary is None:
-        return zstandard.ZstdDecompressor()
-    return zstandard.ZstdDecompressor(dict_data=zstandard.ZstdCompressionDict(dictionary))

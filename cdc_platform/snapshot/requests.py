@@ -23,20 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
-from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from cdc_platform.consumer.snapshots import reusable_snapshot
 from cdc_platform.errors import ProvisioningError
 from cdc_platform.jetstream.connection import fetch_available
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.naming import parse_wire_name
-from cdc_platform.snapshot.meta import (
-    SnapshotMeta,
-    SnapshotUnusable,
-    cutover_start_seq,
-    latest_meta,
-)
-from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX, SignatureVerifier, snapshot_meta_subject
+from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX, SignatureVerifier
 
 log = logging.getLogger(__name__)
 
@@ -172,66 +166,6 @@ async def send_replies(client: NatsClient, replies: list[tuple[str | None, Reply
             continue
         await client.publish(reply_to, reply.payload())
     await client.flush()
-
-
-async def reusable_snapshot(js: JetStreamContext, table: str, max_age_seconds: float,
-                            init_stream: str = "INIT", min_lsn: int = 0, *,
-                            relation_id: int | None,
-                            verifier: SignatureVerifier | None = None) -> dict[str, Any] | None:
-    """The ``done`` fields of the newest snapshot of ``table`` at most ``max_age_seconds``
-    old, with a cutover LSN of at least ``min_lsn``, of the table whose oid is
-    ``relation_id`` (not one dropped since and created again under its name), whose cutover
-    point the CDC stream still holds (None: a new one is needed). So a hundred mirrors
-    asking for one table within minutes share one snapshot (and after a rewrite, one taken
-    after it). ``relation_id`` None: the table is not known to exist, nothing is reused.
-    A meta ``verifier`` refuses is none."""
-    if max_age_seconds <= 0 or relation_id is None:
-        return None
-    meta = await latest_meta(js, table, init_stream, verifier)
-    if (meta is None or time.time() - meta.timestamp > max_age_seconds
-            or meta.lsn < min_lsn or snapshot_relation_id(meta) != relation_id):
-        return None
-    return await _done_if_usable(js, table, meta, reused=True, verifier=verifier)
-
-
-async def snapshot_stored_since(js: JetStreamContext, table: str, asked_after_seq: int,
-                                init_stream: str = "INIT", min_lsn: int = 0, *,
-                                relation_id: int | None = None,
-                                verifier: SignatureVerifier | None = None
-                                ) -> dict[str, Any] | None:
-    """The ``done`` fields of the newest meta of ``table`` if it was stored after the
-    request was made (its `INIT` sequence above ``asked_after_seq``, the stream's last
-    sequence read before the request was published), with a cutover LSN of at least
-    ``min_lsn`` and a cutover point the CDC stream still holds: the snapshot a requester that
-    gets no ``done`` (answered ``coalesced``, or asking without ``reply_to``) waits for
-    (README "Snapshot requests"). With ``relation_id``, only a snapshot of that table (not of
-    one dropped since and created again under its name). A meta ``verifier`` refuses is
-    none."""
-    meta = await latest_meta(js, table, init_stream, verifier)
-    if meta is None or meta.seq <= asked_after_seq or meta.lsn < min_lsn:
-        return None
-    if relation_id is not None and snapshot_relation_id(meta) != relation_id:
-        return None
-    return await _done_if_usable(js, table, meta, reused=False, verifier=verifier)
-
-
-async def _done_if_usable(js: JetStreamContext, table: str, meta: SnapshotMeta, *,
-                          reused: bool, verifier: SignatureVerifier | None = None
-                          ) -> dict[str, Any] | None:
-    try:
-        start_seq = await cutover_start_seq(js, meta, verifier)
-    except SnapshotUnusable:
-        return None
-    return {"snapshot_id": meta.snapshot_id, "lsn": meta.raw["lsn"],
-            "cdc_stream": meta.cdc_stream, "cdc_start_seq": start_seq,
-            "meta_subject": snapshot_meta_subject(table), "meta_seq": meta.seq,
-            "reused": reused}
-
-
-def snapshot_relation_id(meta: SnapshotMeta) -> int | None:
-    """The oid of the table a snapshot was taken of (None: a meta without ``table_schema``)."""
-    relation_id = (meta.table_schema or {}).get("relation_id")
-    return relation_id if type(relation_id) is int else None
 
 
 def done_fields(result: Any) -> dict[str, Any]:

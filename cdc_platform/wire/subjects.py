@@ -88,3 +88,8 @@ def chunk_msg_id(snapshot_id: str, chunk: int) -> str:
 
 def meta_msg_id(snapshot_id: str) -> str:
     return f"{snapshot_id}:meta"
+
+
+def dictionary_key(table: str, dictionary_id: int) -> str:
+    """The key of a snapshot's zstd dictionary in the dictionaries KV bucket."""
+    return f"{table}.{dictionary_id}"

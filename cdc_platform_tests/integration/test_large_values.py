@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from cdc_platform.consumer.claim_checks import resolve_payload
 from cdc_platform.dev.servers import LocalNatsServer
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision
 from cdc_platform.lsn import parse_lsn
-from cdc_platform.publishing.claim_check import HEADER_CLAIM_CHECK, resolve_payload
+from cdc_platform.publishing.claim_check import HEADER_CLAIM_CHECK
 from cdc_platform.settings import NatsSettings, NatsTopology
 from cdc_platform.wire import decode_payload
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects

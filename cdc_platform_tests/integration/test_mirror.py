@@ -10,6 +10,7 @@ import msgpack
 import pytest
 from nats.js.errors import NotFoundError
 
+from cdc_platform.consumer.snapshots import latest_meta
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.mirror.follower import Mirror
 from cdc_platform.mirror.store import MirrorError
@@ -17,7 +18,6 @@ from cdc_platform.postgres.catalog import published_relation_ids
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings
 from cdc_platform.snapshot import snapshot_table
-from cdc_platform.snapshot.meta import latest_meta
 from cdc_platform.snapshot.options import SnapshotOptions
 from cdc_platform.snapshot.requests import SnapshotRequest, answer_requests
 from cdc_platform_tests.exactness import (

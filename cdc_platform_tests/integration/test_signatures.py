@@ -14,18 +14,18 @@ import time
 import msgpack
 import pytest
 
+from cdc_platform.consumer.snapshots import (
+    SnapshotMeta,
+    SnapshotUnusable,
+    cutover_start_seq,
+    latest_meta,
+)
 from cdc_platform.jetstream.kv import verified_value
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.mirror.follower import Mirror, _commit_lsn_at
 from cdc_platform.mirror.snapshots import read_chunks
 from cdc_platform.settings import BridgeSettings, MirrorSettings
 from cdc_platform.snapshot import snapshot_table
-from cdc_platform.snapshot.meta import (
-    SnapshotMeta,
-    SnapshotUnusable,
-    cutover_start_seq,
-    latest_meta,
-)
 from cdc_platform.wire import (
     HEADER_SIGNATURE,
     HEADER_SIGNING_KEY,

@@ -23,6 +23,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from cdc_platform.bridge.runner import CdcBridge
+from cdc_platform.consumer.claim_checks import resolve_payload
+from cdc_platform.consumer.snapshots import decompressor, fetch_dictionary
 from cdc_platform.dev.servers import LocalNatsServer
 from cdc_platform.errors import SnapshotRequestRefused
 from cdc_platform.jetstream.connection import connect_nats
@@ -30,12 +32,10 @@ from cdc_platform.jetstream.provision import provision
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.protocol.copy_text import iter_rows
 from cdc_platform.protocol.values import TYPE_CATALOG_QUERY, TypeRegistry, convert_row
-from cdc_platform.publishing.claim_check import resolve_payload
 from cdc_platform.replication.connection import SESSION_OPTIONS
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import EncodingSettings, NatsSettings, NatsTopology
 from cdc_platform.snapshot import SnapshotOptions, snapshot_table
-from cdc_platform.snapshot.dictionary import decompressor, fetch_dictionary
 from cdc_platform.snapshot.reader import TaskFault
 from cdc_platform.snapshot.spark import JOB_GROUP_PREFIX
 from cdc_platform.wire import decode_payload, encode_json, snapshot_meta_subject

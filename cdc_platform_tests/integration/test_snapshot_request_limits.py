@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+from cdc_platform.consumer.snapshots import snapshot_stored_since
 from cdc_platform.lsn import format_lsn, parse_lsn
 from cdc_platform.snapshot import snapshot_table
-from cdc_platform.snapshot.requests import answer_requests, parse_request, snapshot_stored_since
+from cdc_platform.snapshot.requests import answer_requests, parse_request
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
 from cdc_platform_tests.integration.test_bridge import running_bridge
 

@@ -14,6 +14,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cdc_platform.consumer.snapshots import decompressor
 from cdc_platform.errors import ConversionError
 from cdc_platform.protocol.copy_text import iter_rows
 from cdc_platform.protocol.values import TypeRegistry, convert_row
@@ -24,8 +25,9 @@ from cdc_platform.snapshot.chunks import (
     chunk_number,
     headers_size,
 )
-from cdc_platform.snapshot.dictionary import decompressor, dictionary_key, train
+from cdc_platform.snapshot.dictionary import train
 from cdc_platform.snapshot.plan import BlockRange, plan_ranges, range_count
+from cdc_platform.wire import dictionary_key
 
 # -- plan ------------------------------------------------------------------------------------
 

@@ -1,0 +1,232 @@
+"""Snapshots, the consumer's side (README "Snapshots", "The cutover rule"): the newest meta
+of a table in `INIT` (:func:`latest_meta`), where `CDC` takes over from it
+(:func:`cutover_start_seq`), whether a recent snapshot can serve a request
+(:func:`reusable_snapshot`, :func:`snapshot_stored_since`), and the zstd dictionary a chunk
+names (:func:`fetch_dictionary`, :func:`decompressor`). Used by the mirror and by the
+snapshot request sensor, which reads snapshots as any consumer does; taking and publishing
+them is ``cdc_platform.snapshot``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import zstandard
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, NotFoundError
+
+from cdc_platform.errors import CdcError
+from cdc_platform.jetstream.kv import verified_value
+from cdc_platform.lsn import parse_lsn
+from cdc_platform.settings import DictionaryBucketSettings
+from cdc_platform.wire import SignatureVerifier, decode_any, dictionary_key, snapshot_meta_subject
+
+log = logging.getLogger(__name__)
+
+DICTIONARY_BUCKET: str = DictionaryBucketSettings.model_fields["bucket"].default
+
+
+class SnapshotUnusable(CdcError):
+    """The snapshot cannot bootstrap a mirror (incomplete, aged out of `INIT`, or its cutover
+    point is no longer in `CDC`)."""
+
+
+class MarkerNotInCdcYet(SnapshotUnusable):
+    """The snapshot's watermark marker is not in `CDC` yet: the bridge is behind (or not
+    running), and the cutover point appears once it publishes the marker."""
+
+
+class NoMetaThere(CdcError):
+    """A ``done`` reply names no readable meta (not the platform's reply, or the meta is
+    gone)."""
+
+
+@dataclass(frozen=True)
+class SnapshotMeta:
+    """The fields of a meta message a consumer acts on (the rest stays in ``raw``)."""
+
+    table: str
+    snapshot_id: str
+    lsn: int
+    batch_count: int
+    row_count: int
+    cdc_stream: str
+    cdc_start_seq: int | None
+    watermark_subject: str
+    chunk_subject_prefix: str
+    schema_fingerprint: str
+    format: str
+    timestamp: float
+    raw: dict[str, Any]
+    seq: int = 0  # its sequence in the INIT stream
+
+    @property
+    def table_schema(self) -> dict[str, Any] | None:
+        """The rows' shape (a KV ``schemas`` value), in metas written since it was added."""
+        return self.raw.get("table_schema")
+
+    @classmethod
+    def from_wire(cls, meta: dict[str, Any], seq: int = 0) -> SnapshotMeta:
+        try:
+            return cls(
+                table=meta["table"], snapshot_id=meta["snapshot_id"],
+                lsn=parse_lsn(meta["lsn"]), batch_count=int(meta["batch_count"]),
+                row_count=int(meta["row_count"]), cdc_stream=meta["cdc_stream"],
+                cdc_start_seq=meta.get("cdc_start_seq"),
+                watermark_subject=meta["watermark_subject"],
+                chunk_subject_prefix=meta["chunk_subject_prefix"],
+                schema_fingerprint=meta["schema_fingerprint"], format=meta["format"],
+                timestamp=float(meta["timestamp"]), raw=meta, seq=seq)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SnapshotUnusable(f"malformed snapshot meta ({exc!r})") from exc
+
+
+async def latest_meta(js: JetStreamContext, table: str, stream: str = "INIT",
+                      verifier: SignatureVerifier | None = None) -> SnapshotMeta | None:
+    """The newest meta of ``table`` still in the `INIT` stream, or None (also when
+    ``verifier`` refuses it: not the platform's)."""
+    try:
+        message = await js.get_last_msg(stream, snapshot_meta_subject(table))
+    except NotFoundError:
+        return None
+    refusal = verifier.refusal(message.subject or "", message.headers or {},
+                               message.data or b"") if verifier is not None else None
+    if refusal is not None:
+        log.error("refused the snapshot meta at %s of %s: %s", message.seq, stream, refusal)
+        return None
+    return SnapshotMeta.from_wire(decode_any(message.data or b""), message.seq or 0)
+
+
+async def cutover_start_seq(js: JetStreamContext, meta: SnapshotMeta,
+                            verifier: SignatureVerifier | None = None) -> int:
+    """The `CDC` stream sequence to read from (the cutover rule, step 2), checked to be still
+    held by the stream; :class:`SnapshotUnusable` when retention dropped it. A marker
+    ``verifier`` refuses is not the bridge's: the stream's first message is then the start
+    (any earlier sequence is correct, a later one would lose changes)."""
+    start = meta.cdc_start_seq
+    info = None
+    if start is None:
+        try:
+            marker = await js.get_last_msg(meta.cdc_stream, meta.watermark_subject)
+        except NotFoundError:
+            raise MarkerNotInCdcYet(
+                f"snapshot {meta.snapshot_id} of {meta.table}: its watermark marker "
+                f"{meta.watermark_subject} is not in {meta.cdc_stream}") from None
+        start = marker.seq or 0  # (always set; from the start would also be correct)
+        refusal = verifier.refusal(marker.subject or "", marker.headers or {},
+                                   marker.data or b"") if verifier is not None else None
+        if refusal is not None:
+            info = await js.stream_info(meta.cdc_stream)
+            log.error("refused the watermark marker at %s of %s: %s; reading from the "
+                      "stream's first message", start, meta.cdc_stream, refusal)
+            start = info.state.first_seq
+    info = info or await js.stream_info(meta.cdc_stream)
+    if start < info.state.first_seq:
+        raise SnapshotUnusable(
+            f"snapshot {meta.snapshot_id} of {meta.table}: its cutover point (sequence "
+            f"{start}) is older than the first message {meta.cdc_stream} still holds "
+            f"({info.state.first_seq}); a newer snapshot is needed")
+    return start
+
+
+async def reusable_snapshot(js: JetStreamContext, table: str, max_age_seconds: float,
+                            init_stream: str = "INIT", min_lsn: int = 0, *,
+                            relation_id: int | None,
+                            verifier: SignatureVerifier | None = None) -> dict[str, Any] | None:
+    """The ``done`` fields of the newest snapshot of ``table`` at most ``max_age_seconds``
+    old, with a cutover LSN of at least ``min_lsn``, of the table whose oid is
+    ``relation_id`` (not one dropped since and created again under its name), whose cutover
+    point the CDC stream still holds (None: a new one is needed). So a hundred mirrors
+    asking for one table within minutes share one snapshot (and after a rewrite, one taken
+    after it). ``relation_id`` None: the table is not known to exist, nothing is reused.
+    A meta ``verifier`` refuses is none."""
+    if max_age_seconds <= 0 or relation_id is None:
+        return None
+    meta = await latest_meta(js, table, init_stream, verifier)
+    if (meta is None or time.time() - meta.timestamp > max_age_seconds
+            or meta.lsn < min_lsn or snapshot_relation_id(meta) != relation_id):
+        return None
+    return await _done_if_usable(js, table, meta, reused=True, verifier=verifier)
+
+
+async def snapshot_stored_since(js: JetStreamContext, table: str, asked_after_seq: int,
+                                init_stream: str = "INIT", min_lsn: int = 0, *,
+                                relation_id: int | None = None,
+                                verifier: SignatureVerifier | None = None
+                                ) -> dict[str, Any] | None:
+    """The ``done`` fields of the newest meta of ``table`` if it was stored after the
+    request was made (its `INIT` sequence above ``asked_after_seq``, the stream's last
+    sequence read before the request was published), with a cutover LSN of at least
+    ``min_lsn`` and a cutover point the CDC stream still holds: the snapshot a requester that
+    gets no ``done`` (answered ``coalesced``, or asking without ``reply_to``) waits for
+    (README "Snapshot requests"). With ``relation_id``, only a snapshot of that table (not of
+    one dropped since and created again under its name). A meta ``verifier`` refuses is
+    none."""
+    meta = await latest_meta(js, table, init_stream, verifier)
+    if meta is None or meta.seq <= asked_after_seq or meta.lsn < min_lsn:
+        return None
+    if relation_id is not None and snapshot_relation_id(meta) != relation_id:
+        return None
+    return await _done_if_usable(js, table, meta, reused=False, verifier=verifier)
+
+
+async def _done_if_usable(js: JetStreamContext, table: str, meta: SnapshotMeta, *,
+                          reused: bool, verifier: SignatureVerifier | None = None
+                          ) -> dict[str, Any] | None:
+    try:
+        start_seq = await cutover_start_seq(js, meta, verifier)
+    except SnapshotUnusable:
+        return None
+    return {"snapshot_id": meta.snapshot_id, "lsn": meta.raw["lsn"],
+            "cdc_stream": meta.cdc_stream, "cdc_start_seq": start_seq,
+            "meta_subject": snapshot_meta_subject(table), "meta_seq": meta.seq,
+            "reused": reused}
+
+
+def snapshot_relation_id(meta: SnapshotMeta) -> int | None:
+    """The oid of the table a snapshot was taken of (None: a meta without ``table_schema``)."""
+    relation_id = (meta.table_schema or {}).get("relation_id")
+    return relation_id if type(relation_id) is int else None
+
+
+async def fetch_dictionary(js: JetStreamContext, table: str, dictionary_id: int, *,
+                           bucket: str = DICTIONARY_BUCKET,
+                           verifier: SignatureVerifier | None = None) -> bytes:
+    """For consumers and tests: the dictionary a chunk names (KeyNotFoundError also when
+    ``verifier`` refuses it: its bytes decide what a chunk decompresses to)."""
+    key = dictionary_key(table, dictionary_id)
+    if verifier is not None:
+        value = await verified_value(js, bucket, key, verifier)
+        if value is None:
+            raise KeyNotFoundError(message=f"no dictionary {key} signed by a trusted key")
+        return value
+    kv = await js.key_value(bucket)
+    entry = await kv.get(key)
+    return entry.value or b""
+
+
+def decompressor(dictionary: bytes | None) -> zstandard.ZstdDecompressor:
+    if dictionary is None:
+        return zstandard.ZstdDecompressor()
+    return zstandard.ZstdDecompressor(dict_data=zstandard.ZstdCompressionDict(dictionary))
+
+
+async def meta_at(js: JetStreamContext, stream: str, done: Mapping[str, Any],
+                  verifier: SignatureVerifier | None = None) -> SnapshotMeta | None:
+    """The meta a ``done`` reply names (``meta_seq`` in ``stream``, the `INIT` stream); None
+    when ``verifier`` refuses it (logged); :class:`NoMetaThere` when the reply names none."""
+    try:
+        message = await js.get_msg(stream, seq=int(done["meta_seq"]))
+        if verifier is not None:
+            refusal = verifier.refusal(message.subject or "", message.headers or {},
+                                       message.data or b"")
+            if refusal is not None:
+                log.error("refused the snapshot meta at %s of %s: %s", message.seq, stream,
+                          refusal)
+                return None
+        return SnapshotMeta.from_wire(decode_any(message.data or b""), message.seq or 0)
+    except (KeyError, TypeError, ValueError, NotFoundError) as exc:
+        raise NoMetaThere(f"the snapshot reply names no readable meta ({exc!r})") from exc

@@ -1,0 +1,53 @@
+"""The layers, read from the imports: a consumer of the wire contract (``consumer/``, and the
+mirror built on it) stands on ``wire/`` and ``jetstream/`` alone, never on the producer's
+code (capture, publishing, snapshots, Dagster), so that what it relies on is what the
+contract documents; ``wire/`` and ``jetstream/`` import no producer code either."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "cdc_platform"
+# shared ground every layer may stand on
+COMMON = {"errors", "lsn", "naming", "settings", "speedups", "_speedups"}
+ALLOWED = {
+    "wire": COMMON,
+    "jetstream": COMMON | {"wire"},
+    "consumer": COMMON | {"wire", "jetstream"},
+    "mirror": COMMON | {"wire", "jetstream", "consumer"},
+}
+
+
+def _imported_packages(path: Path) -> set[str]:
+    """The top-level cdc_platform packages ``path`` imports (module level or inside
+    functions)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "cdc_platform" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_a_layer_imports_only_the_layers_under_it(layer):
+    wrong = {
+        str(path.relative_to(PACKAGE.parent)): sorted(
+            _imported_packages(path) - ALLOWED[layer] - {layer})
+        for path in sorted((PACKAGE / layer).rglob("*.py"))}
+    assert {path: packages for path, packages in wrong.items() if packages} == {}
+
+
+def test_the_rule_reads_imports_inside_functions_too(tmp_path):
+    module = tmp_path / "late.py"
+    module.write_text("def f():\n    from cdc_platform.snapshot.meta import publish_meta\n")
+    assert _imported_packages(module) == {"snapshot"}
