@@ -27,9 +27,9 @@ import psycopg
 from psycopg import sql
 
 from cdc_platform.mirror.follower import Mirror
-from cdc_platform.mirror.store import quote, to_sqlite
+from cdc_platform.mirror.store import STATE_TABLE, quote, to_sqlite
 from cdc_platform.naming import wire_name
-from cdc_platform_tests.integration.test_bridge import wait_for
+from cdc_platform_tests.fixtures.bridge import wait_for
 from cdc_platform_tests.integration.test_edge_values import EDGES
 from cdc_platform_tests.integration.test_snapshot import create_types_table, direct_rows
 
@@ -356,3 +356,46 @@ async def mirror_caught_up(mirror: Mirror, task: asyncio.Task, nats_client,
             raise AssertionError("the mirror stopped")
         return mirror.position >= last and not mirror.bootstrapping
     await wait_for(reached, timeout=timeout, what=f"the mirror to reach sequence {last}")
+
+
+# -- transfers between two account tables: a reader never sees one half done -------------
+ACCOUNTS = 500
+BALANCE = 1_000
+
+
+def mirror_statuses(db: sqlite3.Connection) -> dict[str, str]:
+    try:
+        return dict(db.execute(f"SELECT wire_table, status FROM {STATE_TABLE}").fetchall())
+    except sqlite3.OperationalError:  # (not created yet)
+        return {}
+
+
+class InvariantReader(threading.Thread):
+    """Reads the file as a reader would (its own connection, one read transaction per look):
+    whenever both account tables stream, their balances must sum to the total."""
+
+    def __init__(self, path, tables: list[str], total: int) -> None:
+        super().__init__(daemon=True)
+        self.path, self.tables, self.total = path, tables, total
+        self.stop = threading.Event()
+        self.checks = 0
+        self.broken: list[str] = []
+
+    def run(self) -> None:
+        while not self.stop.is_set() and not self.path.exists():
+            time.sleep(0.01)
+        with contextlib.closing(sqlite3.connect(self.path, isolation_level=None)) as db:
+            while not self.stop.is_set():
+                db.execute("BEGIN")
+                try:
+                    statuses = mirror_statuses(db)
+                    if all(statuses.get(table) == "streaming" for table in self.tables):
+                        total = sum(db.execute(
+                            f"SELECT coalesce(sum(balance), 0) FROM {quote(table)}"
+                        ).fetchone()[0] for table in self.tables)
+                        self.checks += 1
+                        if total != self.total:
+                            self.broken.append(f"{total} (at check {self.checks})")
+                finally:
+                    db.execute("COMMIT")
+                time.sleep(0.002)

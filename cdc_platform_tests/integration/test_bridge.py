@@ -1,11 +1,9 @@
 """The CDC bridge end to end: real PostgreSQL, real nats-server, the real library."""
 
 import asyncio
-import contextlib
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgpack
@@ -19,6 +17,13 @@ from cdc_platform.lsn import parse_lsn
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import NatsSettings, NatsTopology
 from cdc_platform.wire import decode_payload
+from cdc_platform_tests.fixtures.bridge import (
+    events_of,
+    flat_events,
+    running_bridge,
+    slot_confirmed,
+    wait_for,
+)
 from cdc_platform_tests.fixtures.services import (
     bridge_env,
     platform_settings,
@@ -28,43 +33,6 @@ from cdc_platform_tests.fixtures.services import (
 
 # also on the newest PostgreSQL (README "Tests": make test's second pass)
 pytestmark = pytest.mark.every_major
-
-
-@contextlib.asynccontextmanager
-async def running_bridge(settings):
-    bridge = CdcBridge(settings)
-    task = asyncio.create_task(bridge.run())
-    try:
-        yield bridge
-    finally:
-        bridge.request_stop()
-        await asyncio.wait_for(task, 60)
-
-
-async def wait_for(predicate, timeout=30.0, interval=0.1, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await predicate() if asyncio.iscoroutinefunction(predicate) else predicate():
-            return
-        await asyncio.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def slot_confirmed(pg_admin, slot) -> int:
-    state = read_slot(pg_admin, slot)
-    return state.confirmed_flush_lsn or 0 if state else 0
-
-
-def events_of(messages, fmt="msgpack"):
-    return [decode_payload(m.data, fmt) for m in messages]
-
-
-def flat_events(messages, fmt="msgpack"):
-    """Every event, batches unpacked (a batch is an array, a single event a map)."""
-    events = []
-    for decoded in events_of(messages, fmt):
-        events.extend(decoded if isinstance(decoded, list) else [decoded])
-    return events
 
 
 @pytest.fixture

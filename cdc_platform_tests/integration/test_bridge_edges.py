@@ -15,13 +15,13 @@ from cdc_platform.errors import ReplicationConfigError
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision
 from cdc_platform.settings import NatsSettings, NatsTopology
+from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
 from cdc_platform_tests.fixtures.services import (
     bridge_env,
     platform_settings,
     random_name,
     read_subjects,
 )
-from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
 from cdc_platform_tests.integration.test_stop_signals import CLI
 
 

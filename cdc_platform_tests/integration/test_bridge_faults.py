@@ -22,8 +22,8 @@ from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.settings import NatsSettings, NatsTopology
+from cdc_platform_tests.fixtures.bridge import running_bridge, slot_confirmed, wait_for
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
-from cdc_platform_tests.integration.test_bridge import running_bridge, slot_confirmed, wait_for
 
 
 async def _run_then_stop(bridge: CdcBridge, after: float) -> float:

@@ -337,7 +337,7 @@ async def test_max_age_0_cannot_force_back_to_back_snapshots(
     from cdc_platform.defs.snapshots.assets import REPLIES_TAG, init_snapshot
     from cdc_platform.lsn import format_lsn
     from cdc_platform.settings import load_settings
-    from cdc_platform_tests.integration.test_bridge import wait_for
+    from cdc_platform_tests.fixtures.bridge import wait_for
 
     interval = 30.0
     monkeypatch.setenv("CDC_SNAPSHOT_MIN_INTERVAL", str(interval))

@@ -7,8 +7,8 @@ import msgpack
 import pytest
 
 from cdc_platform.lsn import format_lsn, parse_lsn
+from cdc_platform_tests.fixtures.bridge import running_bridge, slot_confirmed, wait_for
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
-from cdc_platform_tests.integration.test_bridge import running_bridge, slot_confirmed, wait_for
 
 # also on the newest PostgreSQL (README "Tests": make test's second pass)
 pytestmark = pytest.mark.every_major

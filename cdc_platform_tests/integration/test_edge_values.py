@@ -10,13 +10,8 @@ import math
 import pytest
 
 from cdc_platform.snapshot import snapshot_table
+from cdc_platform_tests.fixtures.bridge import events_of, running_bridge, slot_confirmed, wait_for
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
-from cdc_platform_tests.integration.test_bridge import (
-    events_of,
-    running_bridge,
-    slot_confirmed,
-    wait_for,
-)
 from cdc_platform_tests.integration.test_snapshot import NO_BRIDGE, snapshot_data
 
 # also on the newest PostgreSQL (README "Tests": make test's second pass)

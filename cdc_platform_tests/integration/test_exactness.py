@@ -22,9 +22,9 @@ from cdc_platform_tests.exactness import (
     mirror_caught_up,
     reporter,
 )
+from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
-from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
 
 pytestmark = pytest.mark.spark
 

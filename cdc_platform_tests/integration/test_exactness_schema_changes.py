@@ -27,15 +27,17 @@ import pytest
 from cdc_platform.mirror.store import STATE_TABLE
 from cdc_platform.postgres.admin import provision_database
 from cdc_platform.replication.slots import read_slot
-from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
-from cdc_platform_tests.fixtures.responder import snapshot_responder
-from cdc_platform_tests.fixtures.services import bridge_env, platform_settings, random_name
-from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
-from cdc_platform_tests.integration.test_mirror_consistency import (
+from cdc_platform_tests.exactness import (
     ACCOUNTS,
     BALANCE,
-    _InvariantReader,
+    InvariantReader,
+    bridge_caught_up,
+    mirror_rows,
+    source_rows,
 )
+from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
+from cdc_platform_tests.fixtures.responder import snapshot_responder
+from cdc_platform_tests.fixtures.services import bridge_env, platform_settings, random_name
 
 # also on the newest PostgreSQL (README "Tests": make test's second pass)
 pytestmark = pytest.mark.every_major
@@ -245,7 +247,7 @@ async def test_the_mirror_stays_exact_through_every_schema_change(
             provision_database(admin, publication=cdc_database.publication,
                                role=cdc_database.role, tables=[workload.late])
 
-    reader = _InvariantReader(db, workload.accounts, 2 * ACCOUNTS * BALANCE)
+    reader = InvariantReader(db, workload.accounts, 2 * ACCOUNTS * BALANCE)
     stop = threading.Event()
     with open(log_path, "wb") as output:
         async with running_bridge(settings), snapshot_responder(settings, max_age_seconds=0):

@@ -13,8 +13,8 @@ from cdc_platform.lsn import parse_lsn
 from cdc_platform.publishing.claim_check import HEADER_CLAIM_CHECK
 from cdc_platform.settings import NatsSettings, NatsTopology
 from cdc_platform.wire import decode_payload
+from cdc_platform_tests.fixtures.bridge import running_bridge, slot_confirmed, wait_for
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
-from cdc_platform_tests.integration.test_bridge import running_bridge, slot_confirmed, wait_for
 
 MAX_PAYLOAD = 64 * 1024
 

@@ -26,9 +26,9 @@ from cdc_platform_tests.exactness import (
     mirror_rows,
     source_rows,
 )
+from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
-from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
 
 FAST = MirrorSettings(status_interval_seconds=1.0, snapshot_wait_seconds=120.0)
 

@@ -18,62 +18,26 @@ import psycopg
 from cdc_platform.mirror.consistency import shadow_name
 from cdc_platform.mirror.follower import Mirror
 from cdc_platform.mirror.status import status_lines
-from cdc_platform.mirror.store import CONSISTENT_TABLE, STATE_TABLE, MirrorStore, TableShape, quote
+from cdc_platform.mirror.store import CONSISTENT_TABLE, MirrorStore, TableShape, quote
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings, NatsSettings, PlatformSettings
 from cdc_platform_tests.exactness import (
+    ACCOUNTS,
+    BALANCE,
+    InvariantReader,
     bridge_caught_up,
     mirror_caught_up,
     mirror_rows,
+    mirror_statuses,
     reporter,
     source_rows,
 )
+from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
+from cdc_platform_tests.fixtures.mirror_events import event, schema
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
-from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
-from cdc_platform_tests.unit.test_mirror_store import event, schema
 
 FAST = MirrorSettings(status_interval_seconds=1.0, snapshot_wait_seconds=120.0)
-ACCOUNTS = 500
-BALANCE = 1_000
-
-
-def _statuses(db: sqlite3.Connection) -> dict[str, str]:
-    try:
-        return dict(db.execute(f"SELECT wire_table, status FROM {STATE_TABLE}").fetchall())
-    except sqlite3.OperationalError:  # (not created yet)
-        return {}
-
-
-class _InvariantReader(threading.Thread):
-    """Reads the file as a reader would (its own connection, one read transaction per look):
-    whenever both account tables stream, their balances must sum to the total."""
-
-    def __init__(self, path, tables: list[str], total: int) -> None:
-        super().__init__(daemon=True)
-        self.path, self.tables, self.total = path, tables, total
-        self.stop = threading.Event()
-        self.checks = 0
-        self.broken: list[str] = []
-
-    def run(self) -> None:
-        while not self.stop.is_set() and not self.path.exists():
-            time.sleep(0.01)
-        with contextlib.closing(sqlite3.connect(self.path, isolation_level=None)) as db:
-            while not self.stop.is_set():
-                db.execute("BEGIN")
-                try:
-                    statuses = _statuses(db)
-                    if all(statuses.get(table) == "streaming" for table in self.tables):
-                        total = sum(db.execute(
-                            f"SELECT coalesce(sum(balance), 0) FROM {quote(table)}"
-                        ).fetchone()[0] for table in self.tables)
-                        self.checks += 1
-                        if total != self.total:
-                            self.broken.append(f"{total} (at check {self.checks})")
-                finally:
-                    db.execute("COMMIT")
-                time.sleep(0.002)
 
 
 def _transfers(conninfo: str, tables: list[str], stop: threading.Event) -> None:
@@ -106,7 +70,7 @@ async def test_a_reader_never_sees_a_transfer_half_done_through_bootstraps(
     conninfo = cdc_database.server.superuser_conninfo()
     db = tmp_path / "mirror.db"
     lines: list[str] = []
-    reader = _InvariantReader(db, tables, 2 * ACCOUNTS * BALANCE)
+    reader = InvariantReader(db, tables, 2 * ACCOUNTS * BALANCE)
     stop_transfers, stop_mirror = threading.Event(), asyncio.Event()
     async with running_bridge(settings), snapshot_responder(settings, max_age_seconds=0):
         await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
@@ -120,7 +84,7 @@ async def test_a_reader_never_sees_a_transfer_half_done_through_bootstraps(
             if following.done():
                 following.result()
             with contextlib.closing(sqlite3.connect(db)) as local:
-                statuses = _statuses(local)
+                statuses = mirror_statuses(local)
             return statuses == {table: "streaming" for table in tables}
         await wait_for(streaming, timeout=60, what="both tables streaming")
         # a type change the mirror cannot follow: that table is bootstrapped again
@@ -190,7 +154,7 @@ async def test_other_tables_go_on_while_one_table_bootstraps_again(
         pg_admin.execute(f"UPDATE {bulk} SET k = -1 WHERE id = 1")
         worst = 0.0
         with contextlib.closing(sqlite3.connect(db)) as local:
-            while mirror.bootstraps < 3 or _statuses(local) != {bulk: "streaming",
+            while mirror.bootstraps < 3 or mirror_statuses(local) != {bulk: "streaming",
                                                                 ticker: "streaming"}:
                 assert not following.done(), lines
                 shown = local.execute(f"SELECT n FROM {quote(ticker)}").fetchone()[0]
@@ -253,7 +217,7 @@ async def test_a_pass_that_starts_inside_a_transaction_a_table_already_holds_com
         raise AssertionError(f"the mirror never caught up: {lines[-2:]}") from None
     assert not mirror.bootstrapping, lines
     with contextlib.closing(sqlite3.connect(db)) as local:
-        assert _statuses(local) == {a: "streaming", b: "streaming"}
+        assert mirror_statuses(local) == {a: "streaming", b: "streaming"}
         assert [local.execute(f"SELECT id, name FROM {quote(table)}").fetchall()
                 for table in (a, b)] == [[(1, "5")], [(1, "15")]]
 
@@ -281,7 +245,7 @@ async def test_a_change_of_another_table_proves_where_idle_tables_meet(
             if following.done():
                 following.result()
             with contextlib.closing(sqlite3.connect(db)) as local:
-                return mirror.bootstraps == 2 and len(_statuses(local)) == 2
+                return mirror.bootstraps == 2 and len(mirror_statuses(local)) == 2
         await wait_for(both_loaded, timeout=60, interval=0.02, what="both snapshots loaded")
         pg_admin.execute(f"UPDATE {other} SET v = 0 WHERE id = 1")
         await asyncio.wait_for(following, 60)

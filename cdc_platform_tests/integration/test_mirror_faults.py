@@ -35,6 +35,7 @@ from cdc_platform_tests.exactness import (
     mirror_caught_up,
     reporter,
 )
+from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import (
     CdcDatabase,
@@ -42,7 +43,6 @@ from cdc_platform_tests.fixtures.services import (
     platform_settings,
     random_name,
 )
-from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
 
 FAST = MirrorSettings(status_interval_seconds=2.0, snapshot_wait_seconds=300.0)
 SMALL = WorkloadSize(transactions=150, initial_rows=200, copy_rows=2_000,

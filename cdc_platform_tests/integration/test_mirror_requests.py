@@ -11,9 +11,9 @@ from cdc_platform.mirror.follower import Mirror
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings, NatsSettings, NatsTopology
 from cdc_platform_tests.exactness import mirror_rows
+from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
-from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
 
 
 async def test_a_mirror_asks_again_while_the_request_stream_is_full(

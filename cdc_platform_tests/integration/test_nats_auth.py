@@ -24,6 +24,7 @@ from cdc_platform.jetstream.connection import close_nats, connect_nats
 from cdc_platform.jetstream.provision import provision
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import NatsSettings, NatsTopology
+from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
 from cdc_platform_tests.fixtures.services import (
     nats_server_from,
     platform_settings,
@@ -31,7 +32,6 @@ from cdc_platform_tests.fixtures.services import (
     read_subjects,
     secret_for_test,
 )
-from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
 
 
 def _new_key(prefix: int) -> nkeys.KeyPair:

@@ -41,6 +41,7 @@ from cdc_platform.snapshot.requests import (
     send_replies,
 )
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
+from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import (
     nats_server_from,
@@ -48,7 +49,6 @@ from cdc_platform_tests.fixtures.services import (
     random_name,
     secret_for_test,
 )
-from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "nats-server.conf"
 USERS = ("bridge", "provisioner", "sensor", "consumer", "replier", "readers_admin")

@@ -16,9 +16,9 @@ from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings
 from cdc_platform.wire import decode_any, encoder
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
+from cdc_platform_tests.fixtures.bridge import flat_events, running_bridge, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
-from cdc_platform_tests.integration.test_bridge import flat_events, running_bridge, wait_for
 
 # also on the newest PostgreSQL (README "Tests": make test's second pass)
 pytestmark = pytest.mark.every_major

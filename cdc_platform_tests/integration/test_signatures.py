@@ -36,9 +36,9 @@ from cdc_platform.wire import (
 )
 from cdc_platform.wire.signing import new_seed
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
+from cdc_platform_tests.fixtures.bridge import running_bridge, slot_confirmed, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
-from cdc_platform_tests.integration.test_bridge import running_bridge, slot_confirmed, wait_for
 from cdc_platform_tests.integration.test_large_values import small_nats  # noqa: F401 (fixture)
 from cdc_platform_tests.integration.test_mirror import _bridge_ready
 from cdc_platform_tests.integration.test_snapshot import (

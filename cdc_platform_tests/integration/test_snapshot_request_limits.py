@@ -11,8 +11,8 @@ from cdc_platform.consumer.snapshots import snapshot_stored_since
 from cdc_platform.lsn import format_lsn, parse_lsn
 from cdc_platform.snapshot import snapshot_table
 from cdc_platform.snapshot.requests import answer_requests, parse_request
+from cdc_platform_tests.fixtures.bridge import running_bridge
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
-from cdc_platform_tests.integration.test_bridge import running_bridge
 
 
 def _body(size: int, **fields) -> bytes:

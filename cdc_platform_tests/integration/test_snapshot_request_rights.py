@@ -21,6 +21,7 @@ from cdc_platform.jetstream.provision import provision
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import NatsSettings, NatsTopology
 from cdc_platform.snapshot import snapshot_table
+from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
 from cdc_platform_tests.fixtures.services import (
     nats_server_from,
     platform_settings,
@@ -28,7 +29,6 @@ from cdc_platform_tests.fixtures.services import (
     read_subjects,
     secret_for_test,
 )
-from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
 from cdc_platform_tests.integration.test_dagster import request_sensor_tick, resources
 
 # What README "NATS setup" says the sensor needs (stream and durable names: the defaults).

@@ -20,6 +20,7 @@ from cdc_platform.dev.servers import LocalNatsServer, free_port
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision
 from cdc_platform.settings import NatsSettings, NatsTopology
+from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import (
     bridge_env,
@@ -27,7 +28,6 @@ from cdc_platform_tests.fixtures.services import (
     random_name,
     read_subjects,
 )
-from cdc_platform_tests.integration.test_bridge import running_bridge, wait_for
 
 CLI = str(Path(sys.executable).parent / "cdc-platform")
 # Python starting and loading the command line (~0.1 s): a SIGTERM before the command's

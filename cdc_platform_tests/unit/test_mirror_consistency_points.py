@@ -19,7 +19,7 @@ from cdc_platform.mirror.status import status_lines
 from cdc_platform.mirror.store import CONSISTENT_TABLE, MirrorStore, TableShape
 from cdc_platform.mirror.transactions import TransactionCollector
 from cdc_platform.settings import PlatformSettings
-from cdc_platform_tests.unit.test_mirror_store import bootstrapped, event, schema
+from cdc_platform_tests.fixtures.mirror_events import bootstrapped, event, schema
 
 
 def test_points():

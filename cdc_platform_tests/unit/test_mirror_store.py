@@ -17,22 +17,7 @@ from cdc_platform.mirror.store import (
     sqlite_type,
     to_sqlite,
 )
-
-
-def schema(table="users", columns=(("id", 23, "integer", True), ("name", 25, "text", False)),
-           fingerprint="f1"):
-    return {"table": table, "fingerprint": fingerprint,
-            "primary_key": [name for name, _, _, pk in columns if pk],
-            "columns": [{"name": name, "type_oid": oid, "data_type": data_type}
-                        for name, oid, data_type, _ in columns]}
-
-
-def event(operation, commit_lsn, ordinal, data=None, old=None, table="users", **extra):
-    message = {"table": table, "operation": operation, "commit_lsn": commit_lsn,
-               "ordinal": ordinal, "msg_id": f"{commit_lsn}:{ordinal}", "data": data, **extra}
-    if old is not None:
-        message["old"] = old
-    return message
+from cdc_platform_tests.fixtures.mirror_events import bootstrapped, event, schema, schema_event
 
 
 @pytest.fixture
@@ -44,14 +29,6 @@ def store(tmp_path):
 
 def rows(store, table="users"):
     return store._db.execute(f'SELECT * FROM "{table}" ORDER BY 1').fetchall()
-
-
-def bootstrapped(store, shape_schema=None, lsn=0x100, loaded=()):
-    shape = TableShape.from_schema(shape_schema or schema())
-    store.begin_bootstrap(shape, "snap1", lsn)
-    store.load_rows(shape.table, list(loaded))
-    store.finish_bootstrap(shape.table, stream_seq=7)
-    return shape
 
 
 def test_types_follow_the_wire_type_mapping():
@@ -229,11 +206,6 @@ def test_json_payload_values_are_restored_by_column_type():
         "id": 1, "raw": b"\x00\xff", "f": pytest.approx(math.nan, nan_ok=True),
         "fs": [1.5, -math.inf, None], "txt": "NaN"}
     assert shape.from_json(None) is None
-
-
-def schema_event(commit_lsn, ordinal, table_schema, **extra):
-    return event("SCHEMA", commit_lsn, ordinal, table=table_schema["table"],
-                 table_schema=table_schema, **extra)
 
 
 def test_a_schema_event_adds_columns_with_what_existing_rows_read(store, tmp_path):
