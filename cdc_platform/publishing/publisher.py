@@ -96,7 +96,7 @@ from cdc_platform.publishing.messages import (
     PublishStats,
 )
 from cdc_platform.speedups import compiled_twin
-from cdc_platform.wire.signing import HEADER_SIGNATURE, HEADER_SIGNING_KEY, MessageSigner
+from cdc_platform.wire import HEADER_SIGNATURE, HEADER_SIGNING_KEY, MessageSigner
 
 log = logging.getLogger(__name__)
 
@@ -399,15 +399,11 @@ class JetStreamPublisher:
             if not msg_id or not (msg_id.isascii() and msg_id.isprintable()):
                 raise PublishError(f"Nats-Msg-Id {msg_id!r} of a message on {message.subject!r} "
                                    "must be non-empty printable ASCII")
+            extra = (extras.get(message.headers) or self._encode_headers(message)
+                     if message.headers else "")
             if signer is not None:
-                extra = (extras.get(message.headers) or self._encode_headers(message)
-                         if message.headers else "") + _signature_lines(signer, message)
-                header = f"NATS/1.0\r\nNats-Msg-Id: {msg_id}\r\n{extra}\r\n".encode()
-            elif message.headers:
-                extra = extras.get(message.headers) or self._encode_headers(message)
-                header = f"NATS/1.0\r\nNats-Msg-Id: {msg_id}\r\n{extra}\r\n".encode()
-            else:
-                header = f"NATS/1.0\r\nNats-Msg-Id: {msg_id}\r\n\r\n".encode()
+                extra += _signature_lines(signer, message)
+            header = f"NATS/1.0\r\nNats-Msg-Id: {msg_id}\r\n{extra}\r\n".encode()
             payload = message.payload
             size = len(header) + len(payload)
             if size > max_payload:

@@ -28,6 +28,8 @@ from cdc_platform.wire.headers import (
     HEADER_CONTENT_TYPE,
     HEADER_MSG_ID,
     HEADER_SCHEMA_FINGERPRINT,
+    HEADER_SIGNATURE,
+    HEADER_SIGNING_KEY,
     HEADER_ZSTD_DICT,
 )
 from cdc_platform.wire.payloads import (
@@ -43,13 +45,7 @@ from cdc_platform.wire.payloads import (
     in_field_order,
     schema_fingerprint,
 )
-from cdc_platform.wire.signing import (
-    HEADER_SIGNATURE,
-    HEADER_SIGNING_KEY,
-    MessageSigner,
-    SignatureVerifier,
-    signed_bytes,
-)
+from cdc_platform.wire.signing import MessageSigner, SignatureVerifier, signed_bytes
 from cdc_platform.wire.subjects import (
     CDC_PREFIX,
     CHANGE_OPERATIONS,

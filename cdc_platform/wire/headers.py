@@ -9,6 +9,9 @@ HEADER_ZSTD_DICT = "Cdc-Zstd-Dict"
 HEADER_SCHEMA_FINGERPRINT = "Cdc-Schema-Fingerprint"
 # The payload is an object in the object store: ``{bucket}/{object}`` (README "Large values")
 HEADER_CLAIM_CHECK = "Cdc-Claim-Check"
+# The message's ed25519 signature and the public nkey that made it (README "Signatures")
+HEADER_SIGNATURE = "Cdc-Signature"
+HEADER_SIGNING_KEY = "Cdc-Signing-Key"
 
 CONTENT_TYPES = {"msgpack": "application/msgpack", "json": "application/json"}
 CONTENT_ENCODING_ZSTD = "zstd"

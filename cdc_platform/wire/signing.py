@@ -24,11 +24,10 @@ from cdc_platform.wire.headers import (
     HEADER_CONTENT_TYPE,
     HEADER_MSG_ID,
     HEADER_SCHEMA_FINGERPRINT,
+    HEADER_SIGNATURE,
+    HEADER_SIGNING_KEY,
     HEADER_ZSTD_DICT,
 )
-
-HEADER_SIGNATURE = "Cdc-Signature"
-HEADER_SIGNING_KEY = "Cdc-Signing-Key"
 
 SIGNATURE_CONTEXT = b"cdc-platform-signature-v1\n"
 # The headers whose values are signed, in this order (absent: an empty line).
