@@ -21,6 +21,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,21 @@ _PORT_TAKEN_MARKERS = ("address already in use",)
 
 
 _PORT_ATTEMPTS = 3
+
+
+def start_on_free_ports(start: Callable[[], None],
+                        choose_again: Callable[[], None] | None) -> None:
+    """``start()``; when a port it was given was taken meanwhile by another process,
+    ``choose_again()`` (new free ports) and start again, a few times at most. None: the
+    ports were given, a taken one is the error."""
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return start()
+        except PortTaken as exc:
+            if choose_again is None or attempt == _PORT_ATTEMPTS - 1:
+                raise
+            choose_again()
+            log.info("%s; trying other ports", exc)
 
 
 def said_port_taken(output: str) -> bool:
@@ -340,14 +356,10 @@ class LocalPostgres:
             private.chmod(0o700)
 
     def start(self) -> None:
-        for attempt in range(_PORT_ATTEMPTS):
-            try:
-                return self._start()
-            except PortTaken:
-                if not self.port_chosen or attempt == _PORT_ATTEMPTS - 1:
-                    raise
-                self.port = free_port()
-                log.info("PostgreSQL: the port was taken meanwhile, trying %d", self.port)
+        start_on_free_ports(self._start, self._choose_port if self.port_chosen else None)
+
+    def _choose_port(self) -> None:
+        self.port = free_port()
 
     def _start(self) -> None:
         if not self.initialized:
@@ -474,14 +486,7 @@ class LocalNatsServer:
         self.config_file.chmod(0o600)
 
     def start(self) -> None:
-        for attempt in range(_PORT_ATTEMPTS):
-            try:
-                return self._start()
-            except PortTaken:
-                if not any(self.ports_chosen) or attempt == _PORT_ATTEMPTS - 1:
-                    raise
-                self._choose_ports()
-                log.info("nats-server: a port was taken meanwhile, trying %d", self.port)
+        start_on_free_ports(self._start, self._choose_ports if any(self.ports_chosen) else None)
 
     def _start(self) -> None:
         self.base_dir.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,7 @@ from cdc_platform.dev.servers import (
     read_from,
     said_port_taken,
     start_logical_postgres,
+    start_on_free_ports,
 )
 from cdc_platform.errors import CdcError
 from cdc_platform.jetstream.connection import connect_nats
@@ -286,15 +287,9 @@ class DevStack:
             self.processes.append(("dagster-daemon", subprocess.Popen(
                 [str(bin_dir / "dagster-daemon"), "run", "-w", workspace], cwd=REPO_ROOT,
                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)))
-        for attempt in range(3):
-            try:
-                self._start_webserver(env, workspace, logs / "dagster-webserver.log")
-                break
-            except PortTaken as exc:
-                if self._given("ui_port") or attempt == 2:
-                    raise
-                self.ports["ui_port"] = free_port()
-                log.info("%s; trying %d", exc, self.ports["ui_port"])
+        start_on_free_ports(
+            lambda: self._start_webserver(env, workspace, logs / "dagster-webserver.log"),
+            None if self._given("ui_port") else lambda: self.ports.update(ui_port=0))
         # The stack provisioned NATS and the bridge publishes schemas, but the UI should not
         # say "never materialized": materialize both for real (idempotent), in the background.
         with open(logs / "materialize-platform.log", "ab") as out:
