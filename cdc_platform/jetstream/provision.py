@@ -183,7 +183,6 @@ async def _ensure_bucket(js: JetStreamContext, wanted: KeyValueConfig, report: P
 async def _ensure_object_store(js: JetStreamContext, topology: NatsTopology,
                                report: ProvisionReport, conflicts: list[str],
                                update: bool) -> None:
-
     wanted = object_store_config(topology.large.bucket, topology.cdc.max_age_seconds,
                                  topology.large.replicas)
     try:
@@ -274,6 +273,14 @@ async def _existing_or_created(js: JetStreamContext, wanted: StreamConfig,
         return None
 
 
+async def _update_stream(js: JetStreamContext, info: StreamInfo,
+                         differences: dict[str, tuple]) -> None:
+    """Apply ``differences`` (``{field: (existing, wanted)}``) to the stream ``info`` shows."""
+    for field_name, (_, want) in differences.items():
+        setattr(info.config, field_name, want)
+    await js.update_stream(info.config)
+
+
 def _editable(differences: dict[str, tuple]) -> bool:
     """Whether nats-server can apply ``differences`` to an existing stream."""
     fixed = set(differences) & set(_IMMUTABLE)
@@ -307,10 +314,7 @@ async def provision(js: JetStreamContext, topology: NatsTopology, *,
         if not differences:
             report.unchanged.append(name)
         elif update and _editable(differences):
-            merged = info.config
-            for field_name, (_, want) in differences.items():
-                setattr(merged, field_name, want)
-            await js.update_stream(merged)
+            await _update_stream(js, info, differences)
             report.updated.append(f"{name} ({', '.join(differences)})")
         else:
             conflicts.append(_describe(name, differences))
@@ -403,10 +407,7 @@ async def provision_readers(js: JetStreamContext, topology: NatsTopology, *,
         if not differences:
             report.unchanged.append(f"mirror:{name}")
         elif update and not set(differences) & {"mirror", "storage"}:
-            merged = info.config
-            for field_name, (_, want) in differences.items():
-                setattr(merged, field_name, want)
-            await js.update_stream(merged)
+            await _update_stream(js, info, differences)
             report.updated.append(f"mirror:{name} ({', '.join(differences)})")
         else:
             conflicts.append(_describe(f"mirror:{name}", differences))
