@@ -6,7 +6,7 @@ from __future__ import annotations
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from cdc_platform.jetstream.kv import verified_value
+from cdc_platform.jetstream.kv import kv_value
 from cdc_platform.wire import SignatureVerifier, decode_any
 
 
@@ -14,10 +14,8 @@ async def schema_value(js: JetStreamContext, bucket: str, table: str,
                        verifier: SignatureVerifier | None = None) -> bytes | None:
     """The schema of ``table`` as stored (None: none, or none ``verifier`` accepts)."""
     try:
-        if verifier is not None:
-            return await verified_value(js, bucket, table, verifier)
-        return (await (await js.key_value(bucket)).get(table)).value
-    except NotFoundError:
+        return await kv_value(js, bucket, table, verifier)
+    except NotFoundError:  # (no such bucket)
         return None
 
 

@@ -16,10 +16,11 @@ from typing import Any
 
 import zstandard
 from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from cdc_platform.errors import CdcError
-from cdc_platform.jetstream.kv import verified_value
+from cdc_platform.jetstream.kv import kv_value
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.settings import DictionaryBucketSettings
 from cdc_platform.wire import SignatureVerifier, decode_any, dictionary_key, snapshot_meta_subject
@@ -92,6 +93,23 @@ async def latest_meta(js: JetStreamContext, table: str, stream: str = "INIT",
         message = await js.get_last_msg(stream, snapshot_meta_subject(table))
     except NotFoundError:
         return None
+    return _verified_meta(message, stream, verifier)
+
+
+async def meta_at(js: JetStreamContext, stream: str, done: Mapping[str, Any],
+                  verifier: SignatureVerifier | None = None) -> SnapshotMeta | None:
+    """The meta a ``done`` reply names (``meta_seq`` in ``stream``, the `INIT` stream); None
+    when ``verifier`` refuses it (logged); :class:`NoMetaThere` when the reply names none."""
+    try:
+        return _verified_meta(await js.get_msg(stream, seq=int(done["meta_seq"])), stream,
+                              verifier)
+    except (KeyError, TypeError, ValueError, NotFoundError) as exc:
+        raise NoMetaThere(f"the snapshot reply names no readable meta ({exc!r})") from exc
+
+
+def _verified_meta(message: RawStreamMsg, stream: str,
+                   verifier: SignatureVerifier | None) -> SnapshotMeta | None:
+    """The meta ``message`` holds; None when ``verifier`` refuses it (logged)."""
     refusal = verifier.refusal(message.subject or "", message.headers or {},
                                message.data or b"") if verifier is not None else None
     if refusal is not None:
@@ -198,14 +216,11 @@ async def fetch_dictionary(js: JetStreamContext, table: str, dictionary_id: int,
     """For consumers and tests: the dictionary a chunk names (KeyNotFoundError also when
     ``verifier`` refuses it: its bytes decide what a chunk decompresses to)."""
     key = dictionary_key(table, dictionary_id)
-    if verifier is not None:
-        value = await verified_value(js, bucket, key, verifier)
-        if value is None:
-            raise KeyNotFoundError(message=f"no dictionary {key} signed by a trusted key")
-        return value
-    kv = await js.key_value(bucket)
-    entry = await kv.get(key)
-    return entry.value or b""
+    value = await kv_value(js, bucket, key, verifier)
+    if value is None:
+        raise KeyNotFoundError(message=f"no dictionary {key}" + (
+            " signed by a trusted key" if verifier is not None else ""))
+    return value
 
 
 def decompressor(dictionary: bytes | None) -> zstandard.ZstdDecompressor:
@@ -213,20 +228,3 @@ def decompressor(dictionary: bytes | None) -> zstandard.ZstdDecompressor:
         return zstandard.ZstdDecompressor()
     return zstandard.ZstdDecompressor(dict_data=zstandard.ZstdCompressionDict(dictionary))
 
-
-async def meta_at(js: JetStreamContext, stream: str, done: Mapping[str, Any],
-                  verifier: SignatureVerifier | None = None) -> SnapshotMeta | None:
-    """The meta a ``done`` reply names (``meta_seq`` in ``stream``, the `INIT` stream); None
-    when ``verifier`` refuses it (logged); :class:`NoMetaThere` when the reply names none."""
-    try:
-        message = await js.get_msg(stream, seq=int(done["meta_seq"]))
-        if verifier is not None:
-            refusal = verifier.refusal(message.subject or "", message.headers or {},
-                                       message.data or b"")
-            if refusal is not None:
-                log.error("refused the snapshot meta at %s of %s: %s", message.seq, stream,
-                          refusal)
-                return None
-        return SnapshotMeta.from_wire(decode_any(message.data or b""), message.seq or 0)
-    except (KeyError, TypeError, ValueError, NotFoundError) as exc:
-        raise NoMetaThere(f"the snapshot reply names no readable meta ({exc!r})") from exc

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from cdc_platform.wire import MessageSigner, SignatureVerifier
@@ -44,3 +44,16 @@ async def verified_value(js: JetStreamContext, bucket: str, key: str,
                   message.seq, refusal)
         return None
     return message.data or b""
+
+
+async def kv_value(js: JetStreamContext, bucket: str, key: str,
+                   verifier: SignatureVerifier | None = None,
+                   kv: KeyValue | None = None) -> bytes | None:
+    """The key's value (None: none); with ``verifier``, only one it accepts
+    (:func:`verified_value`). ``kv``: the bucket's handle, when the caller has it."""
+    if verifier is not None:
+        return await verified_value(js, bucket, key, verifier)
+    try:
+        return (await (kv or await js.key_value(bucket)).get(key)).value or b""
+    except KeyNotFoundError:  # (deleted or purged too)
+        return None

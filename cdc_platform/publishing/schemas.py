@@ -11,10 +11,9 @@ from typing import Any
 
 import psycopg
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from cdc_platform.jetstream.kv import put_value, verified_value
+from cdc_platform.jetstream.kv import kv_value, put_value
 from cdc_platform.postgres.catalog import TableSchema, published_tables, table_schema
 from cdc_platform.wire import MessageSigner, SignatureVerifier, decode_any
 
@@ -36,16 +35,10 @@ async def stored_schema(js: JetStreamContext, kv: KeyValue, bucket: str, schema:
     """The KV value stored for ``schema``'s table, when it is of this table (the same
     relation id) and readable, and signed by ``signer``'s key when the platform signs (its
     ``relfilenode`` decides whether the bridge asks for snapshots); None otherwise."""
-    if signer is not None:
-        data = await verified_value(js, bucket, schema.wire_name,
-                                    SignatureVerifier([signer.public_key]))
-        if data is None:
-            return None
-    else:
-        try:
-            data = (await kv.get(schema.wire_name)).value or b""
-        except KeyNotFoundError:
-            return None
+    verifier = SignatureVerifier([signer.public_key]) if signer is not None else None
+    data = await kv_value(js, bucket, schema.wire_name, verifier, kv)
+    if data is None:
+        return None
     try:
         value = decode_any(data)
     except Exception:  # noqa: BLE001 - not a value of ours: as if there were none
