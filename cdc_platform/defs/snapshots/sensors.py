@@ -41,6 +41,7 @@ from cdc_platform.snapshot.requests import (
     fetch_requests,
     request_run_key,
 )
+from cdc_platform.wire import SignatureVerifier
 
 PARTITION_TAG = "dagster/partition"
 RUN_KEY_TAG = "dagster/run_key"
@@ -150,7 +151,8 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
         outcome = asyncio.run(_handle_requests(
             nats, nats_replies, cursor.recorded_through, _published_relation_ids(postgres),
             postgres.settings().publication, settings.snapshot_reuse_seconds,
-            _runs_in_flight(context.instance, snapshot_job.name), pacing))
+            _runs_in_flight(context.instance, snapshot_job.name), pacing,
+            settings.snapshot_verifier()))
         runs = dict(outcome.runs) if outcome else {}
         notes = list(outcome.notes) if outcome else []
         now = time.time()
@@ -189,10 +191,10 @@ async def _handle_requests(nats: NatsResource, nats_replies: NatsRepliesResource
                            published: dict[str, int],
                            publication: str, reuse_seconds: float,
                            in_flight: dict[str, RunInFlight],
-                           pacing: Pacing) -> HandledRequests | None:
+                           pacing: Pacing,
+                           verifier: SignatureVerifier | None) -> HandledRequests | None:
     """What the new requests decided (None: nothing new); see ``answer_requests``."""
     topology = load_settings(NatsTopology)
-    verifier = load_settings(OrchestrationSettings).snapshot_verifier()
     async with nats.connect("cdc-platform-snapshot-sensor", as_sensor=True) as client:
         requests = await fetch_requests(client, topology.requests.name, REQUESTS_DURABLE,
                                         recorded_through, FETCH_LIMIT)
