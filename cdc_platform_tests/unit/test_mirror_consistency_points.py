@@ -109,17 +109,23 @@ def test_a_shadow_is_swapped_in_where_it_meets_the_streaming_tables(tmp_path):
     store.close()
 
 
-def test_an_idle_source_gets_its_shadows_swapped_in_with_the_point_not_known(tmp_path):
-    path = tmp_path / "mirror.db"
+def _a_streaming_and_b_loaded_aside(path, report=lambda line: None):
+    """``a`` streams; ``b``'s snapshot is loaded into its shadow, not swapped in yet."""
     store = MirrorStore(path)
     bootstrapped(store, schema("a"), lsn=0x100)
     shadow = shadow_name("b")
     store.begin_bootstrap(TableShape.from_schema(schema(shadow)), "snap2", 0x300)
     store.finish_bootstrap(shadow, stream_seq=3)
-    mirror = Mirror(PlatformSettings(), ["a", "b"], path, report=lambda line: None)
+    mirror = Mirror(PlatformSettings(), ["a", "b"], path, report=report)
     follow = _Following(mirror, None, store, TransactionCollector(["a", "b"],
                                                                   keep_events=False),
                         {"a": "a", "b": shadow})
+    return store, shadow, follow
+
+
+def test_an_idle_source_gets_its_shadows_swapped_in_with_the_point_not_known(tmp_path):
+    path = tmp_path / "mirror.db"
+    store, shadow, follow = _a_streaming_and_b_loaded_aside(path)
     follow.swap_shadows()
     assert follow.shadowed == {"b": shadow}
     follow.swap_shadows(idle=True)
@@ -151,17 +157,9 @@ def test_mirror_status_prints_each_table_and_the_consistent_lsn(tmp_path, capsys
 
 
 def test_a_divergence_in_a_shadow_makes_its_table_bootstrap_again(tmp_path):
-    path = tmp_path / "mirror.db"
-    store = MirrorStore(path)
-    bootstrapped(store, schema("a"), lsn=0x100)
-    shadow = shadow_name("b")
-    store.begin_bootstrap(TableShape.from_schema(schema(shadow)), "snap2", 0x300)
-    store.finish_bootstrap(shadow, stream_seq=3)
     lines: list[str] = []
-    mirror = Mirror(PlatformSettings(), ["a", "b"], path, report=lines.append)
-    follow = _Following(mirror, None, store, TransactionCollector(["a", "b"],
-                                                                  keep_events=False),
-                        {"a": "a", "b": shadow})
+    store, shadow, follow = _a_streaming_and_b_loaded_aside(tmp_path / "mirror.db",
+                                                            lines.append)
     follow.event(event("DELETE", "0/400", 0, table="b", data={"id": 9}, old={"id": 9},
                        tx_tables={"b": 1}), 4, False)
     assert list(follow.stale) == ["b"]
