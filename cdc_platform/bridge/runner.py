@@ -335,9 +335,10 @@ class CdcBridge:
             started = perf_counter()
             metrics.wal_messages.inc(batch.wal_messages)
             built = build(batch.events)
+            shapes: list[TableSchema] = []
             if built.changed_relations or built.schema_events:
                 try:
-                    await self._follow_shape_changes(reader, built)
+                    shapes = await self._follow_shape_changes(reader, built)
                 except StopRequested:
                     break  # this batch is not published: the next start reads it again
             if built.messages or built.position is not None:
@@ -347,6 +348,8 @@ class CdcBridge:
                     self._timings.append((built.position, time.monotonic(),
                                           commit_ts_epoch(built.last_commit_ts), built.transactions))
                 await self._publish(reader, built.messages, built.position)
+            if shapes:
+                await self._put_schemas_once_stored(reader, shapes)
             # counted when read: a change held back for its transaction's next message is
             # published with a later batch, which does not count it again
             metrics.events_published.inc(built.changes)
@@ -371,6 +374,20 @@ class CdcBridge:
         # confirmed, so the next start sends them again; what is in flight is drained.
         with contextlib.suppress(StopRequested):
             await self._answering(reader, self.publisher.publish(messages, position))
+
+    async def _put_schemas_once_stored(self, reader: SlotReader,
+                                       shapes: list[TableSchema]) -> None:
+        """KV schemas of a batch's shape changes, once JetStream stored the batch: KV never
+        runs ahead of the stream. (A schema put before its event is stored, then a kill,
+        made the next start take the rewrite's storage for what consumers hold, and the
+        replayed event lost its ``needs_snapshot``.) Schema changes are rare: one flush each."""
+        assert self.publisher is not None
+        try:
+            await self._answering(reader, self.publisher.flush())
+        except StopRequested:
+            return  # not confirmed either: the next start reads this batch again
+        for schema in shapes:
+            await self._put_schema(schema)
 
     async def _answering(self, reader: SlotReader | None, awaitable: Awaitable[T]) -> T:
         """``awaitable``'s result, confirming what is stored and sending PostgreSQL a status
@@ -448,9 +465,11 @@ class CdcBridge:
         held = self._announced.get(table) or self._published_shapes[table]
         return dataclasses.replace(found, storage=held.storage)
 
-    async def _follow_shape_changes(self, reader: SlotReader, built: BuiltBatch) -> None:
-        """KV schemas of the relations ``built`` saw change, and its schema events filled in
-        (or dropped when neither the shape nor the storage differs from the announced)."""
+    async def _follow_shape_changes(self, reader: SlotReader,
+                                    built: BuiltBatch) -> list[TableSchema]:
+        """``built``'s schema events filled in (or dropped when neither the shape nor the
+        storage differs from the announced), and the schemas to put in KV once they are
+        stored."""
         catalog = reader.catalog
         assert catalog is not None
         read: dict[int, TableSchema | None] = {}  # id(Relation) -> the catalog's table now
@@ -477,6 +496,7 @@ class CdcBridge:
         if read_to:
             await self._read_ahead(reader, built, read_to)
         dropped: set[int] = set()
+        shapes: list[TableSchema] = []
         for slot in built.schema_events:  # (in stream order: each compares with the last)
             current = await current_of(slot.relation)
             table = wire_name(slot.relation.namespace, slot.relation.name)
@@ -484,7 +504,7 @@ class CdcBridge:
             change = resolve_shape(slot.relation, slot.change, current, await baseline(table),
                                    truncates_of(slot, built.schema_events))
             schema, reason = change.schema, change.reason
-            await self._put_schema(schema)
+            shapes.append(schema)
             if previous is not None and reason is None and (
                     previous.fingerprint, previous.storage) == (schema.fingerprint,
                                                                 change.storage):
@@ -503,6 +523,7 @@ class CdcBridge:
         if dropped:
             built.messages[:] = [message for index, message in enumerate(built.messages)
                                  if index not in dropped]
+        return shapes
 
     async def _read_ahead(self, reader: SlotReader, built: BuiltBatch, lsn: int) -> None:
         """Read on until the walsender has decoded past ``lsn`` (a catalog read's), for at

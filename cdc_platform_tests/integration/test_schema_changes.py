@@ -261,6 +261,33 @@ async def test_a_rewrite_while_the_bridge_is_down_reaches_the_mirror(
     assert event["needs_snapshot"] is True
 
 
+async def test_the_kv_schema_is_put_only_once_its_event_is_stored(
+        cdc_database, pg_admin, provisioned_nats, nats_client):
+    """KV never runs ahead of the stream: a bridge killed between the two (put first) came
+    back taking the rewrite's storage for what consumers hold, and the replayed schema
+    event lost its ``needs_snapshot`` (the mirror kept NULL in a column added with a
+    volatile default). Arrival order on one subscriber tells which was sent first."""
+    table = _published(pg_admin, cdc_database, "kv_after", "id int PRIMARY KEY, a int4",
+                       "SELECT g, g FROM generate_series(1, 20) g")
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    arrived: list[str] = []
+
+    async def record(message) -> None:
+        arrived.append(message.subject)
+
+    bucket = settings.topology.schemas.bucket
+    await nats_client.subscribe(f"$KV.{bucket}.{table}", cb=record)
+    await nats_client.subscribe(f"cdc.{table}.schema", cb=record)
+    async with running_bridge(settings):
+        await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
+        await wait_for(lambda: f"$KV.{bucket}.{table}" in arrived)  # published at start
+        arrived.clear()
+        pg_admin.execute(f"ALTER TABLE {table} ADD COLUMN r float8 DEFAULT random()")
+        pg_admin.execute(f"UPDATE {table} SET a = -1 WHERE id = 1")
+        await wait_for(lambda: len(arrived) >= 2)
+    assert arrived == [f"cdc.{table}.schema", f"$KV.{bucket}.{table}"]
+
+
 async def test_republished_schemas_keep_the_storage_consumers_hold(
         cdc_database, pg_admin, provisioned_nats, nats_client):
     """The Dagster ``schemas`` asset writes every schema again from the catalog: the KV
