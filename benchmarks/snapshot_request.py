@@ -122,6 +122,8 @@ def main() -> None:
     state = Path(tempfile.mkdtemp(prefix="cdc-bench-req-")) / "state"
     cli = Path(sys.executable).parent / "cdc-platform"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CDC_", "PG_", "NATS_"))}
+    # each request a new snapshot: this times a run, not the reuse that pacing would answer with
+    env["CDC_SNAPSHOT_MIN_INTERVAL"] = "0"
     log = open(state.parent / "dev.log", "wb")  # noqa: SIM115 - lives as long as the stack
     stack = subprocess.Popen([str(cli), "dev", "--state-dir", str(state)], env=env, stdout=log,
                              stderr=subprocess.STDOUT, start_new_session=True)
