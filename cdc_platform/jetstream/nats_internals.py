@@ -29,9 +29,9 @@ from nats.aio.subscription import Subscription
 
 from cdc_platform.errors import CdcError
 
-#: The nats-py releases this module was written and tested against (pyproject.toml says the
-#: same; a unit test keeps the two equal).
-SUPPORTED_NATS_PY = ">=2.9,<2.17"
+#: The nats-py releases this platform is tested against (pyproject.toml says the same; a unit
+#: test keeps the two equal). 2.12 is the first with ``StreamConfig.allow_batched``.
+SUPPORTED_NATS_PY = ">=2.12,<2.17"
 
 # Where nats-py keeps the parser state read by :func:`parser_is_idle`.
 _PARSER_MODULE = "nats.protocol.parser"
