@@ -166,7 +166,8 @@ class CdcBridge:
         while not self.stop_requested.is_set():
             try:
                 return await self._unless_stopped(connect_nats(
-                    self.settings.nats, name="cdc-platform-bridge", reconnect_forever=True))
+                    self.settings.nats, name="cdc-platform-bridge", reconnect_forever=True,
+                    on_disconnect=self._nats_disconnected, on_reconnect=self._nats_reconnected))
             except StopRequested:
                 return None
             except NatsUnreachable as exc:
@@ -218,7 +219,6 @@ class CdcBridge:
             await self.publisher.start()
             self._claim_checks = ClaimChecks(js, self.settings.topology.large.bucket,
                                              self.settings.encoding.format)
-            self._watch_nats(nc)
             side_tasks = [asyncio.create_task(coro, name=name) for name, coro in (
                 ("heartbeat", self._heartbeat_loop()),
                 ("lag-monitor", self._lag_loop()),
@@ -249,27 +249,16 @@ class CdcBridge:
             loop.call_soon_threadsafe(self.request_stop)
         return stop
 
-    def _watch_nats(self, nc) -> None:
-        previous_disconnect = nc._disconnected_cb  # chain them, do not replace
-        previous_reconnect = nc._reconnected_cb
+    async def _nats_disconnected(self) -> None:
+        self.metrics.nats_connected.set(0)
+        if self.publisher is not None:
+            self.publisher.connection_changed()
 
-        async def on_disconnect() -> None:
-            self.metrics.nats_connected.set(0)
-            if self.publisher is not None:
-                self.publisher.connection_changed()
-            if previous_disconnect:
-                await previous_disconnect()
-
-        async def on_reconnect() -> None:
-            self.metrics.nats_connected.set(1)
-            self.metrics.nats_reconnects.inc()
-            if self.publisher is not None:
-                self.publisher.connection_changed()
-            if previous_reconnect:
-                await previous_reconnect()
-
-        nc._disconnected_cb = on_disconnect
-        nc._reconnected_cb = on_reconnect
+    async def _nats_reconnected(self) -> None:
+        self.metrics.nats_connected.set(1)
+        self.metrics.nats_reconnects.inc()
+        if self.publisher is not None:
+            self.publisher.connection_changed()
 
     async def _replicate_with_reconnects(self) -> None:
         self._reading_task = asyncio.current_task()

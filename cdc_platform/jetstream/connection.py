@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
@@ -13,6 +14,7 @@ from nats.errors import AuthorizationError, NoServersError
 from nats.errors import Error as NatsError
 
 from cdc_platform.errors import NatsAuthError, NatsUnreachable
+from cdc_platform.jetstream.nats_internals import cancel_client_tasks, check_installed_nats_py
 from cdc_platform.settings import NatsSettings
 
 log = logging.getLogger(__name__)
@@ -20,15 +22,23 @@ log = logging.getLogger(__name__)
 
 async def connect_nats(settings: NatsSettings, *, name: str = "cdc_platform",
                        reconnect_forever: bool = False,
-                       inbox_prefix: str = "_INBOX") -> NatsClient:
+                       inbox_prefix: str = "_INBOX",
+                       on_disconnect: Callable[[], Awaitable[None]] | None = None,
+                       on_reconnect: Callable[[], Awaitable[None]] | None = None
+                       ) -> NatsClient:
     """Connect, failing fast and clearly at start (:class:`NatsUnreachable`,
-    :class:`NatsAuthError`); once connected, nats-py reconnects by itself.
+    :class:`NatsAuthError`, :class:`~cdc_platform.jetstream.nats_internals.NatsPyUnsupported`
+    for a nats-py this platform does not support); once connected, nats-py reconnects by
+    itself.
 
     ``reconnect_forever`` is for long-running publishers (the CDC bridge): NATS going away
     mid-stream must never end the process, only pause it. At start every server is tried
     twice: a caller that wants to wait for NATS retries (the bridge does, stoppably).
     ``inbox_prefix``: where replies to this client go (a mirror's ``--inbox-prefix``).
+    ``on_disconnect`` and ``on_reconnect`` are called on each disconnection (our own close
+    included) and reconnection.
     """
+    check_installed_nats_py()
     options = settings.connect_options()
     options["name"] = name
     options["inbox_prefix"] = inbox_prefix
@@ -46,11 +56,15 @@ async def connect_nats(settings: NatsSettings, *, name: str = "cdc_platform",
     client_ref: list[NatsClient] = []
 
     async def _on_disconnect() -> None:
+        if on_disconnect is not None:
+            await on_disconnect()
         if client_ref and (client_ref[0].is_closed or client_ref[0].is_draining):
             return  # our own close(), not an outage
         log.warning("NATS disconnected from %s", settings.describe())
 
     async def _on_reconnect() -> None:
+        if on_reconnect is not None:
+            await on_reconnect()
         log.info("NATS reconnected to %s", settings.describe())
 
     try:
@@ -107,10 +121,4 @@ async def close_nats(client: Any, timeout: float) -> None:
         return
     except Exception as exc:  # noqa: BLE001 - a timeout, or the connection already broken
         log.debug("NATS close did not finish (%r): cancelling the client's tasks", exc)
-    tasks = [getattr(client, name, None) for name in (
-        "_reconnection_task", "_reading_task", "_ping_interval_task", "_flusher_task")]
-    tasks += [getattr(sub, "_wait_for_msgs_task", None)
-              for sub in list(getattr(client, "_subs", {}).values())]
-    for task in tasks:
-        if task is not None and not task.done():
-            task.cancel()
+    cancel_client_tasks(client)

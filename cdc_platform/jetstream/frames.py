@@ -5,12 +5,12 @@ removes it from the front of a ``bytearray`` (``del buf[:n]``: a move of everyth
 twice per message) and awaits ``Client._process_msg`` for it. Measured on a mirror reading
 200K changes: 9-10 µs of CPU per message for reading alone, 6.5 µs with this reader and less
 with its compiled twin (``_speedups/frames.pyx``; ``benchmarks/mirror.py``). :class:`FrameReader` takes
-nats-py's place on a client (``client._ps``, which ``Client._read_loop`` feeds every chunk read
-from the socket) and walks each chunk by offset instead:
+the parser's place on a client (:func:`~cdc_platform.jetstream.nats_internals.swap_parser`: it
+is fed every chunk read from the socket) and walks each chunk by offset instead:
 
 - ``MSG``/``HMSG`` frames for a subscription with a sink go to that sink synchronously, a run of
   them at a time (:func:`deliver`);
-- ``MSG``/``HMSG`` frames for any other subscription go to ``Client._process_msg``, as nats-py's
+- ``MSG``/``HMSG`` frames for any other subscription go to nats-py's message handler, as its
   parser would send them;
 - every other complete control line (``PING``, ``PONG``, ``+OK``, ``-ERR``, ``INFO``) goes to
   nats-py's own parser, which acts on it exactly as before.
@@ -26,11 +26,9 @@ from collections.abc import Callable
 from typing import Any
 
 from nats.errors import ProtocolError
-from nats.protocol.parser import AWAITING_CONTROL_LINE
 
+from cdc_platform.jetstream.nats_internals import MessageHandler, Sink, parser_is_idle
 from cdc_platform.speedups import compiled_twin
-
-Sink = Callable[[bytes, bytes, bytes, bytes | None], None]
 
 _CRLF = b"\r\n"
 # nats-server's default max_control_line; a longer line without CRLF is not a frame we know
@@ -95,16 +93,13 @@ deliver: Callable[[bytes, int, dict[int, Sink]], int] = (
     _twin.deliver if _twin is not None else deliver_python)
 
 
-def can_replace(parser: Any) -> bool:
-    """Whether ``parser`` looks like the nats-py parser this reader was written against."""
-    return all(hasattr(parser, name) for name in ("parse", "reset", "buf", "state"))
-
-
 class FrameReader:
-    """Reads the protocol stream of one nats-py client (installed as its ``_ps``)."""
+    """Reads the protocol stream of one nats-py client, in place of its parser ``original``;
+    ``process_msg``: nats-py's handler of the messages no sink takes."""
 
-    def __init__(self, client: Any, original: Any, sinks: dict[int, Sink]) -> None:
-        self._client = client
+    def __init__(self, process_msg: MessageHandler, original: Any,
+                 sinks: dict[int, Sink]) -> None:
+        self._process_msg = process_msg
         self._original = original  # nats-py's parser: every frame other than MSG/HMSG
         self._sinks = sinks
         self._pending = b""  # the start of a frame not complete yet
@@ -124,7 +119,7 @@ class FrameReader:
 
     async def parse(self, data: bytes = b"") -> None:
         original = self._original
-        if original.buf or original.state != AWAITING_CONTROL_LINE:
+        if not parser_is_idle(original):
             # installed while nats-py's parser held part of a frame: it finishes that first
             await original.parse(data)
             return
@@ -159,8 +154,8 @@ class FrameReader:
                 if sink is not None:
                     sink(frame.subject, frame.reply, frame.payload, frame.headers)
                 else:
-                    await self._client._process_msg(frame.sid, frame.subject, frame.reply,
-                                                    frame.payload, frame.headers)
+                    await self._process_msg(frame.sid, frame.subject, frame.reply,
+                                            frame.payload, frame.headers)
             else:  # PING, PONG, +OK, -ERR, INFO: nats-py's parser acts on the whole line
                 start, position = position, line_end + 2
                 await original.parse(data[start:position])

@@ -15,12 +15,12 @@ asked for) so the server streams while the caller works. The server serves pull 
 come first served, so a delivered message counts against the oldest open request.
 
 Messages reach the reader without nats-py's parser: :class:`~cdc_platform.jetstream.frames.
-FrameReader` takes the place of nats-py's (private) ``Client._ps`` and hands this reader's
-frames straight to it (measured reading 200K changes: ~10 µs of CPU per message with nats-py's
-parser, ~5.5 µs with this one). Where a nats-py release has no such parser, a hook on its
-(private) ``Client._process_msg`` takes them; where it stops calling that too, the
-subscription's own callback receives them (slower, the same result): see
-:func:`_install_hook`.
+FrameReader` takes the place of nats-py's (private) parser and hands this reader's frames
+straight to it (measured reading 200K changes: ~10 µs of CPU per message with nats-py's parser,
+~5.5 µs with this one); a frame nats-py's parser still reads (one it held half of when the
+reader took over) reaches it through a hook on nats-py's (private) message handler, and one
+that gets past both, through the subscription's own callback (slower, the same result): see
+:func:`_install_hook` and ``jetstream/nats_internals.py``.
 """
 
 from __future__ import annotations
@@ -29,14 +29,20 @@ import asyncio
 import collections
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from cdc_platform.errors import CdcError
-from cdc_platform.jetstream.frames import FrameReader, Sink, can_replace
+from cdc_platform.jetstream.frames import FrameReader
+from cdc_platform.jetstream.nats_internals import (
+    Sink,
+    route_messages,
+    subscription_sid,
+    swap_parser,
+)
 from cdc_platform.speedups import compiled_twin
 
 
@@ -94,29 +100,18 @@ _SINKS_ATTRIBUTE = "_cdc_platform_pull_sinks"
 
 
 def _install_hook(client: NatsClient) -> dict[int, Sink]:
-    """The per-client table of subscription id -> sink, with the hook that feeds it (installed
-    once per client). The frame reader calls the sink of a frame's sid directly; nats-py's
-    parser, where it still reads, calls ``client._process_msg(sid, subject, reply, data,
-    headers)`` for every MSG/HMSG, and the hook sends our sids' raw parts to the sink. Either
-    way nats-py's header parsing, ``Msg`` and queue are skipped."""
+    """The per-client table of subscription id -> sink, with what feeds it (installed once
+    per client). The frame reader calls the sink of a frame's sid directly; nats-py's parser,
+    where it still reads, hands every MSG/HMSG to its message handler, and the hook there
+    sends our sids' raw parts to the sink. Either way nats-py's header parsing, ``Msg`` and
+    queue are skipped."""
     sinks: dict[int, Sink] | None = getattr(client, _SINKS_ATTRIBUTE, None)
     if sinks is not None:
         return sinks
     sinks = {}
-    original: Callable[..., Awaitable[None]] = client._process_msg
-
-    async def process_msg(sid: int, subject: bytes, reply: bytes, data: bytes,
-                          headers: bytes | None) -> None:
-        sink = sinks.get(sid)
-        if sink is None:
-            await original(sid, subject, reply, data, headers)
-        else:
-            sink(subject, reply, data, headers)
-
     setattr(client, _SINKS_ATTRIBUTE, sinks)
-    client._process_msg = process_msg  # type: ignore[method-assign]
-    if can_replace(client._ps):
-        client._ps = FrameReader(client, client._ps, sinks)  # type: ignore[assignment]
+    process_msg = route_messages(client, sinks)
+    swap_parser(client, lambda parser: FrameReader(process_msg, parser, sinks))
     return sinks
 
 
@@ -181,7 +176,7 @@ class PullReader:
         self._reconnects = self.client.stats["reconnects"]
         # the callback only runs when the hook did not take the message (see module doc)
         self._subscription = await self.client.subscribe(f"{self._inbox}.*", cb=self._on_msg)
-        self._sid = self._subscription._id
+        self._sid = subscription_sid(self._subscription)
         _install_hook(self.client)[self._sid] = self._on_raw
 
     async def stop(self) -> None:

@@ -201,6 +201,14 @@ def table_schema(conn: psycopg.Connection, publication: str, schema: str,
     return _schema_from_rows(schema, table, rows, types)
 
 
+
+def describe_published(conn: psycopg.Connection, publication: str) -> list[TableSchema]:
+    """The schema of every table of ``publication`` (one that vanished meanwhile: left out)."""
+    described = [table_schema(conn, publication, schema, table)
+                 for schema, table in published_tables(conn, publication)]
+    return [schema for schema in described if schema is not None]
+
+
 async def table_schema_async(conn: psycopg.AsyncConnection, publication: str, schema: str,
                              table: str, types: TypeRegistry | None = None
                              ) -> TableSchema | None:

@@ -1,5 +1,5 @@
-"""The NATS protocol bytes the publisher writes, the one place that touches nats-py internals
-to write them, and the server's replies read back. No state."""
+"""The NATS protocol bytes the publisher writes, how they are written (through nats-py's
+outbound buffer, or its public ``publish``), and the server's replies read back. No state."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from nats.aio.client import Client as NatsClient
 from nats.errors import Error as NatsError
 
+from cdc_platform.jetstream.nats_internals import raw_writer
 from cdc_platform.publishing.messages import Held
 from cdc_platform.speedups import compiled_twin
 
@@ -65,21 +66,19 @@ sequence_bytes: Callable[[list[Held], bytes, int, bytes], bytes] = (
 
 
 class RawWire:
-    """Writes pre-framed ``HPUB``/``PUB`` bytes through nats-py's outbound buffer.
-
-    The only code that uses nats-py internals (``Client._send_command`` and
-    ``Client._flush_pending``, nats-py 2.16): framing ourselves skips nats-py's per-message
-    header encoding, which costs more than the publish itself. :func:`probe_raw_wire` checks at
-    start that the internals still do what we expect, so a nats-py upgrade falls back to
-    :class:`PublicWire` instead of putting garbage on the wire. A run of messages is framed
-    by the compiled twin when it is built (``sequence_bytes``; same bytes).
+    """Writes pre-framed ``HPUB``/``PUB`` bytes through nats-py's outbound buffer
+    (:func:`~cdc_platform.jetstream.nats_internals.raw_writer`): framing ourselves skips
+    nats-py's per-message header encoding, which costs more than the publish itself.
+    :func:`probe_raw_wire` checks at start that the bytes arrive intact, so a nats-py that
+    writes them otherwise falls back to :class:`PublicWire` instead of putting garbage on the
+    wire. A run of messages is framed by the compiled twin when it is built
+    (``sequence_bytes``; same bytes).
     """
 
     name = "raw-hpub"
 
     def __init__(self, nc: NatsClient) -> None:
-        self._send_command = nc._send_command
-        self._flush_pending = nc._flush_pending
+        self._send = raw_writer(nc)
 
     async def write(self, frames: Sequence[Frame]) -> None:
         await self._send(protocol_bytes(frames))
@@ -87,11 +86,6 @@ class RawWire:
     async def write_sequence(self, held: list[Held], reply_prefix: bytes, first_seq: int,
                              reply_suffix: bytes) -> None:
         await self._send(sequence_bytes(held, reply_prefix, first_seq, reply_suffix))
-
-    async def _send(self, data: bytes) -> None:
-        await self._send_command(data)
-        # Kicks nats-py's flusher task; returns at once (it does not wait for the socket).
-        await self._flush_pending()
 
 
 class PublicWire:
@@ -120,10 +114,6 @@ def parse_header_block(block: bytes) -> dict[str, str]:
 
 async def probe_raw_wire(nc: NatsClient, timeout: float = 2.0) -> RawWire | None:
     """A :class:`RawWire` if one framed message round-trips intact through the server."""
-    if not (callable(getattr(nc, "_send_command", None))
-            and callable(getattr(nc, "_flush_pending", None))):
-        log.warning("nats-py has no _send_command/_flush_pending; publishing via nc.publish")
-        return None
     subject, reply = nc.new_inbox(), nc.new_inbox()
     subscription = await nc.subscribe(subject)
     try:

@@ -30,9 +30,9 @@ Two ways onto the wire; :meth:`JetStreamPublisher.start` picks one ("auto"):
     in the dead socket are lost, so a resent message can be stored *after* a later one.
     Positions stay correct; stream order may not.
 
-Both frame ``HPUB`` bytes themselves and hand them to nats-py's outbound buffer. Those are private
-nats-py APIs, so they are isolated in :class:`RawWire`, which checks itself at start and falls
-back to the public ``nc.publish`` when the check fails.
+Both frame ``HPUB`` bytes themselves and hand them to nats-py's outbound buffer (private nats-py
+APIs, used in ``jetstream/nats_internals.py`` only) through :class:`RawWire`, which checks itself
+at start and falls back to the public ``nc.publish`` when the check fails.
 
 Duplicates
     A message JetStream drops as a duplicate of its ``Nats-Msg-Id`` counts as stored only once

@@ -1,7 +1,7 @@
 """Table schemas into the KV bucket ``schemas`` (README "Schemas"): one key per published
 table, the wire table name, holding the schema in the payload format. The bridge puts a
 table's schema when it sees a new shape; :func:`publish_schemas` puts them all at once (the
-Dagster ``schemas`` asset)."""
+Dagster ``schemas`` asset, with what ``postgres.catalog.describe_published`` read)."""
 
 from __future__ import annotations
 
@@ -9,25 +9,17 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import psycopg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from cdc_platform.jetstream.kv import kv_value, put_value
-from cdc_platform.postgres.catalog import TableSchema, published_tables, table_schema
+from cdc_platform.postgres.catalog import TableSchema
 from cdc_platform.wire import MessageSigner, SignatureVerifier, decode_any
 
 
 def schema_entry(schema: TableSchema, encode: Callable[[Any], bytes]) -> tuple[str, bytes]:
     """(key, value) of ``schema`` in the bucket."""
     return schema.wire_name, encode(schema.to_wire())
-
-
-def describe_published(conn: psycopg.Connection, publication: str) -> list[TableSchema]:
-    """The schema of every table of ``publication`` (one that vanished meanwhile: left out)."""
-    described = [table_schema(conn, publication, schema, table)
-                 for schema, table in published_tables(conn, publication)]
-    return [schema for schema in described if schema is not None]
 
 
 async def stored_schema(js: JetStreamContext, kv: KeyValue, bucket: str, schema: TableSchema,

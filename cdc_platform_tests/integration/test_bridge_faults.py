@@ -147,6 +147,29 @@ async def test_stop_while_nats_is_down_honours_the_shutdown_timeout(
         nats_server.stop()
 
 
+
+async def test_a_nats_outage_and_its_end_show_in_the_metrics(cdc_database, tmp_path):
+    nats_server = LocalNatsServer(tmp_path / "nats")
+    nats_server.start()
+    try:
+        setup = await connect_nats(NatsSettings(url=nats_server.url))
+        await provision(setup.jetstream(), NatsTopology())
+        await setup.close()
+        async with running_bridge(platform_settings(cdc_database, nats_server.url)) as bridge:
+            metrics = bridge.metrics
+            await wait_for(lambda: metrics.value(metrics.connected) == 1,
+                           what="the bridge to stream")
+            assert metrics.value(metrics.nats_connected) == 1
+            nats_server.stop()
+            await wait_for(lambda: metrics.value(metrics.nats_connected) == 0,
+                           what="the outage to show")
+            nats_server.start()
+            await wait_for(lambda: metrics.value(metrics.nats_connected) == 1,
+                           what="the reconnection to show")
+            assert metrics.value(metrics.nats_reconnects) == 1
+    finally:
+        nats_server.stop()
+
 async def test_transactions_are_counted(cdc_database, pg_admin, provisioned_nats):
     table = random_name("counted")
     pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")

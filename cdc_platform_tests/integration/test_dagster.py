@@ -469,6 +469,28 @@ async def test_cdc_job_streams_observes_and_stops_with_final_ack(dagster_env, cd
         assert parse_lsn(metadata["confirmed_lsn"].value) > 0
 
 
+
+async def test_the_schemas_asset_puts_each_published_tables_schema(
+        dagster_env, cdc_database, pg_admin, nats_client):
+    from cdc_platform.defs.schemas.assets import schemas
+    from cdc_platform.wire import decode_any
+
+    table = random_name("dag_schema")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    cdc_database.add_tables(pg_admin, table)
+    with dg.instance_for_test() as instance:
+        result = await asyncio.to_thread(dg.materialize, [schemas], instance=instance,
+                                         resources=resources(dagster_env))
+    assert result.success
+    event = result.get_asset_materialization_events()[0]
+    fingerprints = event.step_materialization_data.materialization.metadata["tables"].value
+    kv = await nats_client.jetstream().key_value("schemas")
+    stored = decode_any((await kv.get(table)).value)
+    assert stored["relation_id"] == pg_admin.execute(
+        "SELECT %s::regclass::oid::int", (table,)).fetchone()[0]
+    assert [column["name"] for column in stored["columns"]] == ["id", "v"]
+    assert stored["fingerprint"] == fingerprints[table]
+
 @pytest.mark.spark
 async def test_init_snapshot_materialization_records_the_cutover(
         dagster_env, cdc_database, pg_admin, nats_client, spark_session, monkeypatch):

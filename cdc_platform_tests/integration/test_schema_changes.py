@@ -11,7 +11,8 @@ import psycopg
 import pytest
 
 from cdc_platform.mirror.follower import Mirror
-from cdc_platform.publishing.schemas import describe_published, publish_schemas
+from cdc_platform.postgres.catalog import describe_published
+from cdc_platform.publishing.schemas import publish_schemas
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings
 from cdc_platform.wire import decode_any, encoder

@@ -102,7 +102,8 @@ async def _through_frames(chunks: list[bytes]) -> list[tuple[Any, ...]]:
             recorder.calls.append(("msg", sid, subject, reply, data, headers))
         return sink
 
-    reader = FrameReader(recorder, Parser(recorder), {sid: sink_for(sid) for sid in OUR_SIDS})
+    reader = FrameReader(recorder._process_msg, Parser(recorder),
+                         {sid: sink_for(sid) for sid in OUR_SIDS})
     for chunk in chunks:
         await reader.parse(chunk)
     return recorder.calls
@@ -136,7 +137,7 @@ def test_installed_while_nats_py_held_half_a_frame() -> None:
         original = Parser(recorder)
         frame = _msg(b"a", 1, b"", None, b"hello")
         await original.parse(frame[:7])  # nats-py has read half a frame when we take over
-        reader = FrameReader(recorder, original, {})
+        reader = FrameReader(recorder._process_msg, original, {})
         await reader.parse(frame[7:] + b"PONG\r\n")
         await reader.parse(_msg(b"b", 2, b"r", None, b"x"))
         return recorder.calls

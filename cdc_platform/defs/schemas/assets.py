@@ -5,7 +5,8 @@ import asyncio
 import dagster as dg
 
 from cdc_platform.defs.resources import CdcResource, NatsResource, PostgresResource
-from cdc_platform.publishing.schemas import describe_published, publish_schemas
+from cdc_platform.postgres.catalog import describe_published
+from cdc_platform.publishing.schemas import publish_schemas
 from cdc_platform.wire import encoder
 
 
