@@ -36,12 +36,15 @@ from cdc_platform.wire import (
 )
 from cdc_platform.wire.signing import new_seed
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
-from cdc_platform_tests.fixtures.bridge import running_bridge, slot_confirmed, wait_for
+from cdc_platform_tests.fixtures.bridge import (
+    bridge_ready,
+    running_bridge,
+    slot_confirmed,
+    wait_for,
+)
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
-from cdc_platform_tests.integration.test_large_values import small_nats  # noqa: F401 (fixture)
-from cdc_platform_tests.integration.test_mirror import _bridge_ready
-from cdc_platform_tests.integration.test_snapshot import (
+from cdc_platform_tests.fixtures.snapshots import (
     NO_BRIDGE,
     create_types_table,
     settings_for,
@@ -123,7 +126,7 @@ async def test_a_mirror_trusting_the_bridge_key_refuses_forged_events_and_stays_
         return mirror
 
     async with running_bridge(settings), snapshot_responder(settings):
-        await _bridge_ready(pg_admin, cdc_database, settings, [table])
+        await bridge_ready(pg_admin, cdc_database, settings, [table])
         await mirrored()
         pg_admin.execute(f"UPDATE {table} SET v = 'signed' WHERE id <= 3")
         # (enough messages at once for the mirror to verify them on several threads)
@@ -211,7 +214,7 @@ async def test_a_forged_snapshot_is_neither_handed_out_nor_loaded(
     js = nats_client.jetstream()
     lines: list[str] = []
     async with running_bridge(settings), snapshot_responder(settings) as taken:
-        await _bridge_ready(pg_admin, cdc_database, settings, [table])
+        await bridge_ready(pg_admin, cdc_database, settings, [table])
         await Mirror(settings, [table], tmp_path / "first.db", options=options,
                      report=lines.append).run(until_caught_up=True)
         genuine = await js.get_last_msg("INIT", f"init.meta.{table}")
@@ -282,7 +285,7 @@ async def test_spark_tasks_sign_chunks_and_a_forged_dictionary_is_not_used(
 
 @pytest.mark.parametrize("mode", ["per-change", "batched"])
 async def test_a_claim_check_stand_in_is_signed_with_its_header(
-        mode, small_nats, cdc_database, pg_admin, tmp_path):  # noqa: F811 (the fixture)
+        mode, small_nats, cdc_database, pg_admin, tmp_path):
     """A row over max_payload travels as a claim check: its stand-in is signed, the
     ``Cdc-Claim-Check`` header included, like every other message of the stream."""
     server, client = small_nats
