@@ -116,7 +116,7 @@ def platform_settings(pg: LocalPostgres, nats: LocalNatsServer, **encoding) -> P
 
 def spark_session(cores: int) -> tuple[object, float, float]:
     """(session, seconds to create it, seconds of a first job starting Python workers)."""
-    from cdc_platform.spark import local_spark_session
+    from cdc_platform.snapshot.spark_session import local_spark_session
 
     started = time.perf_counter()
     spark = local_spark_session(f"bench-snapshot-{cores}", master=f"local[{cores}]")

@@ -1,6 +1,6 @@
 """The snapshot driver: one consistent read of a table, many Spark tasks, an exact cutover.
 Each step is a function of its own: the table in ``source.py``, watermark, guard and export
-in ``export.py``, the tasks in ``spark.py`` (and ``reader.py``), the meta in ``meta.py``.
+in ``export.py``, the tasks in ``tasks.py`` (and ``reader.py``), the meta in ``meta.py``.
 
 ``run_snapshot(spark, settings, "sales/orders")`` (or ``await snapshot_table(...)``) does, in
 this order:
@@ -92,7 +92,7 @@ from cdc_platform.snapshot.source import (
     sample_rows,
     table_converters,
 )
-from cdc_platform.snapshot.spark import plan_tasks, raise_task_errors, run_tasks
+from cdc_platform.snapshot.tasks import plan_tasks, raise_task_errors, run_tasks
 from cdc_platform.wire import (
     snapshot_meta_subject,
     watermark_subject,

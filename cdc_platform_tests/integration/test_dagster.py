@@ -457,7 +457,7 @@ async def test_init_snapshot_materialization_records_the_cutover(
     from cdc_platform.bridge.runner import CdcBridge
     from cdc_platform.defs.snapshots.assets import init_snapshot
     from cdc_platform.settings import load_settings
-    from cdc_platform.spark import default_spark_config
+    from cdc_platform.snapshot.spark_session import default_spark_config
 
     monkeypatch.setenv("CDC_SNAPSHOT_LOCAL_MAX_BYTES", "0")  # through Spark, however small
     table = random_name("dag_snap")

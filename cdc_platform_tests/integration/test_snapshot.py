@@ -29,7 +29,7 @@ from cdc_platform.lsn import parse_lsn
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.snapshot import SnapshotOptions, snapshot_table
 from cdc_platform.snapshot.reader import TaskFault
-from cdc_platform.snapshot.spark import JOB_GROUP_PREFIX
+from cdc_platform.snapshot.tasks import JOB_GROUP_PREFIX
 from cdc_platform.wire import decode_payload, encode_json, snapshot_meta_subject
 from cdc_platform_tests.fixtures.services import SMALL_MAX_PAYLOAD, platform_settings, random_name
 from cdc_platform_tests.fixtures.snapshots import (
