@@ -320,6 +320,9 @@ class _ChunkSender:
             stats.first_chunk = chunk.number
         message = await _outgoing(chunk, self._claim_checks, self._max_payload)
         await _stalled_after(self._stall_seconds, self._publisher.publish([message]))
+        # Let the publisher send it now: converting the next chunk keeps the loop busy for a
+        # while, and COPY data is nearly always ready, so nothing else would yield to it.
+        await asyncio.sleep(0)
         if fault is not None and self._publisher.stats.messages_published >= fault.after_chunks:
             await self.flush()
             raise InjectedFault(f"test fault: partition {fault.partition} fails after "
