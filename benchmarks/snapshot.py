@@ -116,7 +116,7 @@ def platform_settings(pg: LocalPostgres, nats: LocalNatsServer, **encoding) -> P
 
 def spark_session(cores: int) -> tuple[object, float, float]:
     """(session, seconds to create it, seconds of a first job starting Python workers)."""
-    from cdc_platform.spark import local_spark_session
+    from cdc_platform.snapshot.spark_session import local_spark_session
 
     started = time.perf_counter()
     spark = local_spark_session(f"bench-snapshot-{cores}", master=f"local[{cores}]")
@@ -157,7 +157,8 @@ def dictionary_by_chunk_size(pg: LocalPostgres, settings: PlatformSettings) -> l
     with psycopg.connect(settings.postgres.conninfo(options="-c TimeZone=UTC"),
                          autocommit=True) as conn:
         table = describe_table(conn, PUBLICATION, TABLE)
-        layout = chunk_layout(table, settings, "bench", "0/0", 1 << 20, None)
+        layout = chunk_layout(table, settings.encoding, "bench", "0/0", 1 << 20, None,
+                              signed=False)
         rows = sample_rows(conn, table, layout, table_converters(table), 20_000)
     trained = dictionary.train(rows, "msgpack", level=3)
     out = []
@@ -198,7 +199,8 @@ def profile_row_path(pg: LocalPostgres, settings: PlatformSettings, rows: int) -
         started, cpu = time.perf_counter(), time.process_time()
         blocks = asyncio.run(drain())
         t_copy, c_copy = time.perf_counter() - started, time.process_time() - cpu
-    layout = chunk_layout(table, settings, f"bench-{time.time_ns()}", "0/0", 1 << 20, None)
+    layout = chunk_layout(table, settings.encoding, f"bench-{time.time_ns()}", "0/0", 1 << 20,
+                          None, signed=False)
     converters = table_converters(table)
     chunker = Chunker(layout, converters, 0)
     n = sum(block.count(b"\n") for block in blocks)

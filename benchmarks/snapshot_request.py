@@ -98,7 +98,7 @@ async def _request(url: str, table: str) -> tuple[float, float, dict]:
 def _spark_alone(env: dict[str, str], table: str) -> tuple[float, float, float]:
     """(session start, Spark job alone, whole snapshot) in seconds, through Spark."""
     from cdc_platform.snapshot.job import SnapshotOptions, snapshot_table
-    from cdc_platform.spark import local_spark_session
+    from cdc_platform.snapshot.spark_session import local_spark_session
 
     os.environ.update(env)
     settings = load_settings()

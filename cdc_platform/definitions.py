@@ -25,7 +25,7 @@ from cdc_platform.defs.snapshots.sensors import (
     publication_sync_sensor,
 )
 from cdc_platform.settings import OrchestrationSettings, PostgresSettings, load_settings
-from cdc_platform.spark import default_spark_config
+from cdc_platform.snapshot.spark_session import default_spark_config
 
 
 def build_definitions() -> dg.Definitions:

@@ -30,8 +30,8 @@ from cdc_platform.mirror.follower import Mirror
 from cdc_platform.mirror.store import STATE_TABLE, quote, to_sqlite
 from cdc_platform.naming import wire_name
 from cdc_platform_tests.fixtures.bridge import wait_for
-from cdc_platform_tests.integration.test_edge_values import EDGES
-from cdc_platform_tests.integration.test_snapshot import create_types_table, direct_rows
+from cdc_platform_tests.fixtures.snapshots import create_types_table, direct_rows
+from cdc_platform_tests.fixtures.values import EDGES
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The snapshot driver: one consistent read of a table, many Spark tasks, an exact cutover.
 Each step is a function of its own: the table in ``source.py``, watermark, guard and export
-in ``export.py``, the tasks in ``spark.py`` (and ``reader.py``), the meta in ``meta.py``.
+in ``export.py``, the tasks in ``tasks.py`` (and ``reader.py``), the meta in ``meta.py``.
 
 ``run_snapshot(spark, settings, "sales/orders")`` (or ``await snapshot_table(...)``) does, in
 this order:
@@ -68,7 +68,11 @@ from cdc_platform.errors import (
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.naming import qualified_name
 from cdc_platform.replication.connection import SESSION_OPTIONS
-from cdc_platform.settings import PlatformSettings
+from cdc_platform.settings import (
+    DictionaryBucketSettings,
+    EncodingSettings,
+    PlatformSettings,
+)
 from cdc_platform.snapshot import dictionary as dictionaries
 from cdc_platform.snapshot.export import (
     emit_watermark,
@@ -92,8 +96,9 @@ from cdc_platform.snapshot.source import (
     sample_rows,
     table_converters,
 )
-from cdc_platform.snapshot.spark import plan_tasks, raise_task_errors, run_tasks
+from cdc_platform.snapshot.tasks import plan_tasks, raise_task_errors, run_tasks
 from cdc_platform.wire import (
+    MessageSigner,
     snapshot_meta_subject,
     watermark_subject,
 )
@@ -194,17 +199,19 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
         try:
             js = client.jetstream()
             wire_table = described.schema.wire_name
+            signer = settings.bridge.signer()
             # 2. dictionary
-            trained, dictionary_key = await _dictionary(control, js, described, settings,
-                                                        snapshot_id, client.max_payload,
-                                                        options)
+            trained, dictionary_key = await _dictionary(
+                control, js, described, settings.encoding, settings.topology.dictionaries,
+                signer, snapshot_id, client.max_payload, options)
             # 3. watermark; 4. guard
             watermark_lsn = emit_watermark(control, snapshot_id, wire_table)
             described = take_guard(control, pg.publication, table, described)
             # 5. export
             async with exported_snapshot(pg, control) as (snapshot_name, lsn):
-                layout = chunk_layout(described, settings, snapshot_id, lsn,
-                                      client.max_payload, trained)
+                layout = chunk_layout(described, settings.encoding, snapshot_id, lsn,
+                                      client.max_payload, trained,
+                                      signed=signer is not None)
                 spark, ranges = plan_tasks(spark, described, options)
                 spec = TaskSpec(
                     conninfo=conninfo, nats=settings.nats, snapshot_name=snapshot_name,
@@ -253,8 +260,7 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
                 dictionary_id=trained.dictionary_id if trained else None,
                 dictionary_bucket=settings.topology.dictionaries.bucket,
                 dictionary_key=dictionary_key, duration=duration)
-            meta_seq = await publish_meta(js, meta, settings.encoding.format,
-                                          settings.bridge.signer())
+            meta_seq = await publish_meta(js, meta, settings.encoding.format, signer)
         finally:
             await client.close()
 
@@ -279,15 +285,16 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
 
 
 async def _dictionary(control: psycopg.Connection, js: JetStreamContext,
-                      described: SourceTable, settings: PlatformSettings, snapshot_id: str,
-                      max_payload: int, options: SnapshotOptions
+                      described: SourceTable, encoding: EncodingSettings,
+                      bucket: DictionaryBucketSettings, signer: MessageSigner | None,
+                      snapshot_id: str, max_payload: int, options: SnapshotOptions
                       ) -> tuple[dictionaries.TrainedDictionary | None, str | None]:
-    """(the table's trained zstd dictionary, its KV key), or (None, None) when the encoding
-    asks for none or the sample does not train one."""
-    encoding = settings.encoding
+    """(the table's trained zstd dictionary, its KV key in ``bucket``), or (None, None) when
+    the encoding asks for none or the sample does not train one."""
     if not (encoding.zstd and encoding.zstd_dictionary):
         return None, None
-    layout = chunk_layout(described, settings, snapshot_id, "0/0", max_payload, None)
+    layout = chunk_layout(described, encoding, snapshot_id, "0/0", max_payload, None,
+                          signed=signer is not None)
     sample = await asyncio.to_thread(sample_rows, control, described, layout,
                                      table_converters(described),
                                      options.dictionary_sample_rows)
@@ -297,8 +304,8 @@ async def _dictionary(control: psycopg.Connection, js: JetStreamContext,
     if trained is None:
         return None, None
     key = await dictionaries.publish_dictionary(
-        js, described.schema.wire_name, trained, bucket=settings.topology.dictionaries.bucket,
-        replicas=settings.topology.dictionaries.replicas, signer=settings.bridge.signer())
+        js, described.schema.wire_name, trained, bucket=bucket.bucket,
+        replicas=bucket.replicas, signer=signer)
     return trained, key
 
 

@@ -11,8 +11,10 @@ converters expect (``SESSION_OPTIONS``, the same as the CDC walsender), imports 
 
 and streams the COPY text straight from libpq (``PQgetCopyData`` non-blocking, every complete
 row already received taken in one go) into a :class:`~cdc_platform.snapshot.chunks.Chunker`.
-Chunks go to JetStream with a few publishes outstanding; the task returns only after every one
-was acknowledged, and returns only small statistics to the driver, never rows.
+Chunks go to JetStream through the platform's one publisher
+(:class:`~cdc_platform.publishing.JetStreamPublisher`) with a few outstanding; the task
+returns only after every one was acknowledged, and returns only small statistics to the
+driver, never rows.
 
 Errors that a retry cannot fix (a row over ``max_payload``, a value that does not convert) are
 returned as statistics with ``error`` set, so Spark does not retry them; anything else raises
@@ -22,18 +24,13 @@ and Spark retries the task, which republishes identical chunks (see ``chunks``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import nats.errors
 import psycopg
-from nats.js import JetStreamContext
-from nats.js.errors import APIError, NoStreamResponseError
 from psycopg import sql
 from psycopg.pq import ExecStatus
 from psycopg.pq.abc import PGconn as PGconnType
@@ -49,8 +46,8 @@ from cdc_platform.errors import (
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.postgres.catalog import ColumnInfo
 from cdc_platform.protocol.values import TypeRegistry
+from cdc_platform.publishing import JetStreamPublisher, OutgoingMessage
 from cdc_platform.publishing.claim_check import ClaimChecks
-from cdc_platform.publishing.messages import OutgoingMessage
 from cdc_platform.settings import NatsSettings
 from cdc_platform.snapshot.chunks import Chunk, Chunker, ChunkLayout
 from cdc_platform.snapshot.plan import BlockRange
@@ -61,7 +58,9 @@ log = logging.getLogger(__name__)
 DEFAULT_PUBLISH_WINDOW = 8  # chunks in flight per task (up to max_payload each)
 _BLOCK_BYTES = 512 * 1024  # COPY text handed to the chunker at a time, at most
 _MIN_BLOCK_BYTES = 64 * 1024  # ... and at least, unless the COPY has ended
-_PUBLISH_ATTEMPTS = 6
+# A task whose chunks get no acknowledgement for this many publish timeouts fails (and Spark
+# retries it); the publisher resends meanwhile.
+_STALLED_TIMEOUTS = 6
 
 
 class InjectedFault(RuntimeError):
@@ -202,86 +201,30 @@ async def copy_blocks(pgconn: PGconnType, command: str) -> AsyncIterator[bytearr
 
 
 # -- publishing --------------------------------------------------------------------------------
-class ChunkPublisher:
-    """Up to ``window`` chunks in flight; a chunk whose PubAck does not come is sent again
-    with the same ``Nats-Msg-Id`` (JetStream keeps one)."""
+async def _outgoing(chunk: Chunk, claim_checks: ClaimChecks,
+                    max_payload: int) -> OutgoingMessage:
+    """The chunk as the publisher takes it; a one-row chunk over max_payload as its claim
+    check: its payload into the object store, and the reference in its place (the chunk's
+    headers still describe the object)."""
+    headers = dict(chunk.headers)
+    msg_id = headers.pop(HEADER_MSG_ID)
+    message = OutgoingMessage(chunk.subject, msg_id, chunk.payload, tuple(headers.items()))
+    if not chunk.oversized:
+        return message
+    envelope = {"table": chunk.subject.split(".")[2], "operation": "snapshot",
+                "snapshot_id": msg_id.rsplit(":", 1)[0], "chunk": chunk.number}
+    return await claim_checks.check_in(message, max_payload, envelope=envelope)
 
-    def __init__(self, js: JetStreamContext, stream: str, window: int, timeout: float,
-                 claim_checks: ClaimChecks | None = None, max_payload: int = 0,
-                 signer: MessageSigner | None = None) -> None:
-        self._js = js
-        self._signer = signer
-        self._claim_checks = claim_checks
-        self._max_payload = max_payload
-        self._stream = stream
-        self._window = max(1, window)
-        self._timeout = timeout
-        self._in_flight: deque[asyncio.Task] = deque()
-        self.sent = 0
-        self.acked = 0
-        self.duplicates = 0
 
-    async def publish(self, chunk: Chunk) -> None:
-        while len(self._in_flight) >= self._window:
-            await self._in_flight.popleft()
-        self._in_flight.append(asyncio.create_task(self._send(chunk)))
-        self.sent += 1
-        # Let the send start now: converting the next chunk keeps the loop busy for a while,
-        # and COPY data is nearly always ready, so nothing else would yield to it.
-        await asyncio.sleep(0)
-
-    async def _check_in(self, chunk: Chunk) -> tuple[bytes, dict[str, str]]:
-        """A one-row chunk over max_payload: its payload into the object store, and the
-        reference published in its place (the chunk's headers still describe the object)."""
-        if self._claim_checks is None:
-            raise PublishError(f"chunk {chunk.subject} is over max_payload and no object store "
-                               "is configured for claim checks")
-        msg_id = chunk.headers[HEADER_MSG_ID]
-        envelope = {"table": chunk.subject.split(".")[2], "operation": "snapshot",
-                    "snapshot_id": msg_id.rsplit(":", 1)[0], "chunk": chunk.number}
-        reference = await self._claim_checks.check_in(
-            OutgoingMessage(chunk.subject, msg_id, chunk.payload), self._max_payload,
-            envelope=envelope)
-        return reference.payload, {**chunk.headers, **dict(reference.headers)}
-
-    async def flush(self) -> None:
-        while self._in_flight:
-            await self._in_flight.popleft()
-
-    async def close(self) -> None:
-        for task in self._in_flight:
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.gather(*self._in_flight, return_exceptions=True)
-        self._in_flight.clear()
-
-    async def _send(self, chunk: Chunk) -> None:
-        payload, headers = chunk.payload, dict(chunk.headers)
-        if chunk.oversized:
-            payload, headers = await self._check_in(chunk)
-        if self._signer is not None:
-            headers = self._signer.signed_headers(chunk.subject, headers, payload)
-        delay = 0.2
-        for attempt in range(1, _PUBLISH_ATTEMPTS + 1):
-            try:
-                ack = await self._js.publish(chunk.subject, payload,
-                                             timeout=self._timeout, headers=headers)
-            except (nats.errors.TimeoutError, NoStreamResponseError) as exc:
-                if attempt == _PUBLISH_ATTEMPTS:
-                    raise PublishError(f"chunk {chunk.subject}: no PubAck after {attempt} "
-                                       f"attempts ({type(exc).__name__})") from exc
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                continue
-            except APIError as exc:
-                raise PublishError(f"chunk {chunk.subject} refused by JetStream: {exc}") from exc
-            if ack.stream != self._stream:
-                raise PublishError(f"chunk {chunk.subject} was stored in stream {ack.stream}, "
-                                   f"not {self._stream}")
-            self.acked += 1
-            if ack.duplicate:
-                self.duplicates += 1
-            return
+async def _stalled_after(seconds: float, waiting: Awaitable[Any]) -> Any:
+    """``waiting``, which waits for acknowledgements; PublishError when none came for
+    ``seconds``: the task fails and Spark retries it (the publisher itself would resend for
+    ever)."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await waiting
+    except TimeoutError:
+        raise PublishError(f"no chunk acknowledged in {seconds:g} s") from None
 
 
 # -- one task ---------------------------------------------------------------------------------
@@ -312,10 +255,15 @@ async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 
         layout = replace(spec.layout, max_payload=min(spec.layout.max_payload,
                                                       client.max_payload))
         chunker = Chunker(layout, converters_for(spec), block_range.index)
-        publisher = ChunkPublisher(
-            js, spec.stream, spec.publish_window, spec.publish_timeout,
-            ClaimChecks(js, spec.large_bucket, layout.format), client.max_payload,
-            MessageSigner(spec.signing_seed) if spec.signing_seed else None)
+        publisher = JetStreamPublisher(
+            client, stream=spec.stream, max_in_flight_messages=spec.publish_window,
+            max_in_flight_bytes=spec.publish_window * client.max_payload,
+            ack_timeout=spec.publish_timeout,
+            signer=MessageSigner(spec.signing_seed) if spec.signing_seed else None)
+        await publisher.start()
+        chunks = _ChunkSender(publisher, ClaimChecks(js, spec.large_bucket, layout.format),
+                              client.max_payload, spec.publish_timeout * _STALLED_TIMEOUTS,
+                              stats)
         fault = spec.fault if (spec.fault and spec.fault.partition == block_range.index
                                and attempt == 0) else None
         # not ``with``: leaving a failed COPY must not try a ROLLBACK on a busy connection
@@ -329,10 +277,10 @@ async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 
             _lock_table(conn, spec)
             async for block in copy_blocks(conn.pgconn, spec.copy_command(block_range)):
                 for chunk in chunker.add(block):
-                    await _publish(publisher, chunk, stats, fault)
+                    await chunks.send(chunk, fault)
             for chunk in chunker.finish():
-                await _publish(publisher, chunk, stats, fault)
-            await publisher.flush()
+                await chunks.send(chunk, fault)
+            await chunks.flush()
             conn.execute("COMMIT")
         finally:
             conn.close()
@@ -341,15 +289,47 @@ async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 
         stats.bytes_raw = chunker.stats.bytes_raw
         stats.bytes_compressed = chunker.stats.bytes_compressed
         stats.splits = chunker.stats.splits
-        stats.duplicates = publisher.duplicates
+        stats.duplicates = publisher.stats.duplicates_checked
     except (PayloadTooLarge, ConversionError) as exc:
         stats.error, stats.error_kind = str(exc), type(exc).__name__
     finally:
         if publisher is not None:
-            await publisher.close()
+            # on success everything is stored already; after a failure, nothing waits for it
+            await publisher.close(timeout=0)
         await client.close()
     stats.seconds = time.monotonic() - started
     return stats
+
+
+class _ChunkSender:
+    """A task's chunks into the one publisher (:mod:`cdc_platform.publishing`): in order, up
+    to its in-flight window, each resent with the same ``Nats-Msg-Id`` until JetStream
+    acknowledges it (a retried task's chunks are duplicates, checked to be the same)."""
+
+    def __init__(self, publisher: JetStreamPublisher, claim_checks: ClaimChecks,
+                 max_payload: int, stall_seconds: float, stats: RangeStats) -> None:
+        self._publisher = publisher
+        self._claim_checks = claim_checks
+        self._max_payload = max_payload
+        self._stall_seconds = stall_seconds
+        self._stats = stats
+
+    async def send(self, chunk: Chunk, fault: TaskFault | None) -> None:
+        stats = self._stats
+        if stats.first_chunk is None:
+            stats.first_chunk = chunk.number
+        message = await _outgoing(chunk, self._claim_checks, self._max_payload)
+        await _stalled_after(self._stall_seconds, self._publisher.publish([message]))
+        # Let the publisher send it now: converting the next chunk keeps the loop busy for a
+        # while, and COPY data is nearly always ready, so nothing else would yield to it.
+        await asyncio.sleep(0)
+        if fault is not None and self._publisher.stats.messages_published >= fault.after_chunks:
+            await self.flush()
+            raise InjectedFault(f"test fault: partition {fault.partition} fails after "
+                                f"{fault.after_chunks} chunks")
+
+    async def flush(self) -> None:
+        await _stalled_after(self._stall_seconds, self._publisher.flush())
 
 
 def _lock_table(conn: psycopg.Connection, spec: TaskSpec) -> None:
@@ -369,17 +349,6 @@ def _lock_table(conn: psycopg.Connection, spec: TaskSpec) -> None:
             f"{spec.qualified_table}: a lock request (DDL?) is waiting for the table; the "
             "snapshot gives way and is taken again") from None
     conn.execute("SET LOCAL lock_timeout = 0")
-
-
-async def _publish(publisher: ChunkPublisher, chunk: Chunk, stats: RangeStats,
-                   fault: TaskFault | None) -> None:
-    if stats.first_chunk is None:
-        stats.first_chunk = chunk.number
-    await publisher.publish(chunk)
-    if fault is not None and publisher.sent >= fault.after_chunks:
-        await publisher.flush()
-        raise InjectedFault(f"test fault: partition {fault.partition} fails after "
-                            f"{fault.after_chunks} chunks")
 
 
 def run_partition(spec: TaskSpec, ranges: Iterable[BlockRange]) -> Iterator[dict[str, Any]]:

@@ -13,7 +13,7 @@ from psycopg import sql
 from cdc_platform.errors import SnapshotError
 from cdc_platform.postgres.catalog import TableSchema, resolve_published_table
 from cdc_platform.protocol.values import TYPE_CATALOG_QUERY, TypeRegistry
-from cdc_platform.settings import PlatformSettings
+from cdc_platform.settings import EncodingSettings
 from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
 from cdc_platform.snapshot.dictionary import TrainedDictionary
 from cdc_platform.wire.signing import SIGNATURE_HEADERS_BYTES
@@ -79,19 +79,19 @@ def copy_select(schema: TableSchema, *, sample: sql.Composable | None = None) ->
     return query.as_string(None)
 
 
-def chunk_layout(table: SourceTable, settings: PlatformSettings, snapshot_id: str, lsn: str,
-                 max_payload: int, dictionary: TrainedDictionary | None) -> ChunkLayout:
+def chunk_layout(table: SourceTable, encoding: EncodingSettings, snapshot_id: str, lsn: str,
+                 max_payload: int, dictionary: TrainedDictionary | None, *,
+                 signed: bool) -> ChunkLayout:
+    """How ``table``'s chunks are cut and encoded; ``signed`` chunks carry two more headers,
+    for which their cut leaves room under ``max_payload``."""
     schema = table.schema
-    encoding = settings.encoding
     names = [c.name for c in schema.columns]
     return ChunkLayout(
         table=schema.wire_name, snapshot_id=snapshot_id, lsn=lsn,
         schema_fingerprint=schema.fingerprint, columns=tuple(names),
         key_columns=tuple(names.index(n) for n in schema.primary_key),
         format=encoding.format, chunk_rows=encoding.chunk_rows,
-        # (signed chunks carry two more headers)
-        max_payload=max_payload - (SIGNATURE_HEADERS_BYTES
-                                   if settings.bridge.signing_key_seed else 0),
+        max_payload=max_payload - (SIGNATURE_HEADERS_BYTES if signed else 0),
         zstd_level=encoding.zstd_level if encoding.zstd else None,
         dictionary=dictionary.data if dictionary else None,
         dictionary_id=dictionary.dictionary_id if dictionary else None)

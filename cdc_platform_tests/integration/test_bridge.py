@@ -3,8 +3,6 @@
 import asyncio
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -25,6 +23,7 @@ from cdc_platform_tests.fixtures.bridge import (
     wait_for,
 )
 from cdc_platform_tests.fixtures.services import (
+    CLI,
     bridge_env,
     platform_settings,
     random_name,
@@ -167,8 +166,7 @@ async def test_kill_9_mid_stream_loses_nothing_and_dedupes(table, cdc_database, 
                                                            provisioned_nats, nats_client,
                                                            tmp_path):
     env = bridge_env(cdc_database, provisioned_nats.url)
-    command = [str(Path(sys.executable).parent / "cdc-platform"), "bridge",
-               "--slot", cdc_database.slot, "--pub", cdc_database.publication]
+    command = [CLI, "bridge", "--slot", cdc_database.slot, "--pub", cdc_database.publication]
     log = open(tmp_path / "bridge.log", "wb")  # noqa: SIM115 - shared by the restarts
     bridge = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -17,12 +17,12 @@ from cdc_platform.jetstream.provision import provision
 from cdc_platform.settings import NatsSettings, NatsTopology
 from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
 from cdc_platform_tests.fixtures.services import (
+    CLI,
     bridge_env,
     platform_settings,
     random_name,
     read_subjects,
 )
-from cdc_platform_tests.integration.test_stop_signals import CLI
 
 
 def _walsender_pid(pg_admin, slot: str) -> int | None:

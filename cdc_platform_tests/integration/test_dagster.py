@@ -13,14 +13,9 @@ import msgpack
 import pytest
 import yaml
 
-from cdc_platform.defs.resources import (
-    CdcResource,
-    NatsRepliesResource,
-    NatsResource,
-    PostgresResource,
-)
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.replication.slots import read_slot
+from cdc_platform_tests.fixtures.dagster import dagster_resources, request_sensor_tick
 from cdc_platform_tests.fixtures.services import TEST_SECRETS, random_name, read_subjects
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,21 +38,6 @@ def dagster_env(cdc_database, provisioned_nats, monkeypatch, tmp_path):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     return env
-
-
-def resources(env) -> dict:
-    return {"postgres": PostgresResource(), "nats": NatsResource(),
-            "nats_replies": NatsRepliesResource(), "cdc": CdcResource()}
-
-
-def request_sensor_tick(defs, instance, env):
-    """``tick(cursor)``: one evaluation of snapshot_request_sensor, as the daemon runs it."""
-    sensor = defs.resolve_sensor_def("snapshot_request_sensor")
-
-    def tick(cursor):
-        return sensor(dg.build_sensor_context(instance=instance, cursor=cursor,
-                                              resources=resources(env), definitions=defs))
-    return tick
 
 
 def test_definitions_load_with_everything(dagster_env):
@@ -138,14 +118,14 @@ def test_publication_sync_sensor_tracks_the_publication(dagster_env, cdc_databas
         pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
     cdc_database.add_tables(pg_admin, first, second)
     with dg.instance_for_test() as instance:
-        context = dg.build_sensor_context(instance=instance, resources=resources(dagster_env))
+        context = dg.build_sensor_context(instance=instance, resources=dagster_resources())
         result = publication_sync_sensor(context)
         (added,) = result.dynamic_partitions_requests
         assert sorted(added.partition_keys) == sorted([first, second])
         instance.add_dynamic_partitions("published_tables", list(added.partition_keys))
         pg_admin.execute(f"ALTER PUBLICATION {cdc_database.publication} DROP TABLE {second}")
         result = publication_sync_sensor(dg.build_sensor_context(
-            instance=instance, resources=resources(dagster_env)))
+            instance=instance, resources=dagster_resources()))
         (removed,) = result.dynamic_partitions_requests
         assert list(removed.partition_keys) == [second]
         assert isinstance(removed, dg.DeleteDynamicPartitionsRequest)
@@ -163,7 +143,7 @@ async def test_snapshot_requests_become_runs_once(dagster_env, cdc_database, pg_
         await nats_client.publish(f"snapshot.request.{subject}", b"")
     await nats_client.flush()
     with dg.instance_for_test() as instance:
-        evaluate = request_sensor_tick(defs, instance, dagster_env)
+        evaluate = request_sensor_tick(defs, instance)
 
         result = await asyncio.to_thread(evaluate, None)
         assert [r.partition_key for r in result.run_requests] == [table]  # coalesced
@@ -193,7 +173,7 @@ async def test_a_reply_to_the_platforms_own_subjects_is_never_sent(
     await nats_client.flush()
     defs = build_definitions()
     with dg.instance_for_test() as instance:
-        result = await asyncio.to_thread(request_sensor_tick(defs, instance, dagster_env),
+        result = await asyncio.to_thread(request_sensor_tick(defs, instance),
                                          None)
     assert not result.run_requests  # each was refused
     await asyncio.sleep(0.5)
@@ -239,7 +219,7 @@ async def test_a_request_flood_starts_one_run_per_table(dagster_env, cdc_databas
     defs = build_definitions()
     job = defs.resolve_job_def("snapshot_job")
     with dg.instance_for_test() as instance:
-        evaluate = request_sensor_tick(defs, instance, dagster_env)
+        evaluate = request_sensor_tick(defs, instance)
 
         first = await asyncio.to_thread(evaluate, None)
         assert [r.partition_key for r in first.run_requests] == [table]
@@ -312,7 +292,7 @@ async def test_a_flood_across_tables_leaves_a_pending_request_in_place(
         stored = (await client.jetstream().stream_info("SNAPSHOT_REQUESTS")).state.messages
         assert stored == 20
         with dg.instance_for_test() as instance:
-            evaluate = request_sensor_tick(build_definitions(), instance, dagster_env)
+            evaluate = request_sensor_tick(build_definitions(), instance)
             result = await asyncio.to_thread(evaluate, None)
         assert [r.partition_key for r in result.run_requests] == [table]
     finally:
@@ -373,7 +353,7 @@ async def test_max_age_0_cannot_force_back_to_back_snapshots(
         await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
         with dg.instance_for_test() as instance:
             instance.add_dynamic_partitions("published_tables", [table])
-            evaluate = request_sensor_tick(defs, instance, dagster_env)
+            evaluate = request_sensor_tick(defs, instance)
 
             await ask("r1", max_age_seconds=0)
             first = await asyncio.to_thread(evaluate, None)
@@ -381,7 +361,7 @@ async def test_max_age_0_cannot_force_back_to_back_snapshots(
             outcome = await asyncio.to_thread(
                 dg.materialize, [init_snapshot], partition_key=table, instance=instance,
                 tags=run_request.tags, raise_on_error=False,
-                resources={**resources(dagster_env),
+                resources={**dagster_resources(),
                            "pyspark": LazyPySparkResource(spark_config={})})
             assert outcome.success
             taken = await reply("r1", "done")
@@ -499,7 +479,7 @@ async def test_init_snapshot_materialization_records_the_cutover(
     from cdc_platform.bridge.runner import CdcBridge
     from cdc_platform.defs.snapshots.assets import init_snapshot
     from cdc_platform.settings import load_settings
-    from cdc_platform.spark import default_spark_config
+    from cdc_platform.snapshot.spark_session import default_spark_config
 
     monkeypatch.setenv("CDC_SNAPSHOT_LOCAL_MAX_BYTES", "0")  # through Spark, however small
     table = random_name("dag_snap")
@@ -519,7 +499,7 @@ async def test_init_snapshot_materialization_records_the_cutover(
                 spark_config=default_spark_config("local[2,2]"))
             result = await asyncio.to_thread(
                 dg.materialize, [init_snapshot], partition_key=table, instance=instance,
-                resources={**resources(dagster_env), "pyspark": spark_resource})
+                resources={**dagster_resources(), "pyspark": spark_resource})
             assert result.success
             event = result.get_asset_materialization_events()[0]
             metadata = {k: v.value for k, v in
@@ -550,7 +530,7 @@ async def test_refused_requests_say_why_in_the_tick(dagster_env, nats_client):
     await nats_client.publish("snapshot.request.no_such_table", b"")
     await nats_client.flush()
     with dg.instance_for_test() as instance:
-        evaluate = request_sensor_tick(defs, instance, dagster_env)
+        evaluate = request_sensor_tick(defs, instance)
 
         result = await asyncio.to_thread(evaluate, None)
         assert result.run_requests == [] or result.run_requests is None
@@ -601,12 +581,12 @@ async def test_snapshot_requests_get_replies(dagster_env, cdc_database, pg_admin
         with dg.instance_for_test() as instance:
             instance.add_dynamic_partitions("published_tables", [table, doomed])
 
-            evaluate = request_sensor_tick(defs, instance, dagster_env)
+            evaluate = request_sensor_tick(defs, instance)
 
             def run(run_request):
                 return dg.materialize([init_snapshot], partition_key=run_request.partition_key,
                                       instance=instance, tags=run_request.tags,
-                                      resources={**resources(dagster_env),
+                                      resources={**dagster_resources(),
                                                  "pyspark": LazyPySparkResource(spark_config={})},
                                       raise_on_error=False)  # small: Spark never starts
 

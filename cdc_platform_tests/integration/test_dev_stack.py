@@ -8,7 +8,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -20,6 +19,7 @@ from cdc_platform.dev.servers import PortTaken, free_port
 from cdc_platform.dev.stack import REPO_ROOT, DevOptions, DevStack
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.settings import NatsSettings
+from cdc_platform_tests.fixtures.services import CLI
 
 
 @pytest.fixture
@@ -33,10 +33,9 @@ def state_root():
 
 def test_dev_stack_comes_up_and_stops_cleanly(state_root):
     tmp_path = state_root
-    cli = Path(sys.executable).parent / "cdc-platform"
     ports = [str(free_port()) for _ in range(4)]
     result = subprocess.run(
-        [str(cli), "dev", "--state-dir", str(tmp_path / "state"), "--smoke",
+        [CLI, "dev", "--state-dir", str(tmp_path / "state"), "--smoke",
          "--ui-port", ports[0], "--pg-port", ports[1], "--nats-port", ports[2],
          "--nats-monitor-port", ports[3]],
         capture_output=True, text=True, timeout=300, check=False,
@@ -109,13 +108,12 @@ def _wait_for_more_events(state_dir: Path, than: int, timeout: float, what: str)
 
 
 def _start_stack(state_dir: Path, log_path: Path) -> subprocess.Popen:
-    cli = Path(sys.executable).parent / "cdc-platform"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("CDC_", "PG_", "NATS_", "POSTGRES_"))}
     env.update(CDC_RUN_LIVENESS_TIMEOUT="20", CDC_RUN_LIVENESS_INTERVAL="2",
                CDC_RELAUNCH_BACKOFF="1")
     with open(log_path, "ab") as out:
-        return subprocess.Popen([str(cli), "dev", "--state-dir", str(state_dir)], env=env,
+        return subprocess.Popen([CLI, "dev", "--state-dir", str(state_dir)], env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -191,14 +189,13 @@ def test_a_stop_while_the_smoke_check_waits_for_cdc_is_honoured(state_root):
     """SIGTERM once the stack is up, while `dev --smoke` waits for CDC events: it stops what
     it started and exits 1 without claiming the check passed (it ignored the signal until CDC
     streamed, then passed)."""
-    cli = Path(sys.executable).parent / "cdc-platform"
     ports = [str(free_port()) for _ in range(4)]
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("CDC_", "PG_", "NATS_", "POSTGRES_"))}
     log_path = state_root / "dev.log"
     with open(log_path, "ab") as out:
         process = subprocess.Popen(
-            [str(cli), "dev", "--state-dir", str(state_root / "state"), "--smoke",
+            [CLI, "dev", "--state-dir", str(state_root / "state"), "--smoke",
              "--ui-port", ports[0], "--pg-port", ports[1], "--nats-port", ports[2],
              "--nats-monitor-port", ports[3]],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -16,7 +16,6 @@ import random
 import signal
 import sqlite3
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -37,12 +36,11 @@ from cdc_platform_tests.exactness import (
 )
 from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
-from cdc_platform_tests.fixtures.services import bridge_env, platform_settings, random_name
+from cdc_platform_tests.fixtures.services import CLI, bridge_env, platform_settings, random_name
 
 # also on the newest PostgreSQL (README "Tests": make test's second pass)
 pytestmark = pytest.mark.every_major
 
-CLI = str(Path(sys.executable).parent / "cdc-platform")
 TRANSACTIONS = 240
 FLOATS = [0.0, -0.0, float("nan"), 1.5, -2.25, float("inf")]
 

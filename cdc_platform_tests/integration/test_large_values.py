@@ -6,32 +6,16 @@ from __future__ import annotations
 import pytest
 
 from cdc_platform.consumer.claim_checks import resolve_payload
-from cdc_platform.dev.servers import LocalNatsServer
-from cdc_platform.jetstream.connection import connect_nats
-from cdc_platform.jetstream.provision import provision
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.publishing.claim_check import HEADER_CLAIM_CHECK
-from cdc_platform.settings import NatsSettings, NatsTopology
 from cdc_platform.wire import decode_payload
 from cdc_platform_tests.fixtures.bridge import running_bridge, slot_confirmed, wait_for
-from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
-
-MAX_PAYLOAD = 64 * 1024
-
-
-@pytest.fixture
-async def small_nats(tmp_path):
-    server = LocalNatsServer(tmp_path / "nats", max_payload=MAX_PAYLOAD)
-    server.start()
-    try:
-        client = await connect_nats(NatsSettings(url=server.url))
-        try:
-            await provision(client.jetstream(), NatsTopology())
-            yield server, client
-        finally:
-            await client.close()
-    finally:
-        server.stop()  # even when a failed test left the client unusable
+from cdc_platform_tests.fixtures.services import (
+    SMALL_MAX_PAYLOAD,
+    platform_settings,
+    random_name,
+    read_subjects,
+)
 
 
 @pytest.mark.parametrize("mode", ["per-change", "batched"])
@@ -66,6 +50,6 @@ async def test_a_row_over_max_payload_flows_as_a_claim_check(mode, small_nats, c
     if mode == "per-change":
         assert reference["claim_check"]["object"] == reference["msg_id"]
         assert "data" not in reference and reference["operation"] == "INSERT"
-    assert reference["claim_check"]["size"] > MAX_PAYLOAD
+    assert reference["claim_check"]["size"] > SMALL_MAX_PAYLOAD
     # the slot moved past everything: nothing piles up
     assert slot_confirmed(pg_admin, cdc_database.slot) >= parse_lsn(events[-1]["commit_lsn"])

@@ -8,14 +8,12 @@ import logging
 
 import msgpack
 import pytest
-from nats.js.errors import NotFoundError
 
 from cdc_platform.consumer.snapshots import latest_meta
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.mirror.follower import Mirror
 from cdc_platform.mirror.store import MirrorError
 from cdc_platform.postgres.catalog import published_relation_ids
-from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings
 from cdc_platform.snapshot import snapshot_table
 from cdc_platform.snapshot.options import SnapshotOptions
@@ -26,7 +24,8 @@ from cdc_platform_tests.exactness import (
     mirror_rows,
     source_rows,
 )
-from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
+from cdc_platform_tests.fixtures.bridge import bridge_ready, running_bridge, wait_for
+from cdc_platform_tests.fixtures.hostile_payloads import hostile_payload
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name
 
@@ -42,26 +41,6 @@ def _published_table(pg_admin, cdc_database, prefix: str, rows: int) -> str:
     return table
 
 
-async def _bridge_ready(pg_admin, cdc_database, settings, tables: list[str]) -> None:
-    """Until the bridge has its slot and has put the schemas of ``tables`` in KV, which it
-    does just after (a mirror started before says they are not published)."""
-    await wait_for(lambda: read_slot(pg_admin, cdc_database.slot) is not None)
-    client = await connect_nats(settings.nats, name="cdc-tests-ready")
-    try:
-        kv = await client.jetstream().key_value(settings.topology.schemas.bucket)
-
-        async def in_kv() -> bool:
-            for table in tables:
-                try:
-                    await kv.get(table)
-                except NotFoundError:
-                    return False
-            return True
-        await wait_for(in_kv, what=f"the schemas of {tables} in KV")
-    finally:
-        await client.close()
-
-
 @pytest.mark.every_major
 async def test_a_mirror_bootstraps_follows_and_equals_the_source(
         cdc_database, pg_admin, provisioned_nats, tmp_path):
@@ -74,7 +53,7 @@ async def test_a_mirror_bootstraps_follows_and_equals_the_source(
     db = tmp_path / "mirror.db"
     lines: list[str] = []
     async with running_bridge(settings), snapshot_responder(settings) as taken:
-        await _bridge_ready(pg_admin, cdc_database, settings, [table])
+        await bridge_ready(pg_admin, cdc_database, settings, [table])
         mirror = Mirror(settings, [table], db, options=FAST, report=lines.append)
         await mirror.run(until_caught_up=True)
         assert len(taken) == 1
@@ -104,7 +83,7 @@ async def test_mirrors_asking_for_one_table_at_once_share_one_snapshot(
     table = _published_table(pg_admin, cdc_database, "shared", 300)
     settings = platform_settings(cdc_database, provisioned_nats.url)
     async with running_bridge(settings), snapshot_responder(settings) as taken:
-        await _bridge_ready(pg_admin, cdc_database, settings, [table])
+        await bridge_ready(pg_admin, cdc_database, settings, [table])
         mirrors = [Mirror(settings, [table], tmp_path / f"m{i}.db", options=FAST,
                           report=lambda line: None) for i in range(20)]
         await asyncio.gather(*(mirror.run(until_caught_up=True) for mirror in mirrors))
@@ -134,7 +113,7 @@ async def test_a_request_that_joined_a_run_in_flight_finds_its_snapshot_in_init(
     lines: list[str] = []
     try:
         async with running_bridge(settings):
-            await _bridge_ready(pg_admin, cdc_database, settings, [table])
+            await bridge_ready(pg_admin, cdc_database, settings, [table])
             mirror = Mirror(settings, [table], tmp_path / "m.db", options=FAST,
                             report=lines.append)
             following = asyncio.create_task(mirror.run(until_caught_up=True))
@@ -171,7 +150,7 @@ async def test_malformed_messages_on_the_stream_are_refused_and_change_nothing(
         msgpack.packb({"table": table}),
     ]
     async with running_bridge(settings), snapshot_responder(settings):
-        await _bridge_ready(pg_admin, cdc_database, settings, [table])
+        await bridge_ready(pg_admin, cdc_database, settings, [table])
         await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
             until_caught_up=True)
         client = await connect_nats(settings.nats, name="cdc-tests-forger")
@@ -207,7 +186,7 @@ async def test_a_row_missing_from_the_mirror_makes_the_table_bootstrap_again(
     lines: list[str] = []
     async with running_bridge(settings), snapshot_responder(settings,
                                                             max_age_seconds=0) as taken:
-        await _bridge_ready(pg_admin, cdc_database, settings, [table])
+        await bridge_ready(pg_admin, cdc_database, settings, [table])
         await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
             until_caught_up=True)
         with sqlite3.connect(db) as tampering:
@@ -243,7 +222,7 @@ async def test_events_gone_by_retention_make_the_mirror_bootstrap_again(
         lines: list[str] = []
         async with running_bridge(settings), snapshot_responder(settings,
                                                                 max_age_seconds=0) as taken:
-            await _bridge_ready(pg_admin, cdc_database, settings, [table])
+            await bridge_ready(pg_admin, cdc_database, settings, [table])
             await Mirror(settings, [table], db, options=FAST, report=lines.append).run(
                 until_caught_up=True)
             pg_admin.execute(f"UPDATE {table} SET v = 'lost' WHERE id <= 50")
@@ -328,7 +307,7 @@ async def test_a_hostile_message_never_stops_the_mirror(
                 conninfo, table, ["id", "v"]), (round_, table, lines)
 
     async with running_bridge(settings), snapshot_responder(settings, max_age_seconds=0):
-        await _bridge_ready(pg_admin, cdc_database, settings, [victim, bystander])
+        await bridge_ready(pg_admin, cdc_database, settings, [victim, bystander])
         stop = asyncio.Event()
         mirror = Mirror(settings, [victim, bystander], db, options=FAST, report=lines.append)
         with caplog.at_level(logging.ERROR, logger="cdc_platform.mirror.follower"):
@@ -374,7 +353,7 @@ async def test_a_keyless_table_changes_the_row_with_the_sign_of_zero_it_names(
     settings = platform_settings(cdc_database, provisioned_nats.url)
     db = tmp_path / "m.db"
     async with running_bridge(settings), snapshot_responder(settings):
-        await _bridge_ready(pg_admin, cdc_database, settings, [table])
+        await bridge_ready(pg_admin, cdc_database, settings, [table])
         await Mirror(settings, [table], db, options=FAST, report=lambda line: None).run(
             until_caught_up=True)
         pg_admin.execute(f"UPDATE {table} SET v = 'minus' WHERE f::text = '-0' AND n = 1")
@@ -399,7 +378,7 @@ async def test_a_first_bootstrap_waits_for_a_bridge_that_is_behind(
     table = _published_table(pg_admin, cdc_database, "behind", 40)
     settings = platform_settings(cdc_database, provisioned_nats.url)
     async with running_bridge(settings):  # the table's schema into KV, then stopped
-        await _bridge_ready(pg_admin, cdc_database, settings, [table])
+        await bridge_ready(pg_admin, cdc_database, settings, [table])
     lines: list[str] = []
     db = tmp_path / "m.db"
     async with snapshot_responder(settings, options=SnapshotOptions(
@@ -430,7 +409,7 @@ async def test_a_table_created_again_under_its_name_is_not_bootstrapped_from_the
         return msgpack.unpackb((await kv.get(table)).value)["relation_id"]
 
     async with running_bridge(settings), snapshot_responder(settings) as taken:
-        await _bridge_ready(pg_admin, cdc_database, settings, [table])
+        await bridge_ready(pg_admin, cdc_database, settings, [table])
         await Mirror(settings, [table], tmp_path / "old.db", options=FAST,
                      report=lambda line: None).run(until_caught_up=True)
         old_id = await kv_relation_id()
@@ -465,8 +444,6 @@ async def test_random_payloads_published_into_a_running_mirror_never_stop_it(
     running and both tables end equal to their sources."""
     import random
 
-    from cdc_platform_tests.unit.test_mirror_hostile import _payload
-
     victim = _published_table(pg_admin, cdc_database, "fuzzed", 20)
     bystander = _published_table(pg_admin, cdc_database, "spared", 20)
     settings = platform_settings(cdc_database, provisioned_nats.url)
@@ -475,7 +452,7 @@ async def test_random_payloads_published_into_a_running_mirror_never_stop_it(
     lines: list[str] = []
     rng = random.Random(23)
     async with running_bridge(settings), snapshot_responder(settings, max_age_seconds=0):
-        await _bridge_ready(pg_admin, cdc_database, settings, [victim, bystander])
+        await bridge_ready(pg_admin, cdc_database, settings, [victim, bystander])
         stop = asyncio.Event()
         mirror = Mirror(settings, [victim, bystander], db, options=FAST, report=lines.append)
         task = await _following(mirror, stop, lines, nats_client)
@@ -486,7 +463,7 @@ async def test_random_payloads_published_into_a_running_mirror_never_stop_it(
                 op = rng.choice(["insert", "update", "delete", "truncate", "schema",
                                  "insert.batch"])
                 await attacker.jetstream().publish(f"cdc.{victim}.{op}",
-                                                   _payload(rng, victim, lsn), stream="CDC")
+                                                   hostile_payload(rng, victim, lsn), stream="CDC")
         finally:
             await attacker.close()
         for table in (victim, bystander):
@@ -517,7 +494,7 @@ async def test_a_snapshot_whose_chunks_cannot_be_used_gives_way_to_a_newer_one(
     js = client.jetstream()
     try:
         async with running_bridge(settings), snapshot_responder(settings) as taken:
-            await _bridge_ready(pg_admin, cdc_database, settings, [table])
+            await bridge_ready(pg_admin, cdc_database, settings, [table])
             await Mirror(settings, [table], tmp_path / "first.db", options=FAST,
                          report=lines.append).run(until_caught_up=True)
             assert len(taken) == 1

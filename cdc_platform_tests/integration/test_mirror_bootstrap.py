@@ -14,7 +14,7 @@ from cdc_platform.mirror.store import MirrorStore, TableShape, quote, to_sqlite
 from cdc_platform.postgres.catalog import table_schema
 from cdc_platform.snapshot import snapshot_table
 from cdc_platform_tests.fixtures.services import random_name
-from cdc_platform_tests.integration.test_snapshot import (
+from cdc_platform_tests.fixtures.snapshots import (
     NO_BRIDGE,
     TYPES_COLUMNS,
     create_types_table,

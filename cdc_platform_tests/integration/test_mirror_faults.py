@@ -11,7 +11,6 @@ import secrets
 import signal
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 
 import psycopg
@@ -38,6 +37,7 @@ from cdc_platform_tests.exactness import (
 from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import (
+    CLI,
     CdcDatabase,
     bridge_env,
     platform_settings,
@@ -82,7 +82,6 @@ def _bridge_env(database: CdcDatabase, nats_url: str) -> dict[str, str]:
             "CDC_STATUS_INTERVAL": "0.5s"}
 
 
-CLI = str(Path(sys.executable).parent / "cdc-platform")
 
 
 async def test_the_bridge_killed_again_and_again(cdc_database, pg_admin, provisioned_nats,

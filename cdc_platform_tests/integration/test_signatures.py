@@ -25,23 +25,29 @@ from cdc_platform.lsn import parse_lsn
 from cdc_platform.mirror.follower import Mirror, _commit_lsn_at
 from cdc_platform.mirror.snapshots import read_chunks
 from cdc_platform.settings import BridgeSettings, MirrorSettings
-from cdc_platform.snapshot import snapshot_table
+from cdc_platform.snapshot import SnapshotOptions, new_snapshot_id, snapshot_table
+from cdc_platform.snapshot.chunks import chunk_number
 from cdc_platform.wire import (
     HEADER_SIGNATURE,
     HEADER_SIGNING_KEY,
     MessageSigner,
     SignatureVerifier,
+    chunk_msg_id,
+    snapshot_chunk_subject,
     watermark_msg_id,
     watermark_subject,
 )
 from cdc_platform.wire.signing import new_seed
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
-from cdc_platform_tests.fixtures.bridge import running_bridge, slot_confirmed, wait_for
+from cdc_platform_tests.fixtures.bridge import (
+    bridge_ready,
+    running_bridge,
+    slot_confirmed,
+    wait_for,
+)
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
-from cdc_platform_tests.integration.test_large_values import small_nats  # noqa: F401 (fixture)
-from cdc_platform_tests.integration.test_mirror import _bridge_ready
-from cdc_platform_tests.integration.test_snapshot import (
+from cdc_platform_tests.fixtures.snapshots import (
     NO_BRIDGE,
     create_types_table,
     settings_for,
@@ -123,7 +129,7 @@ async def test_a_mirror_trusting_the_bridge_key_refuses_forged_events_and_stays_
         return mirror
 
     async with running_bridge(settings), snapshot_responder(settings):
-        await _bridge_ready(pg_admin, cdc_database, settings, [table])
+        await bridge_ready(pg_admin, cdc_database, settings, [table])
         await mirrored()
         pg_admin.execute(f"UPDATE {table} SET v = 'signed' WHERE id <= 3")
         # (enough messages at once for the mirror to verify them on several threads)
@@ -211,7 +217,7 @@ async def test_a_forged_snapshot_is_neither_handed_out_nor_loaded(
     js = nats_client.jetstream()
     lines: list[str] = []
     async with running_bridge(settings), snapshot_responder(settings) as taken:
-        await _bridge_ready(pg_admin, cdc_database, settings, [table])
+        await bridge_ready(pg_admin, cdc_database, settings, [table])
         await Mirror(settings, [table], tmp_path / "first.db", options=options,
                      report=lines.append).run(until_caught_up=True)
         genuine = await js.get_last_msg("INIT", f"init.meta.{table}")
@@ -282,7 +288,7 @@ async def test_spark_tasks_sign_chunks_and_a_forged_dictionary_is_not_used(
 
 @pytest.mark.parametrize("mode", ["per-change", "batched"])
 async def test_a_claim_check_stand_in_is_signed_with_its_header(
-        mode, small_nats, cdc_database, pg_admin, tmp_path):  # noqa: F811 (the fixture)
+        mode, small_nats, cdc_database, pg_admin, tmp_path):
     """A row over max_payload travels as a claim check: its stand-in is signed, the
     ``Cdc-Claim-Check`` header included, like every other message of the stream."""
     server, client = small_nats
@@ -305,3 +311,38 @@ async def test_a_claim_check_stand_in_is_signed_with_its_header(
         assert verifier.refusal(message.subject, message.headers or {}, message.data) is None
     forged = {**claimed[0].headers, "Cdc-Claim-Check": "cdc_large/another"}
     assert "bad signature" in verifier.refusal(claimed[0].subject, forged, claimed[0].data)
+
+
+async def test_a_chunk_id_taken_before_its_chunk_is_sent_loses_no_chunk(
+        pg_admin, cdc_database, provisioned_nats, nats_client, tmp_path, caplog):
+    """Someone able to publish into `init.>` takes the id of a chunk before the snapshot's
+    task sends it (ids are predictable once a snapshot's first chunk is out). JetStream drops
+    the genuine chunk as a duplicate of that message: the task reads back what holds the id
+    and, finding other content, stores the chunk again under a conflict id (README "Message
+    ids taken by other content"), signed; a mirror trusting the key reads past the forged one
+    and loads every row."""
+    seed_file = tmp_path / "signing.seed"
+    seed_file.write_text(new_seed(os.urandom(32)))
+    verifier = SignatureVerifier([MessageSigner(seed_file.read_text()).public_key])
+    table = random_name("taken_chunk")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 10) g")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url,
+                                 signing_key_seed=str(seed_file))
+    snapshot_id, first = new_snapshot_id(), chunk_number(0, 0)
+    js = nats_client.jetstream()
+    await js.publish(snapshot_chunk_subject(table, snapshot_id, first), b"forged",
+                     stream="INIT", headers={"Nats-Msg-Id": chunk_msg_id(snapshot_id, first)})
+    with caplog.at_level(logging.ERROR):
+        # a small table: its range task runs here, through the same publishing as on Spark
+        result = await snapshot_table(None, settings, table, snapshot_id=snapshot_id,
+                                      options=SnapshotOptions(watermark_wait_seconds=0.2))
+    assert result.ranges[0].first_chunk == first and result.ranges[0].duplicates == 0
+    assert any("duplicate conflict on stream INIT" in r.getMessage()
+               and chunk_msg_id(snapshot_id, first) in r.getMessage() for r in caplog.records)
+    meta = await latest_meta(js, table, verifier=verifier)
+    assert meta is not None and meta.snapshot_id == snapshot_id
+    rows = [row async for chunk in read_chunks(js, meta, verifier=verifier)
+            for row in chunk.rows]
+    assert sorted(row["id"] for row in rows) == list(range(1, 11))

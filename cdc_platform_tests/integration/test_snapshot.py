@@ -23,108 +23,36 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from cdc_platform.bridge.runner import CdcBridge
-from cdc_platform.consumer.claim_checks import resolve_payload
-from cdc_platform.consumer.snapshots import decompressor, fetch_dictionary
-from cdc_platform.dev.servers import LocalNatsServer
+from cdc_platform.consumer.snapshots import fetch_dictionary
 from cdc_platform.errors import SnapshotRequestRefused
-from cdc_platform.jetstream.connection import connect_nats
-from cdc_platform.jetstream.provision import provision
 from cdc_platform.lsn import parse_lsn
-from cdc_platform.protocol.copy_text import iter_rows
-from cdc_platform.protocol.values import TYPE_CATALOG_QUERY, TypeRegistry, convert_row
-from cdc_platform.replication.connection import SESSION_OPTIONS
 from cdc_platform.replication.slots import read_slot
-from cdc_platform.settings import EncodingSettings, NatsSettings, NatsTopology
 from cdc_platform.snapshot import SnapshotOptions, snapshot_table
 from cdc_platform.snapshot.reader import TaskFault
-from cdc_platform.snapshot.spark import JOB_GROUP_PREFIX
+from cdc_platform.snapshot.tasks import JOB_GROUP_PREFIX
 from cdc_platform.wire import decode_payload, encode_json, snapshot_meta_subject
-from cdc_platform_tests.fixtures.services import platform_settings, random_name
+from cdc_platform_tests.fixtures.services import SMALL_MAX_PAYLOAD, platform_settings, random_name
+from cdc_platform_tests.fixtures.snapshots import (
+    NO_BRIDGE,
+    TYPES_COLUMNS,
+    chunk_messages,
+    create_types_table,
+    decoded_chunks,
+    direct_rows,
+    settings_for,
+    snapshot_data,
+)
 
 # also on the newest PostgreSQL (README "Tests": make test's second pass)
 pytestmark = [pytest.mark.spark, pytest.mark.every_major]
-# No bridge runs in most tests: do not wait for a watermark marker that cannot come. The
-# tables here are small: small_table_bytes=0 makes them go through Spark all the same.
-NO_BRIDGE = SnapshotOptions(watermark_wait_seconds=0.2, small_table_bytes=0)
 SPARK = SnapshotOptions(small_table_bytes=0)
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def settings_for(cdc_database, nats_url, **encoding):
-    settings = platform_settings(cdc_database, nats_url)
-    return settings.model_copy(update={"encoding": EncodingSettings(**encoding)})
-
-
-async def chunk_messages(client, result):
-    """Every stored chunk of the snapshot, a few at a time: chunks are up to max_payload
-    each, and a 1000-message fetch would overflow the server's per-client pending limit."""
-    js = client.jetstream()
-    subscription = await js.pull_subscribe(
-        f"{result.chunk_subject_prefix}>", stream="INIT",
-        config=ConsumerConfig(ack_policy=AckPolicy.NONE))
-    messages = []
-    try:
-        while True:
-            pending = (await subscription.consumer_info()).num_pending
-            if pending == 0 and messages:
-                break
-            messages += await subscription.fetch(min(max(pending, 1), 16), timeout=5.0)
-    finally:
-        await subscription.unsubscribe()
-    assert len(messages) == result.batch_count
-    return messages
-
-
-async def decoded_chunks(client, result, fmt="msgpack"):
-    """Chunk payloads, decompressed with the dictionary the headers name, in chunk order."""
-    messages = await chunk_messages(client, result)
-    dictionaries = {}
-    chunks = []
-    for message in messages:
-        # a claim check first (README "Large values"), then the encoding the headers say
-        data = await resolve_payload(client.jetstream(), message.data, message.headers)
-        if message.headers.get("Content-Encoding") == "zstd":
-            dict_id = message.headers.get("Cdc-Zstd-Dict")
-            if dict_id not in dictionaries:
-                dictionaries[dict_id] = decompressor(None if dict_id is None else
-                                                     await fetch_dictionary(
-                                                         client.jetstream(), result.table,
-                                                         int(dict_id)))
-            data = dictionaries[dict_id].decompress(data)
-        chunk = decode_payload(data, fmt)
-        assert message.headers["Nats-Msg-Id"] == f"{result.snapshot_id}:{chunk['chunk']}"
-        assert message.subject == f"{result.chunk_subject_prefix}{chunk['chunk']}"
-        chunks.append(chunk)
-    numbers = [c["chunk"] for c in chunks]
-    assert len(set(numbers)) == len(numbers) == result.batch_count
-    return sorted(chunks, key=lambda c: c["chunk"])
-
-
-async def snapshot_data(client, result, fmt="msgpack"):
-    return [row for chunk in await decoded_chunks(client, result, fmt) for row in chunk["data"]]
-
-
 async def meta_of(client, result, fmt="msgpack"):
     js = client.jetstream()
     message = await js.get_last_msg("INIT", snapshot_meta_subject(result.table))
     return decode_payload(message.data, fmt)
-
-
-def direct_rows(conninfo, table, columns):
-    """The table read directly (COPY text on a session with the converters' settings),
-    converted with the same converters: what every snapshot must reproduce."""
-    with psycopg.connect(conninfo, autocommit=True, options=SESSION_OPTIONS) as conn:
-        oids = [conn.execute("SELECT atttypid::int FROM pg_attribute WHERE attrelid = %s::regclass "
-                             "AND attname = %s", (table, c)).fetchone()[0] for c in columns]
-        registry = TypeRegistry()
-        missing = registry.missing_oids(oids)
-        if missing:
-            registry.add_catalog_rows(conn.execute(TYPE_CATALOG_QUERY, (list(missing),)))
-        converters = [registry.converter(oid) for oid in oids]
-        cols = ", ".join(f'"{c}"' for c in columns)
-        with conn.cursor().copy(f"COPY (SELECT {cols} FROM {table}) TO STDOUT") as copy:
-            text = b"".join(bytes(b) for b in copy).decode()
-    return [dict(zip(columns, convert_row(converters, row))) for row in iter_rows(text)]
 
 
 def by_key(rows, key="id"):
@@ -136,66 +64,6 @@ def by_key(rows, key="id"):
 
 
 _pack = msgpack.Packer(use_bin_type=True, datetime=False).pack
-
-
-# -- a table with every kind of type ------------------------------------------------------------
-TYPES_COLUMNS = ["id", "i2", "i4", "f4", "f8", "num", "num_fixed", "flag", "txt", "vc", "ch",
-                 "u", "j", "jb", "arr_i", "arr_t", "d", "tm", "tz", "ts", "ttz", "iv", "by",
-                 "ip", "mood"]
-
-
-def create_types_table(pg_admin, name, rows):
-    mood = f"{name}_mood"
-    pg_admin.execute(f"CREATE TYPE {mood} AS ENUM ('sad', 'ok', 'happy')")
-    pg_admin.execute(f"""
-        CREATE TABLE {name} (
-            id bigint PRIMARY KEY, i2 smallint, i4 integer, f4 real, f8 double precision,
-            num numeric, num_fixed numeric(12, 3), flag boolean, txt text, vc varchar(40),
-            ch char(5), u uuid, j json, jb jsonb, arr_i int[], arr_t text[], d date,
-            tm time, tz timestamptz, ts timestamp, ttz timetz, iv interval, by bytea,
-            ip inet, mood {mood})""")
-    pg_admin.execute(f"""
-        INSERT INTO {name}
-        SELECT i, (i % 32000)::smallint, CASE WHEN i % 17 = 0 THEN NULL ELSE i * 7 - 1000000 END,
-          CASE i % 50 WHEN 0 THEN 'NaN'::real WHEN 1 THEN 'Infinity' WHEN 2 THEN '-Infinity'
-                      ELSE (i / 3.0)::real END,
-          CASE i % 50 WHEN 0 THEN 'NaN'::float8 WHEN 1 THEN 'Infinity' WHEN 2 THEN '-Infinity'
-                      WHEN 3 THEN '-0'::float8 WHEN 4 THEN 1e-300 ELSE i / 7.0 END,
-          CASE i % 40 WHEN 0 THEN 'NaN'::numeric WHEN 1 THEN 123456789012345678901234567890.5
-                      WHEN 2 THEN NULL ELSE (i::numeric / 7)::numeric(40, 20) END,
-          (i % 1000000 / 1000.0)::numeric(12, 3),
-          CASE i % 3 WHEN 0 THEN NULL ELSE i % 2 = 0 END,
-          CASE i % 10 WHEN 0 THEN NULL WHEN 1 THEN ''
-                      WHEN 2 THEN E'tab\\there\\nnew line\\\\back\\\\slash\\r'
-                      WHEN 3 THEN 'unicode ünï ✓ 😀' WHEN 4 THEN E'\\\\N'
-                      WHEN 5 THEN E'quote '' and "double"'
-                      ELSE 'row ' || i END,
-          'vc-' || (i % 1000), CASE WHEN i % 4 = 0 THEN 'ab' ELSE 'abcde' END,
-          md5(i::text)::uuid,
-          CASE WHEN i % 9 = 0 THEN NULL ELSE
-            json_build_object('i', i, 'nested', json_build_array(1, 'two', NULL, true)) END,
-          jsonb_build_object('k', i, 'f', 1.5, 'big', 12345678901234567890,
-                             's', E'line\\nbreak'),
-          ARRAY[i::int, NULL, -i::int],
-          CASE WHEN i % 6 = 0 THEN ARRAY[]::text[] ELSE
-            ARRAY['a,b', 'quote"d', NULL, 'NULL', E'back\\\\slash', '', '{{brace}}', 'ü'] END,
-          CASE i % 100 WHEN 0 THEN 'infinity'::date WHEN 1 THEN '0044-03-15 BC'::date
-                       ELSE date '2000-01-01' + (i % 10000)::int END,
-          time '00:00' + (i % 86400) * interval '1 second' + interval '0.123456 second',
-          CASE i % 100 WHEN 0 THEN '-infinity'::timestamptz
-               ELSE timestamptz '2020-01-01 00:00:00+00' + i * interval '1.000001 second' END,
-          timestamp '2021-06-01 12:00' + i * interval '1 minute',
-          timetz '13:45:21+02' + i * interval '1 second',
-          make_interval(years => i % 3, months => i % 12, days => i % 30, hours => i % 24,
-                        secs => (i % 60) + 0.5),
-          CASE WHEN i % 5 = 0 THEN NULL WHEN i % 5 = 1 THEN ''::bytea
-               ELSE decode(md5(i::text), 'hex') || '\\x005c0a09'::bytea END,
-          CASE WHEN i % 7 = 0 THEN ('2001:db8::' || to_hex(i % 65536))::inet
-               ELSE ('10.' || (i / 65536 % 256) || '.' || (i / 256 % 256) || '.' || (i % 256)
-                     || '/24')::inet END,
-          (ARRAY['sad', 'ok', 'happy'])[1 + i % 3]::{mood}
-        FROM generate_series(1, {rows}) AS i""")
-    pg_admin.execute(f"ANALYZE {name}")
 
 
 @pytest.fixture(scope="module")
@@ -377,55 +245,42 @@ async def test_empty_table_gets_a_meta_with_no_chunks(cdc_database, pg_admin, pr
     assert (meta["row_count"], meta["batch_count"], meta["chunks"]) == (0, 0, [])
 
 
-@pytest.fixture
-def small_nats(tmp_path):
-    """A nats-server of its own with a 64 KiB max_payload (the shared one has 1 MiB)."""
-    server = LocalNatsServer(tmp_path / "nats", max_payload=64 * 1024)
-    server.start()
-    yield server
-    server.stop()
-
-
 async def test_chunks_fit_max_payload_and_an_oversized_row_is_a_claim_check(
         cdc_database, pg_admin, small_nats, spark_session):
-    client = await connect_nats(NatsSettings(url=small_nats.url))
-    try:
-        await provision(client.jetstream(), NatsTopology())
-        assert client.max_payload == 64 * 1024
-        table = random_name("wide")
-        nokey = random_name("wide_nokey")
-        pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, body text)")
-        pg_admin.execute(f"CREATE TABLE {nokey} (body text)")
-        pg_admin.execute(f"INSERT INTO {table} SELECT i, repeat(md5(i::text), 30) "
-                         "FROM generate_series(1, 3000) i")  # ~1 KB rows: 64 KB cuts, not 10K
-        cdc_database.add_tables(pg_admin, table, nokey)
-        settings = settings_for(cdc_database, small_nats.url)
-        result = await snapshot_table(spark_session, settings, table, options=NO_BRIDGE)
-        messages = await chunk_messages(client, result)
-        assert result.batch_count >= 3000 * 1000 // (64 * 1024)
-        assert max(len(m.data) for m in messages) <= 64 * 1024
-        rows = await snapshot_data(client, result)
-        assert sorted(r["id"] for r in rows) == list(range(1, 3001))
+    server, client = small_nats
+    assert client.max_payload == SMALL_MAX_PAYLOAD
+    table = random_name("wide")
+    nokey = random_name("wide_nokey")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, body text)")
+    pg_admin.execute(f"CREATE TABLE {nokey} (body text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT i, repeat(md5(i::text), 30) "
+                     "FROM generate_series(1, 3000) i")  # ~1 KB rows: 64 KB cuts, not 10K
+    cdc_database.add_tables(pg_admin, table, nokey)
+    settings = settings_for(cdc_database, server.url)
+    result = await snapshot_table(spark_session, settings, table, options=NO_BRIDGE)
+    messages = await chunk_messages(client, result)
+    assert result.batch_count >= 3000 * 1000 // SMALL_MAX_PAYLOAD
+    assert max(len(m.data) for m in messages) <= SMALL_MAX_PAYLOAD
+    rows = await snapshot_data(client, result)
+    assert sorted(r["id"] for r in rows) == list(range(1, 3001))
 
-        # one random (incompressible) row of 100 KB
-        big = "".join(random.choice("abcdefghijklmnopqrstuvwxyz0123456789")
-                      for _ in range(100_000))
-        # flows as a claim check (README "Large values"), compressed or not
-        pg_admin.execute(f"INSERT INTO {table} VALUES (4242, %s)", (big,))
-        zstd = settings_for(cdc_database, small_nats.url, zstd=True, zstd_dictionary=False)
-        for flavour in (settings, zstd):
-            result = await snapshot_table(spark_session, flavour, table, options=NO_BRIDGE)
-            messages = await chunk_messages(client, result)
-            claimed = [m for m in messages if "Cdc-Claim-Check" in m.headers]
-            assert len(claimed) == 1 and max(len(m.data) for m in messages) <= 64 * 1024
-            rows = {r["id"]: r for r in await snapshot_data(client, result)}
-            assert len(rows) == 3001 and rows[4242]["body"] == big
-        pg_admin.execute(f"INSERT INTO {nokey} VALUES ('small'), (%s)", (big,))
-        result = await snapshot_table(spark_session, settings, nokey, options=NO_BRIDGE)
-        assert sorted(r["body"] for r in await snapshot_data(client, result)) == sorted(
-            ["small", big])
-    finally:
-        await client.close()
+    # one random (incompressible) row of 100 KB
+    big = "".join(random.choice("abcdefghijklmnopqrstuvwxyz0123456789")
+                  for _ in range(100_000))
+    # flows as a claim check (README "Large values"), compressed or not
+    pg_admin.execute(f"INSERT INTO {table} VALUES (4242, %s)", (big,))
+    zstd = settings_for(cdc_database, server.url, zstd=True, zstd_dictionary=False)
+    for flavour in (settings, zstd):
+        result = await snapshot_table(spark_session, flavour, table, options=NO_BRIDGE)
+        messages = await chunk_messages(client, result)
+        claimed = [m for m in messages if "Cdc-Claim-Check" in m.headers]
+        assert len(claimed) == 1 and max(len(m.data) for m in messages) <= SMALL_MAX_PAYLOAD
+        rows = {r["id"]: r for r in await snapshot_data(client, result)}
+        assert len(rows) == 3001 and rows[4242]["body"] == big
+    pg_admin.execute(f"INSERT INTO {nokey} VALUES ('small'), (%s)", (big,))
+    result = await snapshot_table(spark_session, settings, nokey, options=NO_BRIDGE)
+    assert sorted(r["body"] for r in await snapshot_data(client, result)) == sorted(
+        ["small", big])
 
 
 async def test_retried_task_does_not_duplicate_chunks(cdc_database, pg_admin, provisioned_nats,

@@ -22,6 +22,7 @@ from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import NatsSettings, NatsTopology
 from cdc_platform.snapshot import snapshot_table
 from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
+from cdc_platform_tests.fixtures.dagster import dagster_resources, request_sensor_tick
 from cdc_platform_tests.fixtures.services import (
     nats_server_from,
     platform_settings,
@@ -29,7 +30,6 @@ from cdc_platform_tests.fixtures.services import (
     read_subjects,
     secret_for_test,
 )
-from cdc_platform_tests.integration.test_dagster import request_sensor_tick, resources
 
 # What README "NATS setup" says the sensor needs (stream and durable names: the defaults).
 SENSOR_PUBLISHES = [
@@ -126,7 +126,7 @@ async def test_the_sensor_and_runs_answer_with_least_rights(
         await requester.flush()
         defs = build_definitions()
         with dg.instance_for_test() as instance:
-            result = await asyncio.to_thread(request_sensor_tick(defs, instance, {}), None)
+            result = await asyncio.to_thread(request_sensor_tick(defs, instance), None)
             by_id = await wait_replies(4)
             assert by_id["r1"]["status"] == "done" and by_id["r1"]["reused"] is True
             assert by_id["r1"]["snapshot_id"] == taken.snapshot_id
@@ -145,7 +145,7 @@ async def test_the_sensor_and_runs_answer_with_least_rights(
             outcome = await asyncio.to_thread(
                 dg.materialize, [init_snapshot], partition_key=doomed, instance=instance,
                 tags=run.tags, raise_on_error=False,
-                resources={**resources({}), "pyspark": LazyPySparkResource(spark_config={})})
+                resources={**dagster_resources(), "pyspark": LazyPySparkResource(spark_config={})})
             assert not outcome.success
             failed = (await wait_replies(5))["r3"]
             assert failed["status"] == "failed" and "not in publication" in failed["reason"]

@@ -8,7 +8,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,13 +22,13 @@ from cdc_platform.settings import NatsSettings, NatsTopology
 from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import (
+    CLI,
     bridge_env,
     platform_settings,
     random_name,
     read_subjects,
 )
 
-CLI = str(Path(sys.executable).parent / "cdc-platform")
 # Python starting and loading the command line (~0.1 s): a SIGTERM before the command's
 # handler is installed ends the process by the default action, before it did anything.
 INTERPRETER_START = 0.3

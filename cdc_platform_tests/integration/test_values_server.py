@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from cdc_platform.protocol.copy_text import iter_rows
 from cdc_platform.protocol.values import REQUIRED_SESSION_SETTINGS, TYPE_CATALOG_QUERY, TypeRegistry
 from cdc_platform.replication.connection import SESSION_OPTIONS
-from cdc_platform_tests.unit.test_values import GOLDEN, _same, arrays
+from cdc_platform_tests.fixtures.values import TEXT_CONVERSIONS, arrays, same_converted
 
 # also on the newest PostgreSQL (README "Tests": make test's second pass)
 pytestmark = pytest.mark.every_major
@@ -82,7 +82,7 @@ def test_text_and_copy_paths_agree(conn, expression, oid):
     via_text, via_copy, actual_oid = _convert_via_server(conn, expression, registry)
     if oid is not None:
         assert actual_oid == oid
-    assert _same(via_text, via_copy)
+    assert same_converted(via_text, via_copy)
 
 
 def test_custom_types_are_typed(conn):
@@ -94,14 +94,14 @@ def test_custom_types_are_typed(conn):
 
 
 @pytest.mark.parametrize(("oid", "text", "expected"),
-                         [g for g in GOLDEN if g[0] not in (987654, 790)])
+                         [g for g in TEXT_CONVERSIONS if g[0] not in (987654, 790)])
 def test_golden_texts_are_what_the_server_prints(conn, oid, text, expected):
     type_name = {1042: "bpchar", 1560: "bit(3)"}.get(oid) or conn.execute(
         "SELECT format_type(%s, NULL)", (oid,)).fetchone()[0]
     literal = conn.execute("SELECT quote_literal(%s)", (text,)).fetchone()[0]
     printed = output_text(conn, f"{literal}::{type_name}")
     registry = TypeRegistry()
-    assert _same(registry.converter(oid)(printed), expected)
+    assert same_converted(registry.converter(oid)(printed), expected)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -5,8 +5,6 @@ escapes, and a genuine change still applies afterwards."""
 
 from __future__ import annotations
 
-import json
-import math
 import random
 
 import msgpack
@@ -17,68 +15,7 @@ from cdc_platform.mirror.follower import Mirror, _Following
 from cdc_platform.mirror.store import MirrorStore, TableShape
 from cdc_platform.mirror.transactions import TransactionCollector
 from cdc_platform.settings import PlatformSettings
-
-TABLES = ("users", "keyless")
-SCHEMAS = {
-    "users": {"table": "users", "fingerprint": "f1", "primary_key": ["id"], "columns": [
-        {"name": "id", "type_oid": 23, "data_type": "integer"},
-        {"name": "name", "type_oid": 25, "data_type": "text"},
-        {"name": "f", "type_oid": 701, "data_type": "double precision"}]},
-    "keyless": {"table": "keyless", "fingerprint": "f2", "primary_key": [], "columns": [
-        {"name": "f", "type_oid": 701, "data_type": "double precision"},
-        {"name": "raw", "type_oid": 17, "data_type": "bytea"},
-        {"name": "mood", "type_oid": 98765, "data_type": "mood"}]},
-}
-FIELDS = ("table", "operation", "commit_lsn", "ordinal", "msg_id", "data", "old", "old_kind",
-          "tx_tables", "table_schema", "needs_snapshot", "commit_ts", "unchanged_toast",
-          "cascade", "restart_identity", "raw_columns", "nope")
-OPERATIONS = ("INSERT", "UPDATE", "DELETE", "TRUNCATE", "SCHEMA")
-
-
-def _value(rng: random.Random, depth: int = 0):
-    kind = rng.randrange(14 if depth < 3 else 10)
-    return [
-        lambda: None, lambda: rng.random() < 0.5, lambda: rng.randint(-5, 5),
-        lambda: rng.choice([1 << 63, -(1 << 63) - 1, (1 << 64) - 1, 2**31]),
-        lambda: rng.choice([0.0, -0.0, math.nan, math.inf, -math.inf, 1.5, 1e308]),
-        lambda: rng.choice(["", "x", "NaN", "0/1", "FFFFFFFF/FFFFFFFF", "users", "\x00",
-                            "\ud800", "2025-13-45T99:00:00Z", "a" * 3000]),
-        lambda: rng.randbytes(rng.randrange(8)),
-        lambda: rng.choice(TABLES), lambda: rng.choice(OPERATIONS),
-        lambda: msgpack.ExtType(rng.randrange(128), b"\x01"),
-        lambda: [_value(rng, depth + 1) for _ in range(rng.randrange(4))],
-        lambda: {rng.choice(["id", "name", "f", "raw", "mood", "nope", 7, ""]):
-                 _value(rng, depth + 1) for _ in range(rng.randrange(4))},
-        lambda: {"users": rng.randint(-1, 3), rng.choice(TABLES): rng.choice([1, "1", None])},
-        lambda: rng.choice([SCHEMAS["users"], SCHEMAS["keyless"], {**SCHEMAS["users"],
-                            "columns": [{"name": "id"}]}, {"table": "users", "columns": []},
-                            {**SCHEMAS["keyless"], "table": "users"}]),
-    ][kind]()
-
-
-def _event(rng: random.Random, table: str, commit_lsn: str) -> dict:
-    """A map with the fields a change has, most of them plausible, some of them wrong."""
-    event = {"table": table, "operation": rng.choice(OPERATIONS), "commit_lsn": commit_lsn,
-             "ordinal": rng.randrange(3), "data": {"id": rng.randrange(5), "name": "n"}}
-    for _ in range(rng.randrange(1, 5)):
-        event[rng.choice(FIELDS)] = _value(rng)
-    return event
-
-
-def _payload(rng: random.Random, table: str, commit_lsn: str) -> bytes:
-    shape = rng.randrange(10)
-    if shape == 0:
-        return rng.randbytes(rng.randrange(40))
-    if shape == 1:
-        return b"[" * 100_000  # nested deeper than Python recurses
-    events = [_event(rng, table, commit_lsn) for _ in range(rng.randrange(1, 3))]
-    value = events if shape == 2 else events[0]
-    if shape == 3:
-        return json.dumps(value, default=repr).encode()
-    try:
-        return msgpack.packb(value)
-    except (ValueError, TypeError, OverflowError):  # (a lone surrogate, an int past 64 bits)
-        return msgpack.packb(repr(value))
+from cdc_platform_tests.fixtures.hostile_payloads import SCHEMAS, TABLES, hostile_payload
 
 
 def _bootstrap(store: MirrorStore, table: str) -> None:
@@ -103,7 +40,7 @@ def test_random_payloads_never_stop_the_mirror(tmp_path, seed):
             table = rng.choice(TABLES)
             follow = _Following(mirror, None, store, TransactionCollector(TABLES,
                                 keep_events=False), TABLES)  # type: ignore[arg-type]
-            data = _payload(rng, table, f"0/{lsn:X}")
+            data = hostile_payload(rng, table, f"0/{lsn:X}")
             follow.payload(PulledMessage(f"cdc.{table}.insert", seq, data, None, b""), data)
             follow.commit()
             follow.abandon()

@@ -13,7 +13,7 @@ from nacl.signing import VerifyKey
 from cdc_platform import cli
 from cdc_platform.errors import ConfigError
 from cdc_platform.settings import (
-    BridgeSettings,
+    EncodingSettings,
     MirrorSettings,
     OrchestrationSettings,
     PlatformSettings,
@@ -114,21 +114,20 @@ def test_a_signer_refuses_a_public_key_for_a_seed():
         MessageSigner(VECTORS["public_key"])
 
 
-def test_a_signed_chunk_at_its_payload_budget_still_fits_max_payload(tmp_path):
+def test_a_signed_chunk_at_its_payload_budget_still_fits_max_payload():
     """Chunks are cut to the server's max_payload with their headers; a signed one carries
     two more, for which the cut leaves room."""
-    seed_file = tmp_path / "signing.seed"
-    seed_file.write_text(golden.SIGNING_SEED)
     max_payload = 1024 * 1024
 
-    def layout(settings: PlatformSettings):
-        return chunk_layout(SourceTable(golden.table_schema(), (), 1, 8192, 1.0), settings,
-                            "20261122T100000Z-0a0b0c0d", "1/900", max_payload, None)
+    def layout(signed: bool):
+        return chunk_layout(SourceTable(golden.table_schema(), (), 1, 8192, 1.0),
+                            EncodingSettings(), "20261122T100000Z-0a0b0c0d", "1/900",
+                            max_payload, None, signed=signed)
 
     widest = CHUNK_NUMBER_STRIDE * CHUNK_NUMBER_STRIDE - 1
-    unsigned = layout(PlatformSettings())
+    unsigned = layout(signed=False)
     assert unsigned.payload_budget() + headers_size(unsigned.headers(widest)) == max_payload
-    signed = layout(PlatformSettings(bridge=BridgeSettings(signing_key_seed=str(seed_file))))
+    signed = layout(signed=True)
     headers = SIGNER.signed_headers("init.snap.users.x.1", signed.headers(widest), b"")
     assert signed.payload_budget() + headers_size(headers) <= max_payload
 

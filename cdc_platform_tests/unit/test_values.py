@@ -1,7 +1,8 @@
 """Value conversion on PostgreSQL's text output (as printed with REQUIRED_SESSION_SETTINGS).
 
-The texts here are what a PostgreSQL 15/18 server prints; test_values_server.py checks the
-same expectations against a live server, through both the ::text and the COPY paths.
+The texts (``fixtures/values.py``) are what a PostgreSQL 15/18 server prints;
+test_values_server.py checks the same expectations against a live server, through both the
+::text and the COPY paths.
 """
 
 import math
@@ -14,73 +15,14 @@ from hypothesis import strategies as st
 from cdc_platform.errors import ConversionError
 from cdc_platform.protocol.copy_text import iter_rows, parse_line, unescape
 from cdc_platform.protocol.values import TypeRegistry, convert_row, parse_array
+from cdc_platform_tests.fixtures.values import TEXT_CONVERSIONS, arrays, same_converted
 
 R = TypeRegistry()
 
-GOLDEN = [
-    (21, "-32768", -32768), (23, "2147483647", 2147483647),
-    (20, "-9223372036854775808", -9223372036854775808), (26, "4294967295", 4294967295),
-    (701, "1.5", 1.5), (700, "0.1", 0.1), (701, "Infinity", math.inf),
-    (701, "-Infinity", -math.inf),
-    (1700, "123.4500", "123.4500"), (1700, "NaN", "NaN"), (1700, "-Infinity", "-Infinity"),
-    (1700, "12345678901234567890.000000000000000001", "12345678901234567890.000000000000000001"),
-    (16, "t", True), (16, "f", False),
-    (25, "", ""), (1043, "héllo", "héllo"), (1042, "ab  ", "ab  "), (19, "name", "name"),
-    (2950, "f4b0611f-7258-47f8-bceb-0eba9ac5195a", "f4b0611f-7258-47f8-bceb-0eba9ac5195a"),
-    # json/jsonb: the exact text (numbers of any size, json's own spacing and duplicates)
-    (114, '{"a": [1, 2.5, null], "a": {"c": "d"}}', '{"a": [1, 2.5, null], "a": {"c": "d"}}'),
-    (3802, '{"big": 123456789012345678901234567890}', '{"big": 123456789012345678901234567890}'),
-    (3802, '{"n": 18446744073709551617, "x": 0.1000000000000000000001}',
-     '{"n": 18446744073709551617, "x": 0.1000000000000000000001}'),
-    (3802, '"just a string"', '"just a string"'), (3802, "null", "null"),
-    (1082, "2025-12-08", "2025-12-08"), (1082, "4714-11-24 BC", "-4713-11-24"),
-    (1082, "0001-12-31 BC", "0000-12-31"), (1082, "0002-01-01 BC", "-0001-01-01"),
-    (1082, "5874897-12-31", "5874897-12-31"),
-    (1114, "0001-12-31 23:59:59.5 BC", "0000-12-31T23:59:59.5"),
-    (1114, "294276-12-31 23:59:59.999999", "294276-12-31T23:59:59.999999"),
-    (1184, "0001-01-01 00:00:00+00 BC", "0000-01-01T00:00:00Z"),
-    (1083, "24:00:00", "24:00:00"), (1266, "24:00:00+15:59", "24:00:00+15:59"),
-    (1082, "infinity", "infinity"),
-    (1114, "2025-12-08 13:45:21.719719", "2025-12-08T13:45:21.719719"),
-    (1114, "-infinity", "-infinity"),
-    (1184, "2025-12-08 13:45:21.719719+00", "2025-12-08T13:45:21.719719Z"),
-    (1184, "0044-03-15 12:00:00+00 BC", "-0043-03-15T12:00:00Z"),
-    (1184, "infinity", "infinity"),
-    (1083, "13:45:21.5", "13:45:21.5"), (1266, "13:45:21+02", "13:45:21+02:00"),
-    (1266, "13:45:21-05:30", "13:45:21-05:30"),
-    (1186, "P1Y2M3DT4H5M6.5S", "P1Y2M3DT4H5M6.5S"), (1186, "PT0S", "PT0S"),
-    (17, "\\xdeadbeef", b"\xde\xad\xbe\xef"), (17, "\\x", b""),
-    (869, "192.168.0.1/24", "192.168.0.1/24"), (650, "10.0.0.0/8", "10.0.0.0/8"),
-    (829, "08:00:2b:01:02:03", "08:00:2b:01:02:03"), (790, "$1,000.00", "$1,000.00"),
-    (1560, "101", "101"), (600, "(1,2)", "(1,2)"), (3904, "[1,5)", "[1,5)"),
-    (1007, "{1,NULL,3}", [1, None, 3]), (1007, "{}", []),
-    (1009, '{"a,b","c\\"d",NULL,"NULL","","x\\\\y"}', ["a,b", 'c"d', None, "NULL", "", "x\\y"]),
-    (1009, '{{a,b},{c,NULL}}', [["a", "b"], ["c", None]]),
-    (1007, "[0:1]={1,2}", [1, 2]),
-    (1007, "{{{1,2}},{{3,4}}}", [[[1, 2]], [[3, 4]]]),
-    (1231, "{1.50,NaN}", ["1.50", "NaN"]),
-    (1022, "{NaN,Infinity,-1.5}", [math.nan, math.inf, -1.5]),
-    (3807, '{"{\\"a\\": 1}",NULL}', ['{"a": 1}', None]),
-    (1185, '{"2025-01-01 00:00:00+00",NULL}', ["2025-01-01T00:00:00Z", None]),
-    (2951, "{f4b0611f-7258-47f8-bceb-0eba9ac5195a}", ["f4b0611f-7258-47f8-bceb-0eba9ac5195a"]),
-    (1000, "{t,f,NULL}", [True, False, None]),
-    (1001, '{"\\\\x01",NULL}', [b"\x01", None]),
-    (1020, "{(1,1),(0,0);(2,2),(1,1)}", ["(1,1),(0,0)", "(2,2),(1,1)"]),
-    (987654, "anything an extension prints", "anything an extension prints"),
-]
 
-
-def _same(a, b):
-    if isinstance(a, float) and math.isnan(a):
-        return isinstance(b, float) and math.isnan(b)
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
-    return a == b and type(a) is type(b)
-
-
-@pytest.mark.parametrize(("oid", "text", "expected"), GOLDEN)
+@pytest.mark.parametrize(("oid", "text", "expected"), TEXT_CONVERSIONS)
 def test_golden(oid, text, expected):
-    assert _same(R.converter(oid)(text), expected)
+    assert same_converted(R.converter(oid)(text), expected)
 
 
 def test_nan_float():
@@ -134,11 +76,6 @@ def render(value) -> str:
     if not needs_quotes:
         return value
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-elements = st.one_of(st.none(), st.text(min_size=0, max_size=8))
-arrays = st.recursive(st.lists(elements, max_size=5),
-                      lambda children: st.lists(children, min_size=1, max_size=3), max_leaves=20)
 
 
 @given(arrays)

@@ -15,7 +15,7 @@ from cdc_platform.defs.resources import (
 from cdc_platform.defs.snapshots.partitions import published_tables_partitions
 from cdc_platform.settings import OrchestrationSettings, load_settings
 from cdc_platform.snapshot.requests import Reply, done_fields, send_replies
-from cdc_platform.spark import prepare_spark_environment
+from cdc_platform.snapshot.spark_session import prepare_spark_environment
 
 SNAPSHOT_KIND_TAG = "cdc_platform/kind"
 # JSON list of [request_id, reply_to] of the requests a run serves (snapshot_request_sensor)

@@ -1,6 +1,6 @@
 """Where a snapshot's range tasks run and how: a Spark job (``mapPartitions`` over the block
-ranges), or for a small table the same tasks in threads of this process (step 6 of
-:mod:`.job`)."""
+ranges, on the session of :mod:`.spark_session`), or for a small table the same tasks in
+threads of this process (step 6 of :mod:`.job`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Spark session helpers (the snapshot jobs run on Spark; ``local[*]`` is the default)."""
+"""The Spark session the snapshot tasks run on: Java and the process environment it needs, its
+configuration (Dagster's PySpark resource), a local session for local runs and tests
+(``local[*]`` is the default). Where the tasks run on it: :mod:`.tasks`."""
 
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ def prepare_spark_environment() -> None:
 
 
 def default_spark_config(master: str = "local[*]", driver_memory: str = "1g") -> dict:
+    """A snapshot's Spark configuration: no UI, Python workers reused and running this
+    interpreter (it has cdc_platform and its dependencies)."""
     return {
         "spark.master": master,
         "spark.app.name": "cdc-platform-snapshot",
@@ -52,22 +56,16 @@ def default_spark_config(master: str = "local[*]", driver_memory: str = "1g") ->
     }
 
 
-def local_spark_session(app_name: str, master: str = "local[*]", **conf: str):
-    """A SparkSession for local runs and tests; quiet, small, no UI."""
+def local_spark_session(app_name: str, master: str = "local[*]"):
+    """A SparkSession for local runs and tests: the default configuration, quiet, few
+    shuffle partitions."""
     prepare_spark_environment()
     from pyspark.sql import SparkSession
 
-    builder = (
-        SparkSession.builder.appName(app_name).master(master)
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "4")
-        .config("spark.driver.memory", "1g")
-        .config("spark.python.worker.reuse", "true")
-        # Python workers must run this interpreter (it has cdc_platform and its deps).
-        .config("spark.pyspark.python", sys.executable)
-        .config("spark.pyspark.driver.python", sys.executable)
-    )
-    for key, value in conf.items():
+    builder = SparkSession.builder
+    config = {**default_spark_config(master), "spark.app.name": app_name,
+              "spark.sql.shuffle.partitions": "4"}
+    for key, value in config.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
