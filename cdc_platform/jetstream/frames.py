@@ -4,9 +4,10 @@ nats-py's parser (``nats.protocol.parser.Parser``) matches each frame with regul
 removes it from the front of a ``bytearray`` (``del buf[:n]``: a move of everything after it,
 twice per message) and awaits ``Client._process_msg`` for it. Measured on a mirror reading
 200K changes: 9-10 µs of CPU per message for reading alone, 6.5 µs with this reader and less
-with its compiled twin (``_speedups/frames.pyx``; ``benchmarks/mirror.py``). :class:`FrameReader` takes
-nats-py's place on a client (``client._ps``, which ``Client._read_loop`` feeds every chunk read
-from the socket) and walks each chunk by offset instead:
+with its compiled twin (``_speedups/jetstream/frames.pyx``; ``benchmarks/mirror.py``).
+:class:`FrameReader` takes nats-py's place on a client (``client._ps``, which
+``Client._read_loop`` feeds every chunk read from the socket) and walks each chunk by offset
+instead:
 
 - ``MSG``/``HMSG`` frames for a subscription with a sink go to that sink synchronously, a run of
   them at a time (:func:`deliver`);

@@ -19,8 +19,8 @@ Events:
 
 :meth:`TransactionAssembler.take_changes` is ``feed`` for runs of Inserts, Updates and
 Deletes taken straight from the CopyData messages, in one call of the compiled twin
-(``_speedups/changes.pyx``: the replication reader's hot path); it gives the same records and leaves anything unusual
-to ``feed``.
+(``_speedups/protocol/changes.pyx``: the replication reader's hot path); it gives the same
+records and leaves anything unusual to ``feed``.
 
 Identity of a change across restarts: a transaction is named by its commit LSN (Begin's
 ``final_lsn``), and ``ordinal`` counts the change records within it from 0 in stream order.

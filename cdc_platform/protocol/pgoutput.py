@@ -22,7 +22,7 @@ since PostgreSQL epoch (2000-01-01)"; :func:`timestamp_to_iso` renders one as
 ``2025-12-08T13:45:21.719719Z``.
 
 Speed: the hot path is Insert/Update/Delete TupleData, read by :func:`read_tuple_python`
-or, when built, its compiled twin (``_speedups/pgoutput.pyx``; see ``speedups.py``).
+or, when built, its compiled twin (``_speedups/protocol/pgoutput.pyx``; see ``speedups.py``).
 """
 
 from __future__ import annotations

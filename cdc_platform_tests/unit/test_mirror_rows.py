@@ -1,6 +1,6 @@
-"""The compiled chunk decoder (``_speedups/snapshots.pyx``) against the pure path (msgpack, then the
-row maps' values in column order): the same values, the same NaN flag, and anything it does
-not take refused (the caller then decodes the pure way)."""
+"""The compiled chunk decoder (``_speedups/mirror/snapshots.pyx``) against the pure path
+(msgpack, then the row maps' values in column order): the same values, the same NaN flag, and
+anything it does not take refused (the caller then decodes the pure way)."""
 
 from __future__ import annotations
 

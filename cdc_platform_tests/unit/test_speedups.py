@@ -43,10 +43,13 @@ TUPLE_TAGS = {ord("I"), ord("U"), ord("D")}
 
 def test_twinned_names_every_twin():
     """speedups.TWINNED (what the build checks and the stub test cover) lists every .pyx of
-    _speedups but the shared reader, and each names a pure module that exists."""
+    _speedups but the shared reader, each at the path of a pure module that exists (the
+    store's twin not yet: see NOTES-h-twins.md)."""
     package = Path(cdc_platform.__file__).parent
-    sources = {path.stem for path in (package / "_speedups").glob("*.pyx")}
-    assert {name.rpartition(".")[2] for name in TWINNED} == sources - {"msgpack_reader"}
+    speedups = package / "_speedups"
+    sources = {".".join(path.relative_to(speedups).with_suffix("").parts)
+               for path in speedups.rglob("*.pyx")}
+    assert set(TWINNED) == sources - {"msgpack_reader", "store"} | {"mirror.store"}
     for name in TWINNED:
         assert (package / f"{name.replace('.', '/')}.py").exists(), name
 
@@ -72,7 +75,7 @@ def test_the_stubs_say_what_the_twins_export(tmp_path):
     allowlist.write_text("".join(  # what Cython adds to every module or class
         f"cdc_platform._speedups.*.{name}\n"
         for name in ("__test__", "__pyx_capi__", "__reduce_cython__", "__setstate_cython__")))
-    modules = [f"cdc_platform._speedups.{name.rpartition('.')[2]}" for name in TWINNED]
+    modules = [compiled_twin(f"cdc_platform.{name}").__name__ for name in TWINNED]
     checked = subprocess.run([sys.executable, "-m", "mypy.stubtest", "--allowlist",
                               str(allowlist), *modules], capture_output=True, text=True,
                              check=False)

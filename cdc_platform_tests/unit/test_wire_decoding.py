@@ -1,7 +1,7 @@
-"""The compiled msgpack decoder (``_speedups/encoding.pyx``, on the shared reader) against
-``msgpack.unpackb``: the same value whenever it answers, and a ValueError or TypeError (the
-caller then decodes the pure way) for anything it does not take, truncated or forged bytes
-included. Its kept-keys table must never hand back another key than the bytes say."""
+"""The compiled msgpack decoder (``_speedups/wire/encoding.pyx``, on the shared reader)
+against ``msgpack.unpackb``: the same value whenever it answers, and a ValueError or TypeError
+(the caller then decodes the pure way) for anything it does not take, truncated or forged
+bytes included. Its kept-keys table must never hand back another key than the bytes say."""
 
 from __future__ import annotations
 

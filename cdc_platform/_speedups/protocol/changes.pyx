@@ -8,7 +8,7 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
-from cdc_platform._speedups.pgoutput cimport tuple_at
+from cdc_platform._speedups.protocol.pgoutput cimport tuple_at
 from cdc_platform._speedups.writer cimport u32, u64
 
 cdef extern from "Python.h":
