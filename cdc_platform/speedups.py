@@ -3,13 +3,30 @@
 
 Some pure modules have a compiled twin at the same path under ``_speedups`` (the twin of
 ``protocol/pgoutput.py`` is ``_speedups/protocol/pgoutput.pyx``) that gives the same results
-faster, or hands a case back to the pure code. A pure module asks for its twin once, at import,
-with ``compiled_twin(__name__)``, in one binding block at its end that rebinds the pure names
-the twin exports (the same names and signatures: mypy checks each against the twin's ``.pyi``,
-which it reads through that block's ``TYPE_CHECKING`` import); nothing else chooses. The twin is None
-when it is not built (no C compiler at install time) or when ``CDC_PLATFORM_PURE_PYTHON=1``
-asks for the pure code everywhere (to debug, or to compare the two). The wire bytes are the
-same either way: ``cdc_platform_tests/unit/test_golden.py`` pins them for both.
+faster, or hands a case back to the pure code. The rule (psycopg's for ``psycopg_c``):
+
+- a twin exports only names of its pure module, with the same parameters (``.pyi`` beside
+  it); the pure module defines each: the pure code, a pure stand-in that hands every case
+  back (``pgoutput.read_tuple``), or None where only compiled code has such a shortcut
+  (``events.pack_map``). Callers call the name, never ask whether a twin is built;
+- the pure module binds its twin in one block at its end (``values.py``: before the tables
+  that hold the converter), always this shape::
+
+      if TYPE_CHECKING:
+          from cdc_platform._speedups.protocol import pgoutput as _twin
+      else:
+          _twin = compiled_twin(__name__)
+      if _twin is not None:
+          read_tuple = _twin.read_tuple
+
+  so mypy reads the stub and checks each twin name against the pure one it replaces;
+  ``test_speedups.py`` checks the stubs against the built twins (stubtest) and their names
+  and parameters against the pure module's.
+
+The twin is None when it is not built (no C compiler at install time) or when
+``CDC_PLATFORM_PURE_PYTHON=1`` asks for the pure code everywhere (to debug, or to compare the
+two). The wire bytes are the same either way: ``cdc_platform_tests/unit/test_golden.py`` pins
+them for both.
 """
 
 from __future__ import annotations

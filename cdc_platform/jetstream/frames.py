@@ -24,7 +24,7 @@ bytes>\\r\\n[headers][payload]\\r\\n``, the header block counted in the total.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nats.errors import ProtocolError
 from nats.protocol.parser import AWAITING_CONTROL_LINE
@@ -91,9 +91,8 @@ def deliver_python(data: bytes, position: int, sinks: dict[int, Sink]) -> int:
     return position
 
 
-_twin = compiled_twin(__name__)  # deliver (cdc_platform/speedups.py)
-deliver: Callable[[bytes, int, dict[int, Sink]], int] = (
-    _twin.deliver if _twin is not None else deliver_python)
+#: :func:`deliver_python`, or its compiled twin (the same frames to the same sinks).
+deliver: Callable[[bytes, int, dict[int, Sink]], int] = deliver_python
 
 
 def can_replace(parser: Any) -> bool:
@@ -167,3 +166,13 @@ class FrameReader:
                 await original.parse(data[start:position])
         if position < end:
             self._pending = data[position:]
+
+
+# The compiled twin (cdc_platform/speedups.py) stands in for these names; mypy checks it
+# against them through its stub.
+if TYPE_CHECKING:
+    from cdc_platform._speedups.jetstream import frames as _twin
+else:
+    _twin = compiled_twin(__name__)
+if _twin is not None:
+    deliver = _twin.deliver

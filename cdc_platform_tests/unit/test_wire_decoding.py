@@ -182,7 +182,7 @@ def test_deep_nesting_is_refused_not_a_crash():
     with pytest.raises(ValueError):  # the pure decoder's own error, through decode_payload
         decode_payload(deep, "msgpack")
     with pytest.raises(ValueError, match="too deep"):
-        compiled_twin("cdc_platform.mirror.snapshots").decode_chunk(
+        compiled_twin("cdc_platform.mirror.snapshots").chunk_tuples(
             b"\x82\xa5chunk" + deep + b"\xa4data\x90", ("id",))
 
 

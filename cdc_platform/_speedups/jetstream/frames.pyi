@@ -1,5 +1,3 @@
-from collections.abc import Callable
+from cdc_platform.jetstream.frames import Sink
 
-def deliver(
-    data: bytes, position: int, sinks: dict[int, Callable[[bytes, bytes, bytes, bytes | None], None]]
-) -> int: ...
+def deliver(data: bytes, position: int, sinks: dict[int, Sink]) -> int: ...

@@ -115,6 +115,9 @@ cdef class RowBuilder:
         return row
 
 
+row_builder = RowBuilder  # the name of ``changes.row_builder_python``, which it stands for
+
+
 # -- runs of row changes: CopyData -> ChangeRecord ------------------------------------------
 
 cdef object _INSERT = "INSERT"

@@ -1,5 +1,5 @@
-from typing import Any
+from cdc_platform.publishing.messages import Held
 
-def frame_sequence(
-    held: list[Any], reply_prefix: bytes, first_seq: int, reply_suffix: bytes
+def sequence_bytes(
+    held: list[Held], reply_prefix: bytes, first_seq: int, reply_suffix: bytes
 ) -> bytes: ...

@@ -1,5 +1,8 @@
-from typing import Any
+from collections.abc import Sequence
+
+from cdc_platform.publishing.messages import Held, OutgoingMessage
 
 def frame_messages(
-    messages: Any, subjects: dict[str, bytes], extras: dict[Any, str], max_payload: int
-) -> tuple[list[Any], int, int] | None: ...
+    messages: Sequence[OutgoingMessage], subjects: dict[str, bytes],
+    extras: dict[tuple[tuple[str, str], ...], str], max_payload: int,
+) -> tuple[list[Held], int, int] | None: ...
