@@ -14,7 +14,8 @@ prereqs:
 
 # The compiled twins (cdc_platform/_speedups) are rebuilt when their sources change.
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard cdc_platform/_speedups/*.pyx) \
-		$(wildcard cdc_platform/_speedups/*.pxd) | prereqs
+		$(wildcard cdc_platform/_speedups/*/*.pyx) $(wildcard cdc_platform/_speedups/*.pxd) \
+		$(wildcard cdc_platform/_speedups/*/*.pxd) | prereqs
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'

@@ -1,5 +1,6 @@
 """Builds the optional compiled twins in ``cdc_platform/_speedups/`` (Cython): one extension per
-``.pyx``, each the twin of the pure module of the same name (see ``cdc_platform/speedups.py``).
+``.pyx``, laid out like the package (``_speedups/protocol/pgoutput.pyx`` is the twin of
+``protocol/pgoutput.py``, see ``cdc_platform/speedups.py``).
 
 Everything else is in pyproject.toml. The extensions are ``optional``: without a C compiler
 the install still succeeds and the pure-Python code runs (slower).
@@ -13,6 +14,6 @@ from setuptools import Extension, setup
 SPEEDUPS = Path("cdc_platform/_speedups")
 
 setup(ext_modules=cythonize(
-    [Extension(f"cdc_platform._speedups.{source.stem}", [str(source)], optional=True)
-     for source in sorted(SPEEDUPS.glob("*.pyx"))],
+    [Extension(".".join(source.with_suffix("").parts), [str(source)], optional=True)
+     for source in sorted(SPEEDUPS.rglob("*.pyx"))],
     compiler_directives={"language_level": "3"}))

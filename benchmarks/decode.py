@@ -156,7 +156,7 @@ def assemble_batch(assembler: TransactionAssembler, raw: list) -> int:
     events: list = []
     index, count = 0, len(raw)
     while index < count:
-        if assembler.in_transaction and assembler.takes_changes:
+        if assembler.in_transaction:
             taken, _ = assembler.take_changes(raw, index, events)
             if taken > index:
                 index = taken

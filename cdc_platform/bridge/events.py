@@ -12,9 +12,9 @@ import logging
 import math
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from cdc_platform.lsn import format_lsn
 from cdc_platform.naming import wire_name
@@ -51,8 +51,10 @@ _SNAPSHOT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 BATCH_MAX_EVENTS = 500
 # LSN -> text: the compiled formatter when built (a row inserted by INSERT ... SELECT has an
 # LSN of its own, so the text is made once per change).
-_twin = compiled_twin(__name__)  # lsn_text, pack_map (cdc_platform/speedups.py)
-_lsn_text = _twin.lsn_text if _twin is not None else format_lsn
+lsn_text: Callable[[int], str] = format_lsn
+# A change's msgpack map written around fields already packed (prefix, its item count, then
+# key, value, ...): compiled only; the pure code packs the whole dict instead.
+pack_map: Callable[[bytes, int, tuple[Any, ...]], bytes] | None = None
 _ARRAY32 = b"\xdd"  # msgpack array32 header: batches are the already-packed events joined
 
 
@@ -164,8 +166,7 @@ class MessageBuilder:
         self._commit_cache: tuple[int, str] = (-1, "")
         # The compiled msgpack writer, and what every change of one table and operation in
         # one transaction shares (see _Shared).
-        twin = _twin if compiled and fmt == "msgpack" else None
-        self._pack_map = twin.pack_map if twin is not None else None
+        self._pack_map = pack_map if compiled and fmt == "msgpack" else None
         self._shared: dict[tuple[int, str, int], _Shared] = {}
         self._raw_reported: dict[tuple[int, tuple[str, ...]], float] = {}
         # End-of-transaction marks (README "Transactions"): the last change of each table in
@@ -212,13 +213,13 @@ class MessageBuilder:
         of a transaction shares its commit LSN (format_lsn was 8% of the bridge's time)."""
         cached = self._lsn_cache
         if cached[0] != lsn:
-            cached = self._lsn_cache = (lsn, _lsn_text(lsn))
+            cached = self._lsn_cache = (lsn, lsn_text(lsn))
         return cached[1]
 
     def _commit_lsn_text(self, commit_lsn: int) -> str:
         cached = self._commit_cache
         if cached[0] != commit_lsn:
-            cached = self._commit_cache = (commit_lsn, _lsn_text(commit_lsn))
+            cached = self._commit_cache = (commit_lsn, lsn_text(commit_lsn))
         return cached[1]
 
     @staticmethod
@@ -415,7 +416,7 @@ class MessageBuilder:
             "needs_snapshot": needs_snapshot,
             "reason": reason,
             "relfilenode": storage,
-            "min_snapshot_lsn": _lsn_text(max(min_snapshot_lsn, record.commit_lsn)),
+            "min_snapshot_lsn": lsn_text(max(min_snapshot_lsn, record.commit_lsn)),
             "table_schema": table_schema,
         }
         return OutgoingMessage(subject, msg_id, self.encode(event),
@@ -559,3 +560,13 @@ class MessageBuilder:
             "subject": subject,
             "msg_id": watermark_msg_id(snapshot_id),
         }
+
+
+# The compiled twin (cdc_platform/speedups.py) stands in for these names; mypy checks it
+# against them through its stub.
+if TYPE_CHECKING:
+    from cdc_platform._speedups.bridge import events as _twin
+else:
+    _twin = compiled_twin(__name__)
+if _twin is not None:
+    lsn_text, pack_map = _twin.lsn_text, _twin.pack_map

@@ -4,9 +4,10 @@ nats-py's parser (``nats.protocol.parser.Parser``) matches each frame with regul
 removes it from the front of a ``bytearray`` (``del buf[:n]``: a move of everything after it,
 twice per message) and awaits ``Client._process_msg`` for it. Measured on a mirror reading
 200K changes: 9-10 µs of CPU per message for reading alone, 6.5 µs with this reader and less
-with its compiled twin (``_speedups/frames.pyx``; ``benchmarks/mirror.py``). :class:`FrameReader` takes
-the parser's place on a client (:func:`~cdc_platform.jetstream.nats_internals.swap_parser`: it
-is fed every chunk read from the socket) and walks each chunk by offset instead:
+with its compiled twin (``_speedups/jetstream/frames.pyx``; ``benchmarks/mirror.py``).
+:class:`FrameReader` takes the parser's place on a client
+(:func:`~cdc_platform.jetstream.nats_internals.swap_parser`: it is fed every chunk read from
+the socket) and walks each chunk by offset instead:
 
 - ``MSG``/``HMSG`` frames for a subscription with a sink go to that sink synchronously, a run of
   them at a time (:func:`deliver`);
@@ -23,7 +24,7 @@ bytes>\\r\\n[headers][payload]\\r\\n``, the header block counted in the total.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nats.errors import ProtocolError
 
@@ -88,9 +89,8 @@ def deliver_python(data: bytes, position: int, sinks: dict[int, Sink]) -> int:
     return position
 
 
-_twin = compiled_twin(__name__)  # deliver (cdc_platform/speedups.py)
-deliver: Callable[[bytes, int, dict[int, Sink]], int] = (
-    _twin.deliver if _twin is not None else deliver_python)
+#: :func:`deliver_python`, or its compiled twin (the same frames to the same sinks).
+deliver: Callable[[bytes, int, dict[int, Sink]], int] = deliver_python
 
 
 class FrameReader:
@@ -161,3 +161,13 @@ class FrameReader:
                 await original.parse(data[start:position])
         if position < end:
             self._pending = data[position:]
+
+
+# The compiled twin (cdc_platform/speedups.py) stands in for these names; mypy checks it
+# against them through its stub.
+if TYPE_CHECKING:
+    from cdc_platform._speedups.jetstream import frames as _twin
+else:
+    _twin = compiled_twin(__name__)
+if _twin is not None:
+    deliver = _twin.deliver

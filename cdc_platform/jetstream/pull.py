@@ -30,7 +30,7 @@ import collections
 import json
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -115,7 +115,7 @@ def _install_hook(client: NatsClient) -> dict[int, Sink]:
     return sinks
 
 
-def _sequences_python(reply: bytes) -> tuple[int, int]:
+def sequences_python(reply: bytes) -> tuple[int, int]:
     """(stream sequence, consumer sequence) from a ``$JS.ACK`` reply subject (ADR-15: the v1
     form has 9 tokens, the v2 form adds a domain and an account hash before the stream)."""
     tokens = reply.split(b".")
@@ -123,9 +123,8 @@ def _sequences_python(reply: bytes) -> tuple[int, int]:
     return int(tokens[first]), int(tokens[first + 1])
 
 
-_twin = compiled_twin(__name__)  # sequences (cdc_platform/speedups.py)
-_sequences: Callable[[bytes], tuple[int, int]] = (
-    _twin.sequences if _twin is not None else _sequences_python)
+#: :func:`sequences_python`, or its compiled twin (the same answer, or the same error).
+sequences: Callable[[bytes], tuple[int, int]] = sequences_python
 
 
 def _parse_headers(raw: bytes) -> tuple[int, str, dict[str, str]]:
@@ -245,7 +244,7 @@ class PullReader:
             code, description, _ = _parse_headers(headers or b"NATS/1.0")  # its reply subject)
             self._status(subject.rpartition(b".")[2], code, description)
             return
-        stream_seq, consumer_seq = _sequences(reply)
+        stream_seq, consumer_seq = sequences(reply)
         self.received_consumer_seq = consumer_seq
         self._received.append(PulledMessage(subject.decode(), stream_seq, data, headers,
                                             reply))
@@ -278,3 +277,13 @@ class PullReader:
             raw = (f"NATS/1.0 {message.headers['Status']} "
                    f"{message.headers.get('Description', '')}\r\n").encode()
         self._on_raw(message.subject.encode(), message.reply.encode(), message.data, raw)
+
+
+# The compiled twin (cdc_platform/speedups.py) stands in for these names; mypy checks it
+# against them through its stub.
+if TYPE_CHECKING:
+    from cdc_platform._speedups.jetstream import pull as _twin
+else:
+    _twin = compiled_twin(__name__)
+if _twin is not None:
+    sequences = _twin.sequences

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zstandard
 from nats.js import JetStreamContext
@@ -42,7 +42,15 @@ _FETCH_BATCH = 16
 _UNUSABLE_CHUNK = (UnresolvableClaimCheck, PublishError, KeyNotFoundError, zstandard.ZstdError,
                    KeyError, ValueError, TypeError)
 
-_twin = compiled_twin(__name__)  # decode_chunk (cdc_platform/speedups.py)
+
+
+def chunk_tuples(data: bytes, columns: tuple[str, ...]
+                 ) -> tuple[dict[str, Any], list[tuple[Any, ...]], bool]:
+    """A msgpack chunk -> (its fields but ``data``, its rows as tuples in ``columns`` order,
+    whether a row value is a float NaN); KeyError or ValueError: what :func:`decode_chunk`'s
+    pure path must decode. The pure code leaves every chunk to it; the compiled twin reads
+    the row maps straight into tuples."""
+    raise ValueError("the pure code reads chunks as row maps")
 
 
 @dataclass
@@ -60,9 +68,9 @@ class ChunkRows:
 def decode_chunk(data: bytes, columns: tuple[str, ...] | None = None) -> ChunkRows:
     """A chunk payload (decompressed) -> its rows. The pure path decodes the row maps; with
     ``columns``, the compiled twin reads msgpack rows straight into tuples."""
-    if _twin is not None and columns:
+    if columns:
         try:
-            fields, rows, has_nan = _twin.decode_chunk(data, columns)
+            fields, rows, has_nan = chunk_tuples(data, columns)
             return ChunkRows(fields["chunk"], rows, as_tuples=True, has_nan=has_nan)
         except (KeyError, ValueError, TypeError):
             pass  # not what the compiled decoder takes: the pure path decides
@@ -169,3 +177,13 @@ class BootstrapProgress:
         eta_text = f"{eta:.0f}s" if eta != float("inf") else "?"
         return (f"bootstrap {self.table}: {self.rows}/{self.total_rows} rows, "
                 f"{self.chunks}/{self.total_chunks} chunks, {rate:,.0f} rows/s, ETA {eta_text}")
+
+
+# The compiled twin (cdc_platform/speedups.py) stands in for these names; mypy checks it
+# against them through its stub.
+if TYPE_CHECKING:
+    from cdc_platform._speedups.mirror import snapshots as _twin
+else:
+    _twin = compiled_twin(__name__)
+if _twin is not None:
+    chunk_tuples = _twin.chunk_tuples

@@ -19,8 +19,8 @@ Events:
 
 :meth:`TransactionAssembler.take_changes` is ``feed`` for runs of Inserts, Updates and
 Deletes taken straight from the CopyData messages, in one call of the compiled twin
-(``_speedups/changes.pyx``: the replication reader's hot path); it gives the same records and leaves anything unusual
-to ``feed``.
+(``_speedups/protocol/changes.pyx``: the replication reader's hot path); it gives the same
+records and leaves anything unusual to ``feed``.
 
 Identity of a change across restarts: a transaction is named by its commit LSN (Begin's
 ``final_lsn``), and ``ordinal`` counts the change records within it from 0 in stream order.
@@ -39,9 +39,9 @@ value`` function per column, cached here per relation. Binary ('b') values pass 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 from cdc_platform.errors import CdcError, ConversionError, ProtocolError
 from cdc_platform.lsn import format_lsn
@@ -70,6 +70,7 @@ from cdc_platform.protocol.values import TEXT_CONVERTERS
 from cdc_platform.speedups import compiled_twin
 
 __all__ = [
+    "CachedRelation",
     "ChangeRecord",
     "ColumnConverters",
     "Event",
@@ -181,15 +182,19 @@ class _SlowPath(Exception):
     and through them kept every read batch alive (memory grew on each such update)."""
 
 
+RowBuild = Callable[[TupleData], dict[str, Any]]
+
+
 def row_builder_python(names: tuple[str, ...], converters: tuple[Callable[[str], Any], ...],
-                       indexes: tuple[int, ...]) -> Callable[[TupleData], dict[str, Any]]:
+                       indexes: tuple[int, ...], passthrough: Collection[object],
+                       slow: type[Exception]) -> RowBuild:
     """``values -> {name: value}`` for the columns at ``indexes``: a text value goes through
-    its column's converter (none for the ``TEXT_CONVERTERS``), None and bytes pass as they
-    are, UNCHANGED_TOAST raises _SlowPath (the caller then takes
+    its column's converter (none for those in ``passthrough``), None and bytes pass as they
+    are, UNCHANGED_TOAST raises ``slow`` (the caller then takes
     :meth:`TransactionAssembler._row`). ``values`` must have ``len(names)`` items (checked by
     the caller)."""
     columns = tuple((names[index], converters[index], index,
-                     converters[index] in TEXT_CONVERTERS) for index in indexes)
+                     converters[index] in passthrough) for index in indexes)
 
     def build(values: TupleData) -> dict[str, Any]:
         row: dict[str, Any] = {}
@@ -200,20 +205,24 @@ def row_builder_python(names: tuple[str, ...], converters: tuple[Callable[[str],
             elif value is None or value.__class__ is bytes:
                 row[name] = value
             else:
-                raise _SlowPath
+                raise slow
         return row
     return build
 
 
-_BUILDERS: dict[tuple[Any, ...], Callable[[TupleData], dict[str, Any]]] = {}
+#: :func:`row_builder_python`, or its compiled twin (the same rows, a RowBuilder object).
+row_builder: Callable[[tuple[str, ...], tuple[Callable[[str], Any], ...], tuple[int, ...],
+                       Collection[object], type[Exception]], RowBuild] = (
+    row_builder_python)
+
+_BUILDERS: dict[tuple[Any, ...], RowBuild] = {}
 
 
 def _row_builder(names: tuple[str, ...], converters: tuple[Callable[[str], Any], ...],
-                 indexes: tuple[int, ...]) -> Callable[[TupleData], dict[str, Any]]:
-    """:func:`row_builder_python`, or the compiled twin's ``RowBuilder`` (the same), cached
-    per shape."""
-    twin = _twin
-    cache_key = (names, converters, indexes, twin is None)
+                 indexes: tuple[int, ...]) -> RowBuild:
+    """:data:`row_builder` for these columns, cached per shape."""
+    make = row_builder
+    cache_key = (names, converters, indexes, make)
     key: tuple[Any, ...] | None = cache_key
     try:
         builder = _BUILDERS.get(cache_key)
@@ -222,17 +231,15 @@ def _row_builder(names: tuple[str, ...], converters: tuple[Callable[[str], Any],
     if builder is None:
         if len(_BUILDERS) > 4096:
             _BUILDERS.clear()
-        if twin is not None:
-            builder = twin.RowBuilder(names, converters, indexes, TEXT_CONVERTERS, _SlowPath)
-        else:
-            builder = row_builder_python(names, converters, indexes)
+        builder = make(names, converters, indexes, TEXT_CONVERTERS, _SlowPath)
         if key is not None:
             _BUILDERS[key] = builder
     return builder
 
 
-class _Table:
-    """Per-relation cache entry: what the hot path needs, precomputed once."""
+class CachedRelation:
+    """Per-relation cache entry: what the hot path needs, precomputed once (the compiled
+    :func:`take_changes` reads ``table``, ``schema``, ``build`` and ``build_key``)."""
 
     __slots__ = (
         "build",
@@ -272,7 +279,7 @@ class TransactionAssembler:
 
     def __init__(self, converters: ColumnConverters) -> None:
         self._converters = converters
-        self._tables: dict[int, _Table] = {}
+        self._tables: dict[int, CachedRelation] = {}
         self.types: dict[int, Type] = {}  # Type messages seen, by type oid
         self._dispatch: dict[type, Callable[[int, Any], Sequence[Event]]] = {
             Insert: self._on_insert,
@@ -348,18 +355,13 @@ class TransactionAssembler:
         first message that is anything else, or that the general path must handle (an
         unchanged TOAST value, an unusual value, an error to report). Returns ``(next
         index, highest XLogData wal_end taken, 0 if none)``; consumes nothing outside a
-        transaction or without the compiled twin (see :attr:`takes_changes`)."""
-        if _twin is None or not self._in_transaction:
+        transaction, or with the pure code (see :func:`take_changes`)."""
+        if not self._in_transaction:
             return index, 0
-        index, self._ordinal, wal_end = _twin.take_changes(
+        index, self._ordinal, wal_end = take_changes(
             raw, index, self._tables, ChangeRecord, self._commit_lsn, self._xid,
             self._commit_ts, self._ordinal, events, UNCHANGED_TOAST)
         return index, wal_end
-
-    @property
-    def takes_changes(self) -> bool:
-        """Whether :meth:`take_changes` is compiled (else it never takes anything)."""
-        return _twin is not None
 
     # -- transaction boundaries ----------------------------------------------------------------
     def _on_begin(self, lsn: int, message: Begin) -> Sequence[Event]:
@@ -408,7 +410,7 @@ class TransactionAssembler:
     def _on_relation(self, lsn: int, message: Relation) -> Sequence[Event]:
         cached = self._tables.get(message.relation_id)
         # Converters are rebuilt on every Relation message: types may have become known.
-        self._tables[message.relation_id] = _Table(
+        self._tables[message.relation_id] = CachedRelation(
             message, self._converters.for_columns(message.columns))
         if cached is not None and relation_shape(cached.relation) == relation_shape(message):
             return (RelationResent(message),)
@@ -418,7 +420,7 @@ class TransactionAssembler:
         self.types[message.type_oid] = message
         return _NO_EVENTS
 
-    def _table(self, relation_id: int, what: str) -> _Table:
+    def _table(self, relation_id: int, what: str) -> CachedRelation:
         if not self._in_transaction:
             raise ProtocolError(f"{what} on relation {relation_id} outside a transaction")
         table = self._tables.get(relation_id)
@@ -427,7 +429,7 @@ class TransactionAssembler:
         return table
 
     # -- rows ----------------------------------------------------------------------------------
-    def _row(self, table: _Table, values: TupleData, lsn: int,
+    def _row(self, table: CachedRelation, values: TupleData, lsn: int,
              unchanged: list[str] | None, raw: list[str]) -> dict[str, Any]:
         """column -> typed value, the general loop; 'u' columns are left out (and named in
         ``unchanged``); a text no converter accepts stays text (named in ``raw``).
@@ -452,7 +454,7 @@ class TransactionAssembler:
                 row[name] = value
         return row
 
-    def _build(self, table: _Table, values: TupleData, lsn: int,
+    def _build(self, table: CachedRelation, values: TupleData, lsn: int,
                unchanged: list[str] | None, raw: list[str]) -> dict[str, Any]:
         """Every column: the row builder, else the general loop."""
         if len(values) != table.count:
@@ -462,7 +464,7 @@ class TransactionAssembler:
         except (_SlowPath, ValueError, TypeError, ArithmeticError, ConversionError):
             return self._row(table, values, lsn, unchanged, raw)
 
-    def _build_key(self, table: _Table, values: TupleData, lsn: int,
+    def _build_key(self, table: CachedRelation, values: TupleData, lsn: int,
                    raw: list[str]) -> dict[str, Any]:
         """The 'K' tuple: only the replica identity columns (the others are sent as NULL)."""
         if len(values) != table.count:
@@ -475,7 +477,7 @@ class TransactionAssembler:
             return {table.names[i]: row[table.names[i]] for i in table.key_indexes
                     if table.names[i] in row}
 
-    def _build_old(self, table: _Table, old_kind: str, values: TupleData,
+    def _build_old(self, table: CachedRelation, old_kind: str, values: TupleData,
                    lsn: int, raw: list[str]) -> dict[str, Any]:
         """The old part of an Update/Delete: 'K' the key columns, 'O' the whole row."""
         if old_kind == "K":
@@ -483,7 +485,7 @@ class TransactionAssembler:
         return self._build(table, values, lsn, None, raw)
 
     @staticmethod
-    def _width_error(table: _Table, values: TupleData) -> ProtocolError:
+    def _width_error(table: CachedRelation, values: TupleData) -> ProtocolError:
         return ProtocolError(
             f"tuple of {len(values)} columns for {table.schema}.{table.table}, whose "
             f"Relation message has {table.count}")
@@ -559,4 +561,22 @@ class TransactionAssembler:
                                        message.transactional, commit_lsn),)
 
 
-_twin = compiled_twin(__name__)  # RowBuilder, take_changes (cdc_platform/speedups.py)
+
+def take_changes(raw: list[bytes], index: int, tables: dict[int, CachedRelation],
+                 record_type: type[ChangeRecord], commit_lsn: int, xid: int, commit_ts: str,
+                 ordinal: int, events: list[Event], unchanged: object) -> tuple[int, int, int]:
+    """:meth:`TransactionAssembler.take_changes` for the relations in ``tables``, ordinals
+    counting from ``ordinal``: ``(next index, next ordinal, highest XLogData wal_end taken or
+    0)``. The pure code takes none (``feed`` takes each message); the compiled twin takes the
+    runs of row changes whose tables have its RowBuilders."""
+    return index, ordinal, 0
+
+
+# The compiled twin (cdc_platform/speedups.py) stands in for these names; mypy checks it
+# against them through its stub.
+if TYPE_CHECKING:
+    from cdc_platform._speedups.protocol import changes as _twin
+else:
+    _twin = compiled_twin(__name__)
+if _twin is not None:
+    row_builder, take_changes = _twin.row_builder, _twin.take_changes

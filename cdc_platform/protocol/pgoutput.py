@@ -22,7 +22,7 @@ since PostgreSQL epoch (2000-01-01)"; :func:`timestamp_to_iso` renders one as
 ``2025-12-08T13:45:21.719719Z``.
 
 Speed: the hot path is Insert/Update/Delete TupleData, read by :func:`read_tuple_python`
-or, when built, its compiled twin (``_speedups/pgoutput.pyx``; see ``speedups.py``).
+or, when built, its compiled twin (``_speedups/protocol/pgoutput.pyx``; see ``speedups.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Final, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias
 
 from cdc_platform.errors import ProtocolError
 from cdc_platform.speedups import compiled_twin
@@ -355,13 +355,16 @@ def read_tuple_python(data: bytes, pos: int) -> tuple[TupleData, int]:
     return tuple(values), pos
 
 
+def read_tuple(data: bytes, pos: int, unchanged: object) -> tuple[TupleData, int] | None:
+    """TupleData at ``data[pos:]`` -> ``(values, end)``, unchanged TOAST values as
+    ``unchanged``; None: left to :func:`read_tuple_python`, which says what is wrong. The pure
+    code leaves every tuple to it; the compiled twin reads the well-formed ones."""
+    return None
+
+
 def _tuple(data: bytes, pos: int) -> tuple[TupleData, int]:
-    if _twin is not None:
-        # The compiled reader; None means malformed, and the Python code says how.
-        result: tuple[TupleData, int] | None = _twin.read_tuple(data, pos, UNCHANGED_TOAST)
-        if result is not None:
-            return result
-    return read_tuple_python(data, pos)
+    result = read_tuple(data, pos, UNCHANGED_TOAST)
+    return result if result is not None else read_tuple_python(data, pos)
 
 
 # -- message decoders: (data, pos after tag [and xid]) -> (message, end position) ------------
@@ -602,4 +605,11 @@ def decode_streamed_message(
     return _decode(data, offset, True)
 
 
-_twin = compiled_twin(__name__)  # read_tuple compiled (cdc_platform/speedups.py)
+# The compiled twin (cdc_platform/speedups.py) stands in for these names; mypy checks it
+# against them through its stub.
+if TYPE_CHECKING:
+    from cdc_platform._speedups.protocol import pgoutput as _twin
+else:
+    _twin = compiled_twin(__name__)
+if _twin is not None:
+    read_tuple = _twin.read_tuple

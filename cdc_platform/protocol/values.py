@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cdc_platform.errors import ConversionError
 from cdc_platform.speedups import compiled_twin
@@ -140,9 +140,17 @@ def identity(text: str) -> str:
     return text
 
 
-_twin = compiled_twin(__name__)  # cdc_platform/speedups.py
 #: ``timestamptz_python``, or its compiled twin (the same results).
-timestamptz: Converter = _twin.timestamptz if _twin is not None else timestamptz_python
+timestamptz: Callable[[str], str] = timestamptz_python
+
+# The compiled twin (cdc_platform/speedups.py) stands in for these names; mypy checks it
+# against them through its stub. (Here, not at the end: the converter tables below hold them.)
+if TYPE_CHECKING:
+    from cdc_platform._speedups.protocol import values as _twin
+else:
+    _twin = compiled_twin(__name__)
+if _twin is not None:
+    timestamptz = _twin.timestamptz
 
 #: Converters that return the text itself: row builders and packers skip the call.
 TEXT_CONVERTERS = frozenset((str, identity))

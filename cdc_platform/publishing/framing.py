@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nats.aio.client import Client as NatsClient
 from nats.errors import Error as NatsError
@@ -59,10 +59,8 @@ def sequence_bytes_python(held: list[Held], reply_prefix: bytes, first_seq: int,
     return protocol_bytes(frame_sequence(held, reply_prefix, first_seq, reply_suffix))
 
 
-_twin = compiled_twin(__name__)  # frame_sequence (cdc_platform/speedups.py)
 #: :func:`sequence_bytes_python`, or its compiled twin (the same bytes).
-sequence_bytes: Callable[[list[Held], bytes, int, bytes], bytes] = (
-    _twin.frame_sequence if _twin is not None else sequence_bytes_python)
+sequence_bytes: Callable[[list[Held], bytes, int, bytes], bytes] = sequence_bytes_python
 
 
 class RawWire:
@@ -175,3 +173,12 @@ def error_details(error: Any) -> tuple[int | None, int | None, str]:
         return None, None, str(error)
     return error.get("code"), error.get("err_code"), str(error.get("description", error))
 
+
+# The compiled twin (cdc_platform/speedups.py) stands in for these names; mypy checks it
+# against them through its stub.
+if TYPE_CHECKING:
+    from cdc_platform._speedups.publishing import framing as _twin
+else:
+    _twin = compiled_twin(__name__)
+if _twin is not None:
+    sequence_bytes = _twin.sequence_bytes

@@ -65,7 +65,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -107,7 +107,15 @@ _NO_RESPONDERS_LIMIT = 30.0       # seconds of 503s for an existing stream befor
 _CACHE_LIMIT = 10_000
 
 
-_twin = compiled_twin(__name__)  # frame_messages (cdc_platform/speedups.py)
+
+
+def frame_messages(messages: Sequence[OutgoingMessage], subjects: dict[str, bytes],
+                   extras: dict[tuple[tuple[str, str], ...], str],
+                   max_payload: int) -> tuple[list[Held], int, int] | None:
+    """:meth:`JetStreamPublisher._frame_all`'s loop for the common case, or None: a message
+    that loop must take (to admit a subject or header set, or to refuse it). The pure code
+    leaves every call to that loop; the compiled twin frames what needs nothing admitted."""
+    return None
 
 
 def _signature_lines(signer: MessageSigner, message: OutgoingMessage) -> str:
@@ -386,8 +394,8 @@ class JetStreamPublisher:
         max_payload = self._nc.max_payload
         subjects, extras, signer = self._subjects, self._extra_headers, self._signer
         # the same loop compiled (None: something to admit or refuse); it does not sign
-        if _twin is not None and signer is None:
-            framed = _twin.frame_messages(messages, subjects, extras, max_payload)
+        if signer is None:
+            framed = frame_messages(messages, subjects, extras, max_payload)
             if framed is not None:
                 return framed
         held: list[Held] = []
@@ -768,3 +776,13 @@ class JetStreamPublisher:
             raise PublishError("JetStreamPublisher.start() was not called")
         if not self._accepting:
             raise PublishError("the JetStreamPublisher is closed")
+
+
+# The compiled twin (cdc_platform/speedups.py) stands in for these names; mypy checks it
+# against them through its stub.
+if TYPE_CHECKING:
+    from cdc_platform._speedups.publishing import publisher as _twin
+else:
+    _twin = compiled_twin(__name__)
+if _twin is not None:
+    frame_messages = _twin.frame_messages

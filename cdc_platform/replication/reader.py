@@ -172,7 +172,7 @@ class SlotReader:
             timeout=min(timeout, self._until_status()), limit=self.read_limit)
         events: list = []
         feed = self.assembler.feed
-        take_changes = self.assembler.take_changes if self.assembler.takes_changes else None
+        take_changes = self.assembler.take_changes
         feedback = self.feedback
         received_lsn = feedback.received_lsn
         index, count = 0, len(raw)
@@ -180,7 +180,7 @@ class SlotReader:
         while index < count:
             payload = raw[index]
             # A run of row changes (bulk writes, busy tables): one compiled call.
-            if take_changes is not None and index != refused and feedback.in_transaction \
+            if index != refused and feedback.in_transaction \
                     and payload[0] == 0x77 and len(payload) > XLOGDATA_HEADER_SIZE \
                     and payload[XLOGDATA_HEADER_SIZE] in _ROW_TAGS:  # the message's tag
                 taken, wal_end = take_changes(raw, index, events)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, repeat
 from operator import add
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import zstandard
@@ -71,18 +71,30 @@ _HEADER_FRAME = len("NATS/1.0\r\n\r\n")
 Converter = Callable[[str], Any]
 
 
-_twin = compiled_twin(__name__)  # pack_rows (cdc_platform/speedups.py)
+# The column kinds of pack_rows; anything else is ROW_CALL (the converter, then msgpack).
+ROW_KEEP = 0  # the text is the value
+ROW_INT = 1
+ROW_FLOAT = 2
+ROW_BOOL = 3
+ROW_TIMESTAMPTZ = 4
+ROW_CALL = 5
+
+#: ``(fields, count, width, packed_names, kinds, converters, unescape) -> rows``: ``count``
+#: rows of COPY text fields each packed straight into its msgpack row map (the bytes of
+#: converting the fields and packing the map). Compiled only: the pure code converts the
+#: fields and packs the row maps (:meth:`Chunker.rows_of`).
+pack_rows: Callable[[list[str], int, int, tuple[bytes, ...], tuple[int, ...],
+                     tuple[Converter, ...], Callable[[str], str]], list[bytes]] | None = None
 
 
 def _compiled_kinds(converters: Sequence[Converter]) -> tuple[int, ...] | None:
     """The compiled row packer's column kinds (``ROW_*``), None without it."""
-    if _twin is None:
+    if pack_rows is None:
         return None
-    special = {int: _twin.ROW_INT, float: _twin.ROW_FLOAT, values._bool: _twin.ROW_BOOL,
-               values.timestamptz: _twin.ROW_TIMESTAMPTZ,
-               values.timestamptz_python: _twin.ROW_TIMESTAMPTZ}
-    special.update(dict.fromkeys(values.TEXT_CONVERTERS, _twin.ROW_KEEP))
-    return tuple(special.get(convert, _twin.ROW_CALL) for convert in converters)
+    special = {int: ROW_INT, float: ROW_FLOAT, values._bool: ROW_BOOL,
+               values.timestamptz: ROW_TIMESTAMPTZ, values.timestamptz_python: ROW_TIMESTAMPTZ}
+    special.update(dict.fromkeys(values.TEXT_CONVERTERS, ROW_KEEP))
+    return tuple(special.get(convert, ROW_CALL) for convert in converters)
 
 
 @contextlib.contextmanager
@@ -367,10 +379,9 @@ class Chunker:
         with _gc_paused():  # no cycles here; collections during millions of allocations cost
             if self._compiled_kinds is not None:
                 try:
-                    assert _twin is not None  # (_compiled_kinds is only set with it)
-                    rows = _twin.pack_rows(fields, count, self._width, self._packed_names,
-                                           self._compiled_kinds, self._converters,
-                                            unescape)
+                    assert pack_rows is not None  # (_compiled_kinds is only set with it)
+                    rows = pack_rows(fields, count, self._width, self._packed_names,
+                                     self._compiled_kinds, self._converters, unescape)
                 except (ValueError, TypeError, ArithmeticError, ConversionError):
                     pass  # a value the converters refuse: the general path keeps it as text
                 else:
@@ -468,3 +479,13 @@ class Chunker:
             return f"ctid={ctids[offset]} (no primary key)"
         return ", ".join(f"{self._names[i]}={row[self._names[i]]!r}"
                          for i in self.layout.key_columns)
+
+
+# The compiled twin (cdc_platform/speedups.py) stands in for these names; mypy checks it
+# against them through its stub.
+if TYPE_CHECKING:
+    from cdc_platform._speedups.snapshot import chunks as _twin
+else:
+    _twin = compiled_twin(__name__)
+if _twin is not None:
+    pack_rows = _twin.pack_rows

@@ -7,7 +7,7 @@ import base64
 import json
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgpack
 
@@ -68,16 +68,23 @@ def decode_msgpack_python(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
+def decode_msgpack(data: bytes, unread: frozenset[str] | None = None) -> Any:
+    """:func:`decode_msgpack_python`, then ``without(value, unread)``. The compiled twin gives
+    the same (reading past the ``unread`` values without making them), or a ValueError or
+    TypeError for what it does not take: the caller then decodes the pure way."""
+    decoded = decode_msgpack_python(data)
+    return without(decoded, unread) if unread else decoded
+
+
 def decode_payload(data: bytes, fmt: Format, unread: frozenset[str] = frozenset()) -> Any:
     """For consumers and tests: the inverse of :func:`encoder` (bytes stay base64 in JSON).
     ``unread``: fields the caller never reads, left out of each event (:func:`without`); the
     compiled decoder reads past them without making their values."""
     if fmt == "msgpack":
-        if _twin is not None:
-            try:
-                return _twin.decode_msgpack(data, unread or None)
-            except (ValueError, TypeError):  # the pure decoder's answer, or its error
-                pass
+        try:
+            return decode_msgpack(data, unread or None)
+        except (ValueError, TypeError):  # the pure decoder's answer, or its error
+            pass
         decoded = decode_msgpack_python(data)
     else:
         try:
@@ -97,4 +104,11 @@ def without(payload: Any, unread: frozenset[str]) -> Any:
     return payload
 
 
-_twin = compiled_twin(__name__)  # decode_msgpack (cdc_platform/speedups.py)
+# The compiled twin (cdc_platform/speedups.py) stands in for these names; mypy checks it
+# against them through its stub.
+if TYPE_CHECKING:
+    from cdc_platform._speedups.wire import encoding as _twin
+else:
+    _twin = compiled_twin(__name__)
+if _twin is not None:
+    decode_msgpack = _twin.decode_msgpack

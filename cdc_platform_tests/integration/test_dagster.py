@@ -460,7 +460,7 @@ async def test_the_schemas_asset_puts_each_published_tables_schema(
     cdc_database.add_tables(pg_admin, table)
     with dg.instance_for_test() as instance:
         result = await asyncio.to_thread(dg.materialize, [schemas], instance=instance,
-                                         resources=resources(dagster_env))
+                                         resources=dagster_resources())
     assert result.success
     event = result.get_asset_materialization_events()[0]
     fingerprints = event.step_materialization_data.materialization.metadata["tables"].value

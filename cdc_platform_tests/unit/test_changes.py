@@ -381,8 +381,8 @@ def test_unchanged_toast_updates_keep_no_memory(implementation, monkeypatch):
     from cdc_platform.speedups import PURE_PYTHON
 
     if implementation == "python":
-        monkeypatch.setattr(changes, "_twin", None)
-    elif changes._twin is None:
+        monkeypatch.setattr(changes, "row_builder", changes.row_builder_python)
+    elif changes.row_builder is changes.row_builder_python:
         if PURE_PYTHON:
             pytest.skip("pure Python asked for")
         pytest.fail("the compiled twin is not built")

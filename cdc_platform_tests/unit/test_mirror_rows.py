@@ -1,6 +1,6 @@
-"""The compiled chunk decoder (``_speedups/snapshots.pyx``) against the pure path (msgpack, then the
-row maps' values in column order): the same values, the same NaN flag, and anything it does
-not take refused (the caller then decodes the pure way)."""
+"""The compiled chunk decoder (``_speedups/mirror/snapshots.pyx``) against the pure path
+(msgpack, then the row maps' values in column order): the same values, the same NaN flag, and
+anything it does not take refused (the caller then decodes the pure way)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_rows_are_the_values_of_the_row_maps_in_column_order(case):
     chunk = {"table": "t", "operation": "snapshot", "chunk": 2000001, "lsn": "1/0",
              "data": [dict(zip(columns, row, strict=True)) for row in rows], "partition": 2}
     data = msgpack.packb(chunk, use_bin_type=True)
-    fields, got, has_nan = ROWS.decode_chunk(data, columns)
+    fields, got, has_nan = ROWS.chunk_tuples(data, columns)
     want = [operator.itemgetter(*columns)(r) if len(columns) > 1 else (r[columns[0]],)
             for r in msgpack.unpackb(data)["data"]]
     assert _same([list(r) for r in got], [list(r) for r in want])
@@ -68,17 +68,17 @@ def test_what_it_does_not_take_goes_to_the_pure_path():
     other_columns = {"chunk": 5, "data": [{"id": 1}]}
     for chunk in (other_order, other_columns):
         with pytest.raises(KeyError):
-            ROWS.decode_chunk(msgpack.packb(chunk), columns)
+            ROWS.chunk_tuples(msgpack.packb(chunk), columns)
         decoded = decode_chunk(msgpack.packb(chunk), columns)
         assert not decoded.as_tuples and decoded.rows == chunk["data"]
     data = msgpack.packb(good)
     for cut in range(len(data)):  # every truncation: refused, never a wrong row
         with pytest.raises((ValueError, KeyError)):
-            ROWS.decode_chunk(data[:cut], columns)
+            ROWS.chunk_tuples(data[:cut], columns)
     ext = msgpack.packb({"chunk": 5, "data": [{"id": msgpack.ExtType(1, b"x"), "name": "a"}]})
     with pytest.raises(ValueError, match="not in the contract"):
-        ROWS.decode_chunk(ext, columns)
+        ROWS.chunk_tuples(ext, columns)
     with pytest.raises(ValueError):
-        ROWS.decode_chunk(b'{"chunk": 5, "data": []}', columns)
+        ROWS.chunk_tuples(b'{"chunk": 5, "data": []}', columns)
     assert decode_chunk(b'{"chunk": 5, "data": [{"id": 1, "name": "a"}]}', columns).rows == [
         {"id": 1, "name": "a"}]

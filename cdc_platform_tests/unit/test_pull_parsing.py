@@ -7,15 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cdc_platform.jetstream.pull import _parse_headers, _sequences, _sequences_python
+from cdc_platform.jetstream.pull import _parse_headers, sequences, sequences_python
 from cdc_platform.speedups import compiled_twin
 
 SEQUENCES = getattr(compiled_twin("cdc_platform.jetstream.pull"), "sequences", None)
 
 
 def test_sequences_of_both_ack_subject_forms():
-    assert _sequences(b"$JS.ACK.CDC.mirror1.1.4711.12.1700000000000000000.3") == (4711, 12)
-    assert _sequences(b"$JS.ACK.hub.ACCHASH.CDC.mirror1.1.4711.12.1700000000000000000.3.tok") \
+    assert sequences(b"$JS.ACK.CDC.mirror1.1.4711.12.1700000000000000000.3") == (4711, 12)
+    assert sequences(b"$JS.ACK.hub.ACCHASH.CDC.mirror1.1.4711.12.1700000000000000000.3.tok") \
         == (4711, 12)
 
 
@@ -38,11 +38,11 @@ TOKENS = st.one_of(st.integers(0, 2**70).map(str), st.sampled_from(
 @given(st.lists(TOKENS, min_size=1, max_size=20))
 def test_the_compiled_sequences_answer_or_fail_as_the_plain_split(tokens):
     reply = ".".join(tokens).encode()
-    assert _outcome(SEQUENCES, reply) == _outcome(_sequences_python, reply)
+    assert _outcome(SEQUENCES, reply) == _outcome(sequences_python, reply)
 
 
 def test_sequences_of_real_forms_in_both():
-    for function in filter(None, (SEQUENCES, _sequences_python)):
+    for function in filter(None, (SEQUENCES, sequences_python)):
         assert function(b"$JS.ACK.S.c.1.18446744073709551615.1.2.3") == (2**64 - 1, 1)
 
 

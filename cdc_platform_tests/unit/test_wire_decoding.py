@@ -1,7 +1,7 @@
-"""The compiled msgpack decoder (``_speedups/encoding.pyx``, on the shared reader) against
-``msgpack.unpackb``: the same value whenever it answers, and a ValueError or TypeError (the
-caller then decodes the pure way) for anything it does not take, truncated or forged bytes
-included. Its kept-keys table must never hand back another key than the bytes say."""
+"""The compiled msgpack decoder (``_speedups/wire/encoding.pyx``, on the shared reader)
+against ``msgpack.unpackb``: the same value whenever it answers, and a ValueError or TypeError
+(the caller then decodes the pure way) for anything it does not take, truncated or forged
+bytes included. Its kept-keys table must never hand back another key than the bytes say."""
 
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ def test_deep_nesting_is_refused_not_a_crash():
     with pytest.raises(ValueError):  # the pure decoder's own error, through decode_payload
         decode_payload(deep, "msgpack")
     with pytest.raises(ValueError, match="too deep"):
-        compiled_twin("cdc_platform.mirror.snapshots").decode_chunk(
+        compiled_twin("cdc_platform.mirror.snapshots").chunk_tuples(
             b"\x82\xa5chunk" + deep + b"\xa4data\x90", ("id",))
 
 

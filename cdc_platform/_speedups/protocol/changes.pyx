@@ -8,7 +8,7 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
-from cdc_platform._speedups.pgoutput cimport tuple_at
+from cdc_platform._speedups.protocol.pgoutput cimport tuple_at
 from cdc_platform._speedups.writer cimport u32, u64
 
 cdef extern from "Python.h":
@@ -113,6 +113,9 @@ cdef class RowBuilder:
                 raise self.slow
             PyDict_SetItem(row, <object>PyTuple_GET_ITEM(self.names, j), value)
         return row
+
+
+row_builder = RowBuilder  # the name of ``changes.row_builder_python``, which it stands for
 
 
 # -- runs of row changes: CopyData -> ChangeRecord ------------------------------------------

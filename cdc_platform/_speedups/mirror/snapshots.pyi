@@ -1,5 +1,5 @@
 from typing import Any
 
-def decode_chunk(
+def chunk_tuples(
     data: bytes, columns: tuple[str, ...]
 ) -> tuple[dict[str, Any], list[tuple[Any, ...]], bool]: ...

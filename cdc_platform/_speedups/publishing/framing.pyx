@@ -16,7 +16,7 @@ from cdc_platform._speedups.writer cimport (
 )
 
 
-def frame_sequence(list held not None, bytes reply_prefix not None,
+def sequence_bytes(list held not None, bytes reply_prefix not None,
                    unsigned long long first_seq, bytes reply_suffix not None):
     """The NATS protocol bytes of ``held`` messages (``(subject, header or None, payload,
     ...)``) with reply subjects ``reply_prefix + str(seq) + reply_suffix``, seq counting up
@@ -40,7 +40,7 @@ def frame_sequence(list held not None, bytes reply_prefix not None,
             payload = item[2]
             if not PyBytes_Check(subject) or not PyBytes_Check(payload) \
                     or (header is not None and not PyBytes_Check(header)):
-                raise TypeError("frame_sequence: subject, header and payload must be bytes")
+                raise TypeError("sequence_bytes: subject, header and payload must be bytes")
             payload_size = PyBytes_GET_SIZE(payload)
             if header is None:
                 put(&out, b"PUB ", 4)

@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Compiled twin of ``jetstream/pull.py``'s ``_sequences_python``: the two sequence numbers
+"""Compiled twin of ``jetstream/pull.py``'s ``sequences``: the two sequence numbers
 of a ``$JS.ACK`` reply subject read in place, without splitting it into a list of tokens and
 converting two of them (~5K instructions a message, a third of the mirror's reading). The same
 answer, or the same error, for any bytes: a token that is not plain digits goes to ``int``."""

@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Compiled twin of ``mirror/snapshots.py``'s :func:`decode_chunk` for msgpack
+"""Compiled twin of ``mirror/snapshots.py``'s :func:`chunk_tuples` for msgpack
 snapshot chunks: the row maps are read straight into tuples in column order (no dict per
 row), which is most of a bootstrap's Python time. Same values as ``msgpack.unpackb`` followed
 by ``operator.itemgetter(*columns)``; anything else (a row of other columns or in another
@@ -13,7 +13,7 @@ from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 from cdc_platform._speedups.msgpack_reader cimport Reader
 
 
-def decode_chunk(bytes data not None, tuple columns not None):
+def chunk_tuples(bytes data not None, tuple columns not None):
     """A msgpack chunk -> (its fields but ``data``, its rows as tuples in ``columns`` order,
     whether a row value is a float NaN). KeyError: a row of other columns or in another order;
     ValueError: bytes this decoder does not take (the caller decodes them the pure way)."""

@@ -1,0 +1,3 @@
+from cdc_platform.jetstream.frames import Sink
+
+def deliver(data: bytes, position: int, sinks: dict[int, Sink]) -> int: ...

@@ -1,3 +1,0 @@
-from typing import Any
-
-def read_tuple(data: bytes, pos: int, unchanged: object) -> tuple[tuple[Any, ...], int] | None: ...

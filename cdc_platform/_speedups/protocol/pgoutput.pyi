@@ -1,0 +1,3 @@
+from cdc_platform.protocol.pgoutput import TupleData
+
+def read_tuple(data: bytes, pos: int, unchanged: object) -> tuple[TupleData, int] | None: ...
