@@ -319,8 +319,7 @@ async def test_max_age_0_cannot_force_back_to_back_snapshots(
     from cdc_platform.settings import load_settings
     from cdc_platform_tests.fixtures.bridge import wait_for
 
-    interval = 30.0
-    monkeypatch.setenv("CDC_SNAPSHOT_MIN_INTERVAL", str(interval))
+    monkeypatch.setenv("CDC_SNAPSHOT_MIN_INTERVAL", "3600")  # (set again once the run exists)
     table = random_name("paced")
     pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
     pg_admin.execute(f"INSERT INTO {table} SELECT generate_series(1, 100)")
@@ -365,6 +364,11 @@ async def test_max_age_0_cannot_force_back_to_back_snapshots(
                            "pyspark": LazyPySparkResource(spark_config={})})
             assert outcome.success
             taken = await reply("r1", "done")
+            # The interval from here: the run's age, however long Spark took, plus time for
+            # the three ticks below (each tick reads it), then the release, not 30 s of waiting.
+            created = instance.get_run_record_by_id(outcome.run_id).create_timestamp
+            interval = time.time() - created.timestamp() + 12.0
+            monkeypatch.setenv("CDC_SNAPSHOT_MIN_INTERVAL", str(interval))
 
             await ask("r2", max_age_seconds=0)
             second = await asyncio.to_thread(evaluate, first.cursor)
@@ -381,7 +385,6 @@ async def test_max_age_0_cannot_force_back_to_back_snapshots(
             fourth = await asyncio.to_thread(evaluate, third.cursor)
             assert not fourth.run_requests
             assert (await reply("r4", "accepted"))["run_key"] == held["run_key"]
-            created = instance.get_run_record_by_id(outcome.run_id).create_timestamp
             assert time.time() < created.timestamp() + interval  # (held: not due yet)
             await asyncio.sleep(created.timestamp() + interval + 0.5 - time.time())
             due = await asyncio.to_thread(evaluate, fourth.cursor)
