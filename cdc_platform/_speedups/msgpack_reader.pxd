@@ -68,7 +68,11 @@ cdef inline Kind classify(uint8_t tag, int* width, uint64_t* immediate) noexcept
         width[0] = 2 << (tag - 0xde)
         return KIND_MAP
     width[0] = -1  # (nothing to read: one test of ``width`` leaves the fix forms)
+    immediate[0] = 0
     return KIND_OTHER
+
+
+cdef Kind not_in_the_contract(uint8_t tag) except KIND_OTHER
 
 
 cdef inline double float_value(Kind kind, uint64_t bits) noexcept nogil:
@@ -113,7 +117,7 @@ cdef class Reader:
         kind = classify(tag, &width, arg)
         if width != 0:
             if width < 0:
-                raise ValueError(f"msgpack type 0x{tag:02x} is not in the contract")
+                return not_in_the_contract(tag)
             arg[0] = self.big_endian(width)
             if kind == KIND_INT:  # (sign-extended)
                 if width == 1:

@@ -118,6 +118,12 @@ cdef bint valid_utf8(const uint8_t* text, Py_ssize_t size) noexcept nogil:
     return True
 
 
+cdef Kind not_in_the_contract(uint8_t tag) except KIND_OTHER:
+    """Raise the ValueError for a msgpack type the contract never writes (out of the inlined
+    Reader.head: its formatting made head too big for the C compiler to inline)."""
+    raise ValueError(f"msgpack type 0x{tag:02x} is not in the contract")
+
+
 cdef class Reader:
     def __cinit__(self, bytes data):
         self.data = data
