@@ -56,9 +56,10 @@ from cdc_platform.consumer.snapshots import latest_meta
 from cdc_platform.dev.servers import LocalNatsServer, start_logical_postgres
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision
+from cdc_platform.mirror.columns import TableShape, quote, to_sqlite
 from cdc_platform.mirror.follower import Mirror
 from cdc_platform.mirror.snapshots import read_chunks
-from cdc_platform.mirror.store import MirrorStore, TableShape, quote, to_sqlite
+from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.postgres.admin import provision_database
 from cdc_platform.settings import (
     BridgeSettings,

@@ -26,8 +26,9 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
+from cdc_platform.mirror.columns import quote, to_sqlite
 from cdc_platform.mirror.follower import Mirror
-from cdc_platform.mirror.store import STATE_TABLE, quote, to_sqlite
+from cdc_platform.mirror.positions import STATE_TABLE
 from cdc_platform.naming import wire_name
 from cdc_platform_tests.fixtures.bridge import wait_for
 from cdc_platform_tests.fixtures.snapshots import create_types_table, direct_rows

@@ -9,7 +9,7 @@ from sys import intern as _intern
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.math cimport isnan
-from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy
 
 DEF _KEY_SLOTS = 512  # a power of two
@@ -118,6 +118,12 @@ cdef bint valid_utf8(const uint8_t* text, Py_ssize_t size) noexcept nogil:
     return True
 
 
+cdef Kind not_in_the_contract(uint8_t tag) except KIND_OTHER:
+    """Raise the ValueError for a msgpack type the contract never writes (out of the inlined
+    Reader.head: its formatting made head too big for the C compiler to inline)."""
+    raise ValueError(f"msgpack type 0x{tag:02x} is not in the contract")
+
+
 cdef class Reader:
     def __cinit__(self, bytes data):
         self.data = data
@@ -137,79 +143,30 @@ cdef class Reader:
         return value
 
     cdef object value(self):
-        cdef uint8_t tag
-        cdef uint64_t bits
-        cdef uint32_t bits32
+        cdef uint64_t arg
+        cdef Kind kind = self.head(&arg)
         cdef double number
-        cdef float number32
-        self.need(1)
-        tag = self.buf[self.pos]
-        self.pos += 1
-        if tag <= 0x7f:
-            return <long>tag
-        if tag >= 0xe0:
-            return <long>(<int8_t>tag)
-        if 0xa0 <= tag <= 0xbf:
-            return self.text(tag & 0x1f)
-        if 0x90 <= tag <= 0x9f:
-            return self.array(tag & 0x0f)
-        if 0x80 <= tag <= 0x8f:
-            return self.map(tag & 0x0f)
-        if tag == 0xc0:
+        if kind == KIND_STR:
+            return self.text(<Py_ssize_t>arg)
+        elif kind == KIND_INT:
+            return <long long><int64_t>arg
+        elif kind == KIND_MAP:
+            return self.map(<Py_ssize_t>arg)
+        elif kind == KIND_ARRAY:
+            return self.array(<Py_ssize_t>arg)
+        elif kind == KIND_NIL:
             return None
-        if tag == 0xc2:
-            return False
-        if tag == 0xc3:
-            return True
-        if tag == 0xcb:
-            bits = self.big_endian(8)
-            memcpy(&number, &bits, 8)
+        elif kind == KIND_BOOL:
+            return arg != 0
+        elif kind == KIND_FLOAT64 or kind == KIND_FLOAT32:
+            number = float_value(kind, arg)
             if isnan(number):
                 self.saw_nan = True
             return number
-        if tag == 0xca:
-            bits32 = <uint32_t>self.big_endian(4)
-            memcpy(&number32, &bits32, 4)
-            if isnan(number32):
-                self.saw_nan = True
-            return <double>number32
-        if tag == 0xcc:
-            return <long>self.big_endian(1)
-        if tag == 0xcd:
-            return <long>self.big_endian(2)
-        if tag == 0xce:
-            return <long long>self.big_endian(4)
-        if tag == 0xcf:
-            return <unsigned long long>self.big_endian(8)
-        if tag == 0xd0:
-            return <long>(<int8_t>self.big_endian(1))
-        if tag == 0xd1:
-            return <long>(<int16_t>self.big_endian(2))
-        if tag == 0xd2:
-            return <long>(<int32_t>self.big_endian(4))
-        if tag == 0xd3:
-            return <long long>(<int64_t>self.big_endian(8))
-        if tag == 0xd9:
-            return self.text(<Py_ssize_t>self.big_endian(1))
-        if tag == 0xda:
-            return self.text(<Py_ssize_t>self.big_endian(2))
-        if tag == 0xdb:
-            return self.text(<Py_ssize_t>self.big_endian(4))
-        if tag == 0xc4:
-            return self.raw(<Py_ssize_t>self.big_endian(1))
-        if tag == 0xc5:
-            return self.raw(<Py_ssize_t>self.big_endian(2))
-        if tag == 0xc6:
-            return self.raw(<Py_ssize_t>self.big_endian(4))
-        if tag == 0xdc:
-            return self.array(<Py_ssize_t>self.big_endian(2))
-        if tag == 0xdd:
-            return self.array(<Py_ssize_t>self.big_endian(4))
-        if tag == 0xde:
-            return self.map(<Py_ssize_t>self.big_endian(2))
-        if tag == 0xdf:
-            return self.map(<Py_ssize_t>self.big_endian(4))
-        raise ValueError(f"msgpack type 0x{tag:02x} is not in the contract")
+        elif kind == KIND_UINT:
+            return <unsigned long long>arg
+        else:  # (KIND_BIN: head() raised for the rest)
+            return self.raw(<Py_ssize_t>arg)
 
     cdef object text(self, Py_ssize_t size):
         """A str value. Short ASCII ones are kept and handed out again (a str is immutable):
@@ -270,57 +227,40 @@ cdef class Reader:
 
     cdef object value_without(self, frozenset unread):
         """value(); a map without the entries whose key is in ``unread``."""
-        cdef uint8_t tag
+        cdef uint64_t arg
+        cdef int width
         self.need(1)
-        tag = self.buf[self.pos]
-        if 0x80 <= tag <= 0x8f or tag == 0xde or tag == 0xdf:
-            return self.map(self.header(0x80, 0x8f, 0xde, 0xdf), unread)
-        return self.value()
+        if classify(self.buf[self.pos], &width, &arg) != KIND_MAP:
+            return self.value()
+        self.head(&arg)
+        return self.map(<Py_ssize_t>arg, unread)
 
     cdef int skip(self) except -1:
-        """Read past the value that starts here, refusing what value() refuses: integers,
-        text (checked as Python's strict UTF-8 decoder checks it) and bytes are not made; the
-        rest is read by value() and dropped."""
-        cdef uint8_t tag
-        cdef Py_ssize_t size, i
-        cdef bint is_map
-        self.need(1)
-        tag = self.buf[self.pos]
-        if tag <= 0x7f or tag >= 0xe0 or tag == 0xc0 or tag == 0xc2 or tag == 0xc3:
-            self.pos += 1
-            return 0
-        if 0xcc <= tag <= 0xd3:  # (uint8-64, int8-64: 1, 2, 4, 8 bytes)
-            size = 1 << ((tag - 0xcc) & 3)
-            self.pos += 1
-            self.need(size)
-            self.pos += size
-            return 0
-        if 0xa0 <= tag <= 0xbf or 0xd9 <= tag <= 0xdb:  # text: checked, not made
-            size = self.text_size()
+        """Read past the value that starts here, refusing what value() refuses: text (checked
+        as Python's strict UTF-8 decoder checks it), bytes, arrays and maps are not made; a
+        float NaN is noted as value() notes it."""
+        cdef uint64_t arg
+        cdef Kind kind = self.head(&arg)
+        cdef Py_ssize_t size = <Py_ssize_t>arg
+        cdef Py_ssize_t i
+        if kind == KIND_STR:
             self.need(size)
             if not valid_utf8(self.buf + self.pos, size):
                 raise ValueError("text that is not UTF-8")
             self.pos += size
-            return 0
-        if 0xc4 <= tag <= 0xc6:  # bin 8, 16, 32
-            self.pos += 1
-            size = <Py_ssize_t>self.big_endian(1 << (tag - 0xc4))
+        elif kind == KIND_BIN:
             self.need(size)
             self.pos += size
-            return 0
-        if 0x80 <= tag <= 0x9f or 0xdc <= tag <= 0xdf:  # an array or a map
-            is_map = tag <= 0x8f or tag >= 0xde
-            self.pos += 1
-            size = (tag & 0x0f if tag <= 0x9f
-                    else <Py_ssize_t>self.big_endian(2 if tag == 0xdc or tag == 0xde else 4))
+        elif kind == KIND_ARRAY or kind == KIND_MAP:
             self.enter()
             for i in range(size):
-                if is_map:
+                if kind == KIND_MAP:
                     hash(self.value())  # (a key must be hashable, as in map())
                 self.skip()
             self.depth -= 1
-            return 0
-        self.value()
+        elif kind == KIND_FLOAT64 or kind == KIND_FLOAT32:
+            if isnan(float_value(kind, arg)):
+                self.saw_nan = True
         return 0
 
     cdef object key(self, Py_ssize_t size):

@@ -38,14 +38,26 @@ from cpython.object cimport PyObject
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
 from libc.math cimport isnan
-from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.stdint cimport int64_t, uint8_t, uint64_t
 from posix.dlfcn cimport RTLD_NOW, dlopen, dlsym
 
 cdef extern from "<dlfcn.h>":
     void* RTLD_DEFAULT  # (Python.h defines _GNU_SOURCE)
 
-from cdc_platform._speedups.msgpack_reader cimport Reader, valid_utf8
+from cdc_platform._speedups.msgpack_reader cimport (
+    KIND_BIN,
+    KIND_BOOL,
+    KIND_FLOAT32,
+    KIND_FLOAT64,
+    KIND_INT,
+    KIND_NIL,
+    KIND_STR,
+    KIND_UINT,
+    Kind,
+    Reader,
+    float_value,
+    valid_utf8,
+)
 
 # The stable SQLite C API (sqlite.org/c3ref), declared here rather than from sqlite3.h.
 ctypedef void (*destructor)(void*) noexcept
@@ -298,69 +310,25 @@ cdef class ChunkLoader:
     cdef bint _bind(self, Reader reader, int index) except -1:
         """Bind the value that starts here to parameter ``index``; False: not one of the
         values this loader binds (see the module docstring)."""
-        cdef uint8_t tag
-        cdef uint64_t bits
-        cdef uint32_t bits32
+        cdef uint64_t arg
+        cdef Kind kind = reader.head(&arg)
         cdef double number
-        cdef float number32
-        reader.need(1)
-        tag = reader.buf[reader.pos]
-        reader.pos += 1
-        if tag <= 0x7f:
-            return api.bind_int64(self.statement, index, tag) == SQLITE_OK
-        if tag >= 0xe0:
-            return api.bind_int64(self.statement, index, <int8_t>tag) == SQLITE_OK
-        if 0xa0 <= tag <= 0xbf:
-            return self._bind_text(reader, index, tag & 0x1f)
-        if tag == 0xc0:
+        if kind == KIND_STR:
+            return self._bind_text(reader, index, <Py_ssize_t>arg)
+        elif kind == KIND_INT or kind == KIND_BOOL:
+            return api.bind_int64(self.statement, index, <int64_t>arg) == SQLITE_OK
+        elif kind == KIND_NIL:
             return api.bind_null(self.statement, index) == SQLITE_OK
-        if tag == 0xc2 or tag == 0xc3:
-            return api.bind_int64(self.statement, index, tag - 0xc2) == SQLITE_OK
-        if tag == 0xcb:
-            bits = reader.big_endian(8)
-            memcpy(&number, &bits, 8)
+        elif kind == KIND_FLOAT64 or kind == KIND_FLOAT32:
+            number = float_value(kind, arg)
             return not isnan(number) and api.bind_double(self.statement, index,
                                                          number) == SQLITE_OK
-        if tag == 0xca:
-            bits32 = <uint32_t>reader.big_endian(4)
-            memcpy(&number32, &bits32, 4)
-            return not isnan(number32) and api.bind_double(self.statement, index,
-                                                           <double>number32) == SQLITE_OK
-        if tag == 0xcc:
-            return api.bind_int64(self.statement, index, reader.big_endian(1)) == SQLITE_OK
-        if tag == 0xcd:
-            return api.bind_int64(self.statement, index, reader.big_endian(2)) == SQLITE_OK
-        if tag == 0xce:
-            return api.bind_int64(self.statement, index, reader.big_endian(4)) == SQLITE_OK
-        if tag == 0xcf:
-            bits = reader.big_endian(8)
-            return bits <= 0x7FFFFFFFFFFFFFFF and api.bind_int64(
-                self.statement, index, <long long>bits) == SQLITE_OK
-        if tag == 0xd0:
-            return api.bind_int64(self.statement, index,
-                                  <int8_t>reader.big_endian(1)) == SQLITE_OK
-        if tag == 0xd1:
-            return api.bind_int64(self.statement, index,
-                                  <int16_t>reader.big_endian(2)) == SQLITE_OK
-        if tag == 0xd2:
-            return api.bind_int64(self.statement, index,
-                                  <int32_t>reader.big_endian(4)) == SQLITE_OK
-        if tag == 0xd3:
-            return api.bind_int64(self.statement, index,
-                                  <int64_t>reader.big_endian(8)) == SQLITE_OK
-        if tag == 0xd9:
-            return self._bind_text(reader, index, <Py_ssize_t>reader.big_endian(1))
-        if tag == 0xda:
-            return self._bind_text(reader, index, <Py_ssize_t>reader.big_endian(2))
-        if tag == 0xdb:
-            return self._bind_text(reader, index, <Py_ssize_t>reader.big_endian(4))
-        if tag == 0xc4:
-            return self._bind_blob(reader, index, <Py_ssize_t>reader.big_endian(1))
-        if tag == 0xc5:
-            return self._bind_blob(reader, index, <Py_ssize_t>reader.big_endian(2))
-        if tag == 0xc6:
-            return self._bind_blob(reader, index, <Py_ssize_t>reader.big_endian(4))
-        return False  # an array, a map, an extension type: the pure path converts or refuses
+        elif kind == KIND_UINT:
+            return arg <= 0x7FFFFFFFFFFFFFFF and api.bind_int64(
+                self.statement, index, <long long>arg) == SQLITE_OK
+        elif kind == KIND_BIN:
+            return self._bind_blob(reader, index, <Py_ssize_t>arg)
+        return False  # an array, a map: the pure path converts them
 
     cdef bint _bind_text(self, Reader reader, int index, Py_ssize_t size) except -1:
         cdef const uint8_t* text
@@ -471,10 +439,10 @@ DEF _MOST_PREPARED = 256
 
 @cython.no_gc_clear  # (__dealloc__ needs ``prepared``: a store in a reference cycle)
 cdef class Statements:
-    """INSERTs and UPDATEs of the mirror's batches, prepared on the SQLite handle of the
-    store's own connection (so in its transaction, its savepoints) and run for many rows with
-    the GIL held, as Python's sqlite3 runs them: the twin of ``executemany`` over the pure
-    path's converted rows, without making them.
+    """INSERTs and UPDATEs of the mirror's batches (``mirror/apply.py``), prepared on the
+    SQLite handle of the store's own connection (so in its transaction, its savepoints) and run
+    for many rows with the GIL held, as Python's sqlite3 runs them: the twin of
+    ``executemany`` over the pure path's converted rows, without making them.
 
     What it binds is what the pure path binds for a column it does not convert: None, bool as
     0/1, an int within 64 bits, a float that is not NaN, str (UTF-8), bytes. Anything else, a

@@ -48,6 +48,7 @@ from cdc_platform.errors import CdcError
 from cdc_platform.jetstream.connection import close_nats, connect_nats
 from cdc_platform.jetstream.pull import PulledMessage, PullReader
 from cdc_platform.lsn import format_lsn, parse_lsn_cached
+from cdc_platform.mirror.columns import TableShape
 from cdc_platform.mirror.consistency import (
     IDLE_SWAP_SECONDS,
     consistent_point,
@@ -56,14 +57,10 @@ from cdc_platform.mirror.consistency import (
     shadow_name,
     table_point,
 )
+from cdc_platform.mirror.errors import DivergenceError, MirrorError
+from cdc_platform.mirror.positions import TableState
 from cdc_platform.mirror.snapshots import BootstrapProgress, read_chunks
-from cdc_platform.mirror.store import (
-    DivergenceError,
-    MirrorError,
-    MirrorStore,
-    TableShape,
-    TableState,
-)
+from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.mirror.transactions import StreamGap, TransactionCollector
 from cdc_platform.naming import parse_wire_name
 from cdc_platform.settings import MirrorSettings, PlatformSettings

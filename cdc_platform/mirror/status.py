@@ -8,7 +8,9 @@ import sqlite3
 from pathlib import Path
 
 from cdc_platform.lsn import format_lsn
-from cdc_platform.mirror.store import CONSISTENT_TABLE, SHADOW_PREFIX, STATE_TABLE, MirrorError
+from cdc_platform.mirror.errors import MirrorError
+from cdc_platform.mirror.positions import CONSISTENT_TABLE, STATE_TABLE
+from cdc_platform.mirror.store import SHADOW_PREFIX
 
 
 def status_lines(path: str | Path) -> list[str]:

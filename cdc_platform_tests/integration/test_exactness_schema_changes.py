@@ -23,7 +23,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from cdc_platform.mirror.store import STATE_TABLE
+from cdc_platform.mirror.positions import STATE_TABLE
 from cdc_platform.postgres.admin import provision_database
 from cdc_platform.replication.slots import read_slot
 from cdc_platform_tests.exactness import (

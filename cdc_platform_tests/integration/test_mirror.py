@@ -11,8 +11,8 @@ import pytest
 
 from cdc_platform.consumer.snapshots import latest_meta
 from cdc_platform.jetstream.connection import connect_nats
+from cdc_platform.mirror.errors import MirrorError
 from cdc_platform.mirror.follower import Mirror
-from cdc_platform.mirror.store import MirrorError
 from cdc_platform.postgres.catalog import published_relation_ids
 from cdc_platform.settings import MirrorSettings
 from cdc_platform.snapshot import snapshot_table

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from cdc_platform.consumer.snapshots import SnapshotUnusable, cutover_start_seq, latest_meta
+from cdc_platform.mirror.columns import TableShape, quote, to_sqlite
 from cdc_platform.mirror.snapshots import BootstrapProgress, read_chunks
-from cdc_platform.mirror.store import MirrorStore, TableShape, quote, to_sqlite
+from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.postgres.catalog import table_schema
 from cdc_platform.snapshot import snapshot_table
 from cdc_platform_tests.fixtures.services import random_name

@@ -15,10 +15,12 @@ import time
 import msgpack
 import psycopg
 
+from cdc_platform.mirror.columns import TableShape, quote
 from cdc_platform.mirror.consistency import shadow_name
 from cdc_platform.mirror.follower import Mirror
+from cdc_platform.mirror.positions import CONSISTENT_TABLE
 from cdc_platform.mirror.status import status_lines
-from cdc_platform.mirror.store import CONSISTENT_TABLE, MirrorStore, TableShape, quote
+from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings, NatsSettings, PlatformSettings
 from cdc_platform_tests.exactness import (

@@ -20,7 +20,7 @@ from cdc_platform.dev.servers import LocalNatsServer, free_port, start_logical_p
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision
 from cdc_platform.mirror.follower import Mirror
-from cdc_platform.mirror.store import STATE_TABLE
+from cdc_platform.mirror.positions import STATE_TABLE
 from cdc_platform.postgres.admin import provision_database
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings, NatsSettings, NatsTopology

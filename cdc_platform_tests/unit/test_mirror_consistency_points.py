@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import sqlite3
 
+from cdc_platform.mirror.columns import TableShape
 from cdc_platform.mirror.consistency import (
     consistent_point,
     joining,
@@ -15,8 +16,9 @@ from cdc_platform.mirror.consistency import (
     table_point,
 )
 from cdc_platform.mirror.follower import Mirror, _Following
+from cdc_platform.mirror.positions import CONSISTENT_TABLE
 from cdc_platform.mirror.status import status_lines
-from cdc_platform.mirror.store import CONSISTENT_TABLE, MirrorStore, TableShape
+from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.mirror.transactions import TransactionCollector
 from cdc_platform.settings import PlatformSettings
 from cdc_platform_tests.fixtures.mirror_events import bootstrapped, event, schema

@@ -11,8 +11,9 @@ import msgpack
 import pytest
 
 from cdc_platform.jetstream.pull import PulledMessage
+from cdc_platform.mirror.columns import TableShape
 from cdc_platform.mirror.follower import Mirror, _Following
-from cdc_platform.mirror.store import MirrorStore, TableShape
+from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.mirror.transactions import TransactionCollector
 from cdc_platform.settings import PlatformSettings
 from cdc_platform_tests.fixtures.hostile_payloads import SCHEMAS, TABLES, hostile_payload

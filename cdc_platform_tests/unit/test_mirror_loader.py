@@ -16,8 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from cdc_platform.mirror.columns import TableShape, quote
+from cdc_platform.mirror.errors import DivergenceError
 from cdc_platform.mirror.snapshots import decode_chunk
-from cdc_platform.mirror.store import DivergenceError, MirrorStore, TableShape, quote
+from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.speedups import compiled_twin
 from cdc_platform_tests.msgpack_values import values
 

@@ -15,7 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cdc_platform.mirror.store import DivergenceError, MirrorStore, TableShape, quote
+from cdc_platform.mirror.columns import TableShape, quote
+from cdc_platform.mirror.errors import DivergenceError
+from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.speedups import compiled_twin
 from cdc_platform_tests.msgpack_values import values
 
@@ -40,9 +42,9 @@ def _schema(columns):
 
 def _store(path, table_schema, *, pure=False, rows=3):
     store = MirrorStore(path)
-    if pure and store._statements is not None:
-        store._statements.close()
-        store._statements = None
+    if pure and store._writer.statements is not None:
+        store._writer.statements.close()
+        store._writer.statements = None
     shape = TableShape.from_schema(table_schema)
     store.begin_bootstrap(shape, "snap1", 0x100)
     store.load_rows("t", [{"id": key} | {c.name: None for c in shape.columns[1:]}
@@ -78,7 +80,7 @@ def test_the_store_runs_its_batches_on_its_own_handle(tmp_path):
         pytest.skip("pure Python asked for")
     assert TWIN is not None, "the twin of cdc_platform.mirror.store is not built: pip install -e ."
     store = MirrorStore(tmp_path / "m.db")
-    assert store._statements is not None
+    assert store._writer.statements is not None
     store.close()
 
 
@@ -147,7 +149,7 @@ def test_applied_events_equal_the_pure_path_for_any_events(tmp_path_factory, cas
     directory = tmp_path_factory.mktemp("apply")
     fast, shape = _store(directory / "fast.db", _schema(columns))
     pure, _ = _store(directory / "pure.db", _schema(columns), pure=True)
-    assert fast._statements is not None and pure._statements is None
+    assert fast._writer.statements is not None and pure._writer.statements is None
     for events in transactions:
         assert _outcome(fast, events) == _outcome(pure, events)
         assert _contents(fast, shape) == _contents(pure, shape)
@@ -171,7 +173,7 @@ def test_scalar_values_are_bound_by_the_statements(tmp_path):
     names = ("id", *(name for name, _ in columns))
     fast, shape = _store(tmp_path / "fast.db", _schema(columns), rows=0)
     pure, _ = _store(tmp_path / "pure.db", _schema(columns), pure=True, rows=0)
-    statements = fast._statements
+    statements = fast._writer.statements
     assert statements is not None
     inserts = [dict(zip(names, row, strict=True)) for row in rows]
     updates = [_event("UPDATE", 0, {"id": row["id"], "name": "u", "score": -0.0})
@@ -194,7 +196,7 @@ def test_what_they_do_not_take_is_refused_and_the_statement_runs_again(tmp_path)
     statement is reset (it runs the next batch), and the rows before the refused one are the
     caller's to roll back (the store rolls back to its savepoint)."""
     store, _ = _store(tmp_path / "m.db", _schema([("n", (20, "bigint"))]), rows=0)
-    statements = store._statements
+    statements = store._writer.statements
     insert = 'INSERT INTO "t" VALUES (?, ?)'
     store._db.execute("BEGIN")
     for refused in ([{"id": 1, "n": float("nan")}], [{"id": 1, "n": 2**63}], [{"id": 1}],
@@ -324,7 +326,7 @@ def test_a_store_in_a_reference_cycle_is_collected_with_its_connection(tmp_path)
         before = len(os.listdir("/proc/self/fd"))
         for number in range(20):
             store, _ = _store(tmp_path / f"m{number}.db", table_schema)
-            cycle = [store, store._statements]
+            cycle = [store, store._writer.statements]
             cycle.append(cycle)
             del store, cycle
         gc.collect()

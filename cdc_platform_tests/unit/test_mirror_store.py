@@ -8,15 +8,10 @@ import sqlite3
 
 import pytest
 
-from cdc_platform.mirror.store import (
-    DivergenceError,
-    MirrorError,
-    MirrorStore,
-    SchemaChange,
-    TableShape,
-    sqlite_type,
-    to_sqlite,
-)
+from cdc_platform.mirror.columns import TableShape, sqlite_type, to_sqlite
+from cdc_platform.mirror.errors import DivergenceError, MirrorError
+from cdc_platform.mirror.store import MirrorStore
+from cdc_platform.mirror.tables import SchemaChange
 from cdc_platform_tests.fixtures.mirror_events import bootstrapped, event, schema, schema_event
 
 

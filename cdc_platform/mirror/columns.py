@@ -1,0 +1,228 @@
+"""The mirrored columns: the SQLite type each PostgreSQL type is stored as, a wire value as
+SQLite binds it, and a table's shape (its columns and key) as the KV schema gives it.
+
+Local tables are named by the wire table name (``users``, ``sales/orders``), columns by their
+PostgreSQL names. Column types follow the wire type mapping (README "Mirrors"):
+
+=====================================  ===========  ===================================
+PostgreSQL                             SQLite type  stored value
+=====================================  ===========  ===================================
+int2, int4, int8, oid, xid, cid        INTEGER      int
+bool                                   INTEGER      0 / 1
+xid8                                   (none)       int; above 2^63-1 its decimal text (INTEGER
+                                                    affinity would turn that text into a lossy
+                                                    real)
+float4, float8                         (none)       float, -0.0 included (REAL affinity would
+                                                    store -0.0 as 0); NaN as the text ``NaN``
+                                                    (SQLite stores a NaN real as NULL)
+bytea                                  BLOB         bytes
+every other builtin type               TEXT         the wire string (numeric exact, ISO dates,
+                                                    json/jsonb text, ...)
+arrays                                 TEXT         JSON text of the nested lists (bytes as
+                                                    ``\\x`` hex strings, NaN as ``"NaN"``)
+domains, enums, extension types        (none)       the wire value as it is (no affinity,
+                                                    so nothing is converted)
+=====================================  ===========  ===================================
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cdc_platform.mirror.errors import MirrorError
+
+_BOOL_OID = 16
+_INTEGER_OIDS = frozenset({20, 21, 23, 26, 28, 29, _BOOL_OID})
+_WIDE_INTEGER_OIDS = frozenset({5069})  # xid8: up to 2^64-1, past SQLite's int64
+_REAL_OIDS = frozenset({700, 701})
+_BLOB_OIDS = frozenset({17})
+# Builtin types whose wire value is always a str (values.py): TEXT affinity keeps it as is.
+_TEXT_OIDS = frozenset({
+    18, 19, 25, 114, 142, 600, 601, 602, 603, 604, 628, 650, 718, 774, 790, 829, 869, 1042,
+    1043, 1082, 1083, 1114, 1184, 1186, 1266, 1560, 1562, 1700, 2950, 3220, 3614, 3615, 3802,
+    4072, 3904, 3906, 3908, 3910, 3912, 3926, 2205, 2206, 24, 27, 1033, 1790,
+})
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def sqlite_type(type_oid: int, data_type: str) -> str:
+    """The declared SQLite type of a column (see the module docstring)."""
+    if data_type.endswith("[]"):
+        return "TEXT"
+    if type_oid in _INTEGER_OIDS:
+        return "INTEGER"
+    if type_oid in _WIDE_INTEGER_OIDS:
+        return ""  # an int, or its text past int64: no affinity may touch it
+    if type_oid in _REAL_OIDS:
+        return ""  # REAL affinity stores -0.0 as the integer 0: its sign would be lost
+    if type_oid in _BLOB_OIDS:
+        return "BLOB"
+    if type_oid in _TEXT_OIDS:
+        return "TEXT"
+    return ""  # no affinity: stored exactly as the wire value
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return "\\x" + bytes(value).hex()
+    if isinstance(value, float) and math.isnan(value):
+        return "NaN"
+    if isinstance(value, float) and math.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, list):
+        return [_json_value(item) for item in value]
+    return value
+
+
+def to_sqlite(value: Any) -> Any:
+    """A wire value -> the value bound to SQLite (see the module docstring)."""
+    if value is None or isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value if _INT64_MIN <= value <= _INT64_MAX else str(value)
+    if isinstance(value, float):
+        return "NaN" if math.isnan(value) else value
+    if isinstance(value, (list, dict)):
+        return json.dumps(_json_value(value), separators=(",", ":"), ensure_ascii=False)
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise MirrorError(f"no SQLite mapping for a {type(value).__name__} value")
+
+
+_AS_IS_OIDS = _INTEGER_OIDS | _BLOB_OIDS | _TEXT_OIDS
+
+
+def quote(identifier: str) -> str:
+    """An SQLite identifier, quoted (any name PostgreSQL allows)."""
+    return '"' + identifier.replace('"', '""') + '"'
+
+
+def insert_statement(table: str, names: Sequence[str]) -> str:
+    """An INSERT of ``names`` into ``table``, one parameter per name."""
+    return (f"INSERT INTO {quote(table)} ({', '.join(quote(n) for n in names)}) "
+            f"VALUES ({', '.join('?' * len(names))})")
+
+
+# JSON payloads carry bytea as base64 and non-finite floats as strings (README "Payload
+# encoding"): the columns whose values a JSON consumer must turn back, by type oid.
+_JSON_BYTES_OIDS = frozenset({17, 1001})  # bytea, bytea[]
+_JSON_FLOAT_OIDS = frozenset({700, 701, 1021, 1022})  # float4/8 and their arrays
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _from_base64(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_from_base64(item) for item in value]
+    return base64.b64decode(value) if isinstance(value, str) else value
+
+
+def _from_json_float(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_from_json_float(item) for item in value]
+    return _NON_FINITE[value] if isinstance(value, str) else value
+
+
+@dataclass(frozen=True)
+class MirroredColumn:
+    name: str
+    sqlite_type: str
+    is_primary_key: bool
+    type_oid: int = 0
+    attnum: int = 0  # the source column's identity, kept by a RENAME (0: not known)
+
+    @property
+    def bound_as_is(self) -> bool:
+        """Whether the column's wire values are bound to SQLite unconverted (str, int, bytes,
+        bool, None): no float (NaN), no array (lists), no unknown type."""
+        return self.type_oid in _AS_IS_OIDS
+
+    @property
+    def is_float(self) -> bool:
+        return self.type_oid in _REAL_OIDS
+
+    @property
+    def is_bool(self) -> bool:
+        return self.type_oid == _BOOL_OID
+
+
+@dataclass(frozen=True)
+class TableShape:
+    """What the store needs of a KV ``schemas`` value."""
+
+    table: str  # wire name
+    fingerprint: str
+    columns: tuple[MirroredColumn, ...]
+
+    @classmethod
+    def from_schema(cls, schema: Mapping[str, Any]) -> TableShape:
+        table = schema.get("table") if isinstance(schema, Mapping) else None
+        try:
+            primary_key = set(schema.get("primary_key") or ())
+            raw_columns = schema["columns"]
+            if not isinstance(raw_columns, list) or not raw_columns:
+                raise ValueError("no columns")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise MirrorError(f"schema of {table!r} is not a valid schemas value: {exc!r}") \
+                from exc
+        columns = []
+        for position, column in enumerate(raw_columns, start=1):
+            try:
+                name = column["name"]
+                if not isinstance(name, str) or not name:
+                    raise ValueError(f"name {name!r}")
+                columns.append(MirroredColumn(
+                    name, sqlite_type(int(column["type_oid"]), str(column["data_type"])),
+                    name in primary_key, int(column["type_oid"]),
+                    int(column.get("attnum") or 0)))
+            except (KeyError, TypeError, ValueError) as exc:
+                shown = column.get("name") if isinstance(column, Mapping) else column
+                raise MirrorError(f"schema of {table!r}: column {position} ({shown!r}) cannot "
+                                  f"be mapped to SQLite: {exc!r}") from exc
+        if len({c.name for c in columns}) != len(columns):
+            raise MirrorError(f"schema of {table!r} names a column twice")
+        if not primary_key <= {c.name for c in columns}:
+            raise MirrorError(f"schema of {table!r}: primary key {sorted(primary_key)} names "
+                              "a column it does not have")
+        return cls(str(table), str(schema.get("fingerprint")), tuple(columns))
+
+    def to_json_text(self) -> str:
+        return json.dumps({"table": self.table, "fingerprint": self.fingerprint,
+                           "columns": [[c.name, c.sqlite_type, c.is_primary_key, c.type_oid,
+                                        c.attnum] for c in self.columns]})
+
+    @classmethod
+    def from_json_text(cls, text: str) -> TableShape:
+        """The shape :meth:`to_json_text` wrote; ValueError, KeyError or TypeError for text
+        it did not write."""
+        data = json.loads(text)
+        return cls(data["table"], data["fingerprint"],
+                   tuple(MirroredColumn(*column) for column in data["columns"]))
+
+    @functools.cached_property
+    def key_columns(self) -> list[str]:
+        return [c.name for c in self.columns if c.is_primary_key]
+
+    def from_json(self, row: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """A row map of a JSON payload with its bytea and non-finite float values restored
+        (a msgpack payload carries them natively)."""
+        if row is None:
+            return None
+        restored = dict(row)
+        for column in self.columns:
+            value = restored.get(column.name)
+            if value is None:
+                continue
+            if column.type_oid in _JSON_BYTES_OIDS:
+                restored[column.name] = _from_base64(value)
+            elif column.type_oid in _JSON_FLOAT_OIDS:
+                restored[column.name] = _from_json_float(value)
+        return restored
+
