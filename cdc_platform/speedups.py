@@ -44,9 +44,6 @@ TWINNED = ("bridge.events", "jetstream.frames", "jetstream.pull", "mirror.snapsh
            "publishing.framing", "publishing.publisher", "snapshot.chunks", "wire.encoding")
 
 
-# Twins not yet moved to their module's path (mirror/store.py is being split): pure -> twin.
-_AT_OLD_PATHS = {"cdc_platform.mirror.store": "cdc_platform._speedups.store"}
-
 
 def compiled_twin(module_name: str) -> ModuleType | None:
     """The compiled twin of pure module ``module_name`` (``cdc_platform.protocol.pgoutput``
@@ -54,9 +51,7 @@ def compiled_twin(module_name: str) -> ModuleType | None:
     for."""
     if PURE_PYTHON:
         return None
-    twin = _AT_OLD_PATHS.get(module_name) or module_name.replace(
-        "cdc_platform.", "cdc_platform._speedups.", 1)
-    return _import(twin)
+    return _import(module_name.replace("cdc_platform.", "cdc_platform._speedups.", 1))
 
 
 def built_twins() -> dict[str, bool]:

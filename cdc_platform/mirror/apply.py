@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 import operator
 import sqlite3
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from cdc_platform.mirror.columns import TableShape, insert_statement, quote, to_sqlite
 from cdc_platform.mirror.errors import DivergenceError, MirrorError
@@ -66,12 +66,26 @@ class _Prepared:
     compiled: tuple | None
 
 
+class Statements(Protocol):
+    """Prepared INSERT and keyed UPDATE runs on a connection's own SQLite handle, bound
+    without sqlite3's per-row work (compiled only: the store's twin's ``connect`` gives them).
+    Each returns the rows written, or -1 to leave the batch to the pure path."""
+
+    def run_rows(self, sql: str, rows: Iterable[Mapping[str, Any]], names: tuple[str, ...],
+                 whole_row: bool = True) -> int: ...
+
+    def run_updates(self, sql: str, events: list[Mapping[str, Any]], set_names: tuple[str, ...],
+                    key_names: tuple[str, ...], whole_row: bool = True) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class ChangeWriter:
     """Writes changes and snapshot rows into the tables of ``shapes`` (table -> its shape,
     the store's own dict: kept up to date by the store) on ``db``; ``statements``: the twin's
     ``Statements`` on that connection, or None (the pure path only)."""
 
-    def __init__(self, db: sqlite3.Connection, statements: Any,
+    def __init__(self, db: sqlite3.Connection, statements: Statements | None,
                  shapes: dict[str, TableShape]) -> None:
         self._db = db
         self.statements = statements

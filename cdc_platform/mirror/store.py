@@ -18,11 +18,17 @@ import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from cdc_platform.lsn import parse_lsn_cached
 from cdc_platform.mirror import positions
-from cdc_platform.mirror.apply import CHANGE_ERRORS, ChangeWriter, does_not_fit, from_the_change
+from cdc_platform.mirror.apply import (
+    CHANGE_ERRORS,
+    ChangeWriter,
+    Statements,
+    does_not_fit,
+    from_the_change,
+)
 from cdc_platform.mirror.columns import TableShape, insert_statement, quote
 from cdc_platform.mirror.errors import DivergenceError, MirrorError
 from cdc_platform.mirror.positions import TableState, lsn_or_zero
@@ -34,7 +40,6 @@ from cdc_platform.wire import SCHEMA_OPERATION
 # names never hold a space, so no published table is named like this)
 SHADOW_PREFIX = "_cdc_bootstrap "
 
-_twin = compiled_twin(__name__)  # connect, ChunkLoader (cdc_platform/speedups.py)
 # A chunk's bytes, and the chunk numbers already loaded -> (its number, rows written), or None
 # (nothing written: the caller decodes it); see MirrorStore.chunk_loader
 ChunkLoad = Callable[[bytes, set[int]], tuple[int, int] | None]
@@ -164,9 +169,9 @@ class MirrorStore:
         except sqlite3.Error:  # (a file name that is not UTF-8)
             file = None
         loader = None
-        if _twin is not None and file and not self._db.in_transaction:
+        if ChunkLoader is not None and file and not self._db.in_transaction:
             try:
-                loader = _twin.ChunkLoader(file, insert_statement(table, columns), columns)
+                loader = ChunkLoader(file, insert_statement(table, columns), columns)
             except ValueError:
                 loader = None  # (no such table, ...: the pure path gives the real error)
         try:
@@ -417,10 +422,34 @@ class _Transaction:
             self._store.rollback()
 
 
-def _connect(path: str) -> tuple[sqlite3.Connection, Any]:
-    """The store's connection, and the twin's ``Statements`` on its SQLite handle (None: not
-    built, or the handle could not be proven to be this connection's)."""
-    options: dict[str, Any] = {"isolation_level": None, "check_same_thread": False}
-    if _twin is not None:
-        return _twin.connect(path, **options)
+class LoadsChunks(Protocol):
+    """A compiled loader of one table's msgpack chunks (see :meth:`MirrorStore.chunk_loader`)."""
+
+    def load(self, data: bytes, seen: set[int]) -> tuple[int, int] | None: ...
+
+    def close(self) -> None: ...
+
+
+def connect(path: str, **options: Any) -> tuple[sqlite3.Connection, Statements | None]:
+    """A connection to ``path``, and ``Statements`` on its SQLite handle: None here (the
+    compiled twin's when built, unless the handle could not be proven to be this
+    connection's)."""
     return sqlite3.connect(path, **options), None
+
+
+#: ``ChunkLoader(file, insert statement, columns)``: compiled only (None: not built).
+ChunkLoader: Callable[[str, str, tuple[str, ...]], LoadsChunks] | None = None
+
+
+def _connect(path: str) -> tuple[sqlite3.Connection, Statements | None]:
+    """The store's connection (autocommit: the store opens its transactions) and the
+    twin's ``Statements`` on its handle, if any."""
+    return connect(path, isolation_level=None, check_same_thread=False)
+
+
+if TYPE_CHECKING:
+    from cdc_platform._speedups.mirror import store as _twin
+else:
+    _twin = compiled_twin(__name__)
+if _twin is not None:
+    connect, ChunkLoader = _twin.connect, _twin.ChunkLoader

@@ -44,21 +44,19 @@ TUPLE_TAGS = {ord("I"), ord("U"), ord("D")}
 
 def test_twinned_names_every_twin():
     """speedups.TWINNED (what the build checks and the stub test cover) lists every .pyx of
-    _speedups but the shared reader, each at the path of a pure module that exists (the
-    store's twin not yet: see NOTES-h-twins.md)."""
+    _speedups but the shared reader, each at the path of a pure module that exists."""
     package = Path(cdc_platform.__file__).parent
     speedups = package / "_speedups"
     sources = {".".join(path.relative_to(speedups).with_suffix("").parts)
                for path in speedups.rglob("*.pyx")}
-    assert set(TWINNED) == sources - {"msgpack_reader", "store"} | {"mirror.store"}
+    assert set(TWINNED) == sources - {"msgpack_reader"}
     for name in TWINNED:
         assert (package / f"{name.replace('.', '/')}.py").exists(), name
 
 
-# Twins exporting a name their pure module does not have: the type row_builder makes.
-_TWIN_ONLY = {"protocol.changes": {"RowBuilder"}}
-# Twins not yet bound by the rule (NOTES-h-twins.md): the store's, being moved.
-_NOT_YET_BOUND = {"mirror.store"}
+# Types a twin's functions return, which the pure module names by a Protocol or not at all:
+# the type row_builder makes, the Statements connect gives.
+_TWIN_ONLY = {"protocol.changes": {"RowBuilder"}, "mirror.store": {"Statements"}}
 
 
 def _stub_exports(module: str) -> dict[str, list[str] | None]:
@@ -72,10 +70,12 @@ def _stub_exports(module: str) -> dict[str, list[str] | None]:
         arguments = [a.arg for a in function.args.args if a.arg != "self"]
         with_default = len(arguments) - len(function.args.defaults)
         return [name + ("=" if index >= with_default else "")
-                for index, name in enumerate(arguments)]
+                for index, name in enumerate(arguments)] + (
+            [f"**{function.args.kwarg.arg}"] if function.args.kwarg else [])
 
-    classes = {node.name: next(parameters(item) for item in node.body
-                               if isinstance(item, ast.FunctionDef) and item.name == "__init__")
+    classes = {node.name: next((parameters(item) for item in node.body
+                                if isinstance(item, ast.FunctionDef)
+                                and item.name == "__init__"), [])
                for node in tree.body if isinstance(node, ast.ClassDef)}
     exports: dict[str, list[str] | None] = dict(classes)
     for node in tree.body:
@@ -102,7 +102,8 @@ for module, names in wanted.items():
             found[f"{module}.{name}"] = repr(value)
         else:
             found[f"{module}.{name}"] = [
-                p.name + ("=" if p.default is not p.empty else "")
+                ("**" if p.kind is p.VAR_KEYWORD else "") + p.name
+                + ("=" if p.default is not p.empty else "")
                 for p in inspect.signature(value).parameters.values()]
 print(json.dumps(found))
 """
@@ -113,8 +114,7 @@ def test_each_twin_exports_the_pure_names_and_signatures():
     twin's stub exports is a name of its pure module, a function with the same parameters
     (mypy checks their types where the pure module binds the twin), a constant with the same
     value. The pure side is read with the twins off."""
-    exports = {module: _stub_exports(module) for module in TWINNED
-               if module not in _NOT_YET_BOUND}
+    exports = {module: _stub_exports(module) for module in TWINNED}
     wanted = {module: sorted(set(names) - _TWIN_ONLY.get(module, set()))
               for module, names in exports.items()}
     pure = json.loads(subprocess.run(

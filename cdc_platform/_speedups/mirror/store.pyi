@@ -1,5 +1,5 @@
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 class ChunkLoader:
@@ -11,8 +11,8 @@ class ChunkLoader:
 def connect(path: str, **options: Any) -> tuple[sqlite3.Connection, Statements | None]: ...
 
 class Statements:
-    def run_rows(self, sql: str, rows: Iterable[Any], names: tuple[str, ...],
+    def run_rows(self, sql: str, rows: Iterable[Mapping[str, Any]], names: tuple[str, ...],
                  whole_row: bool = True) -> int: ...
-    def run_updates(self, sql: str, events: list[Any], set_names: tuple[str, ...],
+    def run_updates(self, sql: str, events: list[Mapping[str, Any]], set_names: tuple[str, ...],
                     key_names: tuple[str, ...], whole_row: bool = True) -> int: ...
     def close(self) -> None: ...
