@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import psycopg
@@ -40,7 +40,7 @@ from cdc_platform.errors import (
 )
 from cdc_platform.jetstream.connection import close_nats, connect_nats
 from cdc_platform.jetstream.kv import put_value
-from cdc_platform.lsn import format_lsn
+from cdc_platform.lsn import format_lsn, parse_lsn
 from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import (
     TableSchema,
@@ -48,6 +48,7 @@ from cdc_platform.postgres.catalog import (
     published_tables_async,
     table_schema_async,
 )
+from cdc_platform.protocol.changes import ChangeRecord
 from cdc_platform.protocol.pgoutput import Relation
 from cdc_platform.publishing.claim_check import ClaimChecks
 from cdc_platform.publishing.publisher import JetStreamPublisher
@@ -61,6 +62,7 @@ from cdc_platform.wire import (
     HEARTBEAT_PREFIX,
     MessageSigner,
     cdc_schema_subject,
+    cdc_table_subjects,
     commit_ts_epoch,
     decode_any,
     encoder,
@@ -107,6 +109,9 @@ class CdcBridge:
         # and created again under its name, even of the same shape, is another table
         self._published: dict[str, tuple[str, int, int]] = {}
         self._announced: dict[str, AnnouncedShape | None] = {}  # table -> last schema event
+        # tables this replication session has read past what the stream held of them (the
+        # changes after are not replays: see _replayed)
+        self._past_replay: set[str] = set()
         # table -> its shape when this process first published it: what consumers follow
         # until its first schema event (its storage is the rewrite check's first baseline)
         self._published_shapes: dict[str, AnnouncedShape] = {}
@@ -308,6 +313,7 @@ class CdcBridge:
 
     # -- the hot loop ------------------------------------------------------------------------
     async def _stream(self, reader: SlotReader) -> None:
+        self._past_replay.clear()  # (a new session resends from the confirmed position)
         metrics = self.metrics
         publisher = self.publisher
         assert publisher is not None
@@ -489,6 +495,14 @@ class CdcBridge:
         for slot in built.schema_events:  # (in stream order: each compares with the last)
             current = await current_of(slot.relation)
             table = wire_name(slot.relation.namespace, slot.relation.name)
+            if await self._replayed(table, slot.change):
+                # Consumers hold this change, so they skip anything at its position (the
+                # high-water mark): a schema event here would reach none of them, and taking
+                # the storage the catalog shows now as announced here would hide a rewrite
+                # later in the WAL from the table's next Relation message (its first change
+                # after a rewrite always has one).
+                dropped.add(slot.index)
+                continue
             previous = await self._announced_shape(table)
             change = resolve_shape(slot.relation, slot.change, current, await baseline(table),
                                    truncates_of(slot, built.schema_events))
@@ -537,6 +551,34 @@ class CdcBridge:
                 later = self.builder.build(batch.events)
                 held += sum(len(message.payload) for message in later.messages)
                 built.extend(later)
+
+    async def _replayed(self, table: str, change: ChangeRecord) -> bool:
+        """Whether the stream already holds an event of ``table`` at or past ``change``'s
+        position: a change resent after a restart (published, not yet confirmed to
+        PostgreSQL when the bridge stopped). One look at the stream per table and session,
+        until the first change it does not hold."""
+        if table in self._past_replay:
+            return False
+        assert self._js is not None
+        stream = self.settings.topology.cdc.name
+        while True:
+            try:
+                message = await self._answering(self._own_reader(), self._js.get_last_msg(
+                    stream, cdc_table_subjects(table)))
+                stored = _position_of(message.headers or {})
+                break
+            except NotFoundError:
+                stored = None
+                break
+            except Exception as exc:  # NATS away: retry until it is back
+                if self.stop_requested.is_set():
+                    raise
+                log.warning("could not read the last event of %s (%s); retrying", table, exc)
+                await self._answering(self._own_reader(), asyncio.sleep(1.0))
+        if stored is not None and stored >= (change.commit_lsn, change.ordinal):
+            return True
+        self._past_replay.add(table)
+        return False
 
     async def _announced_shape(self, table: str) -> AnnouncedShape | None:
         """The shape of ``table``'s last schema event in the stream (None: none there)."""
@@ -712,3 +754,15 @@ class CdcBridge:
         while True:
             await asyncio.sleep(self.options.metrics_log_interval_seconds)
             log.info("%s", self.metrics.logfmt())
+
+
+def _position_of(headers: Mapping[str, str]) -> tuple[int, int] | None:
+    """The (commit LSN, last ordinal) a CDC message's ``Nats-Msg-Id`` names: a change's
+    ``{commit_lsn}:{ordinal}``, a batch's ``{commit_lsn}:{first}-{last}``, a schema event's
+    ``{commit_lsn}:{ordinal}:schema`` (the position of the change it precedes), each maybe
+    with a ``:conflict:{hex}`` suffix; None for anything else."""
+    commit_lsn, _, rest = headers.get("Nats-Msg-Id", "").partition(":")
+    try:
+        return parse_lsn(commit_lsn), int(rest.partition(":")[0].rpartition("-")[2])
+    except ValueError:
+        return None

@@ -40,6 +40,11 @@ def cdc_schema_subject(table: str) -> str:
     return f"{CDC_PREFIX}.{table}.schema"
 
 
+def cdc_table_subjects(table: str) -> str:
+    """Every subject of ``table``'s events in ``CDC`` (changes, batches, schema events)."""
+    return f"{CDC_PREFIX}.{table}.>"
+
+
 def watermark_subject(snapshot_id: str) -> str:
     return f"{WATERMARK_SUBJECT_PREFIX}.{snapshot_id}"
 

@@ -289,6 +289,46 @@ async def test_the_kv_schema_is_put_only_once_its_event_is_stored(
     assert arrived == [f"cdc.{table}.schema", f"$KV.{bucket}.{table}"]
 
 
+async def test_a_rewrite_found_at_a_resent_change_is_announced_where_consumers_see_it(
+        cdc_database, pg_admin, provisioned_nats, nats_client):
+    """A bridge that stopped after JetStream stored a change but before PostgreSQL heard so
+    resends it; the catalog it reads there already shows a rewrite made later in the WAL.
+    Consumers hold that change and skip anything at its position, so the rewrite must be
+    announced at the table's next Relation message (its first change after the rewrite),
+    never at the resent one (where it was: the mirror never took a new snapshot, and kept
+    NULL in a column added with a volatile default). The unconfirmed change is made real
+    with a copy of the slot taken before it."""
+    table = _published(pg_admin, cdc_database, "resent", "id int PRIMARY KEY, a int4",
+                       "SELECT g, g FROM generate_series(1, 5) g")
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    slot, kept = cdc_database.slot, f"{cdc_database.slot}_kept"
+    async with running_bridge(settings):
+        await wait_for(lambda: read_slot(pg_admin, slot) is not None)
+        pg_admin.execute(f"INSERT INTO {table} VALUES (10, 10)")
+        await read_subjects(nats_client, "CDC", f"cdc.{table}.>", expect=1)
+        pg_admin.execute("SELECT pg_copy_logical_replication_slot(%s, %s)", (slot, kept))
+        pg_admin.execute(f"UPDATE {table} SET a = -2 WHERE id = 2")  # the change resent
+        await read_subjects(nats_client, "CDC", f"cdc.{table}.>", expect=2)
+    # the slot as it was before the UPDATE was confirmed
+    pg_admin.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+    pg_admin.execute("SELECT pg_copy_logical_replication_slot(%s, %s)", (kept, slot))
+    pg_admin.execute("SELECT pg_drop_replication_slot(%s)", (kept,))
+    with pg_admin.transaction():
+        pg_admin.execute(f"ALTER TABLE {table} ADD COLUMN r float8 DEFAULT random()")
+        pg_admin.execute(f"UPDATE {table} SET a = -3 WHERE id = 3")
+    async with running_bridge(settings):
+        messages = await read_subjects(nats_client, "CDC", f"cdc.{table}.>", expect=5,
+                                       schema_events=True)
+    events = flat_events(messages)
+    _resent, after = [e for e in events if e["operation"] == "UPDATE"]
+    [rewrite] = [e for e in events if e["operation"] == "SCHEMA" and e["needs_snapshot"]]
+    assert (rewrite["commit_lsn"], rewrite["ordinal"]) == (after["commit_lsn"],
+                                                           after["ordinal"])
+    assert "rewritten" in rewrite["reason"]
+    # (the first: the table's shape when the bridge first saw it)
+    assert [e["operation"] for e in events] == ["SCHEMA", "INSERT", "UPDATE", "SCHEMA", "UPDATE"]
+
+
 async def test_republished_schemas_keep_the_storage_consumers_hold(
         cdc_database, pg_admin, provisioned_nats, nats_client):
     """The Dagster ``schemas`` asset writes every schema again from the catalog: the KV
