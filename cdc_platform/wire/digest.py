@@ -38,7 +38,8 @@ MAX_BUCKET_BITS = 14
 
 _u32 = struct.Struct(">I").pack
 _f64 = struct.Struct(">d").pack
-_NAN = b"F\x7f\xf8\x00\x00\x00\x00\x00\x00"
+_NAN_BITS = b"\x7f\xf8\x00\x00\x00\x00\x00\x00"
+_NAN = b"F" + _NAN_BITS
 _TRUE = b"I\x00\x00\x00\x011"
 _FALSE = b"I\x00\x00\x00\x010"
 _NULL_ELEMENT = b"N"
@@ -64,8 +65,15 @@ def _bytes(value: bytes | bytearray | memoryview) -> bytes:
 
 
 def _array(value: Sequence[Any]) -> bytes:
-    return b"A" + _u32(len(value)) + b"".join(
-        _NULL_ELEMENT if item is None else value_bytes(item) for item in value)
+    parts = [b"A", _u32(len(value))]
+    append = parts.append
+    for item in value:
+        if item is None:
+            append(_NULL_ELEMENT)
+        else:
+            encode = _ENCODERS.get(type(item))
+            append(encode(item) if encode is not None else value_bytes(item))
+    return b"".join(parts)
 
 
 def _bool(value: bool) -> bytes:
@@ -133,6 +141,44 @@ def bucket_bits(row_count: int) -> int:
     return bits
 
 
+# a column as _joined writes it: (name, name prefix, prefix + "S", prefix + "I", prefix + "F")
+_Prefixed = tuple[str, bytes, bytes, bytes, bytes]
+
+
+def _prefixes(name: str) -> _Prefixed:
+    prefix = _name_prefix(name)
+    return name, prefix, prefix + b"S", prefix + b"I", prefix + b"F"
+
+
+def _joined(prefixed: Sequence[_Prefixed], row: Mapping[str, Any]) -> bytes:
+    """``row_bytes`` of the columns ``prefixed``, with the common types inlined (a row's
+    str, int and float values are most of what a table holds)."""
+    parts: list[bytes] = []
+    append = parts.append
+    for name, prefix, str_prefix, int_prefix, float_prefix in prefixed:
+        value = row[name]
+        if value is None:
+            continue
+        kind = type(value)
+        if kind is str:
+            data = value.encode("utf-8")
+            append(str_prefix)
+            append(_u32(len(data)))
+            append(data)
+        elif kind is int:
+            data = str(value).encode("ascii")
+            append(int_prefix)
+            append(_u32(len(data)))
+            append(data)
+        elif kind is float:
+            append(float_prefix)
+            append(_NAN_BITS if value != value else _f64(value))  # noqa: PLR0124 - NaN
+        else:
+            append(prefix)
+            append(value_bytes(value))
+    return b"".join(parts)
+
+
 class RowDigester:
     """Row and key hashes of one table shape: the column order and the name bytes worked out
     once, for the rows of a scan or a stream. A row must hold every column."""
@@ -144,8 +190,8 @@ class RowDigester:
             raise ValueError(f"key columns {sorted(key - set(names))} are not columns")
         self.columns = tuple(names)
         self.key_columns = tuple(name for name in names if name in key)
-        self._prefixed = tuple((name, _name_prefix(name)) for name in names)
-        self._key_prefixed = tuple(pair for pair in self._prefixed if pair[0] in key)
+        self._prefixed = tuple(_prefixes(name) for name in names)
+        self._key_prefixed = tuple(column for column in self._prefixed if column[0] in key)
 
     def row_bytes(self, row: Mapping[str, Any]) -> bytes:
         return _joined(self._prefixed, row)
@@ -155,17 +201,6 @@ class RowDigester:
 
     def key_hash(self, row: Mapping[str, Any]) -> int:
         return _hash64(_joined(self._key_prefixed, row))
-
-
-def _joined(prefixed: Sequence[tuple[str, bytes]], row: Mapping[str, Any]) -> bytes:
-    parts = []
-    for name, prefix in prefixed:
-        value = row[name]
-        if value is not None:
-            encode = _ENCODERS.get(type(value))
-            parts.append(prefix)
-            parts.append(encode(value) if encode is not None else value_bytes(value))
-    return b"".join(parts)
 
 
 @dataclass(frozen=True)
