@@ -35,6 +35,7 @@ _MASK = (1 << HASH_BITS) - 1
 # 1 MB max_payload; a larger table has larger buckets and a repair bisects them)
 ROWS_PER_BUCKET = 1024
 MAX_BUCKET_BITS = 14
+MAX_HELD_BITS = 20  # the most buckets a TableDigest holds in memory (a repair refining buckets)
 
 _u32 = struct.Struct(">I").pack
 _f64 = struct.Struct(">d").pack
@@ -220,8 +221,8 @@ class TableDigest:
     counts: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.bits <= HASH_BITS:
-            raise ValueError(f"bits must be 0..{HASH_BITS}, not {self.bits}")
+        if not 0 <= self.bits <= MAX_HELD_BITS:
+            raise ValueError(f"bits must be 0..{MAX_HELD_BITS}, not {self.bits}")
         size = 1 << self.bits
         if not self.totals and not self.counts:
             self.totals, self.counts = [0] * size, [0] * size

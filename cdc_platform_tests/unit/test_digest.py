@@ -179,6 +179,10 @@ def test_what_is_not_a_wire_value_is_a_clear_error():
         row_hash({"id": 1, "c": {"a": 1}})
     with pytest.raises(ValueError, match="key columns"):
         RowDigester(["id"], ["missing"])
+    with pytest.raises(ValueError, match="bits must be 0..20, not 21"):
+        TableDigest(21)
+    with pytest.raises(ValueError, match="cannot fold 2 bits into 3"):
+        TableDigest(2).folded(3)
 
 
 # -- the mirror's SQLite form ---------------------------------------------------------------------
