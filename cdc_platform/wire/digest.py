@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,7 +82,7 @@ def _bool(value: bool) -> bytes:
 
 
 # by exact type first (the common case, one dict look-up); subclasses go through isinstance
-_ENCODERS: dict[type, Any] = {int: _int, float: _float, str: _str, bytes: _bytes,
+_ENCODERS: dict[type, Callable[[Any], bytes]] = {int: _int, float: _float, str: _str, bytes: _bytes,
                               bool: _bool, list: _array, tuple: _array,
                               bytearray: _bytes, memoryview: _bytes}
 
@@ -92,10 +92,10 @@ def value_bytes(value: Any) -> bytes:
     that is not a wire value."""
     encode = _ENCODERS.get(type(value))
     if encode is not None:
-        return encode(value)  # type: ignore[no-any-return]
+        return encode(value)
     for kind in (bool, int, float, str, bytes, bytearray, memoryview, list, tuple):
         if isinstance(value, kind):
-            return _ENCODERS[kind](value)  # type: ignore[no-any-return]
+            return _ENCODERS[kind](value)
     raise TypeError(f"not a wire value: {type(value).__name__}")
 
 
@@ -108,14 +108,14 @@ def _hash64(data: bytes) -> int:
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
 
 
+def _utf8(name: str) -> bytes:
+    return name.encode("utf-8")
+
+
 def row_bytes(row: Mapping[str, Any]) -> bytes:
     """The canonical bytes of a row map holding every column (NULL: None)."""
     return b"".join(_name_prefix(name) + value_bytes(row[name])
                     for name in sorted(row, key=_utf8) if row[name] is not None)
-
-
-def _utf8(name: str) -> bytes:
-    return name.encode("utf-8")
 
 
 def row_hash(row: Mapping[str, Any]) -> int:
@@ -204,17 +204,10 @@ class RowDigester:
         return _hash64(_joined(self._key_prefixed, row))
 
 
-@dataclass(frozen=True)
-class BucketDigest:
-    """One bucket: the sum of its rows' hashes modulo 2^64, and how many rows it holds."""
-
-    total: int = 0
-    count: int = 0
-
-
 @dataclass
 class TableDigest:
-    """The digests of a table's 2^bits buckets, kept current row by row."""
+    """The digests of a table's 2^bits buckets, kept current row by row: bucket ``b``'s total
+    (its rows' hashes summed modulo 2^64) is ``totals[b]``, its row count ``counts[b]``."""
 
     bits: int
     totals: list[int] = field(default_factory=list)
@@ -238,13 +231,6 @@ class TableDigest:
         bucket = key_hash >> (HASH_BITS - self.bits)
         self.totals[bucket] = (self.totals[bucket] - row_hash) & _MASK
         self.counts[bucket] -= 1
-
-    def bucket(self, index: int) -> BucketDigest:
-        return BucketDigest(self.totals[index], self.counts[index])
-
-    @property
-    def row_count(self) -> int:
-        return sum(self.counts)
 
     def folded(self, bits: int) -> TableDigest:
         """The same rows in 2^bits buckets (``bits`` at most this digest's): each bucket the
