@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 from cdc_platform.mirror.store import MirroredColumn, sqlite_type
@@ -26,8 +27,9 @@ _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
 def is_array(column: MirroredColumn) -> bool:
-    """Whether the column holds arrays: ``sqlite_type`` declares TEXT for an array of any
-    type, and for no other type that it does not also declare TEXT without ``[]``."""
+    """Whether the column holds arrays: ``sqlite_type`` declares TEXT for arrays (of any
+    type) and for the builtin text types; a TEXT column whose type alone is not TEXT holds
+    arrays."""
     return column.sqlite_type == "TEXT" and sqlite_type(column.type_oid, "") != "TEXT"
 
 
@@ -40,7 +42,7 @@ def wire_value(stored: Any, column: MirroredColumn) -> Any:
     if oid in _FLOATS:
         return math.nan if stored == "NaN" else stored
     if oid == _XID8:
-        return int(stored) if stored.isdigit() else stored
+        return int(stored) if stored.isascii() and stored.isdigit() else stored
     if is_array(column) and stored.startswith("["):
         try:
             items = json.loads(stored)
@@ -54,7 +56,7 @@ def wire_value(stored: Any, column: MirroredColumn) -> Any:
     return stored
 
 
-def _elements(items: list[Any], restore: Any) -> list[Any]:
+def _elements(items: list[Any], restore: Callable[[Any], Any]) -> list[Any]:
     return [_elements(item, restore) if isinstance(item, list) else restore(item)
             for item in items]
 

@@ -218,6 +218,21 @@ def _read_back(path: str, table: str) -> list[dict[str, Any]]:
                 for row in cursor]
 
 
+def test_raw_text_a_converter_did_not_take_comes_back_as_text():
+    shape = TableShape.from_schema({"table": "raw", "fingerprint": "f", "primary_key": [],
+                                    "columns": [
+                                        {"name": "x", "type_oid": 5069, "data_type": "xid8"},
+                                        {"name": "a", "type_oid": 1007, "data_type": "int[]"},
+                                        {"name": "f", "type_oid": 701, "data_type": "float8"}]})
+    xid8, array, float8 = shape.columns
+    assert wire_value("\u00b2", xid8) == "\u00b2"  # (a digit to str.isdigit, not to int)
+    assert wire_value("18446744073709551615", xid8) == 18446744073709551615
+    assert wire_value("{1,2}", array) == "{1,2}" and wire_value("[1,", array) == "[1,"
+    assert wire_value("[1,2]", array) == [1, 2]
+    assert wire_value("Infinity", float8) == "Infinity"  # (to_sqlite keeps inf a REAL)
+    assert math.isnan(wire_value("NaN", float8))
+
+
 def _insert_events(table: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"table": table, "schema": "public", "operation": "INSERT", "relation_id": 1,
              "commit_lsn": "0/100", "lsn": "0/100", "xid": 7, "ordinal": ordinal,
