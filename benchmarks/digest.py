@@ -17,9 +17,18 @@ int4, numeric, timestamptz, float8, bool, 16 bytes of bytea, a text[] of 3). Tim
 * digesting: key hash, row hash and adding into the buckets (what the source does per row);
 * comparing two 2^14-bucket digests, and folding one to 2^10: buckets per second.
 
-No servers: the digest is pure computation. A source's digest throughput against ``psql
-COPY`` and a mirror's upkeep against its apply rate need the verification run and the mirror
-(issue 25 item 7; docs/verification.md, "Benchmarks").
+Then the mirror's side, on a real SQLite file written by ``MirrorStore``:
+
+* on demand: the table's digest from its rows (``SELECT *``, ``stored_values.wire_value``,
+  key and row hash, add), against a plain ``SELECT *`` of the same table;
+* upkeep: ``MirrorStore.apply_transaction`` of INSERT events (100 a transaction), and of
+  UPDATE events, with the digest kept current against the same without; for an UPDATE the
+  old row is read back by key and hashed (what the mirror will do, docs/verification.md
+  "Mirror upkeep"). No NATS: the apply path alone, so the ratio is an upper bound of what
+  the whole mirror loses.
+
+No servers. A source's digest against ``psql COPY`` needs the verification run (issue 25
+item 7; docs/verification.md, item 7).
 """
 
 from __future__ import annotations
@@ -27,7 +36,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import sqlite3
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,6 +48,8 @@ import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cdc_platform.mirror.store import MirrorStore, TableShape
+from cdc_platform.mirror.stored_values import wire_value
 from cdc_platform.wire.digest import (
     MAX_BUCKET_BITS,
     RowDigester,
@@ -46,6 +59,9 @@ from cdc_platform.wire.digest import (
 )
 
 COLUMNS = ("id", "name", "qty", "price", "created", "ratio", "active", "token", "tags")
+TYPE_OIDS = (20, 25, 23, 1700, 1184, 701, 16, 17, 1009)
+TABLE = "bench_rows"
+TRANSACTION_EVENTS = 100
 
 
 def make_rows(count: int) -> list[dict[str, Any]]:
@@ -124,6 +140,99 @@ def main() -> None:
     print(f"{buckets / compare:>12,.0f}  buckets/s compared (two digests of {buckets:,} buckets)")
     print(f"{buckets / fold:>12,.0f}  buckets/s folded ({buckets:,} into 1,024)")
     assert TableDigest(MAX_BUCKET_BITS) != fine
+    with tempfile.TemporaryDirectory() as directory:
+        mirror_side(Path(directory), rows, digester, args.repeat)
+
+
+def shape() -> TableShape:
+    return TableShape.from_schema({
+        "table": TABLE, "fingerprint": "bench", "primary_key": ["id"],
+        "columns": [{"name": name, "type_oid": oid,
+                     "data_type": "text[]" if oid == 1009 else "x", "attnum": position}
+                    for position, (name, oid) in enumerate(zip(COLUMNS, TYPE_OIDS), start=1)]})
+
+
+def events(rows: Sequence[dict[str, Any]], operation: str, high: int
+           ) -> list[list[dict[str, Any]]]:
+    """``rows`` as change events, TRANSACTION_EVENTS to a transaction, with commit LSNs
+    ``{high}/...`` (each phase above the last: the high-water mark skips nothing)."""
+    transactions = []
+    for start in range(0, len(rows), TRANSACTION_EVENTS):
+        commit_lsn = f"{high:X}/{start + 1:X}"
+        transactions.append([
+            {"table": TABLE, "operation": operation, "commit_lsn": commit_lsn,
+             "lsn": commit_lsn, "ordinal": ordinal, "msg_id": f"{commit_lsn}:{ordinal}",
+             "data": row, "unchanged_toast": []}
+            for ordinal, row in enumerate(rows[start:start + TRANSACTION_EVENTS])])
+    return transactions
+
+
+def mirror_side(directory: Path, rows: list[dict[str, Any]], digester: RowDigester,
+                repeat: int) -> None:
+    table_shape = shape()
+    columns = {column.name: column for column in table_shape.columns}
+    updated = [{**row, "qty": row["qty"] + 1, "name": row["name"] + "!"} for row in rows]
+
+    def apply(path: Path, keep_digest: bool) -> tuple[float, float]:
+        """(inserts/s, updates/s) applying ``rows`` then ``updated`` into a new file."""
+        store = MirrorStore(path)
+        try:
+            store.begin_bootstrap(table_shape, "bench", 1)
+            store.finish_bootstrap(TABLE, 0)
+            digest = TableDigest(MAX_BUCKET_BITS)
+            reader = sqlite3.connect(path)
+            select = f'SELECT * FROM "{TABLE}" WHERE id = ?'
+            rates = []
+            for high, (operation, source) in enumerate((("INSERT", rows), ("UPDATE", updated)),
+                                                       start=1):
+                started = time.perf_counter()
+                for seq, transaction in enumerate(events(source, operation, high), start=1):
+                    if keep_digest:
+                        for event in transaction:
+                            data = event["data"]
+                            if operation == "UPDATE":
+                                stored = reader.execute(select, (data["id"],)).fetchone()
+                                old = {name: wire_value(value, columns[name])
+                                       for name, value in zip(COLUMNS, stored)}
+                                digest.remove(digester.key_hash(old), digester.row_hash(old))
+                            digest.add(digester.key_hash(data), digester.row_hash(data))
+                    store.apply_transaction(transaction, seq)
+                rates.append(len(source) / (time.perf_counter() - started))
+            reader.close()
+            return rates[0], rates[1]
+        finally:
+            store.close()
+
+    plain = [apply(directory / f"plain-{n}.db", keep_digest=False) for n in range(repeat)]
+    kept = [apply(directory / f"kept-{n}.db", keep_digest=True) for n in range(repeat)]
+    for index, operation in enumerate(("INSERT", "UPDATE")):
+        without = max(rates[index] for rates in plain)
+        with_digest = max(rates[index] for rates in kept)
+        print(f"{with_digest:>12,.0f}  {operation} events/s applied with the digest kept, "
+              f"{with_digest / without:.2f} x {without:,.0f} without")
+
+    path = directory / f"kept-{repeat - 1}.db"
+    db = sqlite3.connect(path)
+    query = f'SELECT * FROM "{TABLE}"'
+
+    def scan() -> None:
+        for _ in db.execute(query):
+            pass
+
+    def scan_digest() -> TableDigest:
+        digest = TableDigest(bucket_bits(len(rows)))
+        for stored in db.execute(query):
+            row = {name: wire_value(value, columns[name])
+                   for name, value in zip(COLUMNS, stored)}
+            digest.add(digester.key_hash(row), digester.row_hash(row))
+        return digest
+
+    assert scan_digest() == table_digest(updated, digester, bucket_bits(len(rows)))
+    baseline = len(rows) / best(repeat, scan)
+    on_demand = len(rows) / best(repeat, scan_digest)
+    print(f"{on_demand:>12,.0f}  rows/s: the mirror's digest from its SQLite rows, "
+          f"{on_demand / baseline:.2f} x a plain SELECT * ({baseline:,.0f} rows/s)")
+    db.close()
 
 
 if __name__ == "__main__":
