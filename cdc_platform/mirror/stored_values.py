@@ -1,0 +1,71 @@
+"""A mirrored value read back from SQLite -> the wire value it was stored from, so that a
+mirror computes a row's digest (``cdc_platform.wire.digest``) from its own file exactly as the
+source computes it from PostgreSQL (docs/verification.md, "What the mirror stores").
+
+``to_sqlite`` changes a value in four ways, each undone here from the column's type: an
+int above 2^63-1 is stored as its decimal text (xid8), a NaN float as the text ``NaN``, an
+array as the JSON text of its nested lists (bytes as ``\\x`` hex strings, non-finite floats
+as ``NaN``/``Infinity``/``-Infinity``), a bool as 0/1 (left as it is: the digest hashes a
+bool as that integer). A domain over one of these types is not undone: the column knows the
+domain, not its base type (docs/verification.md says what closes that gap).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+from cdc_platform.mirror.store import MirroredColumn, sqlite_type
+
+_XID8 = 5069
+_FLOATS = frozenset({700, 701})
+_FLOAT_ARRAYS = frozenset({1021, 1022})
+_BYTEA_ARRAY = 1001
+_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def is_array(column: MirroredColumn) -> bool:
+    """Whether the column holds arrays: ``sqlite_type`` declares TEXT for arrays (of any
+    type) and for the builtin text types; a TEXT column whose type alone is not TEXT holds
+    arrays."""
+    return column.sqlite_type == "TEXT" and sqlite_type(column.type_oid, "") != "TEXT"
+
+
+def wire_value(stored: Any, column: MirroredColumn) -> Any:
+    """The wire value ``stored`` was written from (a value ``to_sqlite`` did not write, such as
+    raw text PostgreSQL printed for a value no converter took, is returned as it is)."""
+    if not isinstance(stored, str):
+        return stored
+    oid = column.type_oid
+    if oid in _FLOATS:
+        return math.nan if stored == "NaN" else stored
+    if oid == _XID8:
+        return int(stored) if stored.isascii() and stored.isdigit() else stored
+    if is_array(column) and stored.startswith("["):
+        try:
+            items = json.loads(stored)
+        except ValueError:
+            return stored
+        if oid in _FLOAT_ARRAYS:
+            return _elements(items, _non_finite)
+        if oid == _BYTEA_ARRAY:
+            return _elements(items, _hex_bytes)
+        return items
+    return stored
+
+
+def _elements(items: list[Any], restore: Callable[[Any], Any]) -> list[Any]:
+    return [_elements(item, restore) if isinstance(item, list) else restore(item)
+            for item in items]
+
+
+def _non_finite(item: Any) -> Any:
+    return _NON_FINITE.get(item, item) if isinstance(item, str) else item
+
+
+def _hex_bytes(item: Any) -> Any:
+    if isinstance(item, str) and item.startswith("\\x"):
+        return bytes.fromhex(item[2:])
+    return item
