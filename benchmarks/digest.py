@@ -48,7 +48,8 @@ import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cdc_platform.mirror.store import MirrorStore, TableShape
+from cdc_platform.mirror.columns import TableShape
+from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.mirror.stored_values import wire_value
 from cdc_platform.wire.digest import (
     MAX_BUCKET_BITS,

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from cdc_platform.mirror.store import MirroredColumn, sqlite_type
+from cdc_platform.mirror.columns import MirroredColumn, sqlite_type
 
 _XID8 = 5069
 _FLOATS = frozenset({700, 701})

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from cdc_platform.mirror.store import MirrorStore, TableShape
+from cdc_platform.mirror.columns import TableShape
+from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.mirror.stored_values import wire_value
 from cdc_platform.wire.digest import (
     MAX_BUCKET_BITS,
