@@ -14,7 +14,7 @@ point):
   physical limit of reading the same WAL, in the same run -> the ratio.
 
 With ``--signing`` each mode's catch-ups run twice in the same run, the second time with the
-bridge signing every message (``CDC_SIGNING_KEY_SEED``, README "Signatures").
+bridge signing every message (``CDC_SIGNING_KEY_SEED``, docs/wire-contract.md "Signatures").
 
 Then the ceiling of per-change mode here: the same per-change messages built in memory and
 published by the bridge's publisher to a stream configured like ``CDC``, nothing else

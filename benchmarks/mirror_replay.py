@@ -12,7 +12,8 @@ payloads with ``msgpack.unpackb`` and nothing else.
 
 ``--signing`` replays the messages twice: as kept, then signed here with a throwaway key
 (the headers a bridge with ``CDC_SIGNING_KEY_SEED`` writes) by a mirror that trusts that key
-and so verifies each one first (README "Signatures"); it prints both and the difference.
+and so verifies each one first (docs/wire-contract.md "Signatures"); it prints both and the
+difference.
 
 This VM's clock swings ~1.5x within a session; instruction counts do not. Under callgrind
 the script counts the replay loop alone (``callgrind_control`` switches collection on and off

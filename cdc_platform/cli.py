@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     prov.add_argument("--update", action="store_true", help="apply editable differences")
     prov.add_argument("--readers", action="store_true",
                       help="the READERS account's mirror streams instead, connecting with "
-                      "CDC_READERS_NATS_* (README \"NATS setup\")")
+                      "CDC_READERS_NATS_* (docs/operations.md \"NATS setup\")")
     prov.set_defaults(handler=_cmd_provision)
 
     setup = commands.add_parser("setup-db",
@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Bootstrap each table from a snapshot (a recent one, or one requested on "
         "snapshot.request.{table}), then follow the CDC stream, one whole PostgreSQL "
         "transaction per SQLite commit. Stop and start it at will: it resumes exactly. "
-        "NATS settings come from CDC_NATS_*; see README \"Mirrors\".")
+        "NATS settings come from CDC_NATS_*; see docs/mirror.md.")
     mirror.add_argument("action", nargs="?", choices=["status"],
                         help="status: print what the file holds (each table, the consistent "
                         "LSN) and exit")
@@ -264,19 +264,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "shows this mirror's progress (positions stay in the SQLite file)")
     mirror.add_argument("--inbox-prefix",
                         help="the prefix of its inbox subjects (CDC_MIRROR_INBOX_PREFIX, "
-                        "_INBOX): a team user's own, _INBOX_{team} (README \"NATS setup\")")
+                        "_INBOX): a team user's own, _INBOX_{team} "
+                        "(docs/operations.md \"NATS setup\")")
     mirror.add_argument("--once", action="store_true",
                         help="catch up, then exit (0) instead of following")
     mirror.add_argument("--trusted-key", action="append", metavar="PUBLIC_NKEY",
                         help="apply only messages signed by this key (repeat it for several, "
                         "while keys are rotated; replaces CDC_MIRROR_TRUSTED_KEYS); see "
-                        "README \"Signatures\"")
+                        "docs/wire-contract.md \"Signatures\"")
     mirror.set_defaults(handler=_cmd_mirror, runs_until_stopped=True)
 
     signing = commands.add_parser(
         "signing-key", help="create a signing key seed file (when missing), print its public key",
         description="The bridge signs its messages with the seed in CDC_SIGNING_KEY_SEED; "
-        "mirrors trust the public key printed here (--trusted-key). See README \"Signatures\".")
+        "mirrors trust the public key printed here (--trusted-key). See "
+        "docs/wire-contract.md \"Signatures\".")
     signing.add_argument("seed_file", help="the seed file (created, mode 0600, if missing)")
     signing.set_defaults(handler=_cmd_signing_key)
 

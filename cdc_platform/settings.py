@@ -341,9 +341,9 @@ class _OwnCredential(NatsSettings):
 
 
 class ReplyNatsSettings(_nats_settings_named("CDC_REPLY_NATS", "", _OwnCredential)):  # type: ignore[misc]
-    """The connection that replies to snapshot requests go through (README "Snapshots"): a
-    NATS user that may publish inbox subjects and nothing else, so a requester's ``reply_to``
-    can never make the platform write anywhere else (``CDC_REPLY_NATS_*``)."""
+    """The connection that replies to snapshot requests go through (docs/wire-contract.md
+    "Snapshots"): a NATS user that may publish inbox subjects and nothing else, so a requester's
+    ``reply_to`` can never make the platform write anywhere else (``CDC_REPLY_NATS_*``)."""
 
 
 class SensorNatsSettings(_nats_settings_named("CDC_SENSOR_NATS", "", _OwnCredential)):  # type: ignore[misc]
@@ -502,7 +502,8 @@ class BridgeSettings(_Settings):
                                            validation_alias=_env("CDC_RECONNECT_MAX"))
     shutdown_timeout_seconds: Seconds = Field(
         30.0, gt=0, validation_alias=_env("CDC_SHUTDOWN_TIMEOUT"))
-    # an nkey seed file: the bridge signs every message it publishes (README "Signatures")
+    # an nkey seed file: the bridge signs every message it publishes (docs/wire-contract.md
+    # "Signatures")
     signing_key_seed: str | None = Field(None, validation_alias=_env("CDC_SIGNING_KEY_SEED"))
 
     @field_validator("signing_key_seed")
@@ -565,7 +566,7 @@ class OrchestrationSettings(_Settings):
 
 
 class MirrorSettings(_Settings):
-    """``cdc-platform mirror``: how it bootstraps, follows and reports (README "Mirrors")."""
+    """``cdc-platform mirror``: how it bootstraps, follows and reports (docs/mirror.md)."""
 
     snapshot_max_age_seconds: Seconds = Field(
         600.0, ge=0, validation_alias=_env("CDC_MIRROR_SNAPSHOT_MAX_AGE"))

@@ -2,8 +2,8 @@
 and format in ``data/golden/`` (msgpack as hex, JSON as text). ``test_golden.py`` checks that
 both writers (pure Python and the compiled twins) still produce exactly these bytes.
 
-``signatures.json`` holds test vectors of message signatures (README "Signatures"): a fixed
-key's signatures of golden messages, with the exact bytes signed.
+``signatures.json`` holds test vectors of message signatures (docs/wire-contract.md
+"Signatures"): a fixed key's signatures of golden messages, with the exact bytes signed.
 
 Write them again only on purpose (a wire change, in the CHANGELOG):
 

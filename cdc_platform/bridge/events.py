@@ -169,8 +169,8 @@ class MessageBuilder:
         self._pack_map = pack_map if compiled and fmt == "msgpack" else None
         self._shared: dict[tuple[int, str, int], _Shared] = {}
         self._raw_reported: dict[tuple[int, tuple[str, ...]], float] = {}
-        # End-of-transaction marks (README "Transactions"): the last change of each table in
-        # the open transaction is held back until its Commit, then sent with ``tx_tables``.
+        # End-of-transaction marks (docs/wire-contract.md "Transactions"): the last change of each
+        # table in the open transaction is held back until its Commit, then sent with ``tx_tables``.
         self._held: dict[int, ChangeRecord] = {}  # per-change: relation id -> last change
         self._held_batches: dict[int, _HeldBatch] = {}  # batched: relation id -> last batch
         self._tx_counts: dict[int, int] = {}  # relation id -> changes in the transaction
@@ -391,8 +391,8 @@ class MessageBuilder:
                      previous_fingerprint: str | None, needs_snapshot: bool,
                      reason: str | None, storage: int = 0,
                      min_snapshot_lsn: int = 0) -> OutgoingMessage:
-        """The schema event of ``slot`` (README "Schema changes"): the envelope of the
-        change it precedes, operation ``SCHEMA``, and the table's KV schema value."""
+        """The schema event of ``slot`` (docs/wire-contract.md "Schema changes"): the envelope of
+        the change it precedes, operation ``SCHEMA``, and the table's KV schema value."""
         record, relation = slot.change, slot.relation
         # the builder's relation info may already hold a later shape: use the slot's
         table = wire_name(relation.namespace, relation.name)

@@ -76,7 +76,8 @@ T = TypeVar("T")
 _CLOSING_SECONDS = 2.0
 _EXIT_SECONDS = 0.25  # of which, stopping the telemetry server and the process exiting
 _SLOT_RETRY_SECONDS = 1.0  # the first slot check, while the slot does not exist yet
-# how long the bridge may read on to tell a TRUNCATE from a rewrite (README "Schema changes")
+# how long the bridge may read on to tell a TRUNCATE from a rewrite (docs/wire-contract.md "Schema
+# changes")
 _READ_AHEAD_SECONDS = 5.0
 
 

@@ -1,5 +1,5 @@
-"""A table's new shape against what consumers were last told of it (README "Schema changes").
-Pure: the bridge reads the catalog and the stream, this decides.
+"""A table's new shape against what consumers were last told of it (docs/wire-contract.md "Schema
+changes"). Pure: the bridge reads the catalog and the stream, this decides.
 
 A pgoutput Relation message names the columns as they were at its point in the WAL, but not
 their identity (``attnum``, which a RENAME keeps) nor the table's storage (``relfilenode``,

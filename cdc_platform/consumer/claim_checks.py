@@ -1,7 +1,7 @@
-"""Claim checks, the consumer's side (README "Large values (claim check)"): a message whose
-``Cdc-Claim-Check`` header names an object of the Object Store carries its payload there;
-:func:`resolve_payload` gives the bytes a consumer decodes, checked against the reference's
-size and sha256. The producer's side is ``cdc_platform.publishing.claim_check``."""
+"""Claim checks, the consumer's side (docs/wire-contract.md "Large values (claim check)"): a message
+whose ``Cdc-Claim-Check`` header names an object of the Object Store carries its payload there;
+:func:`resolve_payload` gives the bytes a consumer decodes, checked against the reference's size and
+sha256. The producer's side is ``cdc_platform.publishing.claim_check``."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ class UnresolvableClaimCheck(CdcError):
 async def read_object(js: JetStreamContext, bucket: str, name: str) -> bytes:
     """The bytes of object ``name`` of ``bucket``, its digest checked. Not nats-py's
     ``ObjectStore.get``: that finds the bucket's stream by the chunks' subject, which a
-    mirror (the READERS account's ``OBJ_{bucket}``, README "NATS setup") does not list."""
+    mirror (the READERS account's ``OBJ_{bucket}``, docs/operations.md "NATS setup") does not
+    list."""
     info = await (await js.object_store(bucket)).get_info(name)
     if not info.nuid:
         raise BadObjectMetaError

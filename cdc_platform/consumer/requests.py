@@ -1,8 +1,8 @@
-"""Snapshot requests, the requester's side (README "Snapshot requests"): publish a request on
-``snapshot.request.{table}`` and wait for its ``done`` reply, saying what happens meanwhile.
-A request that joined a run in flight, or one the stream let go in a flood, gets no
-``done``: the snapshot is then found in `INIT` (:func:`snapshot_stored_since`). The sensor
-answering requests is ``cdc_platform.snapshot.requests``."""
+"""Snapshot requests, the requester's side (docs/wire-contract.md "Snapshot requests"): publish a
+request on ``snapshot.request.{table}`` and wait for its ``done`` reply, saying what happens
+meanwhile. A request that joined a run in flight, or one the stream let go in a flood, gets no
+``done``: the snapshot is then found in `INIT` (:func:`snapshot_stored_since`). The sensor answering
+requests is ``cdc_platform.snapshot.requests``."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ class SnapshotRequester:
     async def _publish(self, table: str, body: bytes, started: float,
                        stop: asyncio.Event) -> bool:
         """Publish the request, asking again every few seconds while the stream is full (a
-        flood: README "Floods"); False: stopped first."""
+        flood: docs/wire-contract.md "Floods"); False: stopped first."""
         stream = self.requests_stream
         while not stop.is_set():
             try:

@@ -1,5 +1,5 @@
-"""Table schemas, the consumer's side (README "Schemas"): the KV bucket ``schemas`` holds each
-published table's schema under its wire name."""
+"""Table schemas, the consumer's side (docs/wire-contract.md "Schemas"): the KV bucket ``schemas``
+holds each published table's schema under its wire name."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Snapshots, the consumer's side (README "Snapshots", "The cutover rule"): the newest meta
-of a table in `INIT` (:func:`latest_meta`), where `CDC` takes over from it
+"""Snapshots, the consumer's side (docs/wire-contract.md "Snapshots", "The cutover rule"): the
+newest meta of a table in `INIT` (:func:`latest_meta`), where `CDC` takes over from it
 (:func:`cutover_start_seq`), whether a recent snapshot can serve a request
-(:func:`reusable_snapshot`, :func:`snapshot_stored_since`), and the zstd dictionary a chunk
-names (:func:`fetch_dictionary`, :func:`decompressor`). Used by the mirror and by the
-snapshot request sensor, which reads snapshots as any consumer does; taking and publishing
-them is ``cdc_platform.snapshot``."""
+(:func:`reusable_snapshot`, :func:`snapshot_stored_since`), and the zstd dictionary a chunk names
+(:func:`fetch_dictionary`, :func:`decompressor`). Used by the mirror and by the snapshot request
+sensor, which reads snapshots as any consumer does; taking and publishing them is
+``cdc_platform.snapshot``."""
 
 from __future__ import annotations
 
@@ -180,8 +180,8 @@ async def snapshot_stored_since(js: JetStreamContext, table: str, asked_after_se
     sequence read before the request was published), with a cutover LSN of at least
     ``min_lsn`` and a cutover point the CDC stream still holds: the snapshot a requester that
     gets no ``done`` (answered ``coalesced``, or asking without ``reply_to``) waits for
-    (README "Snapshot requests"). With ``relation_id``, only a snapshot of that table (not of
-    one dropped since and created again under its name). A meta ``verifier`` refuses is
+    (docs/wire-contract.md "Snapshot requests"). With ``relation_id``, only a snapshot of that table
+    (not of one dropped since and created again under its name). A meta ``verifier`` refuses is
     none."""
     meta = await latest_meta(js, table, init_stream, verifier)
     if meta is None or meta.seq <= asked_after_seq or meta.lsn < min_lsn:

@@ -430,7 +430,7 @@ class LocalPostgres:
 def _no_physical_replication(hba_file: Path) -> None:
     """Drop initdb's ``replication`` lines: they let any role with REPLICATION (the
     platform's) copy the whole cluster with pg_basebackup, password hashes included. The
-    bridge's logical connections match the database's lines, as in production (README
+    bridge's logical connections match the database's lines, as in production (docs/operations.md
     "PostgreSQL setup")."""
     lines = hba_file.read_text().splitlines(keepends=True)
     kept = [line for line in lines

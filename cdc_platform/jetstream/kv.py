@@ -1,5 +1,5 @@
 """KV values as messages of their bucket's stream, where they carry headers: a value the
-platform signs (README "Signatures") is put with its signature and read back with it.
+platform signs (docs/wire-contract.md "Signatures") is put with its signature and read back with it.
 (nats-py's ``KeyValue`` neither writes nor returns headers.)"""
 
 from __future__ import annotations

@@ -9,14 +9,14 @@
   needs no right to create one. Interest retention: a request the sensor acked is gone, so
   the stream holds pending requests only; when it is full, a new request is refused (discard
   new), never a pending one pushed out, while the per-table limit still drops that table's
-  own oldest request (README "Floods").
+  own oldest request (docs/wire-contract.md "Floods").
 * ``schemas`` KV bucket: one key per published table.
 * ``zstd_dictionaries`` KV bucket: the zstd dictionaries of compressed snapshots (key =
   ``{table}.{dictionary id}``, one version each: an id never names other bytes).
 
-``provision_readers`` makes the other account's side (deploy/nats/nats-server.conf, README
-"NATS setup"): mirrors of ``CDC``, ``INIT``, the two KV buckets and the object store, under
-the same names, sourced across accounts; readers read those, and a mirror listens on no
+``provision_readers`` makes the other account's side (deploy/nats/nats-server.conf,
+docs/operations.md "NATS setup"): mirrors of ``CDC``, ``INIT``, the two KV buckets and the object
+store, under the same names, sourced across accounts; readers read those, and a mirror listens on no
 subject, so nothing a reader has JetStream deliver anywhere is stored.
 
 An existing object whose config differs is reported field by field and left alone, unless

@@ -2,7 +2,7 @@
 SQLite binds it, and a table's shape (its columns and key) as the KV schema gives it.
 
 Local tables are named by the wire table name (``users``, ``sales/orders``), columns by their
-PostgreSQL names. Column types follow the wire type mapping (README "Mirrors"):
+PostgreSQL names. Column types follow the wire type mapping (docs/mirror.md):
 
 =====================================  ===========  ===================================
 PostgreSQL                             SQLite type  stored value
@@ -111,8 +111,8 @@ def insert_statement(table: str, names: Sequence[str]) -> str:
             f"VALUES ({', '.join('?' * len(names))})")
 
 
-# JSON payloads carry bytea as base64 and non-finite floats as strings (README "Payload
-# encoding"): the columns whose values a JSON consumer must turn back, by type oid.
+# JSON payloads carry bytea as base64 and non-finite floats as strings (docs/wire-contract.md
+# "Payload encoding"): the columns whose values a JSON consumer must turn back, by type oid.
 _JSON_BYTES_OIDS = frozenset({17, 1001})  # bytea, bytea[]
 _JSON_FLOAT_OIDS = frozenset({700, 701, 1021, 1022})  # float4/8 and their arrays
 _NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}

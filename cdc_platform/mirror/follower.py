@@ -4,7 +4,7 @@ Each table is bootstrapped from a snapshot (a recent one in `INIT` whose cutover
 still holds, or one asked for on ``snapshot.request.{table}``) into a shadow, chunk by chunk
 while the other tables go on; every table (shadows included) follows `CDC` from the lowest
 position any of them needs, one whole PostgreSQL transaction per SQLite commit, and a shadow
-is swapped in where it meets the others at one LSN (README "Mirrors", mirror/consistency.py).
+is swapped in where it meets the others at one LSN (docs/mirror.md, mirror/consistency.py).
 Positions live in the SQLite file with the rows, so a mirror killed at any point resumes with
 nothing lost and nothing applied twice. A table the stream can no
 longer carry (a rewrite, a change no ALTER follows, events gone by retention, a divergence) is
@@ -80,7 +80,8 @@ log = logging.getLogger(__name__)
 
 Report = Callable[[str], None]
 _OPERATIONS = frozenset({*CHANGE_OPERATIONS, SCHEMA_OPERATION})
-# fields of every event the mirror never reads: left out when decoding (README "Change event")
+# fields of every event the mirror never reads: left out when decoding (docs/wire-contract.md
+# "Change event")
 _UNREAD = frozenset({"schema", "relation_id", "lsn", "xid", "subject", "schema_fingerprint",
                      "unchanged_toast"})
 # whole transactions committed together at most (else: what one batch read held)
@@ -126,7 +127,8 @@ class Mirror:
         self.bootstraps = 0
         # None: every message is taken as the platform's; else only those it verifies
         self.verifier = self.options.verifier()
-        self.refused_messages = 0  # refused for their signature (README "Signatures")
+        # refused for their signature (docs/wire-contract.md "Signatures")
+        self.refused_messages = 0
         self._last_commit_ts: str | None = None
         # monotonic times of the first event read and the last commit (apply rate figures)
         self.first_event_at: float | None = None
@@ -332,7 +334,7 @@ class Mirror:
                               "table_schema (taken by an older platform): upgrade the "
                               "snapshot job")
         # a table dropped and created again: the bridge puts the new one's schema within
-        # seconds (README "Running the CDC bridge"), the sensor snapshots the new one
+        # seconds (docs/operations.md "Running the CDC bridge"), the sensor snapshots the new one
         patience = time.monotonic() + _KV_CATCH_UP_SECONDS
         while relation_id is not None and snapshot_relation_id(meta) != relation_id:
             if time.monotonic() > patience:
@@ -395,8 +397,8 @@ class Mirror:
     async def _request_snapshot(self, nc: NatsClient, js: JetStreamContext, table: str,
                                 min_lsn: int, relation_id: int | None,
                                 stop: asyncio.Event) -> dict[str, Any] | None:
-        """Ask on ``snapshot.request.{table}`` and wait for ``done`` (README "Snapshot
-        requests"); refused or failed is a :class:`MirrorError` with the reason."""
+        """Ask on ``snapshot.request.{table}`` and wait for ``done`` (docs/wire-contract.md
+        "Snapshot requests"); refused or failed is a :class:`MirrorError` with the reason."""
         topology, options = self.settings.topology, self.options
         requester = SnapshotRequester(
             nc, js, requests_stream=topology.requests.name, init_stream=topology.init.name,
@@ -630,7 +632,8 @@ class _Following:
         return kept
 
     async def claim_checked(self, message: PulledMessage) -> None:
-        """The events of a message whose payload is an object (README "Large values")."""
+        """The events of a message whose payload is an object (docs/wire-contract.md "Large
+        values")."""
         try:
             data = await resolve_payload(self.js, message.data, message.headers)
         except (ValueError, TypeError, KeyError, CdcError) as exc:

@@ -1,7 +1,7 @@
 """Where each mirrored table stands, kept in the mirror's own bookkeeping tables beside the
 rows: its status, its cutover LSN, its high-water mark (the last applied commit LSN and
 ordinal), the `CDC` sequence read for it, the shape the stream last gave it; and the LSN at
-which every streaming table equals the source (README "Mirrors").
+which every streaming table equals the source (docs/mirror.md).
 
 Written inside the transaction that writes the rows, so the two always agree.
 """
@@ -20,7 +20,7 @@ from cdc_platform.mirror.errors import MirrorError
 from cdc_platform.wire import applies
 
 STATE_TABLE = "_cdc_mirror_tables"
-# one row: the LSN at which every streaming table equals the source (README "Mirrors")
+# one row: the LSN at which every streaming table equals the source (docs/mirror.md)
 CONSISTENT_TABLE = "_cdc_mirror_consistent_lsn"
 
 

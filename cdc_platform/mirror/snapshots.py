@@ -2,7 +2,7 @@
 dictionary) in chunk order. Its meta, and whether its cutover point is still in `CDC`, are
 read by ``snapshot/meta.py``.
 
-Only the wire contract is used (README "Snapshots (stream INIT)" and "The cutover rule"), as a
+Only the wire contract is used (docs/wire-contract.md "Snapshots" and "The cutover rule"), as a
 consumer in another language would.
 """
 
@@ -117,7 +117,7 @@ async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str =
                         continue
                 try:
                     # a one-row chunk over max_payload is a claim check; its headers describe
-                    # the object (README "Large values")
+                    # the object (docs/wire-contract.md "Large values")
                     data = await resolve_payload(js, message.data, headers)
                     if headers.get("Content-Encoding") == "zstd":
                         dict_id = headers.get("Cdc-Zstd-Dict")

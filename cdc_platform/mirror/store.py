@@ -326,8 +326,8 @@ class MirrorStore:
         return restored
 
     def _apply_schema_event(self, event: Mapping[str, Any], from_json: bool) -> str | None:
-        """Follow a schema event (README "Schema changes"); why a new snapshot is needed
-        instead, if it is."""
+        """Follow a schema event (docs/wire-contract.md "Schema changes"); why a new snapshot is
+        needed instead, if it is."""
         if event.get("needs_snapshot"):
             return str(event.get("reason") or "the bridge says a new snapshot is needed")
         table_schema = event["table_schema"]

@@ -1,6 +1,6 @@
 """The mirrored tables themselves: created in a shape, and altered to follow a change of it
-(README "Schema changes") where an ALTER can; where none can (a column's type or the key
-changed), the table needs a new snapshot instead."""
+(docs/wire-contract.md "Schema changes") where an ALTER can; where none can (a column's type
+or the key changed), the table needs a new snapshot instead."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """Whole transactions out of the `CDC` events of the tables a consumer follows. Pure: no I/O.
 
-The contract (README "Transactions", published by ``bridge/events.py``): the last event of each table in a transaction carries
-``tx_tables``, a map of every table the transaction changed to its number of change events.
-So a consumer that follows any subset of tables knows, from the events it receives alone and
-without waiting for the next transaction, when it holds every change of one: for each followed
-table the map names, its last event has arrived and it has that many distinct events.
+The contract (docs/wire-contract.md "Transactions", published by ``bridge/events.py``): the last
+event of each table in a transaction carries ``tx_tables``, a map of every table the transaction
+changed to its number of change events. So a consumer that follows any subset of tables knows, from
+the events it receives alone and without waiting for the next transaction, when it holds every
+change of one: for each followed table the map names, its last event has arrived and it has that
+many distinct events.
 Schema events (``operation`` ``SCHEMA``) belong to the transaction they arrived in and are
 not counted.
 

@@ -116,7 +116,7 @@ class ChangeRecord:
     cascade: bool = False  # TRUNCATE ... CASCADE
     restart_identity: bool = False  # TRUNCATE ... RESTART IDENTITY
     # Columns whose text no converter accepted: their value is the text as PostgreSQL
-    # printed it (README "Type mapping"), so one odd value never stops the stream.
+    # printed it (docs/wire-contract.md "Type mapping"), so one odd value never stops the stream.
     raw_columns: tuple[str, ...] = ()
 
 

@@ -7,7 +7,7 @@ and a small payload: the envelope fields of the event (everything but ``data`` a
 for a batch, those of its first event) plus ``claim_check`` = ``{bucket, object, size,
 sha256}``. The object is stored before the reference is published, so stream order and
 "acknowledge PostgreSQL only what is stored" hold; a replay stores the same bytes under the
-same name again. README "Large values (claim check)" is the contract;
+same name again. docs/wire-contract.md "Large values (claim check)" is the contract;
 ``cdc_platform.consumer.claim_checks`` is its consumer side.
 """
 

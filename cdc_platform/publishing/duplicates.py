@@ -7,7 +7,7 @@ id first, and JetStream would then drop the genuine change for good. So a duplic
 taken on trust: the message stored under the id is read back (``STREAM.MSG.GET``) and compared
 with the one sent. The same change (:func:`same_change`) counts as stored; different content
 is a conflict: one error line, a counter, and the change stored again under an id nobody can
-have taken (:func:`replacement_id`). README "Message ids taken by other content" is
+have taken (:func:`replacement_id`). docs/wire-contract.md "Message ids taken by other content" is
 the contract.
 """
 

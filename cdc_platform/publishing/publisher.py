@@ -166,8 +166,8 @@ class JetStreamPublisher:
         to the traffic. ``on_stored(position)`` is called, synchronously, each time
         :attr:`stored_position` advances. ``control_subject``: the subject of fast-ingest
         commit markers (captured by the stream, never stored); default: the batch's last
-        message subject. ``signer``: every message gets its signature headers (README
-        "Signatures").
+        message subject. ``signer``: every message gets its signature headers
+        (docs/wire-contract.md "Signatures").
         """
         if mode not in ("fast-batch", "per-message", "auto"):
             raise ValueError(f"unknown publish mode {mode!r}")

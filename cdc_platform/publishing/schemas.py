@@ -1,7 +1,7 @@
-"""Table schemas into the KV bucket ``schemas`` (README "Schemas"): one key per published
-table, the wire table name, holding the schema in the payload format. The bridge puts a
-table's schema when it sees a new shape; :func:`publish_schemas` puts them all at once (the
-Dagster ``schemas`` asset, with what ``postgres.catalog.describe_published`` read)."""
+"""Table schemas into the KV bucket ``schemas`` (docs/wire-contract.md "Schemas"): one key per
+published table, the wire table name, holding the schema in the payload format. The bridge puts a
+table's schema when it sees a new shape; :func:`publish_schemas` puts them all at once (the Dagster
+``schemas`` asset, with what ``postgres.catalog.describe_published`` read)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ async def stored_schema(js: JetStreamContext, kv: KeyValue, bucket: str, schema:
 
 
 def keeping_storage(schema: TableSchema, stored: dict[str, Any] | None) -> TableSchema:
-    """``schema`` with the storage the stored value says consumers hold (README "Schemas":
-    ``relfilenode`` moves with schema events, not with the catalog)."""
+    """``schema`` with the storage the stored value says consumers hold (docs/wire-contract.md
+    "Schemas": ``relfilenode`` moves with schema events, not with the catalog)."""
     storage = stored.get("relfilenode") if stored is not None else None
     if not isinstance(storage, int) or isinstance(storage, bool) or storage <= 0:
         return schema

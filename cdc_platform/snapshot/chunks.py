@@ -22,8 +22,8 @@ there are (``batch_count``) and which numbers each partition used (``chunks``).
 Size: a chunk is first cut on an estimate (line length plus the per-row key overhead, scaled
 by the compression ratio of the previous chunk), then encoded; if the message is still too
 large it is split in halves until every part fits. A single row that does not fit becomes a
-chunk of its own marked ``oversized``: the publisher sends it as a claim check (README "Large
-values").
+chunk of its own marked ``oversized``: the publisher sends it as a claim check
+(docs/wire-contract.md "Large values").
 """
 
 from __future__ import annotations
@@ -186,8 +186,8 @@ class Chunk:
     payload: bytes
     rows: int
     raw_size: int  # encoded size before compression
-    # one row whose chunk is over max_payload: published as a claim check (README "Large
-    # values"); never set on a chunk of several rows (those are split instead)
+    # one row whose chunk is over max_payload: published as a claim check (docs/wire-contract.md
+    # "Large values"); never set on a chunk of several rows (those are split instead)
     oversized: bool = False
 
 
@@ -283,8 +283,8 @@ class Chunker:
         Column by column, one converter call per value (``map`` when the column has neither
         escapes nor NULLs). Per field this is ``copy_text.parse_line``: NULL iff the field
         is ``\\N``, else ``unescape(field)``; then the column's converter. A text no
-        converter accepts stays text: ``raw`` gets ``{row index: [column, ...]}`` (README
-        "Type mapping"), so one odd value never stops a snapshot.
+        converter accepts stays text: ``raw`` gets ``{row index: [column, ...]}``
+        (docs/wire-contract.md "Type mapping"), so one odd value never stops a snapshot.
         """
         width = self._width
         columns: list[Any] = [fields[i::width] for i in range(width)]

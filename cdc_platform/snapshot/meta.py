@@ -1,6 +1,6 @@
-"""A snapshot's meta message on ``init.meta.{table}`` (README "Snapshots"): everything a
-consumer needs to load the chunks and to know exactly where the CDC stream takes over. Built
-from the finished tasks' figures, published once every chunk is acknowledged; read back as a
+"""A snapshot's meta message on ``init.meta.{table}`` (docs/wire-contract.md "Snapshots"):
+everything a consumer needs to load the chunks and to know exactly where the CDC stream takes over.
+Built from the finished tasks' figures, published once every chunk is acknowledged; read back as a
 consumer reads it (:func:`latest_meta`, :func:`cutover_start_seq`), by the mirror and by the
 snapshot request sensor (which answers with a recent snapshot when it can)."""
 

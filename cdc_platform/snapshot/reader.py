@@ -89,7 +89,8 @@ class TaskSpec:
     columns: tuple[ColumnInfo, ...]
     type_rows: tuple[tuple[Any, ...], ...]
     stream: str
-    large_bucket: str = "cdc_large"  # Object Store of claim checks (README "Large values")
+    # the Object Store of claim checks (docs/wire-contract.md "Large values")
+    large_bucket: str = "cdc_large"
     publish_window: int = DEFAULT_PUBLISH_WINDOW
     publish_timeout: float = 30.0
     fault: TaskFault | None = None

@@ -1,5 +1,5 @@
-"""Snapshot requests and their replies (README "Snapshot requests"). No Dagster here: the
-sensor and the snapshot asset call these.
+"""Snapshot requests and their replies (docs/wire-contract.md "Snapshot requests"). No Dagster here:
+the sensor and the snapshot asset call these.
 
 A consumer publishes on ``snapshot.request.{table}``; the body is empty or a JSON object:
 ``request_id`` (str, echoed back), ``reply_to`` (an ``_INBOX.`` subject; replies are
@@ -125,7 +125,7 @@ class RunInFlight:
         """Whether a request that arrives now may join this run: only while it waits. A
         run that started may have taken its snapshot (even stored its meta) before the
         request arrived, and a joined requester waits for a meta stored after it asked
-        (README "Snapshot requests"): it would wait for good."""
+        (docs/wire-contract.md "Snapshot requests"): it would wait for good."""
         return not self.started
 
 
@@ -193,9 +193,9 @@ class HeldRun:
 
 @dataclass
 class Pacing:
-    """The minimum interval between a table's snapshot runs started by requests (README
-    "Floods"; 0: none). ``last_started``: table -> when its newest request-started run was
-    created; ``held``: the runs held back (updated in place)."""
+    """The minimum interval between a table's snapshot runs started by requests
+    (docs/wire-contract.md "Floods"; 0: none). ``last_started``: table -> when its newest
+    request-started run was created; ``held``: the runs held back (updated in place)."""
 
     min_interval: float = 0.0
     last_started: Mapping[str, float] = field(default_factory=dict)

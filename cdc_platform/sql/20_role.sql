@@ -14,8 +14,8 @@
 -- of this script granted, are revoked). pg_logical_emit_message is revoked from PUBLIC
 -- in this database (PostgreSQL grants it to every role by default): only superusers and the
 -- roles granted it explicitly may emit logical decoding messages here.
--- REPLICATION itself reads more than SELECT does: see README "PostgreSQL setup (DBA)" for
--- what it can read and the pg_hba.conf lines to use.
+-- REPLICATION itself reads more than SELECT does: see docs/operations.md "PostgreSQL setup
+-- (DBA)" for what it can read and the pg_hba.conf lines to use.
 -- Works on PostgreSQL 15 to 18.
 -- Idempotent: re-run it after adding tables to or dropping them from the publication.
 DO $$

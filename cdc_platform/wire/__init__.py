@@ -1,4 +1,4 @@
-"""The wire contract, the public API for consumers in any language (README "Wire contract"
+"""The wire contract, the public API for consumers in any language (docs/wire-contract.md
 documents it; change it only on purpose):
 
 - :mod:`.subjects`: subjects, operations and message ids;

@@ -1,5 +1,5 @@
-"""The cutover rule (README "The cutover rule"): where a snapshot ends and the stream begins,
-so that no row is lost and none is applied twice.
+"""The cutover rule (docs/wire-contract.md "The cutover rule"): where a snapshot ends and the stream
+begins, so that no row is lost and none is applied twice.
 
 A consumer loads every chunk of a snapshot, then applies exactly the events of the table whose
 ``commit_lsn`` is at least the snapshot's ``lsn``, reading ``CDC`` from ``cdc_start_seq`` (any

@@ -1,5 +1,5 @@
-"""Payload encodings (README "Payload encoding"): msgpack or JSON, told apart by the first
-byte; JSON carries bytes as base64 and non-finite floats as the strings PostgreSQL prints."""
+"""Payload encodings (docs/wire-contract.md "Payload encoding"): msgpack or JSON, told apart by the
+first byte; JSON carries bytes as base64 and non-finite floats as the strings PostgreSQL prints."""
 
 from __future__ import annotations
 

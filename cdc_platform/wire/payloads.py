@@ -1,5 +1,5 @@
 """Every payload of the contract, typed, with its fields in the order they are written
-(README "Payloads"). ``*_FIELDS`` lists the fields always present; the ``NotRequired`` ones
+(docs/wire-contract.md). ``*_FIELDS`` lists the fields always present; the ``NotRequired`` ones
 appear only as each says.
 
 The golden payloads in ``cdc_platform_tests/data/golden/`` pin the bytes both writers (pure
@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Literal, NotRequired, TypedDict
 
-# A wire value: None, bool, int, float, str, bytes, or a list/map of them (README "Types").
+# A wire value: None, bool, int, float, str, bytes, or a list/map of them (docs/wire-contract.md
+# "Type mapping").
 Value = Any
 Row = dict[str, Value]
 
@@ -23,7 +24,7 @@ class ChangeEvent(TypedDict):
     """One INSERT/UPDATE/DELETE/TRUNCATE (``cdc.{table}.{op}``; an element of a batch on
     ``cdc.{table}.{op}.batch``)."""
 
-    table: str  # the wire table name (README "Table names")
+    table: str  # the wire table name (docs/wire-contract.md "Table names on the wire")
     schema: str
     operation: Literal["INSERT", "UPDATE", "DELETE", "TRUNCATE"]
     relation_id: int
@@ -43,7 +44,7 @@ class ChangeEvent(TypedDict):
     restart_identity: NotRequired[bool]  # TRUNCATE only
     raw_columns: NotRequired[list[str]]  # values sent as PostgreSQL's text (no converter)
     # the table's last change of its transaction: {table: changes} of every table the
-    # transaction changed (README "Transactions")
+    # transaction changed (docs/wire-contract.md "Transactions")
     tx_tables: NotRequired[dict[str, int]]
 
 

@@ -1,5 +1,5 @@
-"""Message signatures (README "Signatures"): the bytes the platform signs, the headers that
-carry a signature, and the check a consumer makes before it trusts a message.
+"""Message signatures (docs/wire-contract.md "Signatures"): the bytes the platform signs, the
+headers that carry a signature, and the check a consumer makes before it trusts a message.
 
 A signature is ed25519 over :func:`signed_bytes`, which binds the subject, the
 ``Nats-Msg-Id``, the headers that change what a payload means, and the payload, so a signed

@@ -1,4 +1,4 @@
-"""Subjects and message ids (README "Subjects" and "Message ids").
+"""Subjects and message ids (docs/wire-contract.md "Subjects" and "Message ids").
 
 Every id is stable across replays: JetStream's duplicate window drops a republished copy.
 """
@@ -21,7 +21,7 @@ SNAPSHOT_REQUEST_PREFIX = "snapshot.request"
 HEARTBEAT_PREFIX = "cdc_platform.heartbeat"
 WATERMARK_PREFIX = "cdc_platform.watermark"
 
-# A table's new shape, in stream order before the first change that uses it (README
+# A table's new shape, in stream order before the first change that uses it (docs/wire-contract.md
 # "Schema changes"); its ordinal is that change's, and it sorts before it.
 SCHEMA_OPERATION = "SCHEMA"
 CHANGE_OPERATIONS = ("INSERT", "UPDATE", "DELETE", "TRUNCATE")

@@ -30,7 +30,7 @@ from cdc_platform_tests.fixtures.services import (
     read_subjects,
 )
 
-# also on the newest PostgreSQL (README "Tests": make test's second pass)
+# also on the newest PostgreSQL (docs/development.md "Tests": make test's second pass)
 pytestmark = pytest.mark.every_major
 
 

@@ -11,7 +11,7 @@ from cdc_platform.replication.reader import SlotReader
 from cdc_platform.replication.slots import read_slot
 from cdc_platform_tests.fixtures.services import random_name
 
-# also on the newest PostgreSQL (README "Tests": make test's second pass)
+# also on the newest PostgreSQL (docs/development.md "Tests": make test's second pass)
 pytestmark = pytest.mark.every_major
 
 

@@ -19,7 +19,7 @@ from cdc_platform.wire.digest import RowDigester, bucket_of
 from cdc_platform_tests.digest_vectors import PATH
 from cdc_platform_tests.fixtures.services import random_name
 
-# also on the newest PostgreSQL (README "Tests": make test's second pass)
+# also on the newest PostgreSQL (docs/development.md "Tests": make test's second pass)
 pytestmark = pytest.mark.every_major
 
 EDGES = json.loads(PATH.read_text())["tables"]["edges"]

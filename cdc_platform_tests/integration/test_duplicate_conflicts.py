@@ -1,5 +1,6 @@
-"""The bridge's own defence against message ids taken by someone else (README "Duplicates and
-conflicts"): real PostgreSQL, real nats-server, the bridge in both publish modes."""
+"""The bridge's own defence against message ids taken by someone else (docs/wire-contract.md
+"Message ids taken by other content"): real PostgreSQL, real nats-server, the bridge in both publish
+modes."""
 
 import logging
 
@@ -10,7 +11,7 @@ from cdc_platform.lsn import format_lsn, parse_lsn
 from cdc_platform_tests.fixtures.bridge import running_bridge, slot_confirmed, wait_for
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
 
-# also on the newest PostgreSQL (README "Tests": make test's second pass)
+# also on the newest PostgreSQL (docs/development.md "Tests": make test's second pass)
 pytestmark = pytest.mark.every_major
 
 MODES = ["fast-batch", "per-message"]

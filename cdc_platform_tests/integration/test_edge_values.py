@@ -15,7 +15,7 @@ from cdc_platform_tests.fixtures.services import platform_settings, random_name,
 from cdc_platform_tests.fixtures.snapshots import NO_BRIDGE, snapshot_data
 from cdc_platform_tests.fixtures.values import EDGES
 
-# also on the newest PostgreSQL (README "Tests": make test's second pass)
+# also on the newest PostgreSQL (docs/development.md "Tests": make test's second pass)
 pytestmark = pytest.mark.every_major
 
 

@@ -38,7 +38,7 @@ from cdc_platform_tests.fixtures.bridge import running_bridge, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import CLI, bridge_env, platform_settings, random_name
 
-# also on the newest PostgreSQL (README "Tests": make test's second pass)
+# also on the newest PostgreSQL (docs/development.md "Tests": make test's second pass)
 pytestmark = pytest.mark.every_major
 
 TRANSACTIONS = 240

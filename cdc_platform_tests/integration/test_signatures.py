@@ -1,6 +1,6 @@
-"""Signed messages (README "Signatures") against real servers: a bridge holding a signing key
-signs what it publishes; a mirror trusting that key applies it and refuses what anyone else
-stores in `CDC` (the test nats-server has no permissions, as a server whose publish rights
+"""Signed messages (docs/wire-contract.md "Signatures") against real servers: a bridge holding a
+signing key signs what it publishes; a mirror trusting that key applies it and refuses what anyone
+else stores in `CDC` (the test nats-server has no permissions, as a server whose publish rights
 leak), staying exact, with no position moved, also after a restart."""
 
 from __future__ import annotations
@@ -317,10 +317,10 @@ async def test_a_chunk_id_taken_before_its_chunk_is_sent_loses_no_chunk(
         pg_admin, cdc_database, provisioned_nats, nats_client, tmp_path, caplog):
     """Someone able to publish into `init.>` takes the id of a chunk before the snapshot's
     task sends it (ids are predictable once a snapshot's first chunk is out). JetStream drops
-    the genuine chunk as a duplicate of that message: the task reads back what holds the id
-    and, finding other content, stores the chunk again under a conflict id (README "Message
-    ids taken by other content"), signed; a mirror trusting the key reads past the forged one
-    and loads every row."""
+    the genuine chunk as a duplicate of that message: the task reads back what holds the id and,
+    finding other content, stores the chunk again under a conflict id (docs/wire-contract.md
+    "Message ids taken by other content"), signed; a mirror trusting the key reads past the forged
+    one and loads every row."""
     seed_file = tmp_path / "signing.seed"
     seed_file.write_text(new_seed(os.urandom(32)))
     verifier = SignatureVerifier([MessageSigner(seed_file.read_text()).public_key])

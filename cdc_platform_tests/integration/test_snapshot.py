@@ -43,7 +43,7 @@ from cdc_platform_tests.fixtures.snapshots import (
     snapshot_data,
 )
 
-# also on the newest PostgreSQL (README "Tests": make test's second pass)
+# also on the newest PostgreSQL (docs/development.md "Tests": make test's second pass)
 pytestmark = [pytest.mark.spark, pytest.mark.every_major]
 SPARK = SnapshotOptions(small_table_bytes=0)
 
@@ -267,7 +267,7 @@ async def test_chunks_fit_max_payload_and_an_oversized_row_is_a_claim_check(
     # one random (incompressible) row of 100 KB
     big = "".join(random.choice("abcdefghijklmnopqrstuvwxyz0123456789")
                   for _ in range(100_000))
-    # flows as a claim check (README "Large values"), compressed or not
+    # flows as a claim check (docs/wire-contract.md "Large values"), compressed or not
     pg_admin.execute(f"INSERT INTO {table} VALUES (4242, %s)", (big,))
     zstd = settings_for(cdc_database, server.url, zstd=True, zstd_dictionary=False)
     for flavour in (settings, zstd):

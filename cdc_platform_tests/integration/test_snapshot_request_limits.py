@@ -1,6 +1,6 @@
-"""Snapshot requests as a requester sees them (README "Snapshots"): a body over 4 KB is refused
-with the limit, one over the stream's message limit gets the server's error, and a requester
-that gets no ``done`` knows which meta answers it."""
+"""Snapshot requests as a requester sees them (docs/wire-contract.md "Snapshots"): a body over 4 KB
+is refused with the limit, one over the stream's message limit gets the server's error, and a
+requester that gets no ``done`` knows which meta answers it."""
 
 from __future__ import annotations
 
@@ -52,10 +52,10 @@ async def test_a_body_over_the_stream_limit_gets_the_servers_error(provisioned_n
 
 async def test_a_requester_without_done_waits_for_a_meta_stored_after_it_asked(
         cdc_database, pg_admin, provisioned_nats, nats_client):
-    """The rule of README "Snapshot requests" for a requester answered ``coalesced``: the
-    newest meta whose INIT sequence is above INIT's last sequence read before asking, with an
-    ``lsn`` of at least its ``min_lsn``; a snapshot stored before it asked does not answer
-    it (whatever its age), one stored after does."""
+    """The rule of docs/wire-contract.md "Snapshot requests" for a requester answered ``coalesced``:
+    the newest meta whose INIT sequence is above INIT's last sequence read before asking, with an
+    ``lsn`` of at least its ``min_lsn``; a snapshot stored before it asked does not answer it
+    (whatever its age), one stored after does."""
     table = random_name("coalesced")
     pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
     pg_admin.execute(f"INSERT INTO {table} SELECT generate_series(1, 10)")

@@ -1,8 +1,8 @@
-"""The snapshot request path with the least NATS rights (README "Snapshots", "NATS setup"):
-the sensor as a user that may make exactly the JetStream calls README lists for it and
-publish nothing else, replies (the sensor's and a run's) through a user that may publish
-inbox subjects only (``CDC_REPLY_NATS_*``); the sensor with its own user
-(``CDC_SENSOR_NATS_*``) where its process holds another."""
+"""The snapshot request path with the least NATS rights (docs/wire-contract.md "Snapshots", "NATS
+setup"): the sensor as a user that may make exactly the JetStream calls README lists for it and
+publish nothing else, replies (the sensor's and a run's) through a user that may publish inbox
+subjects only (``CDC_REPLY_NATS_*``); the sensor with its own user (``CDC_SENSOR_NATS_*``) where its
+process holds another."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ from cdc_platform_tests.fixtures.services import (
     secret_for_test,
 )
 
-# What README "NATS setup" says the sensor needs (stream and durable names: the defaults).
+# What docs/operations.md "NATS setup" says the sensor needs (stream and durable names: the
+# defaults).
 SENSOR_PUBLISHES = [
     "$JS.API.CONSUMER.INFO.SNAPSHOT_REQUESTS.cdc_platform_snapshot_requests",
     "$JS.API.CONSUMER.MSG.NEXT.SNAPSHOT_REQUESTS.cdc_platform_snapshot_requests",

@@ -12,7 +12,7 @@ from cdc_platform.protocol.values import REQUIRED_SESSION_SETTINGS, TYPE_CATALOG
 from cdc_platform.replication.connection import SESSION_OPTIONS
 from cdc_platform_tests.fixtures.values import TEXT_CONVERSIONS, arrays, same_converted
 
-# also on the newest PostgreSQL (README "Tests": make test's second pass)
+# also on the newest PostgreSQL (docs/development.md "Tests": make test's second pass)
 pytestmark = pytest.mark.every_major
 
 

@@ -1,5 +1,5 @@
 """What counts as "the same change" when JetStream answers a publish with ``duplicate``
-(publishing/duplicates.py; README "Message ids taken by other content")."""
+(publishing/duplicates.py; docs/wire-contract.md "Message ids taken by other content")."""
 
 import json
 import math

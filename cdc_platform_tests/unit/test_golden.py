@@ -1,7 +1,7 @@
 """The wire contract pinned to bytes: both writers (pure Python and the compiled twins)
 produce exactly the golden payloads in ``data/golden/``, and every payload has the fields its
 type in ``cdc_platform.wire.payloads`` lists, in that order. A failure here is a wire change:
-make it only on purpose (README "Wire contract", CHANGELOG), then rewrite the files with
+make it only on purpose (docs/wire-contract.md, CHANGELOG), then rewrite the files with
 ``python -m cdc_platform_tests.golden``."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Message signatures (README "Signatures"): the signed bytes pinned by test vectors, checked
-with libraries other than the platform's own code, and what a verifier refuses."""
+"""Message signatures (docs/wire-contract.md "Signatures"): the signed bytes pinned by test vectors,
+checked with libraries other than the platform's own code, and what a verifier refuses."""
 
 from __future__ import annotations
 

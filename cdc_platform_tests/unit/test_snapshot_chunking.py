@@ -194,7 +194,7 @@ def test_an_optimistic_estimate_is_split_until_it_fits():
 
 
 def test_a_row_over_max_payload_becomes_an_oversized_chunk_of_its_own(caplog):
-    """Published as a claim check (README "Large values"); the log names its key."""
+    """Published as a claim check (docs/wire-contract.md "Large values"); the log names its key."""
     caplog.set_level("INFO")
     chunker = Chunker(layout(max_payload=4_000), converters(), 0)
     big = f"7\t{'x' * 5000}\t1\t{{}}\t{{}}\t\\N\tt".encode()

@@ -9,7 +9,7 @@
   highest stream sequence handled) says what was recorded. Repeated requests for one table
   in one tick become one run, and a request for a table whose snapshot run is already queued
 or running joins that run (``accepted`` with ``coalesced``) instead of starting another, so a
-flood of requests starts at most one run per table (README "Snapshots"). Unknown or
+flood of requests starts at most one run per table (docs/wire-contract.md "Snapshots"). Unknown or
 unpublished tables are skipped with a reason. A table's runs started by requests begin at
 least ``CDC_SNAPSHOT_MIN_INTERVAL`` apart: a request that needs a new run sooner joins a run
 the sensor holds back in its cursor until then (``max_age_seconds: 0`` cannot make it
