@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cdc_platform.bridge.events import BuiltBatch, MessageBuilder
-from cdc_platform.postgres.catalog import ColumnInfo, TableSchema
+from cdc_platform.postgres.catalog import CatalogColumn, TableSchema
 from cdc_platform.protocol import values
 from cdc_platform.protocol.changes import (
     ChangeRecord,
@@ -64,10 +64,10 @@ def table_schema() -> TableSchema:
     return TableSchema(
         schema="public", table="users", relation_id=16400, replica_identity="d",
         columns=tuple(
-            ColumnInfo(name=name, position=index + 1, data_type=values_type, is_nullable=not key,
-                       column_default="7" if name == "score" else None, type_oid=oid,
-                       type_modifier=-1, is_key=key, is_primary_key=key,
-                       missing_value=7.0 if name == "score" else None, attnum=index + 1)
+            CatalogColumn(name=name, position=index + 1, data_type=values_type,
+                          is_nullable=not key, column_default="7" if name == "score" else None,
+                          type_oid=oid, type_modifier=-1, is_key=key, is_primary_key=key,
+                          missing_value=7.0 if name == "score" else None, attnum=index + 1)
             for index, ((name, oid, key), values_type) in enumerate(zip(
                 _COLUMNS, ["integer", "text", "double precision", "bytea", "integer[]",
                            "jsonb"], strict=True))),

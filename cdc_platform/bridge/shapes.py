@@ -26,16 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from cdc_platform.bridge.events import SchemaEventSlot
-from cdc_platform.postgres.catalog import ColumnInfo, TableSchema
+from cdc_platform.postgres.catalog import CatalogColumn, TableSchema
 from cdc_platform.protocol.changes import ChangeRecord
 from cdc_platform.protocol.pgoutput import Relation
-
-
-@dataclass(frozen=True)
-class AnnouncedColumn:
-    name: str
-    type_oid: int
-    attnum: int  # 0: unknown
+from cdc_platform.wire import Column
 
 
 @dataclass(frozen=True)
@@ -45,15 +39,13 @@ class AnnouncedShape:
 
     fingerprint: str | None
     storage: int  # relfilenode; 0: unknown
-    columns: tuple[AnnouncedColumn, ...]
+    columns: tuple[Column, ...]
 
     @classmethod
     def from_event(cls, event: Mapping[str, Any]) -> AnnouncedShape:
         """A schema event's (KeyError, TypeError or ValueError when it is not one)."""
         return cls(str(event["schema_fingerprint"]), int(event.get("relfilenode") or 0),
-                   tuple(AnnouncedColumn(str(c["name"]), int(c["type_oid"]),
-                                         int(c.get("attnum") or 0))
-                         for c in event["table_schema"]["columns"]))
+                   tuple(Column.from_wire(c) for c in event["table_schema"]["columns"]))
 
     @classmethod
     def of(cls, schema: TableSchema, fingerprint: str | None = None,
@@ -61,7 +53,7 @@ class AnnouncedShape:
         """``schema`` announced (``fingerprint`` None: published when the bridge first saw
         the table, which consumers bootstrap from snapshots taken from then on)."""
         return cls(fingerprint, schema.storage if storage is None else storage,
-                   tuple(AnnouncedColumn(c.name, c.type_oid, c.attnum) for c in schema.columns))
+                   schema.columns)
 
 
 @dataclass(frozen=True)
@@ -176,7 +168,7 @@ def column_identities(relation: Relation, current: TableSchema | None,
 
 
 def _contradiction(attnums: Sequence[int], current: TableSchema | None,
-                   previous: Sequence[AnnouncedColumn], type_oids: Sequence[int]) -> str | None:
+                   previous: Sequence[Column], type_oids: Sequence[int]) -> str | None:
     """Why identities matched by name cannot be the columns of the Relation message."""
     if any(later <= earlier for earlier, later in itertools.pairwise(attnums)):
         return ("columns were renamed again before the bridge read the catalog (their names "
@@ -215,10 +207,10 @@ def schema_from_relation(relation: Relation, current: TableSchema | None,
     columns = []
     for position, (column, attnum) in enumerate(zip(relation.columns, attnums, strict=True),
                                                  start=1):
-        known: ColumnInfo | None = by_attnum.get(attnum) if attnum else None
+        known: CatalogColumn | None = by_attnum.get(attnum) if attnum else None
         if known is not None and known.type_oid != column.type_oid:
             known = None  # the catalog's column is another one now: only what pgoutput says
-        columns.append(ColumnInfo(
+        columns.append(CatalogColumn(
             name=column.name, position=position,
             data_type=known.data_type if known else str(column.type_oid),
             is_nullable=known.is_nullable if known else True,

@@ -336,7 +336,7 @@ class MirrorStore:
             raise MirrorError(f"a schema event of {event['table']} carries the schema of "
                               f"{shape.table!r}")
         before = self._shapes.get(shape.table)
-        missing = {c["name"]: c.get("missing_value") for c in table_schema["columns"]}
+        missing = {c.name: c.column.missing_value for c in shape.columns}
         if from_json:
             missing = shape.from_json(missing) or {}
         if self.apply_shape(shape, added_values=missing) is SchemaChange.NEEDS_BOOTSTRAP:

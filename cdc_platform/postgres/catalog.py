@@ -18,7 +18,7 @@ from cdc_platform.errors import ConversionError, SnapshotRequestRefused
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.naming import parse_wire_name, qualified_name, wire_name
 from cdc_platform.protocol.values import TypeRegistry, identity, parse_array
-from cdc_platform.wire import schema_fingerprint
+from cdc_platform.wire import Column, schema_fingerprint
 
 _PUBLISHED_TABLES = """
 SELECT schemaname, tablename FROM pg_publication_tables
@@ -57,22 +57,12 @@ REPLICA_IDENTITY_NAMES = {"d": "default", "f": "full", "i": "index", "n": "nothi
 
 
 @dataclass(frozen=True, slots=True)
-class ColumnInfo:
-    name: str
-    position: int
-    data_type: str
-    is_nullable: bool
-    column_default: str | None
-    type_oid: int
-    type_modifier: int
-    is_key: bool
-    is_primary_key: bool
-    # What rows that existed before the column was added read (``pg_attribute.attmissingval``,
-    # converted like a row value); None when there is none.
-    missing_value: Any = None
-    # pg_attribute.attnum: the column's identity, kept by a RENAME and never reused (0: not
-    # known, which a schema event says only with needs_snapshot)
-    attnum: int = 0
+class CatalogColumn(Column):
+    """A column as the catalog (or a Relation message) gives it: its wire fields and the type
+    modifier, which the fingerprint covers but the wire does not carry."""
+
+    # pg_attribute.atttypmod (-1: none); keyword-only, after the wire fields' defaults
+    type_modifier: int = field(kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +71,7 @@ class TableSchema:
     table: str
     relation_id: int
     replica_identity: str  # d f i n, as in pg_class.relreplident and pgoutput
-    columns: tuple[ColumnInfo, ...]
+    columns: tuple[CatalogColumn, ...]
     captured_at: float = field(default_factory=time.time)
     # pg_class.relfilenode: a new one means the table was rewritten (a volatile default, a
     # column type change, VACUUM FULL) or truncated; decoding emits no rewritten row.
@@ -111,14 +101,7 @@ class TableSchema:
             "table": self.wire_name,
             "schema": qualified_name(self.schema, self.table),
             "timestamp": int(self.captured_at),
-            "columns": [
-                {"name": c.name, "position": c.position, "data_type": c.data_type,
-                 "is_nullable": c.is_nullable, "column_default": c.column_default,
-                 "type_oid": c.type_oid, "is_key": c.is_key,
-                 "is_primary_key": c.is_primary_key, "missing_value": c.missing_value,
-                 "attnum": c.attnum}
-                for c in self.columns
-            ],
+            "columns": [c.to_wire() for c in self.columns],
             "namespace": self.schema,
             "name": self.table,
             "relation_id": self.relation_id,
@@ -181,9 +164,10 @@ def _schema_from_rows(schema: str, table: str, rows: list,
     if not rows:
         return None
     types = types or TypeRegistry()
-    columns = tuple(ColumnInfo(name, attnum, data_type, nullable, default, type_oid, typmod,
-                               bool(is_key), bool(is_pk),
-                               missing_value(missing, delimiter, type_oid, types), attnum)
+    columns = tuple(CatalogColumn(name, attnum, data_type, nullable, default, type_oid,
+                                  bool(is_key), bool(is_pk),
+                                  missing_value(missing, delimiter, type_oid, types), attnum,
+                                  type_modifier=typmod)
                     for (name, attnum, data_type, nullable, default, type_oid, typmod, _,
                          is_key, is_pk, _, missing, delimiter, _, _, _) in rows)
     first = rows[0]

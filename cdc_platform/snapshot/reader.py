@@ -44,7 +44,7 @@ from cdc_platform.errors import (
     TableLockWaitError,
 )
 from cdc_platform.jetstream.connection import connect_nats
-from cdc_platform.postgres.catalog import ColumnInfo
+from cdc_platform.postgres.catalog import CatalogColumn
 from cdc_platform.protocol.values import TypeRegistry
 from cdc_platform.publishing import JetStreamPublisher, OutgoingMessage
 from cdc_platform.publishing.claim_check import ClaimChecks
@@ -86,7 +86,7 @@ class TaskSpec:
     snapshot_name: str
     select: str  # COPY (SELECT ... WHERE {range}) TO STDOUT, with {range} to fill in
     layout: ChunkLayout
-    columns: tuple[ColumnInfo, ...]
+    columns: tuple[CatalogColumn, ...]
     type_rows: tuple[tuple[Any, ...], ...]
     stream: str
     # the Object Store of claim checks (docs/wire-contract.md "Large values")

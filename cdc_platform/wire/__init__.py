@@ -33,8 +33,9 @@ from cdc_platform.wire.headers import (
     HEADER_ZSTD_DICT,
 )
 from cdc_platform.wire.payloads import (
+    COLUMN_FIELDS,
     ChangeEvent,
-    ColumnSchema,
+    Column,
     SchemaEvent,
     SnapshotChunk,
     SnapshotMetaPayload,
@@ -77,13 +78,13 @@ from cdc_platform.wire.subjects import (
 )
 
 __all__ = [
-    "CDC_PREFIX", "CHANGE_OPERATIONS", "CONTENT_ENCODING_ZSTD", "CONTENT_TYPES",
+    "CDC_PREFIX", "CHANGE_OPERATIONS", "COLUMN_FIELDS", "CONTENT_ENCODING_ZSTD", "CONTENT_TYPES",
     "CONTROL_EOB_SUBJECT", "CONTROL_TOKEN", "CUTOVER_RULE", "HEADER_CLAIM_CHECK",
     "HEADER_CONTENT_ENCODING", "HEADER_CONTENT_TYPE", "HEADER_MSG_ID",
     "HEADER_SCHEMA_FINGERPRINT", "HEADER_SIGNATURE", "HEADER_SIGNING_KEY",
     "HEADER_ZSTD_DICT", "HEARTBEAT_PREFIX", "INIT_META_PREFIX", "INIT_SNAP_PREFIX",
     "SCHEMA_OPERATION", "SNAPSHOT_REQUEST_PREFIX", "WATERMARK_PREFIX",
-    "WATERMARK_SUBJECT_PREFIX", "ChangeEvent", "ColumnSchema", "Format", "MessageSigner",
+    "WATERMARK_SUBJECT_PREFIX", "ChangeEvent", "Column", "Format", "MessageSigner",
     "SchemaEvent", "SignatureVerifier", "SnapshotChunk", "SnapshotMetaPayload",
     "SnapshotReply", "TableSchemaValue", "WatermarkMarker", "applies", "batch_msg_id",
     "cdc_batch_subject", "cdc_schema_subject", "cdc_subject", "cdc_table_subjects",

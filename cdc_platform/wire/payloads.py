@@ -10,7 +10,9 @@ Python and the compiled twins) produce for each of these.
 import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from datetime import datetime
 from typing import Any, Literal, NotRequired, TypedDict
 
@@ -48,17 +50,42 @@ class ChangeEvent(TypedDict):
     tx_tables: NotRequired[dict[str, int]]
 
 
-class ColumnSchema(TypedDict):
+@dataclass(frozen=True, slots=True)
+class Column:
+    """One column of a table's schema, as ``columns`` of a KV ``schemas`` value carries it
+    (:meth:`to_wire`: these fields, in this order)."""
+
     name: str
     position: int
-    data_type: str
+    data_type: str  # format_type, e.g. numeric(10,2)
     is_nullable: bool
     column_default: str | None
     type_oid: int
-    is_key: bool
+    is_key: bool  # in the replica identity (every column under REPLICA IDENTITY FULL)
     is_primary_key: bool
-    missing_value: Value  # what rows older than the column read (attmissingval), or None
-    attnum: int  # the column's identity (pg_attribute.attnum): kept by a RENAME; 0: unknown
+    missing_value: Value = None  # what rows older than the column read (attmissingval)
+    attnum: int = 0  # the column's identity (pg_attribute.attnum): kept by a RENAME; 0: unknown
+
+    @classmethod
+    def from_wire(cls, column: Mapping[str, Any]) -> "Column":
+        """A ``columns`` element read from the wire: KeyError, TypeError or ValueError when it
+        is not one. Only ``name``, ``type_oid`` and ``data_type`` are required (what consumers
+        read to store a column); the others read as unknown when absent: position 0, nullable,
+        no default, not in a key, no missing value, attnum 0."""
+        name = column["name"]
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name {name!r}")
+        type_oid = int(column["type_oid"])
+        data_type = str(column["data_type"])
+        default = column.get("column_default")
+        return cls(name, int(column.get("position") or 0), data_type,
+                   bool(column.get("is_nullable", True)),
+                   None if default is None else str(default), type_oid,
+                   bool(column.get("is_key")), bool(column.get("is_primary_key")),
+                   column.get("missing_value"), int(column.get("attnum") or 0))
+
+    def to_wire(self) -> dict[str, Value]:
+        return {name: getattr(self, name) for name in COLUMN_FIELDS}
 
 
 class TableSchemaValue(TypedDict):
@@ -67,7 +94,7 @@ class TableSchemaValue(TypedDict):
     table: str
     schema: str  # "namespace.name", quoted where PostgreSQL would quote
     timestamp: int
-    columns: list[ColumnSchema]
+    columns: list[dict[str, Value]]  # each as Column.to_wire() writes it
     namespace: str
     name: str
     relation_id: int
@@ -201,6 +228,7 @@ SCHEMA_EVENT_FIELDS = fields(SchemaEvent)
 SNAPSHOT_CHUNK_FIELDS = fields(SnapshotChunk)
 SNAPSHOT_META_FIELDS = fields(SnapshotMetaPayload)
 TABLE_SCHEMA_FIELDS = fields(TableSchemaValue)
+COLUMN_FIELDS = tuple(field.name for field in dataclass_fields(Column))
 
 
 def schema_fingerprint(columns: Sequence[tuple[str, int, int, bool]],

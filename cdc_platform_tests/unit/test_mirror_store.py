@@ -165,6 +165,33 @@ def test_positions_survive_reopening(tmp_path):
     again.close()
 
 
+@pytest.mark.parametrize("columns", [
+    # as 0.4.0 wrote it: name, SQLite type, in the key, type oid, attnum
+    '[["id", "INTEGER", true, 23, 1], ["name", "TEXT", false, 25, 2], ["f", "", false, 701, 3]]',
+    # before type oids and attnums were kept
+    '[["id", "INTEGER", true], ["name", "TEXT", false], ["f", "", false]]',
+])
+def test_a_shape_written_by_an_earlier_version_opens(tmp_path, columns):
+    store = MirrorStore(tmp_path / "m.db")
+    bootstrapped(store, schema(columns=(("id", 23, "integer", True), ("name", 25, "text", False),
+                                        ("f", 701, "double precision", False))))
+    text = '{"table": "users", "fingerprint": "f1", "columns": ' + columns + '}'
+    with store._db:
+        store._db.execute("UPDATE _cdc_mirror_tables SET shape = ?", (text,))
+    store.close()
+    again = MirrorStore(tmp_path / "m.db")
+    shape = again.shape("users")
+    assert [(c.name, c.sqlite_type, c.is_primary_key) for c in shape.columns] == [
+        ("id", "INTEGER", True), ("name", "TEXT", False), ("f", "", False)]
+    assert shape.key_columns == ["id"]
+    if "23" in columns:
+        assert shape.to_json_text() == text  # and written back as it was
+    again.apply_transaction([event("INSERT", "1/0", 0, data={"id": 2, "name": "b", "f": -0.0})],
+                            stream_seq=11)
+    assert rows(again) == [(2, "b", -0.0)]
+    again.close()
+
+
 def test_a_corrupt_database_is_a_clear_error(tmp_path):
     path = tmp_path / "bad.db"
     path.write_bytes(b"this is not sqlite" * 100)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cdc_platform.bridge.shapes import AnnouncedShape, column_identities
-from cdc_platform.postgres.catalog import ColumnInfo, TableSchema
+from cdc_platform.postgres.catalog import CatalogColumn, TableSchema
 from cdc_platform.protocol.pgoutput import Relation, RelationColumn
 
 TEXT, INT = 25, 23
@@ -19,8 +19,9 @@ def relation(*columns: tuple[str, int]) -> Relation:
 
 def catalog(*columns: tuple[str, int, int]) -> TableSchema:
     return TableSchema("public", "t", 16400, "d", tuple(
-        ColumnInfo(name, attnum, "x", True, None, oid, -1, name == "id", name == "id",
-                   attnum=attnum) for name, oid, attnum in columns), storage=1)
+        CatalogColumn(name, attnum, "x", True, None, oid, name == "id", name == "id",
+                      attnum=attnum, type_modifier=-1) for name, oid, attnum in columns),
+        storage=1)
 
 
 # announced: id (1), b text (2)
@@ -65,3 +66,14 @@ def test_swapped_names_are_not_taken_for_the_columns_they_were():
                                   catalog(("id", INT, 1), ("b", TEXT, 2), ("a", TEXT, 3),
                                           ("x", INT, 4)), announced)
     assert reason is not None and "no longer follow their order" in reason
+
+
+def test_the_announced_shape_of_a_schema_event_is_the_shape_announced():
+    schema = catalog(("id", INT, 1), ("b", TEXT, 2))
+    event = {"schema_fingerprint": "f1", "relfilenode": 1, "table_schema": schema.to_wire()}
+    read = AnnouncedShape.from_event(event)
+    assert (read.fingerprint, read.storage) == ("f1", 1)
+    assert [c.to_wire() for c in read.columns] == [c.to_wire() for c in ANNOUNCED.columns]
+    event["table_schema"]["columns"][1]["type_oid"] = "text"
+    with pytest.raises(ValueError):
+        AnnouncedShape.from_event(event)
