@@ -1,6 +1,20 @@
+import signal
+
 import pytest
 
 pytest_plugins = ["cdc_platform_tests.fixtures.services"]
+
+
+def pytest_configure(config):
+    """Stop signals as an interactive session has them. A session started in the background
+    (CI under nohup, ``make test &``) inherits an ignored SIGINT; Dagster, run in this process,
+    gives SIGTERM SIGINT's disposition, and every child then inherits an ignored SIGTERM:
+    Dagster's compute-log ``tail`` outlived its ``terminate()`` by 30 s per materialization,
+    and a command under test lost a stop sent before it installed its handler."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def pytest_report_header(config):

@@ -4,14 +4,12 @@ orchestrator sends it whenever it likes), and the stop fits the shutdown budget.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import re
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Self
 
@@ -80,24 +78,6 @@ def _delays(count: int, longest: float, chance: random.Random) -> list[float]:
     return delays
 
 
-@contextlib.contextmanager
-def _stop_signals_not_ignored() -> Iterator[None]:
-    """SIGINT and SIGTERM not ignored by this process meanwhile, so that the commands it
-    starts get them as an orchestrator's children do (exec resets a handler, not an ignored
-    signal). A test session started in the background ignores SIGINT, and Dagster, run here
-    by other tests, gives SIGTERM SIGINT's disposition: the commands inherited an ignored
-    SIGTERM, and a stop sent before they installed their handler was lost."""
-    ignored = [stop for stop in (signal.SIGINT, signal.SIGTERM)
-               if signal.getsignal(stop) == signal.SIG_IGN]
-    for stop in ignored:
-        signal.signal(stop, signal.SIG_DFL)
-    try:
-        yield
-    finally:
-        for stop in ignored:
-            signal.signal(stop, signal.SIG_IGN)
-
-
 def _stop_at_random_moments(command: list[str], env: dict[str, str], log_path: Path,
                             count: int, budget: float) -> list[tuple[float, int | None, float]]:
     """Start ``command`` ``count`` times, SIGTERM it after a random delay from exec: (delay,
@@ -145,7 +125,7 @@ async def test_the_bridge_stops_on_sigterm_at_any_moment(cdc_database, pg_admin,
     log_path = tmp_path / "bridge.log"
     pg_admin.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')",
                      (cdc_database.slot,))
-    with Writes(pg_admin, table) as writes, _stop_signals_not_ignored():
+    with Writes(pg_admin, table) as writes:
         outcomes = await asyncio.to_thread(_stop_at_random_moments, [CLI, "bridge"], env,
                                            log_path, 20, budget)
     _assert_stopped_cleanly(outcomes, budget, log_path)
@@ -171,7 +151,7 @@ async def test_the_mirror_stops_on_sigterm_at_any_moment(cdc_database, pg_admin,
         await wait_for(lambda: pg_admin.execute(
             "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s",
             (cdc_database.slot,)).fetchone() is not None, timeout=60)
-        with Writes(pg_admin, table, first=1001), _stop_signals_not_ignored():
+        with Writes(pg_admin, table, first=1001):
             outcomes = await asyncio.to_thread(_stop_at_random_moments, command, env,
                                                log_path, 12, 5.0)
     _assert_stopped_cleanly(outcomes, 5.0, log_path)
