@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import psycopg
+from nats.js.api import RawStreamMsg
 from nats.js.errors import NotFoundError
 
 from cdc_platform.bridge.events import BuiltBatch, MessageBuilder
@@ -560,22 +561,9 @@ class CdcBridge:
         until the first change it does not hold."""
         if table in self._past_replay:
             return False
-        assert self._js is not None
-        stream = self.settings.topology.cdc.name
-        while True:
-            try:
-                message = await self._answering(self._own_reader(), self._js.get_last_msg(
-                    stream, cdc_table_subjects(table)))
-                stored = _position_of(message.headers or {})
-                break
-            except NotFoundError:
-                stored = None
-                break
-            except Exception as exc:  # NATS away: retry until it is back
-                if self.stop_requested.is_set():
-                    raise
-                log.warning("could not read the last event of %s (%s); retrying", table, exc)
-                await self._answering(self._own_reader(), asyncio.sleep(1.0))
+        message = await self._last_cdc_message(cdc_table_subjects(table),
+                                               f"the last event of {table}")
+        stored = _position_of(message.headers or {}) if message is not None else None
         if stored is not None and stored >= (change.commit_lsn, change.ordinal):
             return True
         self._past_replay.add(table)
@@ -585,31 +573,34 @@ class CdcBridge:
         """The shape of ``table``'s last schema event in the stream (None: none there)."""
         if table in self._announced:
             return self._announced[table]
+        message = await self._last_cdc_message(cdc_schema_subject(table),
+                                               f"the last schema event of {table}")
+        found = None
+        if message is not None:
+            try:
+                found = AnnouncedShape.from_event(decode_any(message.data or b""))
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("the last schema event of %s is unreadable (%r): announcing its "
+                            "shape again", table, exc)
+        self._announced[table] = found
+        return found
+
+    async def _last_cdc_message(self, subject: str, what: str) -> RawStreamMsg | None:
+        """The last message of ``CDC`` on ``subject`` (a wildcard too), or None: none there.
+        While NATS is away it asks again every second, answering PostgreSQL meanwhile."""
         assert self._js is not None
         stream = self.settings.topology.cdc.name
         while True:
             try:
-                message = await self._answering(self._own_reader(), self._js.get_last_msg(
-                    stream, cdc_schema_subject(table)))
-                event = decode_any(message.data)
-                found = AnnouncedShape.from_event(event)
-                break
+                return await self._answering(self._own_reader(),
+                                             self._js.get_last_msg(stream, subject))
             except NotFoundError:
-                found = None
-                break
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("the last schema event of %s is unreadable (%r): announcing its "
-                            "shape again", table, exc)
-                found = None
-                break
+                return None
             except Exception as exc:  # NATS away: retry until it is back
                 if self.stop_requested.is_set():
                     raise
-                log.warning("could not read the last schema event of %s (%s); retrying",
-                            table, exc)
+                log.warning("could not read %s (%s); retrying", what, exc)
                 await self._answering(self._own_reader(), asyncio.sleep(1.0))
-        self._announced[table] = found
-        return found
 
     async def _put_schema(self, schema: TableSchema) -> None:
         if self._published.get(schema.wire_name) == (schema.fingerprint, schema.relation_id,
