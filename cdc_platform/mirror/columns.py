@@ -41,8 +41,8 @@ from cdc_platform.wire import Column
 
 _BOOL_OID = 16
 _INTEGER_OIDS = frozenset({20, 21, 23, 26, 28, 29, _BOOL_OID})
-_WIDE_INTEGER_OIDS = frozenset({5069})  # xid8: up to 2^64-1, past SQLite's int64
-_REAL_OIDS = frozenset({700, 701})
+WIDE_INTEGER_OIDS = frozenset({5069})  # xid8: up to 2^64-1, past SQLite's int64
+REAL_OIDS = frozenset({700, 701})
 _BLOB_OIDS = frozenset({17})
 # Builtin types whose wire value is always a str (values.py): TEXT affinity keeps it as is.
 _TEXT_OIDS = frozenset({
@@ -59,9 +59,9 @@ def sqlite_type(type_oid: int, data_type: str) -> str:
         return "TEXT"
     if type_oid in _INTEGER_OIDS:
         return "INTEGER"
-    if type_oid in _WIDE_INTEGER_OIDS:
+    if type_oid in WIDE_INTEGER_OIDS:
         return ""  # an int, or its text past int64: no affinity may touch it
-    if type_oid in _REAL_OIDS:
+    if type_oid in REAL_OIDS:
         return ""  # REAL affinity stores -0.0 as the integer 0: its sign would be lost
     if type_oid in _BLOB_OIDS:
         return "BLOB"
@@ -117,7 +117,7 @@ def insert_statement(table: str, names: Sequence[str]) -> str:
 # "Payload encoding"): the columns whose values a JSON consumer must turn back, by type oid.
 _JSON_BYTES_OIDS = frozenset({17, 1001})  # bytea, bytea[]
 _JSON_FLOAT_OIDS = frozenset({700, 701, 1021, 1022})  # float4/8 and their arrays
-_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+NON_FINITE_FLOATS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
 def _from_base64(value: Any) -> Any:
@@ -129,7 +129,7 @@ def _from_base64(value: Any) -> Any:
 def _from_json_float(value: Any) -> Any:
     if isinstance(value, list):
         return [_from_json_float(item) for item in value]
-    return _NON_FINITE[value] if isinstance(value, str) else value
+    return NON_FINITE_FLOATS[value] if isinstance(value, str) else value
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +157,7 @@ class MirroredColumn:
 
     @property
     def is_float(self) -> bool:
-        return self.type_oid in _REAL_OIDS
+        return self.type_oid in REAL_OIDS
 
     @property
     def is_bool(self) -> bool:

@@ -17,13 +17,16 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from cdc_platform.mirror.columns import MirroredColumn, sqlite_type
+from cdc_platform.mirror.columns import (
+    NON_FINITE_FLOATS,
+    REAL_OIDS,
+    WIDE_INTEGER_OIDS,
+    MirroredColumn,
+    sqlite_type,
+)
 
-_XID8 = 5069
-_FLOATS = frozenset({700, 701})
 _FLOAT_ARRAYS = frozenset({1021, 1022})
 _BYTEA_ARRAY = 1001
-_NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
 def is_array(column: MirroredColumn) -> bool:
@@ -39,9 +42,9 @@ def wire_value(stored: Any, column: MirroredColumn) -> Any:
     if not isinstance(stored, str):
         return stored
     oid = column.type_oid
-    if oid in _FLOATS:
+    if oid in REAL_OIDS:
         return math.nan if stored == "NaN" else stored
-    if oid == _XID8:
+    if oid in WIDE_INTEGER_OIDS:
         return int(stored) if stored.isascii() and stored.isdigit() else stored
     if is_array(column) and stored.startswith("["):
         try:
@@ -62,7 +65,7 @@ def _elements(items: list[Any], restore: Callable[[Any], Any]) -> list[Any]:
 
 
 def _non_finite(item: Any) -> Any:
-    return _NON_FINITE.get(item, item) if isinstance(item, str) else item
+    return NON_FINITE_FLOATS.get(item, item) if isinstance(item, str) else item
 
 
 def _hex_bytes(item: Any) -> Any:
