@@ -6,7 +6,11 @@ A consumer publishes on ``snapshot.request.{table}``; the body is empty or a JSO
 core-NATS publishes there), ``max_age_seconds`` (reuse a snapshot of the table at most this old whose
 cutover point the CDC stream still holds; default ``CDC_SNAPSHOT_REUSE_SECONDS``; never less
 than ``CDC_SNAPSHOT_MIN_INTERVAL``, see ``Pacing``), ``min_lsn`` (reuse only a snapshot whose cutover LSN is at least this: a consumer
-that must bootstrap again after a rewrite asks for one taken after it). Replies are JSON objects: ``request_id``, ``table``, ``status`` (``accepted``,
+that must bootstrap again after a rewrite asks for one taken after it), ``purpose``
+(``snapshot``, the default; ``verify``: a verification digest of the table instead,
+docs/verification.md; ``repair``: a snapshot of some buckets only, its meta on
+``init.repair.{table}``), ``bits`` and ``buckets`` (verify: optional, the buckets to digest;
+repair: required, the buckets to read). Replies are JSON objects: ``request_id``, ``table``, ``status`` (``accepted``,
 ``refused``, ``done``, ``failed``) and per status ``reason`` (refused, failed), ``run_key``
 (accepted), ``snapshot_id``, ``lsn``, ``cdc_stream``, ``cdc_start_seq``, ``meta_subject``,
 ``meta_seq``, ``reused`` (done).
@@ -47,6 +51,8 @@ _REPLY_SUBJECT = re.compile(
     r"_INBOX(_[A-Za-z0-9_-]{1,64})?\.[A-Za-z0-9_$=/-]+(\.[A-Za-z0-9_$=/-]+)*")
 _SUBJECT = re.compile(r"[A-Za-z0-9_$=/-]+(\.[A-Za-z0-9_$=/-]+)*")
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+PURPOSES = ("snapshot", "verify", "repair")
+MAX_REQUEST_BITS = 20  # the finest buckets a request may name (a repair bisecting)
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,9 @@ class SnapshotRequest:
     max_age_seconds: float | None = None
     refused: str | None = None  # why, when the request itself is unusable
     min_lsn: int = 0  # reuse only a snapshot whose cutover LSN is at least this
+    purpose: str = "snapshot"  # one of PURPOSES
+    bits: int | None = None  # verify/repair: the buckets' bits ...
+    buckets: tuple[int, ...] | None = None  # ... and which (None: all of them)
 
     @property
     def requester(self) -> list[str | None] | None:
@@ -107,9 +116,43 @@ def parse_request(subject: str, data: bytes, seq: int) -> SnapshotRequest:
             min_lsn = parse_lsn(body["min_lsn"])
         except (ValueError, TypeError, AttributeError):
             problems.append("min_lsn must be an LSN such as 16/B374D848")
+    purpose, bits, buckets = _purpose(body, problems)
     return SnapshotRequest(table, seq, request_id, reply_to,
                            None if max_age is None else float(max_age),
-                           "; ".join(problems) or None, min_lsn)
+                           "; ".join(problems) or None, min_lsn, purpose, bits, buckets)
+
+
+def _purpose(body: Mapping[str, Any], problems: list[str]
+             ) -> tuple[str, int | None, tuple[int, ...] | None]:
+    """``purpose``, ``bits`` and ``buckets`` of a request body; what is wrong goes to
+    ``problems``."""
+    purpose = body.get("purpose", "snapshot")
+    if purpose not in PURPOSES:
+        problems.append(f"purpose must be one of {', '.join(PURPOSES)}")
+        return "snapshot", None, None
+    bits, buckets = body.get("bits"), body.get("buckets")
+    if purpose == "snapshot":
+        if bits is not None or buckets is not None:
+            problems.append("bits and buckets are for purpose verify or repair")
+        return purpose, None, None
+    if bits is None:
+        if purpose == "repair" or buckets is not None:
+            problems.append(f"purpose {purpose} with buckets needs bits")
+        return purpose, None, None
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 0 <= bits <= (
+            MAX_REQUEST_BITS):
+        problems.append(f"bits must be an integer 0..{MAX_REQUEST_BITS}")
+        return purpose, None, None
+    if buckets is None:
+        if purpose == "repair":
+            problems.append("purpose repair needs buckets")
+        return purpose, bits, None
+    if (not isinstance(buckets, list) or not buckets
+            or any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < 1 << bits
+                   for b in buckets)):
+        problems.append(f"buckets must be a non-empty list of integers below 2^{bits}")
+        return purpose, bits, None
+    return purpose, bits, tuple(sorted(set(buckets)))
 
 
 @dataclass(frozen=True)
@@ -252,7 +295,9 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     for request in requests:
         reason = request.refused or (
             None if request.table in published
-            else f"{request.table!r} is not a table of publication {publication}")
+            else f"{request.table!r} is not a table of publication {publication}") or (
+            None if request.purpose == "snapshot"
+            else f"purpose {request.purpose} is not served by this platform version")
         if reason is not None:
             refusals.append(f"refused snapshot request for {request.table[:200]!r} "
                             f"(stream seq {request.seq}): {reason}")

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+ALGORITHM = "cdc-digest-1"  # a digest message's ``algorithm``: this module; a new one, a new name
 HASH_BITS = 64
 _MASK = (1 << HASH_BITS) - 1
 # a table's buckets: the fewest bits that leave at most ROWS_PER_BUCKET rows in a bucket on
@@ -262,3 +263,26 @@ def table_digest(rows: Iterable[Mapping[str, Any]], digester: RowDigester,
     for row in rows:
         digest.add(digester.key_hash(row), digester.row_hash(row))
     return digest
+
+
+def pack_totals(totals: Sequence[int]) -> bytes:
+    """A digest message's ``totals``: each bucket total as 8 bytes, big-endian."""
+    return struct.pack(f">{len(totals)}Q", *totals)
+
+
+def bucket_digests(bits: int, totals: bytes, counts: Sequence[int],
+                   buckets: Sequence[int] | None = None) -> dict[int, tuple[int, int]]:
+    """A digest message's buckets, ``{bucket: (total, count)}``: every bucket at ``bits``, or
+    those of ``buckets``. ValueError when the fields do not fit together."""
+    if not 0 <= bits <= MAX_HELD_BITS:
+        raise ValueError(f"bits must be 0..{MAX_HELD_BITS}, not {bits}")
+    covered = list(range(1 << bits)) if buckets is None else list(buckets)
+    if any(not 0 <= bucket < 1 << bits for bucket in covered) or len(set(covered)) != len(
+            covered):
+        raise ValueError(f"buckets must be distinct numbers below 2^{bits}")
+    if len(totals) != 8 * len(covered) or len(counts) != len(covered):
+        raise ValueError(f"{len(covered)} buckets need {8 * len(covered)} bytes of totals and "
+                         f"{len(covered)} counts, not {len(totals)} and {len(counts)}")
+    unpacked = struct.unpack(f">{len(covered)}Q", totals)
+    return {bucket: (total, int(count))
+            for bucket, total, count in zip(covered, unpacked, counts, strict=True)}

@@ -142,6 +142,28 @@ class WatermarkMarker(TypedDict):
     msg_id: str
 
 
+class VerificationDigestPayload(TypedDict):
+    """``cdc.cdc-platform.verify.{table}.{verification_id}`` (stream ``CDC``): the source's
+    table digest (docs/verification.md) at ``lsn``: it covers exactly the transactions whose
+    commit_lsn < lsn, as a snapshot at ``lsn`` would. Stored after every one of them."""
+
+    type: Literal["digest"]
+    verification_id: str  # "verify-...": also the id of its watermark marker
+    table: str
+    lsn: str  # compare a mirror holding every transaction below it and none above
+    marker_subject: str  # the verification's watermark marker (before every commit >= lsn)
+    schema_fingerprint: str  # the columns digested: comparable only with the same ones
+    algorithm: str  # "cdc-digest-1" (docs/verification.md Part 1)
+    bits: int
+    row_count: int  # of the rows digested (the buckets' counts summed)
+    # per covered bucket, in the order of ``buckets`` (every bucket 0..2^bits-1 when null):
+    totals: bytes  # 8 bytes each, big-endian uint64 (JSON: base64, as bytea)
+    counts: list[int]
+    buckets: list[int] | None  # the buckets covered, when the run was asked for some
+    duration_seconds: float
+    msg_id: str
+
+
 class SnapshotChunk(TypedDict):
     """``init.snap.{table}.{snapshot_id}.{chunk}``: up to CDC_CHUNK_ROWS rows."""
 
@@ -227,6 +249,7 @@ CHANGE_EVENT_FIELDS = fields(ChangeEvent)
 SCHEMA_EVENT_FIELDS = fields(SchemaEvent)
 SNAPSHOT_CHUNK_FIELDS = fields(SnapshotChunk)
 SNAPSHOT_META_FIELDS = fields(SnapshotMetaPayload)
+VERIFICATION_DIGEST_FIELDS = fields(VerificationDigestPayload)
 TABLE_SCHEMA_FIELDS = fields(TableSchemaValue)
 COLUMN_FIELDS = tuple(field.name for field in dataclass_fields(Column))
 

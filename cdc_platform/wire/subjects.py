@@ -13,8 +13,14 @@ CONTROL_TOKEN = "cdc-platform"
 WATERMARK_SUBJECT_PREFIX = f"{CDC_PREFIX}.{CONTROL_TOKEN}.watermark"
 # Commit frames of JetStream fast-ingest batches: captured by the CDC stream, never stored.
 CONTROL_EOB_SUBJECT = f"{CDC_PREFIX}.{CONTROL_TOKEN}.eob"
+# A table's verification digest (docs/verification.md): after every transaction it covers.
+VERIFY_SUBJECT_PREFIX = f"{CDC_PREFIX}.{CONTROL_TOKEN}.verify"
+# The watermark marker of a verification has an id starting so (a snapshot's never does).
+VERIFICATION_ID_PREFIX = "verify-"
 INIT_SNAP_PREFIX = "init.snap"
 INIT_META_PREFIX = "init.meta"
+# The meta of a repair snapshot (some buckets of a table): never where full snapshots' are.
+INIT_REPAIR_PREFIX = "init.repair"
 SNAPSHOT_REQUEST_PREFIX = "snapshot.request"
 
 # Logical decoding message prefixes we emit with pg_logical_emit_message.
@@ -62,6 +68,15 @@ def snapshot_meta_subject(table: str) -> str:
     return f"{INIT_META_PREFIX}.{table}"
 
 
+def repair_meta_subject(table: str) -> str:
+    return f"{INIT_REPAIR_PREFIX}.{table}"
+
+
+def verify_digest_subject(table: str, verification_id: str) -> str:
+    """``cdc.cdc-platform.verify.{table}.{verification_id}``: the source's digest."""
+    return f"{VERIFY_SUBJECT_PREFIX}.{table}.{verification_id}"
+
+
 def snapshot_request_subject(table: str) -> str:
     return f"{SNAPSHOT_REQUEST_PREFIX}.{table}"
 
@@ -93,6 +108,10 @@ def chunk_msg_id(snapshot_id: str, chunk: int) -> str:
 
 def meta_msg_id(snapshot_id: str) -> str:
     return f"{snapshot_id}:meta"
+
+
+def verify_digest_msg_id(verification_id: str) -> str:
+    return f"verify:{verification_id}:digest"
 
 
 def dictionary_key(table: str, dictionary_id: int) -> str:

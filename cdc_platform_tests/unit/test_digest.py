@@ -261,3 +261,21 @@ def test_every_edge_value_comes_back_from_the_mirrors_sqlite_with_its_hash(table
         row["row_hash"] for row in VECTORS[table]["rows"]]
     assert table_digest(read, digester, VECTORS[table]["bits"]) == table_digest(
         _rows(table), digester, VECTORS[table]["bits"])
+
+
+def test_a_digest_messages_buckets_read_back_as_written():
+    from cdc_platform.wire.digest import bucket_digests, pack_totals
+
+    digest = TableDigest(3)
+    digest.add(0xFFFF_0000_0000_0000, 2**64 - 1)
+    digest.add(0x0000_0000_0000_0001, 5)
+    packed = pack_totals(digest.totals)
+    assert len(packed) == 64 and packed[-8:] == b"\xff" * 8
+    assert bucket_digests(3, packed, digest.counts) == {
+        b: (digest.totals[b], digest.counts[b]) for b in range(8)}
+    assert bucket_digests(3, pack_totals([7, 9]), [1, 2], [6, 2]) == {6: (7, 1), 2: (9, 2)}
+    for bad in ((3, packed[:-1], digest.counts, None), (3, packed, digest.counts[:-1], None),
+                (3, pack_totals([1]), [1], [8]), (3, pack_totals([1, 1]), [1, 1], [2, 2]),
+                (21, b"", [], [])):
+        with pytest.raises(ValueError):
+            bucket_digests(*bad)

@@ -60,3 +60,30 @@ def test_a_flood_of_notes_is_summarized():
     notes = [f"refused {n}" for n in range(1000)]
     assert summarize(notes) == [*notes[:5], "... and 995 more like these"]
     assert summarize(notes[:5]) == notes[:5]
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    (b'{"purpose": "destroy"}', "purpose must be one of"),
+    (b'{"bits": 4}', "bits and buckets are for purpose verify or repair"),
+    (b'{"purpose": "repair"}', "needs bits"),
+    (b'{"purpose": "repair", "bits": 4}', "needs buckets"),
+    (b'{"purpose": "verify", "buckets": [1]}', "needs bits"),
+    (b'{"purpose": "verify", "bits": 21}', "bits must be an integer 0..20"),
+    (b'{"purpose": "verify", "bits": true}', "bits must be an integer"),
+    (b'{"purpose": "repair", "bits": 4, "buckets": [16]}', "below 2^4"),
+    (b'{"purpose": "repair", "bits": 4, "buckets": []}', "non-empty list"),
+    (b'{"purpose": "repair", "bits": 4, "buckets": [false]}', "list of integers"),
+])
+def test_a_verify_or_repair_request_names_its_buckets_or_is_refused(body, reason):
+    request = parse_request("snapshot.request.users", body, 1)
+    assert request.refused is not None and reason in request.refused
+
+
+def test_a_repair_request_keeps_its_buckets_sorted_once():
+    request = parse_request("snapshot.request.users",
+                            b'{"purpose": "repair", "bits": 10, "buckets": [900, 3, 900]}', 1)
+    assert request.refused is None
+    assert (request.purpose, request.bits, request.buckets) == ("repair", 10, (3, 900))
+    verify = parse_request("snapshot.request.users", b'{"purpose": "verify"}', 2)
+    assert (verify.refused, verify.purpose, verify.bits, verify.buckets) == (
+        None, "verify", None, None)
