@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from cdc_platform.mirror.columns import (
@@ -24,6 +24,7 @@ from cdc_platform.mirror.columns import (
     MirroredColumn,
     sqlite_type,
 )
+from cdc_platform.wire.digest import RowDigester, TableDigest
 
 _FLOAT_ARRAYS = frozenset({1021, 1022})
 _BYTEA_ARRAY = 1001
@@ -72,3 +73,30 @@ def _hex_bytes(item: Any) -> Any:
     if isinstance(item, str) and item.startswith("\\x"):
         return bytes.fromhex(item[2:])
     return item
+
+
+class StoredRowDigester:
+    """Key and row hashes of rows read from a mirror's SQLite table: ``SELECT`` of
+    ``columns`` (in that order) gives tuples whose values ``wire_value`` turns back into the
+    wire values the digest is defined over."""
+
+    def __init__(self, columns: Sequence[MirroredColumn], key_columns: Sequence[str]) -> None:
+        self.columns = tuple(columns)
+        self.names = tuple(column.name for column in columns)
+        self._digester = RowDigester(self.names, key_columns)
+
+    def hashes(self, stored: Sequence[Any]) -> tuple[int, int]:
+        """``(key_hash, row_hash)`` of one stored row (a tuple in ``columns`` order)."""
+        return self._digester.hashes({
+            column.name: wire_value(value, column)
+            for column, value in zip(self.columns, stored, strict=True)})
+
+
+def digest_stored_rows(digest: TableDigest, digester: StoredRowDigester,
+                       rows: Iterable[Sequence[Any]]) -> int:
+    """Add stored rows (``digester.columns`` order) to ``digest``; the number added."""
+    added = 0
+    for stored in rows:
+        digest.add(*digester.hashes(stored))
+        added += 1
+    return added

@@ -204,6 +204,11 @@ class RowDigester:
     def key_hash(self, row: Mapping[str, Any]) -> int:
         return _hash64(_joined(self._key_prefixed, row))
 
+    def hashes(self, row: Mapping[str, Any]) -> tuple[int, int]:
+        """``(key_hash, row_hash)``: what a bucket digest adds or removes for the row."""
+        return (_hash64(_joined(self._key_prefixed, row)),
+                _hash64(_joined(self._prefixed, row)))
+
 
 @dataclass
 class TableDigest:
@@ -256,12 +261,21 @@ class TableDigest:
                 or mine.counts[index] != theirs.counts[index]]
 
 
+def digest_rows(digest: TableDigest, digester: RowDigester,
+                rows: Iterable[Mapping[str, Any]]) -> int:
+    """Add ``rows`` to ``digest``; the number of rows added."""
+    added = 0
+    for row in rows:
+        digest.add(*digester.hashes(row))
+        added += 1
+    return added
+
+
 def table_digest(rows: Iterable[Mapping[str, Any]], digester: RowDigester,
                  bits: int) -> TableDigest:
     """The digest of ``rows`` (every row of a table, or of a bucket) at ``bits`` bits."""
     digest = TableDigest(bits)
-    for row in rows:
-        digest.add(digester.key_hash(row), digester.row_hash(row))
+    digest_rows(digest, digester, rows)
     return digest
 
 

@@ -17,7 +17,11 @@ import pytest
 
 from cdc_platform.mirror.columns import TableShape
 from cdc_platform.mirror.store import MirrorStore
-from cdc_platform.mirror.stored_values import wire_value
+from cdc_platform.mirror.stored_values import (
+    StoredRowDigester,
+    digest_stored_rows,
+    wire_value,
+)
 from cdc_platform.wire.digest import (
     MAX_BUCKET_BITS,
     ROWS_PER_BUCKET,
@@ -25,6 +29,7 @@ from cdc_platform.wire.digest import (
     TableDigest,
     bucket_bits,
     bucket_of,
+    digest_rows,
     key_hash,
     row_bytes,
     row_hash,
@@ -261,6 +266,14 @@ def test_every_edge_value_comes_back_from_the_mirrors_sqlite_with_its_hash(table
         row["row_hash"] for row in VECTORS[table]["rows"]]
     assert table_digest(read, digester, VECTORS[table]["bits"]) == table_digest(
         _rows(table), digester, VECTORS[table]["bits"])
+    # the same from the stored tuples, as `mirror verify` scans them
+    shape = TableShape.from_schema(_schema(table))
+    stored = StoredRowDigester(shape.columns, VECTORS[table]["primary_key"])
+    with sqlite3.connect(path) as db:
+        names = ", ".join(f'"{name}"' for name in stored.names)
+        scanned = TableDigest(VECTORS[table]["bits"])
+        digest_stored_rows(scanned, stored, db.execute(f'SELECT {names} FROM "{table}"'))
+    assert scanned == table_digest(_rows(table), digester, VECTORS[table]["bits"])
 
 
 def test_a_digest_messages_buckets_read_back_as_written():
@@ -279,3 +292,13 @@ def test_a_digest_messages_buckets_read_back_as_written():
                 (21, b"", [], [])):
         with pytest.raises(ValueError):
             bucket_digests(*bad)
+
+
+def test_a_rows_hashes_in_one_call_and_rows_digested_in_bulk_agree_with_each_hash():
+    digester = _digester("edges")
+    rows = _rows("edges")
+    assert [digester.hashes(row) for row in rows] == [
+        (digester.key_hash(row), digester.row_hash(row)) for row in rows]
+    digest = TableDigest(3)
+    assert digest_rows(digest, digester, iter(rows)) == len(rows)
+    assert digest == table_digest(rows, digester, 3)
