@@ -41,7 +41,8 @@ PURE_PYTHON = os.environ.get("CDC_PLATFORM_PURE_PYTHON", "").strip().lower() in 
 
 TWINNED = ("bridge.events", "jetstream.frames", "jetstream.pull", "mirror.snapshots",
            "mirror.store", "protocol.changes", "protocol.pgoutput", "protocol.values",
-           "publishing.framing", "publishing.publisher", "snapshot.chunks", "wire.encoding")
+           "publishing.framing", "publishing.publisher", "snapshot.chunks", "wire.digest",
+           "wire.encoding")
 
 
 
