@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import importlib.util
 import math
 import random
 import shutil
@@ -18,6 +19,7 @@ import struct
 import subprocess
 from decimal import Decimal
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -25,6 +27,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import cdc_platform
+from cdc_platform import speedups
+from cdc_platform.mirror.columns import TableShape
+from cdc_platform.mirror.stored_values import StoredRowDigester, digest_stored_rows, wire_value
 from cdc_platform.wire import digest
 from cdc_platform.wire.digest import RowDigester, TableDigest, digest_columns, digest_rows
 
@@ -196,3 +201,74 @@ def test_random_rows_of_a_wide_table_hash_as_the_pure_functions():
             300), generator.getrandbits(80), [1, None]]) for name in names}
         assert digester.row_bytes(row) == digest.row_bytes(row)
         assert digester.hashes(row) == (digest.key_hash(row, names[:3]), digest.row_hash(row))
+
+
+# -- the mirror's stored rows ------------------------------------------------------------------
+def _pure_copy(name: str) -> ModuleType:
+    """A fresh copy of pure module ``name`` that binds no compiled twin (to compare with)."""
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    pure, speedups.PURE_PYTHON = speedups.PURE_PYTHON, True
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        speedups.PURE_PYTHON = pure
+    return module
+
+
+PURE_STORED = _pure_copy("cdc_platform.mirror.stored_values")
+STORED_COLUMNS = (("id", 20, "bigint"), ("score", 701, "double precision"),
+                  ("xid", 5069, "xid8"), ("floats", 1022, "double precision[]"),
+                  ("blobs", 1001, "bytea[]"), ("tags", 1009, "text[]"), ("doc", 3802, "jsonb"),
+                  ("price", 1700, "numeric"), ("odd", 16384, "mood"), ("data", 17, "bytea"))
+stored_texts = st.one_of(
+    st.text(max_size=8), st.sampled_from([
+        "NaN", "Infinity", "", "0", "007", "18446744073709551615", "١٢", "12a", "[", "[]",
+        "[1, null, [2.5, \"x\"]]", '["NaN", "Infinity", "-Infinity", 1.5, null]',
+        '["\\\\x00ff", "\\\\x", [null, "\\\\xab"], "plain"]', '["\\\\xzz"]',
+        '[true, false, 12345678901234567890123, "é\\ud83d\\ude00"]', "[1,", "null"]))
+stored_cells = st.one_of(st.none(), st.integers(), st.floats(), st.binary(max_size=6),
+                         stored_texts)
+
+
+def _stored_shape() -> Any:
+    return TableShape.from_schema({
+        "table": "t", "fingerprint": "f", "primary_key": ["id", "xid"],
+        "columns": [{"name": name, "type_oid": oid, "data_type": data_type, "attnum": n}
+                    for n, (name, oid, data_type) in enumerate(STORED_COLUMNS, start=1)]})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(*(stored_cells for _ in STORED_COLUMNS)), min_size=1, max_size=8),
+       st.sampled_from([[], ["id", "xid"], ["tags"]]), st.integers(0, 3))
+def test_stored_rows_hash_as_their_pure_wire_values_do(rows, key, bits):
+    columns = _stored_shape().columns
+    names = [column.name for column in columns]
+    digester = StoredRowDigester(columns, key)
+    expected_digest, digested = TableDigest(bits), []
+    for stored in rows:
+        for column, value in zip(columns, stored, strict=True):
+            pure = _outcome(PURE_STORED.wire_value, value, column)
+            assert repr(_outcome(wire_value, value, column)) == repr(pure)
+        converted = _outcome(lambda s: {c.name: PURE_STORED.wire_value(v, c)
+                                        for c, v in zip(columns, s, strict=True)}, stored)
+        if converted[1] is not None:
+            assert _outcome(digester.hashes, stored)[1] is converted[1]
+            continue
+        expected = (digest.key_hash(converted[0], key or names), digest.row_hash(converted[0]))
+        assert digester.hashes(stored) == expected
+        assert digester.hashes(list(stored)) == expected
+        expected_digest.add(*expected)
+        digested.append(stored)
+    by_rows = TableDigest(bits)
+    assert digest_stored_rows(by_rows, digester, iter(digested)) == len(digested)
+    assert by_rows == expected_digest
+
+
+def test_a_stored_row_of_another_width_is_a_clear_error():
+    digester = StoredRowDigester(_stored_shape().columns, ["id"])
+    with pytest.raises(ValueError, match="10 values expected, not 2"):
+        digester.hashes((1, 2))
+    with pytest.raises(ValueError, match="10 values expected, not 2"):
+        digest_stored_rows(TableDigest(0), digester, [(1, 2)])
