@@ -278,7 +278,21 @@ class Chunker:
                 raw: dict[int, list[str]] | None = None,
                 ) -> tuple[list[dict[str, Any]], Sequence[str] | None]:
         """``count`` rows of flat ``fields`` -> typed row maps (and the ctids, for tables
-        without a primary key).
+        without a primary key): ``columns_of``'s columns zipped into rows."""
+        columns = self.columns_of(fields, escapes, raw)
+        if self._names:
+            names = self._names
+            data = [dict(zip(names, row, strict=True))
+                    for row in zip(*columns[:len(names)], strict=True)]
+        else:
+            data = [{} for _ in range(count)]
+        return data, (columns[-1] if self.layout.with_ctid else None)
+
+    def columns_of(self, fields: list[str], escapes: bool = True,
+                   raw: dict[int, list[str]] | None = None) -> list[list[Any]]:
+        """The rows of flat ``fields`` -> their typed values column by column, in the
+        layout's column order (then the ctids, for tables without a primary key): what
+        ``wire.digest.digest_columns`` hashes without building row maps.
 
         Column by column, one converter call per value (``map`` when the column has neither
         escapes nor NULLs). Per field this is ``copy_text.parse_line``: NULL iff the field
@@ -303,13 +317,7 @@ class Chunker:
                 if raw is None:
                     raise
                 columns[index] = self._convert_leniently(index, column, convert, raw)
-        if self._names:
-            names = self._names
-            data = [dict(zip(names, row, strict=True))
-                    for row in zip(*columns[:len(names)], strict=True)]
-        else:
-            data = [{} for _ in range(count)]
-        return data, (columns[-1] if self.layout.with_ctid else None)
+        return columns
 
     def _convert_leniently(self, index: int, column: list[str], convert: Any,
                            raw: dict[int, list[str]]) -> list[Any]:
