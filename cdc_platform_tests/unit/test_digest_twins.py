@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import importlib.util
+import json
 import math
 import random
 import shutil
@@ -222,12 +223,22 @@ STORED_COLUMNS = (("id", 20, "bigint"), ("score", 701, "double precision"),
                   ("xid", 5069, "xid8"), ("floats", 1022, "double precision[]"),
                   ("blobs", 1001, "bytea[]"), ("tags", 1009, "text[]"), ("doc", 3802, "jsonb"),
                   ("price", 1700, "numeric"), ("odd", 16384, "mood"), ("data", 17, "bytea"))
+json_items = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=6),
+              st.sampled_from(["NaN", "Infinity", "\\x00ff", "\\x", "\\xzz", "é😀"])),
+    lambda inner: st.lists(inner, max_size=4), max_leaves=12)
 stored_texts = st.one_of(
-    st.text(max_size=8), st.sampled_from([
+    st.text(max_size=8), st.lists(json_items, max_size=5).map(json.dumps),
+    st.lists(json_items, max_size=5).map(lambda items: json.dumps(items, separators=(",", ":"))),
+    st.sampled_from([
         "NaN", "Infinity", "", "0", "007", "18446744073709551615", "١٢", "12a", "[", "[]",
         "[1, null, [2.5, \"x\"]]", '["NaN", "Infinity", "-Infinity", 1.5, null]',
         '["\\\\x00ff", "\\\\x", [null, "\\\\xab"], "plain"]', '["\\\\xzz"]',
-        '[true, false, 12345678901234567890123, "é\\ud83d\\ude00"]', "[1,", "null"]))
+        '[true, false, 12345678901234567890123, "é\\ud83d\\ude00"]', "[1,", "null",
+        "[01]", "[1.]", "[-]", "[1,]", "[NaN]", "[-Infinity]", "[1e999, -1E-999, -0, -0.0]",
+        '["a\\"b"]', '["tab\there"]', "[1] x", " [1]", "[1] \n", '[{"a": 1}]', "[ ]",
+        "[" * 40 + "]" * 40, "[" * 20 + "1" + "]" * 20, "[123456789012345678]",
+        "[1234567890123456789]", "[" + "9" * 5000 + "]", "[\ud800]", '["\ud800"]']))
 stored_cells = st.one_of(st.none(), st.integers(), st.floats(), st.binary(max_size=6),
                          stored_texts)
 
@@ -256,8 +267,12 @@ def test_stored_rows_hash_as_their_pure_wire_values_do(rows, key, bits):
         if converted[1] is not None:
             assert _outcome(digester.hashes, stored)[1] is converted[1]
             continue
-        expected = (digest.key_hash(converted[0], key or names), digest.row_hash(converted[0]))
-        assert digester.hashes(stored) == expected
+        hashed = _outcome(lambda row: (digest.key_hash(row, key or names),
+                                       digest.row_hash(row)), converted[0])
+        assert _outcome(digester.hashes, stored) == hashed
+        if hashed[1] is not None:  # (a lone surrogate in text)
+            continue
+        expected = hashed[0]
         assert digester.hashes(list(stored)) == expected
         expected_digest.add(*expected)
         digested.append(stored)

@@ -9,7 +9,7 @@ import math
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
-from libc.string cimport memset
+from libc.string cimport memcmp, memcpy, memset
 
 from cdc_platform._speedups.wire.digest cimport RowDigester, _Target
 
@@ -23,6 +23,10 @@ cdef extern from "Python.h":
     Py_ssize_t PyUnicode_GET_LENGTH(object o)
     void* PyUnicode_DATA(object o)
     PyObject* PySequence_Fast_GET_ITEM(object o, Py_ssize_t i)
+    const char* PyUnicode_AsUTF8AndSize(object unicode, Py_ssize_t* size) except NULL
+    object PyUnicode_DecodeUTF8(const char* data, Py_ssize_t size, const char* errors)
+    object PyLong_FromString(const char* text, char** end, int base)
+    double PyOS_string_to_double(const char* text, char** end, PyObject* overflow) except? -1.0
 
 _FLOAT_ARRAYS = frozenset({1021, 1022})
 _BYTEA_ARRAY = 1001
@@ -65,6 +69,136 @@ cdef bint _ascii_digits(object text) noexcept:
     return size > 0
 
 
+# -- the JSON text of an array, read without json.loads where it is plain ---------------------
+# ``to_sqlite`` writes arrays as ``json.dumps`` of their nested lists. The reader below takes
+# what that writes for most arrays (nested arrays of null, true, false, numbers and strings
+# without escapes) and gives up (-1) on anything else, which json.loads then reads: so its
+# result is always json.loads's.
+cdef int _MAX_DEPTH = 32
+cdef int _MAX_INT_DIGITS = 18  # an int of more digits goes through json.loads (its limits)
+
+
+cdef inline Py_ssize_t _space(const char* text, Py_ssize_t at, Py_ssize_t end) noexcept:
+    while at < end and (text[at] == 32 or text[at] == 9 or text[at] == 10 or text[at] == 13):
+        at += 1
+    return at
+
+
+cdef Py_ssize_t _number(const char* text, Py_ssize_t at, Py_ssize_t end, list out) except -2:
+    """A JSON number at ``at`` appended to ``out`` (int or float, as json.loads makes it);
+    where it ends, or -1 for what json.loads must read."""
+    cdef Py_ssize_t start = at, digits
+    cdef bint fraction = False
+    cdef char* stop
+    cdef char buffer[64]
+    if at < end and text[at] == 45:  # '-'
+        at += 1
+    if at >= end or not 48 <= text[at] <= 57 or (
+            text[at] == 48 and at + 1 < end and 48 <= text[at + 1] <= 57):
+        return -1  # no digit, or a leading zero
+    while at < end and 48 <= text[at] <= 57:
+        at += 1
+    digits = at - start
+    if at < end and text[at] == 46:  # '.'
+        fraction = True
+        at += 1
+        if at >= end or not 48 <= text[at] <= 57:
+            return -1
+        while at < end and 48 <= text[at] <= 57:
+            at += 1
+    if at < end and (text[at] == 101 or text[at] == 69):  # 'e', 'E'
+        fraction = True
+        at += 1
+        if at < end and (text[at] == 43 or text[at] == 45):
+            at += 1
+        if at >= end or not 48 <= text[at] <= 57:
+            return -1
+        while at < end and 48 <= text[at] <= 57:
+            at += 1
+    if at - start >= <Py_ssize_t>sizeof(buffer) or (not fraction and digits > _MAX_INT_DIGITS):
+        return -1
+    memcpy(buffer, text + start, at - start)
+    buffer[at - start] = 0
+    if fraction:
+        out.append(PyOS_string_to_double(buffer, &stop, NULL))  # float(text): inf past range
+    else:
+        out.append(PyLong_FromString(buffer, &stop, 10))
+    return at
+
+
+cdef Py_ssize_t _array(const char* text, Py_ssize_t at, Py_ssize_t end, list out,
+                       int depth) except -2:
+    """The array whose ``[`` is at ``at`` appended to ``out``; where it ends, or -1."""
+    cdef list items = []
+    cdef Py_ssize_t start
+    cdef unsigned char c
+    if depth > _MAX_DEPTH:
+        return -1
+    at = _space(text, at + 1, end)
+    if at < end and text[at] == 93:  # ']'
+        out.append(items)
+        return at + 1
+    while True:
+        if at >= end:
+            return -1
+        c = <unsigned char>text[at]
+        if c == 34:  # '"'
+            start = at + 1
+            at = start
+            while at < end and <unsigned char>text[at] != 34:
+                if <unsigned char>text[at] == 92 or <unsigned char>text[at] < 32:
+                    return -1  # an escape or a control character
+                at += 1
+            if at >= end:
+                return -1
+            items.append(PyUnicode_DecodeUTF8(text + start, at - start, NULL))
+            at += 1
+        elif c == 91:  # '['
+            at = _array(text, at, end, items, depth + 1)
+        elif c == 110 and end - at >= 4 and memcmp(text + at, b"null", 4) == 0:
+            items.append(None)
+            at += 4
+        elif c == 116 and end - at >= 4 and memcmp(text + at, b"true", 4) == 0:
+            items.append(True)
+            at += 4
+        elif c == 102 and end - at >= 5 and memcmp(text + at, b"false", 5) == 0:
+            items.append(False)
+            at += 5
+        else:
+            at = _number(text, at, end, items)
+        if at < 0:
+            return -1
+        at = _space(text, at, end)
+        if at >= end:
+            return -1
+        if text[at] == 93:  # ']'
+            out.append(items)
+            return at + 1
+        if text[at] != 44:  # ','
+            return -1
+        at = _space(text, at + 1, end)
+
+
+cdef object _json_array(object stored):
+    """``json.loads(stored)`` of a text starting with ``[``, read here when it is plain; the
+    text itself when json.loads refuses it (the pure ``wire_value``)."""
+    cdef Py_ssize_t size, at
+    cdef const char* text
+    cdef list out = []
+    try:
+        text = PyUnicode_AsUTF8AndSize(stored, &size)
+    except UnicodeEncodeError:  # a lone surrogate: json.loads decides
+        text = NULL
+    if text != NULL:
+        at = _array(text, 0, size, out, 0)
+        if at >= 0 and _space(text, at, size) == size:
+            return out[0]
+    try:
+        return json.loads(stored)
+    except ValueError:
+        return stored
+
+
 cdef object _restored(object stored, Kind kind):
     """The pure ``wire_value`` of the text ``stored`` in a column of ``kind``."""
     if kind == REAL:
@@ -73,9 +207,8 @@ cdef object _restored(object stored, Kind kind):
         return int(stored) if _ascii_digits(stored) else stored
     if kind == KEEP or not stored.startswith("["):
         return stored
-    try:
-        items = json.loads(stored)
-    except ValueError:
+    items = _json_array(stored)
+    if items is stored:
         return stored
     if kind == FLOAT_ARRAY:
         return _elements(items, _non_finite)
