@@ -11,7 +11,7 @@ from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
 from libc.string cimport memcmp, memcpy, memset
 
-from cdc_platform._speedups.wire.digest cimport RowDigester, _Target
+from cdc_platform._speedups.wire.digest cimport _Target
 
 from cdc_platform.mirror.columns import NON_FINITE_FLOATS as _NON_FINITE_FLOATS
 from cdc_platform.mirror.columns import REAL_OIDS as _REAL_OIDS
@@ -245,12 +245,6 @@ cdef class StoredRowDigester:
     ``columns`` (in that order) gives tuples whose values ``wire_value`` turns back into the
     wire values the digest is defined over."""
 
-    cdef readonly tuple columns
-    cdef readonly tuple names
-    cdef RowDigester _digester
-    cdef Py_ssize_t _width
-    cdef Kind* _kinds
-
     def __cinit__(self, *args, **kwargs):
         self._kinds = NULL
 
@@ -260,12 +254,12 @@ cdef class StoredRowDigester:
         self._digester = RowDigester(self.names, key_columns)
         self._width = len(self.columns)
         PyMem_Free(self._kinds)
-        self._kinds = <Kind*>PyMem_Malloc(max(1, self._width) * sizeof(Kind))
+        self._kinds = <unsigned char*>PyMem_Malloc(max(1, self._width))
         if self._kinds == NULL:
             raise MemoryError()
         cdef Py_ssize_t index
         for index in range(self._width):
-            self._kinds[index] = _kind_of(self.columns[index])
+            self._kinds[index] = <unsigned char>_kind_of(self.columns[index])
 
     def __dealloc__(self):
         PyMem_Free(self._kinds)
@@ -273,8 +267,9 @@ cdef class StoredRowDigester:
     def __reduce__(self):
         return StoredRowDigester, (self.columns, self._digester.key_columns)
 
-    cdef int _hash(self, object stored, unsigned long long* key_hash,
-                   unsigned long long* row_hash) except -1:
+    cdef int hash_stored(self, object stored, unsigned long long* key_hash,
+                         unsigned long long* row_hash) except -1:
+        """The key and row hashes (either pointer NULL: not wanted) of one stored row."""
         cdef PyObject* stack[64]
         cdef PyObject** given = stack
         cdef Py_ssize_t index
@@ -290,7 +285,7 @@ cdef class StoredRowDigester:
             for index in range(self._width):
                 value = <object>PySequence_Fast_GET_ITEM(fast, index)
                 if self._kinds[index] != KEEP and isinstance(value, str):
-                    value = _restored(value, self._kinds[index])
+                    value = _restored(value, <Kind>self._kinds[index])
                 Py_INCREF(value)
                 given[index] = <PyObject*>value
             self._digester.hash_given(given, key_hash, row_hash)
@@ -304,7 +299,7 @@ cdef class StoredRowDigester:
     def hashes(self, stored):
         """``(key_hash, row_hash)`` of one stored row (a tuple in ``columns`` order)."""
         cdef unsigned long long key, whole
-        self._hash(stored, &key, &whole)
+        self.hash_stored(stored, &key, &whole)
         return key, whole
 
 
@@ -321,7 +316,7 @@ def digest_stored_rows(digest, digester, rows):
         return added
     compiled = digester
     for stored in rows:
-        compiled._hash(stored, &key, &whole)
+        compiled.hash_stored(stored, &key, &whole)
         target.add(key, whole)
         added += 1
     return added
