@@ -267,12 +267,16 @@ def mirror_side(directory: Path, rows: list[dict[str, Any]],
         finally:
             store.close()
 
-    plain = [apply(directory / f"plain-{n}.db", None) for n in range(repeat)]
+    # interleaved (without, then each kind, repeat times): the machine's speed drifts
+    applied: dict[str | None, list[tuple[float, float]]] = {None: [], **{k: [] for k in kinds}}
+    for n in range(repeat):
+        for kind, results in applied.items():
+            results.append(apply(directory / f"{kind or 'plain'}-{n}.db", kind))
+    plain = applied[None]
     for kind in kinds:
-        kept = [apply(directory / f"{kind}-{n}.db", kind) for n in range(repeat)]
         for index, operation in enumerate(("INSERT", "UPDATE")):
             without = max(rates[index] for rates in plain)
-            with_digest = max(rates[index] for rates in kept)
+            with_digest = max(rates[index] for rates in applied[kind])
             print(f"{with_digest:>12,.0f}  {kind}: {operation} events/s applied with the digest "
                   f"kept, {with_digest / without:.2f} x {without:,.0f} without")
 
