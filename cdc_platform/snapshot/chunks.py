@@ -58,6 +58,7 @@ from cdc_platform.wire import (
     encoder,
     snapshot_chunk_subject,
 )
+from cdc_platform.wire.digest import RowDigester, TableDigest, digest_columns
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,12 @@ ROW_CALL = 5
 #: fields and packs the row maps (:meth:`Chunker.rows_of`).
 pack_rows: Callable[[list[str], int, int, tuple[bytes, ...], tuple[int, ...],
                      tuple[Converter, ...], Callable[[str], str]], list[bytes]] | None = None
+#: ``(digest, digester, fields, count, width, kinds, converters, unescape) -> rows``: ``count``
+#: rows of COPY text fields hashed straight into a table digest (the hashes of converting
+#: the fields, all rows or none). Compiled only: the pure code converts the columns and
+#: digests them (:meth:`Chunker.digest`).
+digest_fields: Callable[[TableDigest, RowDigester, list[str], int, int, tuple[int, ...],
+                         tuple[Converter, ...], Callable[[str], str]], int] | None = None
 
 
 def _compiled_kinds(converters: Sequence[Converter]) -> tuple[int, ...] | None:
@@ -230,8 +237,8 @@ class Chunker:
         self._limit = self._raw_limit()
         # msgpack with the compiled twin: rows are packed straight from the COPY
         # fields (same bytes as packing the row maps), the chunk around them by hand.
-        self._compiled_kinds = _compiled_kinds(self._converters) if layout.format == "msgpack" \
-            else None
+        self._digest_kinds = _compiled_kinds(self._converters)
+        self._compiled_kinds = self._digest_kinds if layout.format == "msgpack" else None
         if self._compiled_kinds is not None:
             pack = msgpack.Packer(use_bin_type=True, datetime=False).pack
             self._packed_names = tuple(pack(name) for name in self._names)
@@ -287,6 +294,22 @@ class Chunker:
         else:
             data = [{} for _ in range(count)]
         return data, (columns[-1] if self.layout.with_ctid else None)
+
+    def digest(self, digest: TableDigest, digester: RowDigester, fields: list[str], count: int,
+               escapes: bool = True, raw: dict[int, list[str]] | None = None) -> int:
+        """Add ``count`` rows of flat ``fields`` to ``digest`` (``digester`` made with the
+        layout's columns, in order): ``digest_columns`` of ``columns_of``'s values, hashed
+        straight from the fields by the compiled twin where it is built. With ``raw``, a
+        text no converter accepts is hashed as text (``columns_of``); the number added."""
+        if digest_fields is not None and self._digest_kinds is not None:
+            try:
+                return digest_fields(digest, digester, fields, count, self._width,
+                                     self._digest_kinds, self._converters, unescape)
+            except (ValueError, TypeError, ArithmeticError, ConversionError):
+                if raw is None:
+                    raise  # (nothing was added)
+        columns = self.columns_of(fields, escapes, raw)
+        return digest_columns(digest, digester, columns[:len(self._names)], count)
 
     def columns_of(self, fields: list[str], escapes: bool = True,
                    raw: dict[int, list[str]] | None = None) -> list[list[Any]]:
@@ -496,4 +519,4 @@ if TYPE_CHECKING:
 else:
     _twin = compiled_twin(__name__)
 if _twin is not None:
-    pack_rows = _twin.pack_rows
+    pack_rows, digest_fields = _twin.pack_rows, _twin.digest_fields

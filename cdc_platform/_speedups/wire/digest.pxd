@@ -1,7 +1,10 @@
-"""What ``_speedups/mirror/stored_values.pyx`` uses of the digest twin: the row digester's
-C-level hashing of values already gathered, and adding hashes into a ``TableDigest``."""
+"""What other twins use of the digest twin (``mirror/stored_values.pyx``, ``snapshot/
+chunks.pyx``): the row digester's C-level hashing of values already gathered, the canonical
+bytes writer, and adding hashes into a ``TableDigest``."""
 
+from cpython.mem cimport PyMem_Free
 from cpython.object cimport PyObject
+from libc.string cimport memcpy
 
 
 cdef struct _Out:  # a row's canonical bytes: on the stack until they outgrow it
@@ -9,6 +12,42 @@ cdef struct _Out:  # a row's canonical bytes: on the stack until they outgrow it
     Py_ssize_t size
     Py_ssize_t capacity
     char start[1024]
+
+
+cdef inline void _open(_Out* out) noexcept:
+    out.data = out.start
+    out.size = 0
+    out.capacity = sizeof(out.start)
+
+
+cdef inline void _close(_Out* out) noexcept:
+    if out.data != out.start:
+        PyMem_Free(out.data)
+    out.data = out.start
+
+
+cdef int _grow(_Out* out, Py_ssize_t extra) except -1
+
+
+cdef inline int _put(_Out* out, const char* data, Py_ssize_t size) except -1:
+    if out.size + size > out.capacity:
+        _grow(out, size)
+    memcpy(out.data + out.size, data, size)
+    out.size += size
+    return 0
+
+
+cdef inline void _u32_at(char* at, unsigned long long value) noexcept:
+    at[0] = <char>(value >> 24)
+    at[1] = <char>(value >> 16)
+    at[2] = <char>(value >> 8)
+    at[3] = <char>value
+
+
+cdef int _put_sized(_Out* out, char tag, const char* data, Py_ssize_t size) except -1
+cdef int _put_float(_Out* out, double value) except -1
+cdef int _put_value(_Out* out, object value) except -1
+cdef unsigned long long _hash64(const char* data, Py_ssize_t size) noexcept
 
 
 cdef class RowDigester:

@@ -18,7 +18,7 @@ from libc.stdint cimport uint64_t
 from libc.string cimport memcpy, memset
 
 cdef extern from "../sha256.h":
-    uint64_t cdc_sha256_head64(const char* data, size_t size) nogil
+    uint64_t cdc_sha256_head64(const unsigned char* data, size_t size) nogil
 
 cdef extern from "Python.h":
     const char* PyUnicode_AsUTF8AndSize(object unicode, Py_ssize_t* size) except NULL
@@ -36,18 +36,6 @@ cdef Py_ssize_t _STACK_VALUES = 64  # columns gathered without an allocation
 
 
 # -- the canonical bytes, in one buffer (on the stack until it outgrows it) --------------------
-cdef inline void _open(_Out* out) noexcept:
-    out.data = out.start
-    out.size = 0
-    out.capacity = sizeof(out.start)
-
-
-cdef inline void _close(_Out* out) noexcept:
-    if out.data != out.start:
-        PyMem_Free(out.data)
-    out.data = out.start
-
-
 cdef int _grow(_Out* out, Py_ssize_t extra) except -1:
     cdef Py_ssize_t capacity = max(out.size + extra, out.capacity * 2)
     cdef char* grown
@@ -64,19 +52,8 @@ cdef int _grow(_Out* out, Py_ssize_t extra) except -1:
     return 0
 
 
-cdef inline int _put(_Out* out, const char* data, Py_ssize_t size) except -1:
-    if out.size + size > out.capacity:
-        _grow(out, size)
-    memcpy(out.data + out.size, data, size)
-    out.size += size
-    return 0
-
-
-cdef inline void _u32_at(char* at, unsigned long long value) noexcept:
-    at[0] = <char>(value >> 24)
-    at[1] = <char>(value >> 16)
-    at[2] = <char>(value >> 8)
-    at[3] = <char>value
+cdef unsigned long long _hash64(const char* data, Py_ssize_t size) noexcept:
+    return cdc_sha256_head64(<const unsigned char*>data, size)
 
 
 cdef int _too_long() except -1:
@@ -269,11 +246,11 @@ cdef class RowDigester:
         try:
             if key_hash != NULL and not (self._key_is_row and row_hash != NULL):
                 self._write(&out, given, self._key_sorted, self._key_width)
-                key_hash[0] = cdc_sha256_head64(out.data, out.size)
+                key_hash[0] = _hash64(out.data, out.size)
                 out.size = 0
             if row_hash != NULL:
                 self._write(&out, given, NULL, self._width)
-                row_hash[0] = cdc_sha256_head64(out.data, out.size)
+                row_hash[0] = _hash64(out.data, out.size)
                 if key_hash != NULL and self._key_is_row:
                     key_hash[0] = row_hash[0]
         finally:
