@@ -36,9 +36,10 @@ Then the source's side (``--source-rows``, 0 skips it): its own PostgreSQL (temp
 ``benchmarks/snapshot.py``'s 9-column table, and ``psql -c "\\copy (SELECT ...) TO
 '/dev/null'"`` (best of ``--repeat``) against the same COPY read in this process
 (``copy_blocks``) through the snapshot reader's ``Chunker`` and digested: by row maps
-(``rows_of`` + ``digest_rows``), by columns (``columns_of`` + ``digest_columns``), and the
-parts alone (the COPY drained; drained and converted) to show where the time goes (item 7's
-target: >= 0.5x).
+(``rows_of`` + ``digest_rows``), by columns (``columns_of`` + ``digest_columns``), from the
+fields themselves (``Chunker.digest``, the compiled chunker writing the canonical bytes from
+the COPY text), and the parts alone (the COPY drained; drained and converted) to show where
+the time goes (item 7's target: >= 0.5x).
 """
 
 from __future__ import annotations
@@ -388,6 +389,15 @@ def source_side(directory: Path, count: int, kinds: dict[str, tuple[ModuleType, 
                                 timed(by_rows)))
                 figures.append((f"{kind}: digest by columns (columns_of + digest_columns)",
                                 timed(by_columns)))
+                if module is digest:  # the compiled chunker hashes the fields themselves
+
+                    def by_fields(chunker: Chunker, block: bytearray, bound: Any = bound,
+                                  target: TableDigest = target) -> None:
+                        lines, fields, escapes = chunker.parse(block)
+                        chunker.digest(target, bound, fields, len(lines), escapes, {})
+
+                    figures.append((f"{kind}: digest from the fields (Chunker.digest)",
+                                    timed(by_fields)))
     finally:
         pg.stop()
     print(f"\nthe source's side, {count:,} rows of snapshot.py's table "
