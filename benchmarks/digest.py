@@ -38,7 +38,8 @@ Then the source's side (``--source-rows``, 0 skips it): its own PostgreSQL (temp
 (``copy_blocks``) through the snapshot reader's ``Chunker`` and digested: by row maps
 (``rows_of`` + ``digest_rows``), by columns (``columns_of`` + ``digest_columns``), from the
 fields themselves (``Chunker.digest``, the compiled chunker writing the canonical bytes from
-the COPY text), and the parts alone (the COPY drained; drained and converted) to show where
+the COPY text), from the block (``Chunker.digest_block``: no Python str per field), and the
+parts alone (the COPY drained; drained and converted) to show where
 the time goes (item 7's target: >= 0.5x).
 """
 
@@ -398,6 +399,13 @@ def source_side(directory: Path, count: int, kinds: dict[str, tuple[ModuleType, 
 
                     figures.append((f"{kind}: digest from the fields (Chunker.digest)",
                                     timed(by_fields)))
+
+                    def by_block(chunker: Chunker, block: bytearray, bound: Any = bound,
+                                 target: TableDigest = target) -> None:
+                        chunker.digest_block(target, bound, block, {})
+
+                    figures.append((f"{kind}: digest from the block (Chunker.digest_block)",
+                                    timed(by_block)))
     finally:
         pg.stop()
     print(f"\nthe source's side, {count:,} rows of snapshot.py's table "

@@ -92,6 +92,11 @@ pack_rows: Callable[[list[str], int, int, tuple[bytes, ...], tuple[int, ...],
 #: digests them (:meth:`Chunker.digest`).
 digest_fields: Callable[[TableDigest, RowDigester, list[str], int, int, tuple[int, ...],
                          tuple[Converter, ...], Callable[[str], str]], int] | None = None
+#: ``(digest, digester, text, width, kinds, converters, unescape) -> rows``: a block's COPY
+#: text hashed into a table digest without a Python str per field (:meth:`Chunker.digest`
+#: of :meth:`Chunker.parse`'s fields); None hands a malformed block back. Compiled only.
+digest_block: Callable[[TableDigest, RowDigester, str, int, tuple[int, ...],
+                        tuple[Converter, ...], Callable[[str], str]], int | None] | None = None
 
 
 def _compiled_kinds(converters: Sequence[Converter]) -> tuple[int, ...] | None:
@@ -311,6 +316,26 @@ class Chunker:
         columns = self.columns_of(fields, escapes, raw)
         return digest_columns(digest, digester, columns[:len(self._names)], count)
 
+    def digest_block(self, digest: TableDigest, digester: RowDigester,
+                     block: bytes | bytearray | str, raw: dict[int, list[str]] | None = None
+                     ) -> int:
+        """Add a block's rows (complete COPY text lines) to ``digest``: :meth:`digest` of
+        :meth:`parse`'s fields, the compiled twin reading the text itself where it is built;
+        the number added."""
+        text = block if isinstance(block, str) else block.decode()
+        if digest_block is not None and self._digest_kinds is not None:
+            try:
+                added = digest_block(digest, digester, text, self._width, self._digest_kinds,
+                                     self._converters, unescape)
+            except (ValueError, TypeError, ArithmeticError, ConversionError):
+                if raw is None:
+                    raise  # (nothing was added)
+                added = None
+            if added is not None:
+                return added
+        lines, fields, escapes = self.parse(text)
+        return self.digest(digest, digester, fields, len(lines), escapes, raw) if lines else 0
+
     def columns_of(self, fields: list[str], escapes: bool = True,
                    raw: dict[int, list[str]] | None = None) -> list[list[Any]]:
         """The rows of flat ``fields`` -> their typed values column by column, in the
@@ -519,4 +544,5 @@ if TYPE_CHECKING:
 else:
     _twin = compiled_twin(__name__)
 if _twin is not None:
-    pack_rows, digest_fields = _twin.pack_rows, _twin.digest_fields
+    pack_rows, digest_fields, digest_block = (_twin.pack_rows, _twin.digest_fields,
+                                              _twin.digest_block)

@@ -83,15 +83,17 @@ def test_the_snapshot_readers_values_of_the_edge_rows_hash_as_the_vectors_say(
     assert [f"{digester.row_hash(row):016x}" for row in rows] == [
         row["row_hash"] for row in EDGES["rows"]]
     # the same digest without row maps (the source's bulk paths): from the converted
-    # columns, and from the COPY fields (hashed straight from the text by the compiled twin)
+    # columns, from the COPY fields and from the COPY block (hashed straight from the text
+    # by the compiled twin)
     chunker, text = _read(session, cdc_database.publication, table)
     lines, fields, escapes = chunker.parse(text)
-    by_columns, by_fields, by_rows = TableDigest(2), TableDigest(2), TableDigest(2)
+    by_columns, by_fields, by_block, by_rows = (TableDigest(2) for _ in range(4))
     assert digest_columns(by_columns, digester, chunker.columns_of(fields, escapes),
                           len(lines)) == len(EDGES["rows"])
     assert chunker.digest(by_fields, digester, fields, len(lines), escapes) == len(lines)
+    assert chunker.digest_block(by_block, digester, text) == len(lines)
     digest_rows(by_rows, digester, rows)
-    assert by_columns == by_rows == by_fields
+    assert by_columns == by_rows == by_fields == by_block
 
 
 def _u32(expression: sql.Composable) -> sql.Composable:

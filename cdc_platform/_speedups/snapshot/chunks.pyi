@@ -20,3 +20,7 @@ def digest_fields(
     kinds: tuple[int, ...], converters: tuple[Callable[[str], Any], ...],
     unescape: Callable[[str], str],
 ) -> int: ...
+def digest_block(
+    digest: TableDigest, digester: RowDigester, text: str, width: int, kinds: tuple[int, ...],
+    converters: tuple[Callable[[str], Any], ...], unescape: Callable[[str], str],
+) -> int | None: ...

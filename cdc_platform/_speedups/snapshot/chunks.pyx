@@ -38,6 +38,7 @@ from cdc_platform._speedups.writer cimport (
 
 cdef extern from "Python.h":
     object PyObject_CallOneArg(object callable, object arg)
+    object PyUnicode_DecodeUTF8(const char* data, Py_ssize_t size, const char* errors)
     double PyOS_string_to_double(const char* s, char** endptr,
                                  PyObject* overflow_exception) except? -1.0
 
@@ -188,17 +189,19 @@ cdef bint _canonical_int(const char* chars, Py_ssize_t size) noexcept:
     return True
 
 
-cdef int _put_field(_Out* out, bytes prefix, object field, int kind, object convert,
-                    object unescape) except -1:
+cdef int _put_field(_Out* out, bytes prefix, const char* chars, Py_ssize_t size,
+                    object field, int kind, object convert, object unescape) except -1:
     """One COPY field's column in the canonical bytes, as ``Chunker.columns_of`` would have
-    converted it; the converter's exception when it refuses the text."""
-    cdef Py_ssize_t size
-    cdef const char* chars = PyUnicode_AsUTF8AndSize(field, &size)
+    converted it: the field's UTF-8 ``chars``, and the field itself (None: made from ``chars``
+    when a converter needs it); the converter's exception when it refuses the text."""
     cdef char* end
     cdef double real = 0
     cdef char head[5]
+    cdef Py_ssize_t i
     if size == 2 and chars[0] == 92 and chars[1] == 78:  # \N
         return 0
+    if field is None and (kind == ROW_CALL or memchr(chars, 92, size) != NULL):
+        field = PyUnicode_DecodeUTF8(chars, size, NULL)
     if memchr(chars, 92, size) != NULL:  # an escape: decode, then convert
         field = unescape(field)
         return _put_converted(out, prefix, field if kind == ROW_KEEP
@@ -225,15 +228,21 @@ cdef int _put_field(_Out* out, bytes prefix, object field, int kind, object conv
             return _put_float(out, real)
     elif kind == ROW_TIMESTAMPTZ:
         # ``2025-12-08 13:45:21.5+00`` -> ``2025-12-08T13:45:21.5Z`` (as _pack_ascii_timestamptz)
-        if PyUnicode_IS_COMPACT_ASCII(field) and 14 < size < 64 and date_then_space(chars) \
-                and chars[size - 3] == 43 and chars[size - 2] == 48 and chars[size - 1] == 48:
-            _put(out, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix))
-            head[0] = 83  # 'S'
-            _u32_at(head + 1, size - 2)
-            _put(out, head, 5)
-            _put(out, chars, size - 3)
-            out.data[out.size - (size - 3) + 10] = 84  # 'T'
-            return _put(out, b"Z", 1)
+        if 14 < size < 64 and date_then_space(chars) and chars[size - 3] == 43 \
+                and chars[size - 2] == 48 and chars[size - 1] == 48:
+            for i in range(size):
+                if <unsigned char>chars[i] > 127:
+                    break
+            else:
+                _put(out, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix))
+                head[0] = 83  # 'S'
+                _u32_at(head + 1, size - 2)
+                _put(out, head, 5)
+                _put(out, chars, size - 3)
+                out.data[out.size - (size - 3) + 10] = 84  # 'T'
+                return _put(out, b"Z", 1)
+    if field is None:
+        field = PyUnicode_DecodeUTF8(chars, size, NULL)
     return _put_converted(out, prefix, PyObject_CallOneArg(convert, field))
 
 
@@ -247,7 +256,9 @@ def digest_fields(digest, digester, list fields not None, Py_ssize_t count, Py_s
     cdef RowDigester compiled = digester
     cdef _Target target = _Target(digest)
     cdef Py_ssize_t columns = compiled._width
-    cdef Py_ssize_t row, index, column, base
+    cdef Py_ssize_t row, index, column, base, size
+    cdef const char* chars
+    cdef object field
     cdef unsigned long long* hashes
     cdef int* column_kinds
     cdef _Out out
@@ -270,16 +281,20 @@ def digest_fields(digest, digester, list fields not None, Py_ssize_t count, Py_s
                 out.size = 0
                 for index in range(compiled._key_width):
                     column = compiled._given_of_sorted[compiled._key_sorted[index]]
+                    field = <object>PyList_GET_ITEM(fields, base + column)
+                    chars = PyUnicode_AsUTF8AndSize(field, &size)
                     _put_field(&out, <bytes>PyTuple_GET_ITEM(
-                        compiled._prefixes, compiled._key_sorted[index]),
-                        <object>PyList_GET_ITEM(fields, base + column), column_kinds[column],
-                        <object>PyTuple_GET_ITEM(converters, column), unescape)
+                        compiled._prefixes, compiled._key_sorted[index]), chars, size, field,
+                        column_kinds[column], <object>PyTuple_GET_ITEM(converters, column),
+                        unescape)
                 hashes[2 * row] = _hash64(out.data, out.size)
             out.size = 0
             for index in range(columns):
                 column = compiled._given_of_sorted[index]
-                _put_field(&out, <bytes>PyTuple_GET_ITEM(compiled._prefixes, index),
-                           <object>PyList_GET_ITEM(fields, base + column), column_kinds[column],
+                field = <object>PyList_GET_ITEM(fields, base + column)
+                chars = PyUnicode_AsUTF8AndSize(field, &size)
+                _put_field(&out, <bytes>PyTuple_GET_ITEM(compiled._prefixes, index), chars,
+                           size, field, column_kinds[column],
                            <object>PyTuple_GET_ITEM(converters, column), unescape)
             hashes[2 * row + 1] = _hash64(out.data, out.size)
             if compiled._key_is_row:
@@ -289,5 +304,90 @@ def digest_fields(digest, digester, list fields not None, Py_ssize_t count, Py_s
         return count
     finally:
         _close(&out)
+        PyMem_Free(column_kinds)
+        PyMem_Free(hashes)
+
+
+def digest_block(digest, digester, str text not None, Py_ssize_t width, tuple kinds not None,
+                 tuple converters not None, object unescape):
+    """``chunks.Chunker.parse`` + ``digest_fields`` fused: the rows of a block of complete
+    COPY text lines hashed from the text itself (a field becomes a Python str only for a
+    converter); the number of rows added, or None when the block is not ``width`` fields on
+    every line ending with a newline (the pure code then parses it and says what is wrong).
+    A converter's exception propagates and adds nothing."""
+    cdef RowDigester compiled = digester
+    cdef _Target target
+    cdef Py_ssize_t columns = compiled._width
+    cdef Py_ssize_t size, at, count = 0, row, index, column, tabs = 0
+    cdef const char* chars = PyUnicode_AsUTF8AndSize(text, &size)
+    cdef const char* line
+    cdef Py_ssize_t* starts
+    cdef unsigned long long* hashes
+    cdef int* column_kinds
+    cdef _Out out
+    if columns > width or len(kinds) != columns or len(converters) != columns:
+        raise ValueError("digest_block: digester, kinds and converters do not agree")
+    if size == 0:
+        return 0
+    if chars[size - 1] != 10:
+        return None
+    for at in range(size):  # every line must hold width fields
+        if chars[at] == 9:
+            tabs += 1
+        elif chars[at] == 10:
+            if tabs != width - 1:
+                return None
+            tabs = 0
+            count += 1
+    target = _Target(digest)
+    starts = <Py_ssize_t*>PyMem_Malloc((width + 1) * sizeof(Py_ssize_t))
+    column_kinds = <int*>PyMem_Malloc(max(columns, 1) * sizeof(int))
+    hashes = <unsigned long long*>PyMem_Malloc(count * 2 * sizeof(unsigned long long))
+    if starts == NULL or column_kinds == NULL or hashes == NULL:
+        PyMem_Free(starts)
+        PyMem_Free(column_kinds)
+        PyMem_Free(hashes)
+        raise MemoryError()
+    _open(&out)
+    try:
+        for column in range(columns):
+            column_kinds[column] = kinds[column]
+        at = 0
+        for row in range(count):  # every row hashed before any is added: all or nothing
+            line = chars + at
+            index = 0
+            starts[0] = 0
+            while chars[at] != 10:
+                if chars[at] == 9:
+                    index += 1
+                    starts[index] = at + 1 - (line - chars)
+                at += 1
+            starts[width] = at + 1 - (line - chars)  # (one past the field's end, as a tab)
+            at += 1
+            if not compiled._key_is_row:
+                out.size = 0
+                for index in range(compiled._key_width):
+                    column = compiled._given_of_sorted[compiled._key_sorted[index]]
+                    _put_field(&out, <bytes>PyTuple_GET_ITEM(
+                        compiled._prefixes, compiled._key_sorted[index]), line + starts[column],
+                        starts[column + 1] - starts[column] - 1, None, column_kinds[column],
+                        <object>PyTuple_GET_ITEM(converters, column), unescape)
+                hashes[2 * row] = _hash64(out.data, out.size)
+            out.size = 0
+            for index in range(columns):
+                column = compiled._given_of_sorted[index]
+                _put_field(&out, <bytes>PyTuple_GET_ITEM(compiled._prefixes, index),
+                           line + starts[column], starts[column + 1] - starts[column] - 1,
+                           None, column_kinds[column],
+                           <object>PyTuple_GET_ITEM(converters, column), unescape)
+            hashes[2 * row + 1] = _hash64(out.data, out.size)
+            if compiled._key_is_row:
+                hashes[2 * row] = hashes[2 * row + 1]
+        for row in range(count):
+            target.add(hashes[2 * row], hashes[2 * row + 1])
+        return count
+    finally:
+        _close(&out)
+        PyMem_Free(starts)
         PyMem_Free(column_kinds)
         PyMem_Free(hashes)
