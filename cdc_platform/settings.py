@@ -353,6 +353,12 @@ class SensorNatsSettings(_nats_settings_named("CDC_SENSOR_NATS", "", _OwnCredent
     for the runs it hosts (deploy/docker-compose.yaml)."""
 
 
+class FleetNatsSettings(_nats_settings_named("CDC_FLEET_NATS", "", _OwnCredential)):  # type: ignore[misc]
+    """The connection ``mirror_fleet_sensor`` reads the mirrors' states with: a NATS user that
+    may read the ``mirrors`` KV bucket and nothing else (``CDC_FLEET_NATS_*``), since what
+    the bucket holds was written by readers."""
+
+
 class StreamLimits(_Settings):
     """Limits shared by the three streams; each stream gets its own env prefix."""
 
@@ -453,6 +459,19 @@ class LargeBucketSettings(_Settings):
 
     bucket: str = Field("cdc_large", validation_alias=_env("CDC_LARGE_BUCKET"))
     replicas: int = Field(1, ge=1, le=5, validation_alias=_env("CDC_LARGE_REPLICAS"))
+
+
+class MirrorStateBucketSettings(_Settings):
+    """The ``mirrors`` KV bucket: each mirror's state (key = its mirror id), written by the
+    mirrors through READERS' ``mirror.state.>`` import; a mirror that stops writing is gone
+    from it after ``max_age`` (docs/verification.md Part 2, item 5)."""
+
+    bucket: str = Field("mirrors", validation_alias=_env("CDC_MIRROR_STATE_BUCKET"))
+    max_age_seconds: Seconds = Field(120.0, gt=0, validation_alias=_env("CDC_MIRROR_STATE_TTL"))
+    max_value_bytes: Bytes = Field(64 * 1024, validation_alias=_env(
+        "CDC_MIRROR_STATE_MAX_VALUE_BYTES"))
+    max_bytes: Bytes = Field(64 * 1024**2, validation_alias=_env("CDC_MIRROR_STATE_MAX_BYTES"))
+    replicas: int = Field(1, ge=1, le=5, validation_alias=_env("CDC_MIRROR_STATE_REPLICAS"))
 
 
 class EncodingSettings(_Settings):
@@ -607,6 +626,7 @@ class NatsTopology(_Settings):
     schemas: SchemaBucketSettings = Field(default_factory=SchemaBucketSettings)
     dictionaries: DictionaryBucketSettings = Field(default_factory=DictionaryBucketSettings)
     large: LargeBucketSettings = Field(default_factory=LargeBucketSettings)
+    mirrors: MirrorStateBucketSettings = Field(default_factory=MirrorStateBucketSettings)
 
 
 class PlatformSettings(_Settings):
@@ -668,6 +688,7 @@ def load_settings(model: type[_Settings] = PlatformSettings, **overrides: Any) -
                 cdc=load_settings(CdcStreamSettings), init=load_settings(InitStreamSettings),
                 requests=load_settings(RequestStreamSettings),
                 schemas=load_settings(SchemaBucketSettings),
+                mirrors=load_settings(MirrorStateBucketSettings),
             )
         return model(**overrides)
     except ValidationError as exc:
