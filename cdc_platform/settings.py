@@ -34,6 +34,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cdc_platform.errors import ConfigError
 from cdc_platform.wire.signing import MessageSigner, SignatureVerifier, public_key_bytes
+from cdc_platform.wire.subjects import MIRROR_ID_PATTERN
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2,
@@ -601,6 +602,21 @@ class MirrorSettings(_Settings):
         """What checks each message before it is applied (None: no key is trusted)."""
         keys = _listed(self.trusted_keys)
         return SignatureVerifier(keys) if keys else None
+
+    # The key of this mirror's state in KV `mirrors` (mirror.state.{mirror_id}): a name, or
+    # `{team}.{name}` for a team's user (which may publish mirror.state.{team}.> only).
+    # Unset: `{hostname}-{file stem}`, made a subject token (mirror/fleet.py).
+    mirror_id: str | None = Field(None, validation_alias=_env("CDC_MIRROR_ID"))
+    state_interval_seconds: Seconds = Field(
+        30.0, gt=0, validation_alias=_env("CDC_MIRROR_STATE_INTERVAL"))
+
+    @field_validator("mirror_id")
+    @classmethod
+    def _state_key(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(MIRROR_ID_PATTERN, value):
+            raise ValueError("must be {name} or {team}.{name} (each: letters, digits, _ or -, "
+                             "up to 64)")
+        return value
 
     # The subject prefix of this mirror's inboxes (nats-py's inbox_prefix): where its replies,
     # pull deliveries and snapshot replies come. A team user of deploy/nats may subscribe to

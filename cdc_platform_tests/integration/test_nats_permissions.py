@@ -322,7 +322,8 @@ async def test_a_team_reaches_its_own_durable_and_inbox_and_no_other(cdc_databas
         def team_mirror(team: str) -> Mirror:
             return Mirror(_as(settings, deployment, team), [table], tmp_path / f"{team}.db",
                           durable=team, options=MirrorSettings(
-                              status_interval_seconds=1.0, inbox_prefix=f"_INBOX_{team}"),
+                              status_interval_seconds=1.0, inbox_prefix=f"_INBOX_{team}",
+                              mirror_id=f"{team}.edge"),
                           report=lambda line: None)
 
         async with running_bridge(bridge), snapshot_responder(
@@ -330,6 +331,13 @@ async def test_a_team_reaches_its_own_durable_and_inbox_and_no_other(cdc_databas
             await _schema_mirrored(deployment, table)
             for team in ("team_a", "team_b"):
                 await team_mirror(team).run(until_caught_up=True)
+            # each reported its state, under its team's name, through READERS' import
+            fleet, _ = await deployment.connect("fleet")
+            for team in ("team_a", "team_b"):
+                state = json.loads((await fleet.jetstream().get_last_msg(
+                    "KV_mirrors", f"$KV.mirrors.{team}.edge")).data)
+                assert state["mirror_id"] == f"{team}.edge" and table in state["tables"]
+            await fleet.close()
             pg_admin.execute(f"UPDATE {table} SET v = 'changed' WHERE id <= 5")
             pg_admin.execute(f"INSERT INTO {table} VALUES (1000, repeat('x', 1500000))")
             await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
