@@ -10,6 +10,8 @@ from dagster_pyspark import LazyPySparkResource
 from cdc_platform.defs.cdc.assets import cdc_stream
 from cdc_platform.defs.cdc.jobs import build_cdc_job
 from cdc_platform.defs.cdc.sensors import build_cdc_sensor
+from cdc_platform.defs.fleet.assets import mirror_fleet, mirrors_fresh
+from cdc_platform.defs.fleet.sensors import mirror_fleet_sensor
 from cdc_platform.defs.platform.assets import jetstream_topology
 from cdc_platform.defs.resources import (
     CdcResource,
@@ -36,11 +38,13 @@ def build_definitions() -> dg.Definitions:
         "snapshot_job", selection=[init_snapshot], tags={SNAPSHOT_KIND_TAG: "snapshot"},
         description="INIT snapshot of one table (partition = wire table name).")
     return dg.Definitions(
-        assets=[jetstream_topology, schemas, init_snapshot, cdc_stream],
+        assets=[jetstream_topology, schemas, init_snapshot, cdc_stream, mirror_fleet],
+        asset_checks=[mirrors_fresh],
         jobs=[cdc_job, snapshot_job],
         sensors=[build_cdc_sensor(cdc_job, orchestration.cdc_relaunch_backoff_seconds,
                                  orchestration.cdc_liveness_timeout_seconds),
-                 build_snapshot_request_sensor(snapshot_job), publication_sync_sensor],
+                 build_snapshot_request_sensor(snapshot_job), publication_sync_sensor,
+                 mirror_fleet_sensor],
         schedules=[build_snapshot_refresh_schedule(
             snapshot_job, orchestration.snapshot_cron, orchestration.snapshot_timezone)],
         resources={

@@ -570,6 +570,12 @@ class OrchestrationSettings(_Settings):
         90.0, ge=10, validation_alias=_env("CDC_RUN_LIVENESS_TIMEOUT"))
     cdc_liveness_interval_seconds: Seconds = Field(
         10.0, gt=0, validation_alias=_env("CDC_RUN_LIVENESS_INTERVAL"))
+    # mirrors_fresh fails when a mirror is this far behind the source's commit time, or
+    # when a mirror seen within CDC_MIRROR_GONE_KEEP stopped reporting (then forgotten)
+    mirror_lag_critical_seconds: Seconds = Field(
+        300.0, gt=0, validation_alias=_env("CDC_MIRROR_LAG_CRITICAL"))
+    mirror_gone_keep_seconds: Seconds = Field(
+        86400.0, gt=0, validation_alias=_env("CDC_MIRROR_GONE_KEEP"))
     # the public nkeys of the platform's signing keys (comma-separated, for rotation): the
     # snapshot request sensor hands out only snapshots they signed, without holding the seed
     signing_public_keys: PublicKeys = Field("", validation_alias=_env("CDC_SIGNING_PUBLIC_KEYS"))

@@ -15,7 +15,12 @@ import yaml
 
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.replication.slots import read_slot
-from cdc_platform_tests.fixtures.dagster import dagster_resources, request_sensor_tick
+from cdc_platform_tests.fixtures.dagster import (
+    dagster_resources,
+    latest_check_evaluation,
+    report_sensor_tick,
+    request_sensor_tick,
+)
 from cdc_platform_tests.fixtures.services import TEST_SECRETS, random_name, read_subjects
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,14 +50,16 @@ def test_definitions_load_with_everything(dagster_env):
 
     defs = build_definitions()
     keys = {key.to_user_string() for key in defs.resolve_all_asset_keys()}
-    assert keys == {"jetstream_topology", "schemas", "init_snapshot", "cdc_stream"}
+    assert keys == {"jetstream_topology", "schemas", "init_snapshot", "cdc_stream",
+                    "mirror_fleet"}
     snapshot = defs.resolve_assets_def("init_snapshot")
     assert snapshot.partitions_def.name == "published_tables"
     cdc_job = defs.resolve_job_def("cdc_job")
     assert cdc_job.tags["cdc_platform/slot"] == dagster_env["CDC_SLOT"]
     assert defs.resolve_job_def("snapshot_job").partitions_def.name == "published_tables"
     assert {s.name for s in defs.sensors} == {
-        "cdc_sensor", "snapshot_request_sensor", "publication_sync_sensor"}
+        "cdc_sensor", "snapshot_request_sensor", "publication_sync_sensor",
+        "mirror_fleet_sensor"}
     assert defs.resolve_schedule_def("snapshot_refresh_schedule").cron_schedule == "0 3 * * *"
 
 
@@ -631,3 +638,92 @@ async def test_snapshot_requests_get_replies(dagster_env, cdc_database, pg_admin
     finally:
         bridge.request_stop()
         await asyncio.wait_for(bridge_task, 60)
+
+
+
+def _mirror_state(mirror_id: str, lag_seconds: float, verifications: dict) -> bytes:
+    """A mirror's state value as `cdc-platform mirror` publishes it (wire MirrorStateValue),
+    following the tables of ``verifications`` (table -> its last verification or None)."""
+    import json as jsonlib
+
+    from cdc_platform.wire import MirrorStateValue, in_field_order
+
+    return jsonlib.dumps(in_field_order(MirrorStateValue, {
+        "mirror_id": mirror_id, "host": "edge", "pid": 1, "version": "0",
+        "started_at": "2026-11-26T05:00:00Z", "updated_at": "2026-11-26T05:00:30Z",
+        "consistent_lsn": "0/2", "stream_last_lsn": "0/2", "lag_bytes": 0,
+        "lag_seconds": lag_seconds, "tables": {
+            table: {"status": "streaming", "snapshot_id": "s", "cutover_lsn": "0/1",
+                    "applied_lsn": "0/2", "last_verification": verification}
+            for table, verification in verifications.items()}})).encode()
+
+
+@pytest.fixture
+async def state_bucket(dagster_env, nats_client, monkeypatch):
+    """A KV `mirrors` of the test's own (CDC_MIRROR_STATE_BUCKET), as provisioning makes it:
+    ``put(mirror_id, value)``, ``delete(mirror_id)``."""
+    from cdc_platform.jetstream.provision import (
+        mirror_state_bucket_config,
+        reader_written_bucket_stream,
+    )
+    from cdc_platform.settings import NatsTopology
+
+    bucket = random_name("mirrors")
+    monkeypatch.setenv("CDC_MIRROR_STATE_BUCKET", bucket)
+    js = nats_client.jetstream()
+    await js.add_stream(reader_written_bucket_stream(mirror_state_bucket_config(
+        NatsTopology())))
+    kv = await js.key_value(bucket)
+    yield kv
+    await js.delete_stream(f"KV_{bucket}")
+
+
+async def test_mirror_fleet_sensor_shows_lagging_gone_and_unreadable_mirrors_red(
+        dagster_env, state_bucket):
+    """Through the real Definitions on a real instance: each tick records an observation of
+    `mirror_fleet` (every mirror's lag and tables) and the evaluation of `mirrors_fresh`:
+    green while every mirror is within CDC_MIRROR_LAG_CRITICAL, red (ERROR) when one falls
+    behind, when one that reported is gone, when a value is not a state."""
+    from cdc_platform.definitions import build_definitions
+
+    defs = build_definitions()
+    verification = {"verification_id": "verify-1", "lsn": "0/2", "status": "equal",
+                    "buckets_differing": 0, "rows_repaired": 0, "at": None}
+    await state_bucket.put("team_a.edge1", _mirror_state("team_a.edge1", 2.5,
+                                                         {"users": verification}))
+    await state_bucket.put("edge2", _mirror_state("edge2", 0.0, {"users": None}))
+    with dg.instance_for_test() as instance:
+        async def tick():
+            await asyncio.to_thread(report_sensor_tick, defs, instance, "mirror_fleet_sensor")
+            return latest_check_evaluation(instance, "mirror_fleet", "mirrors_fresh")
+
+        fresh = await tick()
+        assert fresh.passed, fresh.description
+        (record,) = instance.fetch_observations(dg.AssetKey("mirror_fleet"), limit=1).records
+        observed = record.asset_observation.metadata
+        assert observed["mirrors"].value == 2
+        assert observed["max_lag_seconds"].value == 2.5
+        fleet = observed["fleet"].value
+        assert fleet["team_a.edge1"]["tables"]["users"]["last_verification"][
+            "status"] == "equal"
+        assert fleet["edge2"]["lag_seconds"] == 0.0
+
+        await state_bucket.put("edge2", _mirror_state("edge2", 301.0, {"users": None}))
+        fresh = await tick()
+        assert not fresh.passed and fresh.severity == dg.AssetCheckSeverity.ERROR
+        assert fresh.metadata["lagging"].value == {"edge2": 301.0}
+
+        await state_bucket.put("edge2", _mirror_state("edge2", 1.0, {"users": None}))
+        assert (await tick()).passed
+        await state_bucket.delete("team_a.edge1")  # (as its TTL does once it stops)
+        fresh = await tick()
+        assert not fresh.passed and fresh.metadata["gone"].value == ["team_a.edge1"]
+        fresh = await tick()  # and stays so (until CDC_MIRROR_GONE_KEEP)
+        assert not fresh.passed and fresh.metadata["gone"].value == ["team_a.edge1"]
+
+        await state_bucket.put("team_a.edge1", b"not a state")
+        fresh = await tick()
+        assert not fresh.passed and fresh.metadata["gone"].value == []
+        assert fresh.metadata["unreadable"].value == {"team_a.edge1": "not JSON"}
+        assert len(instance.fetch_observations(dg.AssetKey("mirror_fleet"),
+                                               limit=10).records) == 6
