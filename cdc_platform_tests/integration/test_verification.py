@@ -6,6 +6,7 @@ events up to the digest's lsn, hashed with ``RowDigester``."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 from nats.js.errors import NotFoundError
@@ -15,10 +16,15 @@ from cdc_platform.lsn import parse_lsn
 from cdc_platform.settings import VerifySettings
 from cdc_platform.snapshot import SnapshotOptions, snapshot_table
 from cdc_platform.verify import verify_table
-from cdc_platform.wire import HEADER_SCHEMA_FINGERPRINT, watermark_subject
+from cdc_platform.wire import HEADER_SCHEMA_FINGERPRINT, decode_payload, watermark_subject
 from cdc_platform.wire.digest import bucket_bits
 from cdc_platform_tests.fixtures.bridge import running_bridge, slot_confirmed, wait_for
-from cdc_platform_tests.fixtures.services import platform_settings, random_name
+from cdc_platform_tests.fixtures.services import (
+    CLI,
+    bridge_env,
+    platform_settings,
+    random_name,
+)
 from cdc_platform_tests.fixtures.snapshots import LIVE_TABLE_COLUMNS, Writer, snapshot_data
 from cdc_platform_tests.fixtures.verification import (
     buckets_of,
@@ -153,3 +159,35 @@ async def test_without_a_bridge_the_run_fails_as_behind_and_publishes_nothing(
     with pytest.raises(NotFoundError):
         await nats_client.jetstream().get_last_msg(
             "CDC", f"cdc.cdc-platform.verify.{table}.{verification_id}")
+
+
+async def test_the_cli_prints_the_verification_and_says_what_went_wrong_in_one_line(
+        cdc_database, pg_admin, provisioned_nats, nats_client):
+    table = _live_table(pg_admin, cdc_database, rows=50)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    env = {**bridge_env(cdc_database, provisioned_nats.url), "CDC_SLOT": cdc_database.slot,
+           "CDC_PUBLICATION": cdc_database.publication, "CDC_VERIFY_WAIT": "20"}
+
+    async def cli(*args: str) -> tuple[int, str, str]:
+        process = await asyncio.create_subprocess_exec(
+            CLI, "verify", *args, env=env, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(process.communicate(), 120)
+        return process.returncode, out.decode(), err.decode()
+
+    async with running_bridge(settings):
+        code, out, err = await cli(table, "--bits", "2")
+    assert code == 0, err
+    first, digest_line, _ = out.splitlines()
+    assert f"of {table}: 50 rows in 4 buckets (2 bits) at lsn " in first
+    subject, seq = re.fullmatch(r"digest: (\S+) \(CDC seq (\d+)\); .*", digest_line).groups()
+    assert subject.startswith(f"cdc.cdc-platform.verify.{table}.verify-")
+    stored = await nats_client.jetstream().get_msg("CDC", int(seq))
+    assert stored.subject == subject
+    assert sum(decode_payload(stored.data, "msgpack")["counts"]) == 50
+
+    for args, error in (([random_name("missing")], "not"), ([table, "--bits", "15"], "bits")):
+        code, out, err = await cli(*args)
+        lines = [line for line in err.splitlines() if " INFO " not in line]
+        assert code == 2 and not out and len(lines) == 1, err
+        assert lines[0].startswith("cdc-platform: error: ") and error in lines[0]
