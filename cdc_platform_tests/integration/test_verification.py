@@ -17,7 +17,7 @@ from cdc_platform.settings import VerifySettings
 from cdc_platform.snapshot import SnapshotOptions, snapshot_table
 from cdc_platform.verify import verify_table
 from cdc_platform.wire import HEADER_SCHEMA_FINGERPRINT, decode_payload, watermark_subject
-from cdc_platform.wire.digest import bucket_bits
+from cdc_platform.wire.digest import RowDigester, bucket_bits, table_digest
 from cdc_platform_tests.fixtures.bridge import running_bridge, slot_confirmed, wait_for
 from cdc_platform_tests.fixtures.services import (
     CLI,
@@ -25,7 +25,12 @@ from cdc_platform_tests.fixtures.services import (
     platform_settings,
     random_name,
 )
-from cdc_platform_tests.fixtures.snapshots import LIVE_TABLE_COLUMNS, Writer, snapshot_data
+from cdc_platform_tests.fixtures.snapshots import (
+    LIVE_TABLE_COLUMNS,
+    Writer,
+    settings_for,
+    snapshot_data,
+)
 from cdc_platform_tests.fixtures.verification import (
     buckets_of,
     digest_at,
@@ -128,6 +133,27 @@ async def test_a_run_for_some_buckets_equals_those_buckets_of_the_whole_digest(
     # and buckets nest: bucket 1 at 3 bits holds buckets 4..7 at 5 bits
     assert (await digest_message(nats_client, coarse))[2][1] == (
         sum(every[b][0] for b in range(4, 8)) % 2**64, sum(every[b][1] for b in range(4, 8)))
+
+
+async def test_a_table_without_a_primary_key_is_keyed_by_every_column_in_json_too(
+        cdc_database, pg_admin, provisioned_nats, nats_client):
+    """REPLICA IDENTITY FULL: equal rows are distinct rows of one bucket, NULL is no value;
+    a JSON platform sends the totals in base64."""
+    table = random_name("keyless")
+    pg_admin.execute(f"CREATE TABLE {table} (n int, t text, f float8)")
+    pg_admin.execute(f"ALTER TABLE {table} REPLICA IDENTITY FULL")
+    pg_admin.execute(f"INSERT INTO {table} VALUES (1, 'a', 0.5), (1, 'a', 0.5), (2, NULL, "
+                     "'NaN'), (3, '', '-0')")
+    cdc_database.add_tables(pg_admin, table)
+    settings = settings_for(cdc_database, provisioned_nats.url, format="json")
+    async with running_bridge(settings):
+        result = await verify_table(None, settings, table, bits=1)
+    message, payload, digest = await digest_message(nats_client, result, "json")
+    assert isinstance(payload["totals"], str)  # base64
+    assert message.headers["Content-Type"] == "application/json"
+    rows = [{"n": 1, "t": "a", "f": 0.5}, {"n": 1, "t": "a", "f": 0.5},
+            {"n": 2, "t": None, "f": float("nan")}, {"n": 3, "t": "", "f": -0.0}]
+    assert digest == buckets_of(table_digest(rows, RowDigester(["n", "t", "f"]), 1))
 
 
 async def test_an_unknown_or_unpublished_table_is_refused_before_any_marker(
