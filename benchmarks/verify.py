@@ -13,7 +13,7 @@ and measures in the same run, best of ``--runs``:
 * ``verify_table`` in this process (``--cores`` range tasks in threads) and as a Spark job on
   ``local[--cores]`` (Spark startup excluded): rows/s of the tasks reading and hashing
   (``digest_seconds``) and of the whole verification, and the ratio to COPY (target >= 0.5);
-* with ``--profile``: a cProfile of one range task digesting the whole table in this process
+* with ``--profile``: a cProfile of one range task digesting the whole table in this thread
   (where the time goes).
 """
 
@@ -28,7 +28,10 @@ import pstats
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # snapshot.py's table and servers
@@ -44,9 +47,14 @@ from snapshot import (
 )
 
 from cdc_platform.bridge.runner import CdcBridge
+from cdc_platform.replication.connection import SESSION_OPTIONS
 from cdc_platform.settings import BridgeSettings, PlatformSettings
 from cdc_platform.snapshot.options import SnapshotOptions
+from cdc_platform.snapshot.plan import BlockRange
+from cdc_platform.snapshot.source import describe_table
 from cdc_platform.verify import VerificationResult, verify_table
+from cdc_platform.verify.tasks import DigestSpec, digest_range
+from cdc_platform.wire.digest import MAX_BUCKET_BITS
 
 
 async def best_verification(spark, settings: PlatformSettings, options: SnapshotOptions,
@@ -73,18 +81,22 @@ def report(label: str, result: VerificationResult, copy_rate: float) -> None:
 
 
 def profile_task(settings: PlatformSettings) -> None:
-    """cProfile of the whole table digested by one range task in this process."""
-    options = SnapshotOptions(small_table_bytes=1 << 62, parallelism=1, ranges_per_core=1,
-                              range_bytes=1 << 40, local_parallelism=1)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    result = asyncio.run(best_verification(None, settings, options, 1))
-    profiler.disable()
+    """cProfile of one range task digesting the whole table, in this thread."""
+    conninfo = settings.postgres.conninfo(options=SESSION_OPTIONS)
+    with psycopg.connect(conninfo) as holder:  # holds the snapshot the task imports
+        holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        snapshot_name = holder.execute("SELECT pg_export_snapshot()").fetchone()[0]
+        spec = DigestSpec.of(describe_table(holder, settings.postgres.publication, TABLE),
+                             conninfo, snapshot_name, MAX_BUCKET_BITS)
+        profiler = cProfile.Profile()
+        started = time.perf_counter()
+        result = profiler.runcall(asyncio.run, digest_range(spec, BlockRange(0, 0, None)))
+        seconds = time.perf_counter() - started
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
-    print(f"\none range task in this process: {result.rows_per_second:,.0f} rows/s "
-          "(under cProfile); functions by own time:")
-    print("\n".join(out.getvalue().splitlines()[4:]))
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
+    print(f"\none range task, this thread, under cProfile: {result['rows'] / seconds:,.0f} "
+          "rows/s; by own time:")
+    print("\n".join(line for line in out.getvalue().splitlines()[4:] if line.strip()))
 
 
 def main() -> None:

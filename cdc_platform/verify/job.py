@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from cdc_platform.errors import BridgeBehindError, VerificationError
 from cdc_platform.jetstream.connection import connect_nats
@@ -47,7 +46,7 @@ from cdc_platform.settings import PlatformSettings
 from cdc_platform.snapshot.export import emit_watermark, exported_snapshot, take_guard
 from cdc_platform.snapshot.job import new_snapshot_id, taken_again_after_ddl
 from cdc_platform.snapshot.options import SnapshotOptions
-from cdc_platform.snapshot.source import chunk_layout, copy_select, describe_table
+from cdc_platform.snapshot.source import describe_table
 from cdc_platform.snapshot.tasks import plan_tasks, run_tasks
 from cdc_platform.verify.message import digest_payload, publish_digest
 from cdc_platform.verify.tasks import DigestSpec, digest_partition, summed_digest
@@ -162,19 +161,10 @@ async def _verify_once(spark: Any, settings: PlatformSettings, table: str,
             marker_lsn = emit_watermark(control, verification_id, wire_table)
             described = take_guard(control, pg.publication, table, described)
             async with exported_snapshot(pg, control) as (snapshot_name, lsn):
-                names = [column.name for column in described.schema.columns]
                 spark, ranges = plan_tasks(spark, described, options)
-                spec = DigestSpec(
-                    conninfo=conninfo, snapshot_name=snapshot_name,
-                    select=copy_select(described.schema),
-                    layout=chunk_layout(described, settings.encoding, verification_id, lsn,
-                                        client.max_payload, None, signed=False),
-                    columns=described.schema.columns, type_rows=described.type_rows,
-                    key_columns=tuple(name for name in names
-                                      if name in described.schema.primary_key),
-                    bits=held_bits, lock_timeout_ms=options.lock_timeout_ms,
-                    qualified_table=sql.Identifier(
-                        described.schema.schema, described.schema.table).as_string(control))
+                spec = DigestSpec.of(described, conninfo, snapshot_name, held_bits,
+                                     verification_id=verification_id,
+                                     lock_timeout_ms=options.lock_timeout_ms)
                 log.info("verification %s of %s: lsn %s, %d blocks in %d ranges%s",
                          verification_id,
                          qualified_name(described.schema.schema, described.schema.table),

@@ -12,11 +12,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from psycopg import sql
+
 from cdc_platform.errors import ConversionError, VerificationError
 from cdc_platform.postgres.catalog import CatalogColumn
 from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
 from cdc_platform.snapshot.plan import BlockRange
 from cdc_platform.snapshot.reader import converters_for, copy_blocks, imported_snapshot
+from cdc_platform.snapshot.source import SourceTable, copy_select
 from cdc_platform.wire.digest import HASH_BITS, RowDigester, TableDigest, digest_rows, pack_totals
 
 _MASK = (1 << HASH_BITS) - 1
@@ -37,6 +40,23 @@ class DigestSpec:
     bits: int  # the buckets each task digests into (the driver folds them)
     lock_timeout_ms: int = 5_000
     qualified_table: str = ""
+
+    @classmethod
+    def of(cls, described: SourceTable, conninfo: str, snapshot_name: str, bits: int, *,
+           verification_id: str = "", lock_timeout_ms: int = 5_000) -> DigestSpec:
+        """The spec of ``described``'s tasks reading under ``snapshot_name`` (the
+        verification id names the Spark job)."""
+        schema = described.schema
+        names = tuple(column.name for column in schema.columns)
+        return cls(
+            conninfo=conninfo, snapshot_name=snapshot_name, select=copy_select(schema),
+            layout=ChunkLayout(table=schema.wire_name, snapshot_id=verification_id, lsn="",
+                               schema_fingerprint=schema.fingerprint, columns=names,
+                               key_columns=tuple(names.index(n) for n in schema.primary_key)),
+            columns=schema.columns, type_rows=described.type_rows,
+            key_columns=tuple(name for name in names if name in schema.primary_key),
+            bits=bits, lock_timeout_ms=lock_timeout_ms,
+            qualified_table=sql.Identifier(schema.schema, schema.table).as_string(None))
 
     def copy_command(self, block_range: BlockRange) -> str:
         return self.select.replace("{range}", block_range.predicate().as_string(None))
