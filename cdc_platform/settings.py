@@ -510,6 +510,10 @@ class BridgeSettings(_Settings):
                                            validation_alias=_env("CDC_RECONNECT_MAX"))
     shutdown_timeout_seconds: Seconds = Field(
         30.0, gt=0, validation_alias=_env("CDC_SHUTDOWN_TIMEOUT"))
+    # an invalidated slot: "stop" (say what to do) or "resync" (mark the gap in CDC, drop the
+    # slot, stream from a new one; mirrors verify and repair: docs/verification.md)
+    on_slot_lost: Literal["stop", "resync"] = Field(
+        "stop", validation_alias=_env("CDC_ON_SLOT_LOST"))
     # an nkey seed file: the bridge signs every message it publishes (docs/wire-contract.md
     # "Signatures")
     signing_key_seed: str | None = Field(None, validation_alias=_env("CDC_SIGNING_KEY_SEED"))
