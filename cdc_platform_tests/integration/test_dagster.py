@@ -817,3 +817,64 @@ async def test_mirror_fleet_sensor_shows_lagging_gone_and_unreadable_mirrors_red
         assert fresh.metadata["unreadable"].value == {"team_a.edge1": "not JSON"}
         assert len(instance.fetch_observations(dg.AssetKey("mirror_fleet"),
                                                limit=10).records) == 6
+
+
+async def test_mirrors_equal_source_turns_red_when_a_mirror_differs_and_green_once_repaired(
+        dagster_env, state_bucket):
+    """The check of each `table_verification` partition, run by mirror_fleet_sensor (a run
+    of mirrors_equal_source_job, the check alone selected) when the mirrors' verdict on the
+    table's latest verification (its materialization's `verification_id`) changes: met
+    `equal` or `repaired` by every mirror following it passes; `differ` fails (ERROR) with
+    the buckets; a mirror that has not met it yet warns. Each new verdict is run once."""
+    from cdc_platform.definitions import build_definitions
+
+    table = random_name("verified")
+    defs = build_definitions()
+
+    def verified(status: str, verification_id: str = "verify-2", differing: int = 0,
+                 repaired: int = 0) -> dict:
+        return {"verification_id": verification_id, "lsn": "0/2", "status": status,
+                "buckets_differing": differing, "rows_repaired": repaired, "at": None}
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("published_tables", [table])
+        # what a verification_job run records (defs/verification/assets.py)
+        instance.report_runless_asset_event(dg.AssetMaterialization(
+            asset_key="table_verification", partition=table,
+            metadata={"verification_id": "verify-2", "lsn": "0/2"}))
+        launched: set[str] = set()
+
+        async def tick():
+            before = len(launched)
+            await asyncio.to_thread(report_sensor_tick, defs, instance,
+                                    "mirror_fleet_sensor", launched)
+            return len(launched) - before, latest_check_evaluation(
+                instance, "table_verification", "mirrors_equal_source", partition=table)
+
+        await state_bucket.put("edge1", _mirror_state("edge1", 1.0, {table: verified("equal")}))
+        await state_bucket.put("edge2", _mirror_state("edge2", 1.0, {
+            table: verified("differ", differing=3)}))
+        runs, check = await tick()
+        assert runs == 1
+        assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
+        assert check.metadata["buckets_differing"].value == 3
+        assert check.metadata["mirrors"].value == {"edge1": "equal", "edge2": "differ"}
+        assert (await tick())[0] == 0  # the same verdict: no second run
+
+        await state_bucket.put("edge2", _mirror_state("edge2", 1.0, {
+            table: verified("repaired", differing=3, repaired=25)}))
+        runs, check = await tick()
+        assert runs == 1 and check.passed and check.metadata["rows_repaired"].value == 25
+
+        await state_bucket.put("edge3", _mirror_state("edge3", 1.0, {
+            table: verified("equal", verification_id="verify-1")}))
+        runs, check = await tick()
+        assert not check.passed and check.severity == dg.AssetCheckSeverity.WARN
+        assert check.metadata["pending"].value == ["edge3"]
+        # a table no partition names (KV's table names come from readers) gets no run
+        await state_bucket.put("edge4", _mirror_state("edge4", 1.0, {
+            "not_a_partition": verified("differ")}))
+        assert (await tick())[0] == 0
+        # and no verification run materialized the table meanwhile
+        assert len(instance.fetch_materializations(dg.AssetKey("table_verification"),
+                                                   limit=10).records) == 1

@@ -1,5 +1,7 @@
 """`mirror_fleet`: the mirrors that report their state to KV `mirrors` (observed by
-mirror_fleet_sensor), and its check `mirrors_fresh` (cdc_platform/fleet.py judges)."""
+mirror_fleet_sensor), its check `mirrors_fresh`, and `mirrors_equal_source`, the check of each
+`table_verification` partition: did every mirror following the table meet its latest
+verification equal (cdc_platform/fleet.py judges)."""
 
 import asyncio
 import time
@@ -7,11 +9,14 @@ import time
 import dagster as dg
 
 from cdc_platform.defs.resources import NatsResource
-from cdc_platform.fleet import Fleet, Judgement, freshness, read_fleet, seen_since
+from cdc_platform.defs.snapshots.partitions import published_tables_partitions
+from cdc_platform.defs.verification.assets import table_verification
+from cdc_platform.fleet import Fleet, Judgement, equality, freshness, read_fleet, seen_since
 from cdc_platform.settings import NatsTopology, OrchestrationSettings, load_settings
 
 MIRROR_FLEET = dg.AssetKey("mirror_fleet")
 MIRRORS_FRESH = "mirrors_fresh"
+MIRRORS_EQUAL_SOURCE = "mirrors_equal_source"
 # the observation's metadata entry remembering when each mirror was last seen (gone ones
 # too, for CDC_MIRROR_GONE_KEEP)
 LAST_SEEN = "last_seen"
@@ -51,6 +56,26 @@ def judge_freshness(fleet: Fleet, instance: dg.DagsterInstance,
     return freshness(fleet, seen, settings.mirror_lag_critical_seconds), seen
 
 
+def latest_verification_id(instance: dg.DagsterInstance, table: str) -> str | None:
+    """The id of the table's latest verification: its latest `table_verification`
+    materialization says it (None: never verified)."""
+    records = instance.fetch_materializations(dg.AssetRecordsFilter(
+        asset_key=table_verification.key, asset_partitions=[table]), limit=1).records
+    materialization = records[0].asset_materialization if records else None
+    entry = materialization.metadata.get("verification_id") if materialization else None
+    value = getattr(entry, "value", None)
+    return value if isinstance(value, str) else None
+
+
+def judge_equality(fleet: Fleet, instance: dg.DagsterInstance, table: str) -> Judgement | None:
+    """mirrors_equal_source's judgement of ``table`` (None: never verified, or no mirror
+    follows it)."""
+    verification_id = latest_verification_id(instance, table)
+    if verification_id is None:
+        return None
+    return equality(table, verification_id, fleet.states.values())
+
+
 def unreadable_fleet(exc: Exception) -> Judgement:
     return Judgement(passed=False, description=f"KV mirrors could not be read: "
                      f"{type(exc).__name__}: {str(exc)[:300]}", metadata={})
@@ -77,6 +102,27 @@ def mirrors_fresh(context: dg.AssetCheckExecutionContext,
                   nats: NatsResource) -> dg.AssetCheckResult:
     try:
         judgement, _ = judge_freshness(read_fleet_now(nats), context.instance, time.time())
+    except Exception as exc:  # noqa: BLE001 - NATS away, no bucket: the check says so
+        judgement = unreadable_fleet(exc)
+    return dg.AssetCheckResult(passed=judgement.passed, severity=severity(judgement),
+                               description=judgement.description,
+                               metadata=check_metadata(judgement))
+
+
+@dg.asset_check(asset=table_verification, name=MIRRORS_EQUAL_SOURCE,
+                partitions_def=published_tables_partitions,
+                description="Per table: passes when every mirror following it (KV `mirrors`) "
+                "met its latest verification `equal` or `repaired`; fails (ERROR) when one "
+                "found it `differ` or `not_comparable`, (WARN) while some have not met it yet. "
+                "Metadata: mirrors, buckets_differing, rows_repaired, not_comparable, pending. "
+                "Evaluated by mirror_fleet_sensor as the mirrors report.")
+def mirrors_equal_source(context: dg.AssetCheckExecutionContext,
+                         nats: NatsResource) -> dg.AssetCheckResult:
+    table = context.partition_key
+    try:
+        judgement = judge_equality(read_fleet_now(nats), context.instance, table) or Judgement(
+            passed=True, description=f"{table}: not verified yet, or no mirror follows it",
+            metadata={})
     except Exception as exc:  # noqa: BLE001 - NATS away, no bucket: the check says so
         judgement = unreadable_fleet(exc)
     return dg.AssetCheckResult(passed=judgement.passed, severity=severity(judgement),

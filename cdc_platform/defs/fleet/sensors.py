@@ -1,8 +1,14 @@
 """`mirror_fleet_sensor`: every 30 s, reads KV `mirrors` (as a user that may only read it)
-and reports what it finds as asset events, no runs: an observation of `mirror_fleet` (each
-mirror's lag, tables, last verification) and the evaluation of `mirrors_fresh`. So a mirror
-that falls behind or stops turns the check red in the UI without anyone reading logs."""
+and reports what it finds: an observation of `mirror_fleet` (each mirror's lag, tables, last
+verification) and the evaluation of `mirrors_fresh`, as asset events; and, for each verified
+table a mirror follows whose verdict changed, a run of `mirrors_equal_source_job` evaluating
+that table's `mirrors_equal_source` (only the check selected). A run, not an asset event:
+Dagster 1.13 stores a second runless evaluation of one partition of a check against a unique
+index (asset, check, run id "", partition) and refuses it. So a mirror that falls behind,
+stops or fails a verification turns a check red in the UI without anyone reading logs."""
 
+import hashlib
+import json
 import time
 
 import dagster as dg
@@ -10,23 +16,27 @@ import dagster as dg
 from cdc_platform.defs.fleet.assets import (
     LAST_SEEN,
     MIRROR_FLEET,
+    MIRRORS_EQUAL_SOURCE,
     MIRRORS_FRESH,
     check_metadata,
+    judge_equality,
     judge_freshness,
     read_fleet_now,
     severity,
     unreadable_fleet,
 )
 from cdc_platform.defs.resources import NatsResource
-from cdc_platform.fleet import Fleet, Judgement
+from cdc_platform.defs.snapshots.partitions import PUBLISHED_TABLES
+from cdc_platform.defs.verification.assets import table_verification
+from cdc_platform.fleet import PASSING, Fleet, Judgement
 
 
-def _evaluation(asset_key: dg.AssetKey, check_name: str, judgement: Judgement,
-                partition: str | None = None) -> dg.AssetCheckEvaluation:
+def _evaluation(asset_key: dg.AssetKey, check_name: str,
+                judgement: Judgement) -> dg.AssetCheckEvaluation:
     return dg.AssetCheckEvaluation(
         asset_key=asset_key, check_name=check_name, passed=judgement.passed,
         severity=severity(judgement), description=judgement.description,
-        metadata=check_metadata(judgement), partition=partition)
+        metadata=check_metadata(judgement))
 
 
 def _observation(fleet: Fleet, seen: dict[str, float]) -> dg.AssetObservation:
@@ -41,19 +51,54 @@ def _observation(fleet: Fleet, seen: dict[str, float]) -> dg.AssetObservation:
     })
 
 
-@dg.sensor(minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING,
-           description="KV `mirrors` -> observations of `mirror_fleet` and the evaluation of "
-           "its check `mirrors_fresh` (reads as CDC_FLEET_NATS_*, a user that may only read "
-           "the bucket); launches no runs.")
-def mirror_fleet_sensor(context: dg.SensorEvaluationContext,
-                        nats: NatsResource) -> dg.SensorResult:
-    try:
-        fleet = read_fleet_now(nats)
-    except Exception as exc:  # noqa: BLE001 - NATS away, no bucket: red, and said
-        judgement = unreadable_fleet(exc)
-        context.log.warning(judgement.description)
-        return dg.SensorResult(asset_events=[_evaluation(MIRROR_FLEET, MIRRORS_FRESH,
-                                                         judgement)])
-    judgement, seen = judge_freshness(fleet, context.instance, time.time())
-    return dg.SensorResult(asset_events=[
-        _observation(fleet, seen), _evaluation(MIRROR_FLEET, MIRRORS_FRESH, judgement)])
+def _verdict(judgement: Judgement) -> str:
+    """What a new evaluation of mirrors_equal_source is run for when it changes: the
+    verification, pass or fail, and the mirrors failing it (not each mirror meeting it)."""
+    failing = {mirror: status for mirror, status in judgement.metadata["mirrors"].items()
+               if status not in (*PASSING, "pending")}
+    return hashlib.sha256(json.dumps(
+        [judgement.metadata["verification_id"], judgement.passed, judgement.warning_only,
+         failing], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _equality_runs(fleet: Fleet, instance: dg.DagsterInstance) -> list[dg.RunRequest]:
+    """A run of mirrors_equal_source for each table whose verdict is new (the run key names
+    the verdict: the daemon launches a key once). Only tables that are partitions: the table
+    names in KV were written by readers."""
+    followed = {table for state in fleet.states.values() for table in state.tables}
+    published = set(instance.get_dynamic_partitions(PUBLISHED_TABLES))
+    runs = []
+    for table in sorted(followed & published):
+        judgement = judge_equality(fleet, instance, table)
+        if judgement is not None:
+            runs.append(dg.RunRequest(
+                run_key=f"{MIRRORS_EQUAL_SOURCE}-{table}-{_verdict(judgement)}",
+                partition_key=table, asset_selection=[],
+                asset_check_keys=[dg.AssetCheckKey(table_verification.key,
+                                                   MIRRORS_EQUAL_SOURCE)]))
+    return runs
+
+
+def build_mirror_fleet_sensor(equality_job) -> dg.SensorDefinition:
+    @dg.sensor(job=equality_job, minimum_interval_seconds=30,
+               default_status=dg.DefaultSensorStatus.RUNNING,
+               description="KV `mirrors` -> observations of `mirror_fleet` and the evaluation "
+               "of `mirrors_fresh` every 30 s; a run of `mirrors_equal_source` for a table "
+               "whose verdict changed (reads as CDC_FLEET_NATS_*, a user that may only read "
+               "the bucket).")
+    def mirror_fleet_sensor(context: dg.SensorEvaluationContext,
+                            nats: NatsResource) -> dg.SensorResult:
+        try:
+            fleet = read_fleet_now(nats)
+        except Exception as exc:  # noqa: BLE001 - NATS away, no bucket: red, and said
+            judgement = unreadable_fleet(exc)
+            context.log.warning(judgement.description)
+            return dg.SensorResult(asset_events=[_evaluation(MIRROR_FLEET, MIRRORS_FRESH,
+                                                             judgement)])
+        judgement, seen = judge_freshness(fleet, context.instance, time.time())
+        return dg.SensorResult(
+            run_requests=_equality_runs(fleet, context.instance),
+            asset_events=[_observation(fleet, seen),
+                          _evaluation(MIRROR_FLEET, MIRRORS_FRESH, judgement)])
+
+    return mirror_fleet_sensor
