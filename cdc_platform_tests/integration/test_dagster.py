@@ -783,9 +783,17 @@ async def test_mirror_fleet_sensor_shows_lagging_gone_and_unreadable_mirrors_red
                                                          {"users": verification}))
     await state_bucket.put("edge2", _mirror_state("edge2", 0.0, {"users": None}))
     with dg.instance_for_test() as instance:
+        cursor = None
+
         async def tick():
-            await asyncio.to_thread(report_sensor_tick, defs, instance, "mirror_fleet_sensor")
+            nonlocal cursor
+            cursor = (await asyncio.to_thread(report_sensor_tick, defs, instance,
+                                              "mirror_fleet_sensor", cursor)).cursor
             return latest_check_evaluation(instance, "mirror_fleet", "mirrors_fresh")
+
+        def observations() -> int:
+            return len(instance.fetch_observations(dg.AssetKey("mirror_fleet"),
+                                                   limit=20).records)
 
         fresh = await tick()
         assert fresh.passed, fresh.description
@@ -797,6 +805,9 @@ async def test_mirror_fleet_sensor_shows_lagging_gone_and_unreadable_mirrors_red
         assert fleet["team_a.edge1"]["tables"]["users"]["last_verification"][
             "status"] == "equal"
         assert fleet["edge2"]["lag_seconds"] == 0.0
+
+        await state_bucket.put("edge2", _mirror_state("edge2", 0.5, {"users": None}))
+        assert (await tick()).passed and observations() == 1  # nothing new to show
 
         await state_bucket.put("edge2", _mirror_state("edge2", 301.0, {"users": None}))
         fresh = await tick()
@@ -815,8 +826,7 @@ async def test_mirror_fleet_sensor_shows_lagging_gone_and_unreadable_mirrors_red
         fresh = await tick()
         assert not fresh.passed and fresh.metadata["gone"].value == []
         assert fresh.metadata["unreadable"].value == {"team_a.edge1": "not JSON"}
-        assert len(instance.fetch_observations(dg.AssetKey("mirror_fleet"),
-                                               limit=10).records) == 6
+        assert observations() == 5  # (not the repeated "gone": it showed nothing new)
 
 
 async def test_mirrors_equal_source_turns_red_when_a_mirror_differs_and_green_once_repaired(
@@ -847,7 +857,7 @@ async def test_mirrors_equal_source_turns_red_when_a_mirror_differs_and_green_on
         async def tick():
             before = len(launched)
             await asyncio.to_thread(report_sensor_tick, defs, instance,
-                                    "mirror_fleet_sensor", launched)
+                                    "mirror_fleet_sensor", None, launched)
             return len(launched) - before, latest_check_evaluation(
                 instance, "table_verification", "mirrors_equal_source", partition=table)
 

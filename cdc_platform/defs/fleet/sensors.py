@@ -5,10 +5,16 @@ table a mirror follows whose verdict changed, a run of `mirrors_equal_source_job
 that table's `mirrors_equal_source` (only the check selected). A run, not an asset event:
 Dagster 1.13 stores a second runless evaluation of one partition of a check against a unique
 index (asset, check, run id "", partition) and refuses it. So a mirror that falls behind,
-stops or fails a verification turns a check red in the UI without anyone reading logs."""
+stops or fails a verification turns a check red in the UI without anyone reading logs.
+
+An observation carries every mirror, so it is recorded when what it shows changed (a mirror
+came or went, a table's status, a verification, a lag of another power of two) and at least
+every OBSERVE_AT_LEAST_SECONDS, not every tick: hundreds of mirrors would otherwise write
+hundreds of MB a day into the event log."""
 
 import hashlib
 import json
+import math
 import time
 
 import dagster as dg
@@ -30,6 +36,8 @@ from cdc_platform.defs.snapshots.partitions import PUBLISHED_TABLES
 from cdc_platform.defs.verification.assets import table_verification
 from cdc_platform.fleet import PASSING, Fleet, Judgement
 
+OBSERVE_AT_LEAST_SECONDS = 600.0
+
 
 def _evaluation(asset_key: dg.AssetKey, check_name: str,
                 judgement: Judgement) -> dg.AssetCheckEvaluation:
@@ -49,6 +57,19 @@ def _observation(fleet: Fleet, seen: dict[str, float]) -> dg.AssetObservation:
         "unreadable": dg.MetadataValue.json(fleet.unreadable),
         LAST_SEEN: dg.MetadataValue.json(seen),
     })
+
+
+def _lag_band(seconds: float) -> int:
+    """Lag as observations tell it apart: 0 under a second, else its power of two."""
+    return 0 if seconds < 1 else int(math.log2(seconds)) + 1
+
+
+def _shown(fleet: Fleet) -> str:
+    """A digest of what an observation shows, lags in bands."""
+    shown = {mirror_id: [_lag_band(state.lag_seconds), state.summary()["tables"]]
+             for mirror_id, state in fleet.states.items()}
+    return hashlib.sha256(json.dumps([shown, fleet.unreadable], sort_keys=True).encode()
+                          ).hexdigest()[:16]
 
 
 def _verdict(judgement: Judgement) -> str:
@@ -95,10 +116,17 @@ def build_mirror_fleet_sensor(equality_job) -> dg.SensorDefinition:
             context.log.warning(judgement.description)
             return dg.SensorResult(asset_events=[_evaluation(MIRROR_FLEET, MIRRORS_FRESH,
                                                              judgement)])
-        judgement, seen = judge_freshness(fleet, context.instance, time.time())
-        return dg.SensorResult(
-            run_requests=_equality_runs(fleet, context.instance),
-            asset_events=[_observation(fleet, seen),
-                          _evaluation(MIRROR_FLEET, MIRRORS_FRESH, judgement)])
+        now = time.time()
+        judgement, seen = judge_freshness(fleet, context.instance, now)
+        events: list[dg.AssetObservation | dg.AssetCheckEvaluation] = [
+            _evaluation(MIRROR_FLEET, MIRRORS_FRESH, judgement)]
+        observed = json.loads(context.cursor) if context.cursor else {}
+        shown = _shown(fleet)
+        if (shown != observed.get("shown")
+                or now - observed.get("at", 0.0) >= OBSERVE_AT_LEAST_SECONDS):
+            events.insert(0, _observation(fleet, seen))
+            observed = {"shown": shown, "at": now}
+        return dg.SensorResult(run_requests=_equality_runs(fleet, context.instance),
+                               asset_events=events, cursor=json.dumps(observed))
 
     return mirror_fleet_sensor
