@@ -138,23 +138,33 @@ class MirrorStateReporter:
         # import, and the bucket's own subject there
         self.subjects = (mirror_state_subject(mirror_id), f"$KV.{bucket}.{mirror_id}")
         self._subject = self.subjects[0]
-        self._wake = asyncio.Event()
+        # (made by run(), in its loop: report_now() may come from any thread)
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._failing = False
         self.started_at = time.time()
         self.published = 0
 
     def report_now(self) -> None:
         """Publish the state at once (after a verification, a repair): only wakes the
-        reporter, so it costs nothing and may be called at any time, also before it runs."""
-        self._wake.set()
+        reporter, so it costs nothing and may be called at any time, from any thread (before
+        the reporter runs or after it stopped: nothing to do, it publishes as it starts)."""
+        wake, loop = self._wake, self._loop
+        if wake is not None and loop is not None:
+            with contextlib.suppress(RuntimeError):  # (its loop closed meanwhile)
+                loop.call_soon_threadsafe(wake.set)
 
     async def run(self, js: JetStreamContext) -> None:
         """Publish every ``interval_seconds`` and on :meth:`report_now`, until cancelled."""
-        while True:
-            self._wake.clear()
-            await self.publish_once(js)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval_seconds)
+        self._wake, self._loop = asyncio.Event(), asyncio.get_running_loop()
+        try:
+            while True:
+                self._wake.clear()
+                await self.publish_once(js)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.interval_seconds)
+        finally:
+            self._wake = self._loop = None
 
     async def publish_once(self, js: JetStreamContext) -> None:
         try:
