@@ -652,9 +652,10 @@ async def test_snapshot_requests_get_replies(dagster_env, cdc_database, pg_admin
 
 async def test_a_verify_request_is_answered_by_a_table_verification_run(
         dagster_env, cdc_database, pg_admin, nats_client):
-    """purpose verify: accepted, a verification_job run (one for two requests), which
-    materializes table_verification through the real Definitions and answers done with the
-    digest's subject and seq; repair is still refused."""
+    """purpose verify: accepted, a verification_job run (one for two requests asking the same
+    bits, another for other bits), which materializes table_verification through the real
+    Definitions and answers done with the digest's subject and seq; repair is still
+    refused."""
     import json as jsonlib
 
     from cdc_platform.bridge.runner import CdcBridge
@@ -675,6 +676,7 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
     await nats_client.subscribe(inbox, cb=collect)
     for request_id, body in (("v1", {"purpose": "verify", "bits": 2}),
                              ("v2", {"purpose": "verify", "bits": 2}),
+                             ("v3", {"purpose": "verify"}),
                              ("p1", {"purpose": "repair", "bits": 2, "buckets": [1]})):
         await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
             {"reply_to": inbox, "request_id": request_id, **body}).encode())
@@ -693,12 +695,14 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
         with dg.instance_for_test() as instance:
             instance.add_dynamic_partitions("published_tables", [table])
             result = await asyncio.to_thread(request_sensor_tick(defs, instance), None)
-            await wait_replies(3)
+            await wait_replies(4)
             by_id = {r["request_id"]: r for r in replies}
             assert by_id["p1"]["status"] == "refused" and "repair" in by_id["p1"]["reason"]
             assert by_id["v1"]["status"] == by_id["v2"]["status"] == "accepted"
-            [run] = result.run_requests
-            assert run.job_name == "verification_job" and run.partition_key == table
+            run, other = result.run_requests
+            assert run.job_name == other.job_name == "verification_job"
+            assert run.partition_key == other.partition_key == table
+            assert by_id["v3"]["run_key"] == other.run_key != run.run_key
             assert by_id["v1"]["run_key"] == by_id["v2"]["run_key"] == run.run_key
             assert jsonlib.loads(run.tags[REPLIES_TAG]) == [["v1", inbox], ["v2", inbox]]
 
@@ -713,7 +717,7 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
     finally:
         bridge.request_stop()
         await asyncio.wait_for(bridge_task, 60)
-    await wait_replies(5)
+    await wait_replies(6)
     done = [r for r in replies if r["status"] == "done"]
     assert sorted(r["request_id"] for r in done) == ["v1", "v2"]
     assert metadata["bits"] == done[0]["bits"] == 2 and metadata["row_count"] == 300
