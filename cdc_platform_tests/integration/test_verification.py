@@ -97,6 +97,11 @@ async def test_the_digest_is_the_tables_rows_at_its_lsn_under_concurrent_writes(
     above = [seq for seq, event in events if parse_lsn(event["commit_lsn"]) >= lsn]
     assert applied > 0 and above, "writes between the snapshot and the digest, and after it"
     assert marker_seq is not None and marker_seq < min(above)
+    marker = decode_payload((await nats_client.jetstream().get_msg("CDC", marker_seq)).data,
+                            "msgpack")
+    assert (marker["type"], marker["snapshot_id"], marker["table"]) == (
+        "watermark", result.verification_id, table)
+    assert payload["marker_subject"] == result.marker_subject == marker["subject"]
     assert message.seq > max(below)
     print(f"verification: {writer.transactions} writer transactions; {applied} events "
           f"between the snapshot and the digest's lsn, {len(above)} after it")
