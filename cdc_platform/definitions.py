@@ -29,6 +29,7 @@ from cdc_platform.defs.snapshots.sensors import (
 )
 from cdc_platform.defs.verification.assets import table_verification
 from cdc_platform.defs.verification.schedules import build_verification_schedule
+from cdc_platform.defs.verification.sensors import build_resync_sensor
 from cdc_platform.settings import OrchestrationSettings, PostgresSettings, load_settings
 from cdc_platform.snapshot.spark_session import default_spark_config
 
@@ -61,7 +62,8 @@ def build_definitions() -> dg.Definitions:
         sensors=[build_cdc_sensor(cdc_job, orchestration.cdc_relaunch_backoff_seconds,
                                  orchestration.cdc_liveness_timeout_seconds),
                  build_snapshot_request_sensor(snapshot_job, verification_job),
-                 publication_sync_sensor, build_mirror_fleet_sensor(mirrors_equal_source_job)],
+                 publication_sync_sensor, build_resync_sensor(verification_job),
+                 build_mirror_fleet_sensor(mirrors_equal_source_job)],
         schedules=[build_snapshot_refresh_schedule(
             snapshot_job, orchestration.snapshot_cron, orchestration.snapshot_timezone),
             build_verification_schedule(verification_job, orchestration.verify_cron,
