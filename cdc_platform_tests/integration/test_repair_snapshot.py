@@ -6,6 +6,7 @@ digest) in those buckets, for keys PostgreSQL hashes and keys the tasks hash; it
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import msgpack
@@ -14,15 +15,31 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from cdc_platform.consumer.snapshots import SnapshotMeta
+from cdc_platform.consumer.snapshots import (
+    SnapshotMeta,
+    SnapshotUnusable,
+    latest_repair_meta,
+    meta_at,
+    repair_meta_at,
+    repair_refusal,
+)
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.mirror.snapshots import read_chunks
 from cdc_platform.replication.connection import SESSION_OPTIONS
+from cdc_platform.settings import BridgeSettings
 from cdc_platform.snapshot import SnapshotOptions, snapshot_table
 from cdc_platform.snapshot.buckets import BucketSelection
+from cdc_platform.snapshot.requests import done_fields
 from cdc_platform.snapshot.source import describe_table
-from cdc_platform.wire import decode_payload, repair_meta_subject, snapshot_meta_subject
+from cdc_platform.wire import (
+    MessageSigner,
+    SignatureVerifier,
+    decode_payload,
+    repair_meta_subject,
+    snapshot_meta_subject,
+)
 from cdc_platform.wire.digest import RowDigester, bucket_of
+from cdc_platform.wire.signing import new_seed
 from cdc_platform_tests.fixtures.bridge import (
     bridge_ready,
     flat_events,
@@ -205,3 +222,46 @@ async def test_spark_and_in_process_repairs_agree(kind, cdc_database, pg_admin, 
     assert await loaded_rows(nats_client, spark_meta) == await loaded_rows(
         nats_client, here_meta) == in_buckets(
         direct_rows(cdc_database.server.superuser_conninfo(), table, columns), columns, key)
+
+
+async def test_a_consumer_reads_a_repair_with_the_checks_of_a_full_snapshot(
+        cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path):
+    """Signed like every snapshot: its meta (named by the done reply) and chunks verify; a
+    done reply naming the wrong kind of meta is refused both ways; an unsigned copy of the
+    meta, or one stored where full snapshots' metas are, is not read as a repair."""
+    seed_file = tmp_path / "signing.seed"
+    seed_file.write_text(new_seed(os.urandom(32)))
+    verifier = SignatureVerifier([MessageSigner(seed_file.read_text()).public_key])
+    table, columns, key = _create(pg_admin, cdc_database, "timestamptz")
+    settings = settings_for(cdc_database, provisioned_nats.url, chunk_rows=100)
+    settings = settings.model_copy(update={"bridge": BridgeSettings(
+        http_port=0, signing_key_seed=str(seed_file))})
+    full = await snapshot_table(None, settings, table, options=IN_PROCESS)
+    repair = await snapshot_table(None, settings, table, options=IN_PROCESS,
+                                  buckets=(BITS, BUCKETS))
+    js = nats_client.jetstream()
+
+    meta = await repair_meta_at(js, "INIT", done_fields(repair), verifier)
+    assert meta is not None and (meta.snapshot_id, meta.bits, meta.buckets) == (
+        repair.snapshot_id, BITS, BUCKETS)
+    assert repair_refusal(meta, table, repair.schema_fingerprint, BITS, BUCKETS[1:]) is None
+    assert (await latest_repair_meta(js, table, verifier=verifier)).seq == meta.seq
+    loaded: Counter = Counter()
+    async for chunk in read_chunks(js, meta, verifier=verifier):
+        loaded.update(_pack(row) for row in chunk.rows)
+    assert loaded == in_buckets(
+        direct_rows(cdc_database.server.superuser_conninfo(), table, columns), columns, key)
+    with pytest.raises(SnapshotUnusable, match="not a full snapshot's"):
+        await meta_at(js, "INIT", done_fields(repair), verifier)
+    with pytest.raises(SnapshotUnusable, match="not a repair snapshot's"):
+        await repair_meta_at(js, "INIT", done_fields(full), verifier)
+
+    genuine = await js.get_last_msg("INIT", repair_meta_subject(table))
+    forged = await js.publish(repair_meta_subject(table), genuine.data,
+                              headers={"Nats-Msg-Id": "forged-repair-meta"})
+    assert await latest_repair_meta(js, table, verifier=verifier) is None  # unsigned
+    assert (await latest_repair_meta(js, table)).seq == forged.seq  # (what it is without)
+    misplaced = await js.publish(snapshot_meta_subject(table), genuine.data,
+                                 headers={"Nats-Msg-Id": "misplaced-repair-meta"})
+    with pytest.raises(SnapshotUnusable, match="not init.repair"):
+        await meta_at(js, "INIT", {"meta_seq": misplaced.seq})
