@@ -4,7 +4,7 @@ after converting the key columns as the chunker converts them. Pure: no I/O."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import chain
 
@@ -39,6 +39,44 @@ class BucketSelection:
     def of(cls, bits: int, buckets: Sequence[int]) -> BucketSelection:
         """The selection of ``buckets`` in any order, repeats dropped."""
         return cls(bits, tuple(sorted(set(buckets))))
+
+    @classmethod
+    def union(cls, selections: Iterable[tuple[int, Sequence[int]]]) -> BucketSelection:
+        """One selection holding every row of ``selections`` (``(bits, buckets)`` each), at
+        the finest of their bits: what one repair run of several requests reads."""
+        wanted = list(selections)
+        bits = max(bits for bits, _ in wanted)
+        return cls.of(bits, [finer for coarse_bits, buckets in wanted for bucket in buckets
+                             for finer in range(bucket << (bits - coarse_bits),
+                                                (bucket + 1) << (bits - coarse_bits))])
+
+    @property
+    def share(self) -> float:
+        """The share of the table's buckets selected."""
+        return len(self.buckets) / (1 << self.bits)
+
+    def to_text(self) -> str:
+        """``bits:ranges``, e.g. ``10:3-5,9``: short enough for a run tag at any size."""
+        ranges: list[str] = []
+        first = previous = self.buckets[0]
+        for bucket in (*self.buckets[1:], None):
+            if bucket is not None and bucket == previous + 1:
+                previous = bucket
+                continue
+            ranges.append(str(first) if first == previous else f"{first}-{previous}")
+            if bucket is not None:
+                first = previous = bucket
+        return f"{self.bits}:{','.join(ranges)}"
+
+    @classmethod
+    def from_text(cls, text: str) -> BucketSelection:
+        """What :meth:`to_text` wrote; ValueError when it is not that."""
+        bits, _, ranges = text.partition(":")
+        buckets: list[int] = []
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            buckets.extend(range(int(first), int(last or first) + 1))
+        return cls(int(bits), tuple(buckets))
 
     def sql_predicate(self, schema: TableSchema) -> sql.Composable | None:
         """The ``WHERE`` condition selecting the rows in PostgreSQL, or None when its key

@@ -125,3 +125,29 @@ def test_the_tasks_filter_keeps_the_lines_whose_converted_key_falls_in_the_bucke
 
     assert kept == "".join(line + "\n" for line in wanted)
     assert BucketFilter(layout, converters, BucketSelection(bits, (15,))).keep(b"") == ""
+
+
+def test_requests_at_several_bits_unite_at_the_finest():
+    united = BucketSelection.union([(4, [3]), (6, [5, 13]), (5, [31])])
+    assert united == BucketSelection(6, (5, 12, 13, 14, 15, 62, 63))
+    assert united.share == 7 / 64
+    assert BucketSelection.union([(2, [1])]) == BucketSelection(2, (1,))
+
+
+@pytest.mark.parametrize(("selection", "text"), [
+    (BucketSelection(6, (5, 12, 13, 14, 15, 62, 63)), "6:5,12-15,62-63"),
+    (BucketSelection(0, (0,)), "0:0"),
+    (BucketSelection(14, tuple(range(4096))), "14:0-4095"),
+    (BucketSelection(14, tuple(range(0, 16384, 4))), "14:" + ",".join(
+        str(b) for b in range(0, 16384, 4))),
+])
+def test_a_selection_reads_back_from_its_text(selection, text):
+    assert selection.to_text() == text
+    assert BucketSelection.from_text(text) == selection
+
+
+@pytest.mark.parametrize("text", ["", "6", "6:", "6:x", "6:-1", "6:5,3", "6:64", "x:1",
+                                  "6:3-1"])
+def test_text_that_is_no_selection_is_refused(text):
+    with pytest.raises(ValueError):
+        BucketSelection.from_text(text)
