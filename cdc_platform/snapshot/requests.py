@@ -13,7 +13,9 @@ docs/verification.md; ``repair``: a snapshot of some buckets only, its meta on
 repair: required, the buckets to read). Replies are JSON objects: ``request_id``, ``table``, ``status`` (``accepted``,
 ``refused``, ``done``, ``failed``) and per status ``reason`` (refused, failed), ``run_key``
 (accepted), ``snapshot_id``, ``lsn``, ``cdc_stream``, ``cdc_start_seq``, ``meta_subject``,
-``meta_seq``, ``reused`` (done).
+``meta_seq``, ``reused`` (done); a verification's ``done``: ``verification_id``, ``lsn``,
+``digest_subject``, ``digest_seq``, ``bits``, ``row_count``. Verifications are never reused
+(each is a new digest at a new point) and ``repair`` is not served yet.
 """
 
 from __future__ import annotations
@@ -223,6 +225,22 @@ def request_run_key(table: str, seq: int) -> str:
     return f"snapshot-request-{table}-{seq}"
 
 
+def verification_run_key(table: str, seq: int) -> str:
+    """The run key of the verification run that a table's request at stream ``seq`` starts."""
+    return f"verify-request-{table}-{seq}"
+
+
+def verification_done_fields(result: Any) -> dict[str, Any]:
+    """The ``done`` reply of a verification just made (a ``VerificationResult``)."""
+    return {"verification_id": result.verification_id, "lsn": result.lsn,
+            "digest_subject": result.digest_subject, "digest_seq": result.digest_seq,
+            "bits": result.bits, "row_count": result.row_count}
+
+
+# what a verification run digests: (table, bits, buckets); requests asking the same share a run
+VerificationKey = tuple[str, int | None, tuple[int, ...] | None]
+
+
 @dataclass
 class HeldRun:
     """A table's snapshot run that requests asked for, held back until ``not_before``: the
@@ -263,6 +281,9 @@ class HandledRequests:
     highest_seq: int  # the highest stream sequence handled
     runs: dict[str, tuple[int, list]]  # table -> (seq of its last request, requesters)
     notes: list[str]  # what was decided, for the log (refusals summarized)
+    # the verification runs to start: (table, bits, buckets) -> (seq of its last request,
+    # requesters)
+    verifications: dict[VerificationKey, tuple[int, list]] = field(default_factory=dict)
 
 
 async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *,
@@ -270,7 +291,9 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
                           in_flight: dict[str, RunInFlight], init_stream: str = "INIT",
                           reply_client: NatsClient | None = None,
                           pacing: Pacing | None = None,
-                          verifier: SignatureVerifier | None = None) -> HandledRequests:
+                          verifier: SignatureVerifier | None = None,
+                          verifying: Mapping[VerificationKey, RunInFlight] | None = None
+                          ) -> HandledRequests:
     """Decide every request (in stream order) and send the replies that are due now, through
     ``reply_client`` (default: ``client``) (``published``: the publication's tables -> their
     oids):
@@ -281,7 +304,9 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     ``accepted`` for a run held back by ``pacing`` (it joins ``pacing.held``), and
     ``accepted`` for the runs to start (one per table, named by its last request); the run
     answers those with ``done`` or ``failed``. With ``verifier`` (the platform signs its
-    snapshots), a meta it refuses is never handed out."""
+    snapshots), a meta it refuses is never handed out. Requests with ``purpose: verify``
+    join a queued verification run of the same table, bits and buckets (``verifying``),
+    else share one run per table, bits and buckets (``verifications``)."""
     js = client.jetstream()
     pacing = pacing or Pacing()
     now = time.time()
@@ -292,11 +317,14 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     refusals: list[str] = []
     joined: dict[str, int] = {}
     held_back: dict[str, int] = {}
+    verifications: dict[VerificationKey, tuple[int, list]] = {}
+    joined_verifications: dict[str, int] = {}  # run key -> requests that joined it
+    verifying = verifying or {}
     for request in requests:
         reason = request.refused or (
             None if request.table in published
             else f"{request.table!r} is not a table of publication {publication}") or (
-            None if request.purpose == "snapshot"
+            None if request.purpose in ("snapshot", "verify")
             else f"purpose {request.purpose} is not served by this platform version")
         if reason is not None:
             refusals.append(f"refused snapshot request for {request.table[:200]!r} "
@@ -304,6 +332,22 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
             replies.append((request.reply_to, Reply("refused", request.table,
                                                     request.request_id,
                                                     {"reason": reason})))
+            continue
+        if request.purpose == "verify":
+            key = (request.table, request.bits, request.buckets)
+            running = verifying.get(key)
+            if running is not None and running.joinable:
+                joined_verifications[running.run_key] = joined_verifications.get(
+                    running.run_key, 0) + 1
+                replies.append((request.reply_to, Reply(
+                    "accepted", request.table, request.request_id,
+                    {"run_key": running.run_key, "coalesced": True})))
+                continue
+            _, requesters = verifications.get(key, (0, []))
+            if request.requester is not None:
+                requesters.append(request.requester)
+            verifications[key] = (request.seq, requesters)
+            accepted.append(request)
             continue
         max_age = max(pacing.min_interval, reuse_seconds if request.max_age_seconds is None
                       else request.max_age_seconds)
@@ -342,12 +386,20 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
         accepted.append(request)
     # the run key names the table's last request: known once all are read
     replies += [(request.reply_to, Reply("accepted", request.table, request.request_id, {
-        "run_key": request_run_key(request.table, runs[request.table][0])}))
+        "run_key": verification_run_key(request.table, verifications[
+            request.table, request.bits, request.buckets][0]) if request.purpose == "verify"
+        else request_run_key(request.table, runs[request.table][0])}))
         for request in accepted]
     notes += [f"snapshot run for {table!r} (request seq {seq}, {len(requesters)} "
               "awaiting a reply)" for table, (seq, requesters) in runs.items()]
+    notes += [f"verification run for {table!r}{'' if bits is None else f' at {bits} bits'}"
+              f"{'' if buckets is None else f' ({len(buckets)} buckets)'} (request seq {seq}, "
+              f"{len(requesters)} awaiting a reply)"
+              for (table, bits, buckets), (seq, requesters) in verifications.items()]
     notes += [f"{count} request(s) for {table!r} joined its run already in flight "
               f"({in_flight[table].run_key})" for table, count in joined.items()]
+    notes += [f"{count} verify request(s) joined verification run {run_key}, queued already"
+              for run_key, count in joined_verifications.items()]
     notes += [f"{count} request(s) for {table!r} joined its run held back until "
               f"{time.strftime('%H:%M:%S', time.gmtime(pacing.held[table].not_before))} UTC "
               f"(its previous request-started run began less than "
@@ -355,7 +407,7 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     if refusals:
         notes[:0] = summarize(refusals)
     await send_replies(reply_client or client, replies)
-    return HandledRequests(max(r.seq for r in requests), runs, notes)
+    return HandledRequests(max(r.seq for r in requests), runs, notes, verifications)
 
 
 async def fetch_requests(client: NatsClient, stream: str, durable: str,

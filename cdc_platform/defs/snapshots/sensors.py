@@ -13,20 +13,25 @@ flood of requests starts at most one run per table (docs/wire-contract.md "Snaps
 unpublished tables are skipped with a reason. A table's runs started by requests begin at
 least ``CDC_SNAPSHOT_MIN_INTERVAL`` apart: a request that needs a new run sooner joins a run
 the sensor holds back in its cursor until then (``max_age_seconds: 0`` cannot make it
-snapshot a table back to back).
+snapshot a table back to back). Requests with ``purpose: verify`` become `table_verification`
+runs (``verification_job``), one per table, bits and buckets, joining such a run while it is
+queued; their runs answer the requesters as snapshot runs do.
 """
 
 import asyncio
 import json
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import dagster as dg
 
 from cdc_platform.defs.resources import NatsRepliesResource, NatsResource, PostgresResource
 from cdc_platform.defs.snapshots.assets import REPLIES_TAG
 from cdc_platform.defs.snapshots.partitions import PUBLISHED_TABLES, published_tables_partitions
+from cdc_platform.defs.verification.assets import BITS_TAG, BUCKETS_TAG
 from cdc_platform.jetstream.provision import REQUESTS_DURABLE
 from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import published_relation_ids, published_tables
@@ -37,9 +42,11 @@ from cdc_platform.snapshot.requests import (
     HeldRun,
     Pacing,
     RunInFlight,
+    VerificationKey,
     answer_requests,
     fetch_requests,
     request_run_key,
+    verification_run_key,
 )
 from cdc_platform.wire import SignatureVerifier
 
@@ -87,15 +94,31 @@ _STARTED = {dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED}
 def _runs_in_flight(instance: dg.DagsterInstance, job_name: str) -> dict[str, RunInFlight]:
     """Table -> its snapshot run already queued or running (a queued one when there are
     both: it answers every request)."""
-    in_flight: dict[str, RunInFlight] = {}
+    return _in_flight_by(instance, job_name, lambda tags, table: table)
+
+
+def _verifications_in_flight(instance: dg.DagsterInstance,
+                             job_name: str) -> dict[VerificationKey, RunInFlight]:
+    """(table, bits, buckets) -> its verification run already queued or running."""
+    return _in_flight_by(instance, job_name, lambda tags, table: (
+        table, int(tags[BITS_TAG]) if BITS_TAG in tags else None,
+        tuple(json.loads(tags[BUCKETS_TAG])) if BUCKETS_TAG in tags else None))
+
+
+def _in_flight_by(instance: dg.DagsterInstance, job_name: str,
+                  key: Callable[[Mapping[str, str], str], Any]) -> dict:
+    """``key(run tags, table)`` -> the run of ``job_name`` queued or running for it (a
+    queued one when there are both: it answers every request)."""
+    in_flight: dict = {}
     for run in instance.get_runs(filters=dg.RunsFilter(job_name=job_name, statuses=_IN_FLIGHT)):
         table = run.tags.get(PARTITION_TAG)
         if table is None:
             continue
         candidate = RunInFlight(table, run.tags.get(RUN_KEY_TAG) or run.run_id,
                                 run.status in _STARTED)
-        if table not in in_flight or in_flight[table].started:
-            in_flight[table] = candidate
+        run_key = key(run.tags, table)
+        if run_key not in in_flight or in_flight[run_key].started:
+            in_flight[run_key] = candidate
     return in_flight
 
 
@@ -135,11 +158,12 @@ class _Cursor:
             for table, held in self.held.items()}})
 
 
-def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
-    @dg.sensor(job=snapshot_job, minimum_interval_seconds=2,
+def build_snapshot_request_sensor(snapshot_job, verification_job) -> dg.SensorDefinition:
+    @dg.sensor(jobs=[snapshot_job, verification_job], minimum_interval_seconds=2,
                default_status=dg.DefaultSensorStatus.RUNNING,
-               description="`snapshot.request.{table}` messages -> `init_snapshot` runs, "
-               "with replies (accepted, refused, done, failed) to requests that ask for them.")
+               description="`snapshot.request.{table}` messages -> `init_snapshot` runs "
+               "(`table_verification` runs for purpose verify), with replies (accepted, "
+               "refused, done, failed) to requests that ask for them.")
     def snapshot_request_sensor(context: dg.SensorEvaluationContext, nats: NatsResource,
                                 nats_replies: NatsRepliesResource,
                                 postgres: PostgresResource):
@@ -152,8 +176,10 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
             nats, nats_replies, cursor.recorded_through, _published_relation_ids(postgres),
             postgres.settings().publication, settings.snapshot_reuse_seconds,
             _runs_in_flight(context.instance, snapshot_job.name), pacing,
-            settings.snapshot_verifier()))
+            settings.snapshot_verifier(),
+            _verifications_in_flight(context.instance, verification_job.name)))
         runs = dict(outcome.runs) if outcome else {}
+        verifications = outcome.verifications if outcome else {}
         notes = list(outcome.notes) if outcome else []
         now = time.time()
         for table in [table for table, held in pacing.held.items() if held.not_before <= now]:
@@ -168,16 +194,19 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
                          pacing.held)
         for note in notes:
             context.log.info(note)
-        if not runs:  # say why in the tick itself, not only in its logs
+        if not runs and not verifications:  # say why in the tick itself, not only in its logs
             return dg.SensorResult(cursor=cursor.dump(), skip_reason="; ".join(notes)[:1000])
         known = set(context.instance.get_dynamic_partitions(PUBLISHED_TABLES))
-        new_partitions = sorted(set(runs) - known)
+        new_partitions = sorted((set(runs) | {key[0] for key in verifications}) - known)
         return dg.SensorResult(
             run_requests=[dg.RunRequest(
                 run_key=request_run_key(table, seq), partition_key=table,
+                job_name=snapshot_job.name,
                 tags={REQUEST_SEQ_TAG: str(seq),
                       REPLIES_TAG: json.dumps(requesters[:MAX_REPLIES_PER_RUN])})
-                for table, (seq, requesters) in runs.items()],
+                for table, (seq, requesters) in runs.items()] + [
+                _verification_run(verification_job.name, key, seq, requesters)
+                for key, (seq, requesters) in verifications.items()],
             cursor=cursor.dump(),
             dynamic_partitions_requests=[
                 published_tables_partitions.build_add_request(new_partitions)]
@@ -186,13 +215,29 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
     return snapshot_request_sensor
 
 
+def _verification_run(job_name: str, key: VerificationKey, seq: int,
+                      requesters: list) -> dg.RunRequest:
+    """A verification run for verify requests (not tagged with REQUEST_SEQ_TAG: only
+    snapshot runs count for the snapshot pacing)."""
+    table, bits, buckets = key
+    tags = {REPLIES_TAG: json.dumps(requesters[:MAX_REPLIES_PER_RUN])}
+    if bits is not None:
+        tags[BITS_TAG] = str(bits)
+    if buckets is not None:
+        tags[BUCKETS_TAG] = json.dumps(list(buckets))
+    return dg.RunRequest(run_key=verification_run_key(table, seq), partition_key=table,
+                         job_name=job_name, tags=tags)
+
+
 async def _handle_requests(nats: NatsResource, nats_replies: NatsRepliesResource,
                            recorded_through: int,
                            published: dict[str, int],
                            publication: str, reuse_seconds: float,
                            in_flight: dict[str, RunInFlight],
                            pacing: Pacing,
-                           verifier: SignatureVerifier | None) -> HandledRequests | None:
+                           verifier: SignatureVerifier | None,
+                           verifying: dict[VerificationKey, RunInFlight]
+                           ) -> HandledRequests | None:
     """What the new requests decided (None: nothing new); see ``answer_requests``."""
     topology = load_settings(NatsTopology)
     async with nats.connect("cdc-platform-snapshot-sensor", as_sensor=True) as client:
@@ -205,4 +250,4 @@ async def _handle_requests(nats: NatsResource, nats_replies: NatsRepliesResource
                                          publication=publication, reuse_seconds=reuse_seconds,
                                          in_flight=in_flight, init_stream=topology.init.name,
                                          reply_client=reply_client, pacing=pacing,
-                                         verifier=verifier)
+                                         verifier=verifier, verifying=verifying)
