@@ -25,6 +25,7 @@ from cdc_platform.defs.snapshots.sensors import (
     publication_sync_sensor,
 )
 from cdc_platform.defs.verification.assets import table_verification
+from cdc_platform.defs.verification.repairs import table_repair
 from cdc_platform.defs.verification.schedules import build_verification_schedule
 from cdc_platform.settings import OrchestrationSettings, PostgresSettings, load_settings
 from cdc_platform.snapshot.spark_session import default_spark_config
@@ -42,12 +43,17 @@ def build_definitions() -> dg.Definitions:
         tags={SNAPSHOT_KIND_TAG: "verification"},
         description="The source's digest of one table for mirrors to compare with "
         "(partition = wire table name).")
+    repair_job = dg.define_asset_job(
+        "repair_job", selection=[table_repair], tags={SNAPSHOT_KIND_TAG: "repair"},
+        description="A repair snapshot of some buckets of one table, for mirrors' repair "
+        "requests (partition = wire table name).")
     return dg.Definitions(
-        assets=[jetstream_topology, schemas, init_snapshot, cdc_stream, table_verification],
-        jobs=[cdc_job, snapshot_job, verification_job],
+        assets=[jetstream_topology, schemas, init_snapshot, cdc_stream, table_verification,
+                table_repair],
+        jobs=[cdc_job, snapshot_job, verification_job, repair_job],
         sensors=[build_cdc_sensor(cdc_job, orchestration.cdc_relaunch_backoff_seconds,
                                  orchestration.cdc_liveness_timeout_seconds),
-                 build_snapshot_request_sensor(snapshot_job, verification_job),
+                 build_snapshot_request_sensor(snapshot_job, verification_job, repair_job),
                  publication_sync_sensor],
         schedules=[build_snapshot_refresh_schedule(
             snapshot_job, orchestration.snapshot_cron, orchestration.snapshot_timezone),

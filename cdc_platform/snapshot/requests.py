@@ -15,7 +15,10 @@ repair: required, the buckets to read). Replies are JSON objects: ``request_id``
 (accepted), ``snapshot_id``, ``lsn``, ``cdc_stream``, ``cdc_start_seq``, ``meta_subject``,
 ``meta_seq``, ``reused`` (done); a verification's ``done``: ``verification_id``, ``lsn``,
 ``digest_subject``, ``digest_seq``, ``bits``, ``row_count``. Verifications are never reused
-(each is a new digest at a new point) and ``repair`` is not served yet.
+(each is a new digest at a new point). A repair asks for at most a quarter of the table's
+buckets (more: refused, "request a full snapshot"); the repair requests of one table in one
+pass share one run, of the union of their buckets at the finest bits, whose ``done`` names its
+meta on ``init.repair.{table}`` (``meta_subject``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from cdc_platform.errors import ProvisioningError
 from cdc_platform.jetstream.connection import fetch_available
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.naming import parse_wire_name
+from cdc_platform.snapshot.buckets import BucketSelection
 from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX, SignatureVerifier
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,9 @@ _SUBJECT = re.compile(r"[A-Za-z0-9_$=/-]+(\.[A-Za-z0-9_$=/-]+)*")
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 PURPOSES = ("snapshot", "verify", "repair")
 MAX_REQUEST_BITS = 20  # the finest buckets a request may name (a repair bisecting)
+# A repair of more than this share of a table's buckets reads nearly as much as a full
+# snapshot, and moves several times what a mirror would bootstrap from instead: refused.
+MAX_REPAIR_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -241,6 +248,23 @@ def verification_done_fields(result: Any) -> dict[str, Any]:
 VerificationKey = tuple[str, int | None, tuple[int, ...] | None]
 
 
+def repair_run_key(table: str, seq: int) -> str:
+    """The run key of the repair run that a table's repair request at stream ``seq`` (the
+    last of its pass) starts."""
+    return f"repair-request-{table}-{seq}"
+
+
+def repair_request_refusal(request: SnapshotRequest) -> str | None:
+    """Why a well-formed ``purpose: repair`` request is not served (None: it is)."""
+    if request.bits is None or request.buckets is None:
+        return "purpose repair needs bits and buckets"
+    share = len(request.buckets) / (1 << request.bits)
+    if share > MAX_REPAIR_SHARE:
+        return (f"{len(request.buckets)} of {1 << request.bits} buckets is more than a "
+                f"quarter of the table: request a full snapshot")
+    return None
+
+
 @dataclass
 class HeldRun:
     """A table's snapshot run that requests asked for, held back until ``not_before``: the
@@ -284,6 +308,9 @@ class HandledRequests:
     # the verification runs to start: (table, bits, buckets) -> (seq of its last request,
     # requesters)
     verifications: dict[VerificationKey, tuple[int, list]] = field(default_factory=dict)
+    # the repair runs to start: table -> (seq of its last repair request, requesters, the
+    # union of their buckets)
+    repairs: dict[str, tuple[int, list, BucketSelection]] = field(default_factory=dict)
 
 
 async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *,
@@ -306,7 +333,10 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     answers those with ``done`` or ``failed``. With ``verifier`` (the platform signs its
     snapshots), a meta it refuses is never handed out. Requests with ``purpose: verify``
     join a queued verification run of the same table, bits and buckets (``verifying``),
-    else share one run per table, bits and buckets (``verifications``)."""
+    else share one run per table, bits and buckets (``verifications``). Requests with
+    ``purpose: repair`` of one table share one run (``repairs``), of the union of their
+    buckets at the finest bits; one asking for more than a quarter of the buckets is
+    refused."""
     js = client.jetstream()
     pacing = pacing or Pacing()
     now = time.time()
@@ -320,12 +350,12 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     verifications: dict[VerificationKey, tuple[int, list]] = {}
     joined_verifications: dict[str, int] = {}  # run key -> requests that joined it
     verifying = verifying or {}
+    repairs: dict[str, tuple[int, list, list[tuple[int, tuple[int, ...]]]]] = {}
     for request in requests:
         reason = request.refused or (
             None if request.table in published
             else f"{request.table!r} is not a table of publication {publication}") or (
-            None if request.purpose in ("snapshot", "verify")
-            else f"purpose {request.purpose} is not served by this platform version")
+            repair_request_refusal(request) if request.purpose == "repair" else None)
         if reason is not None:
             refusals.append(f"refused snapshot request for {request.table[:200]!r} "
                             f"(stream seq {request.seq}): {reason}")
@@ -347,6 +377,15 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
             if request.requester is not None:
                 requesters.append(request.requester)
             verifications[key] = (request.seq, requesters)
+            accepted.append(request)
+            continue
+        if request.purpose == "repair":
+            assert request.bits is not None and request.buckets is not None  # (refused else)
+            _, requesters, asked = repairs.get(request.table, (0, [], []))
+            if request.requester is not None:
+                requesters.append(request.requester)
+            asked.append((request.bits, request.buckets))
+            repairs[request.table] = (request.seq, requesters, asked)
             accepted.append(request)
             continue
         max_age = max(pacing.min_interval, reuse_seconds if request.max_age_seconds is None
@@ -388,14 +427,21 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     replies += [(request.reply_to, Reply("accepted", request.table, request.request_id, {
         "run_key": verification_run_key(request.table, verifications[
             request.table, request.bits, request.buckets][0]) if request.purpose == "verify"
+        else repair_run_key(request.table, repairs[request.table][0])
+        if request.purpose == "repair"
         else request_run_key(request.table, runs[request.table][0])}))
         for request in accepted]
+    repair_runs = {table: (seq, requesters, BucketSelection.union(asked))
+                   for table, (seq, requesters, asked) in repairs.items()}
     notes += [f"snapshot run for {table!r} (request seq {seq}, {len(requesters)} "
               "awaiting a reply)" for table, (seq, requesters) in runs.items()]
     notes += [f"verification run for {table!r}{'' if bits is None else f' at {bits} bits'}"
               f"{'' if buckets is None else f' ({len(buckets)} buckets)'} (request seq {seq}, "
               f"{len(requesters)} awaiting a reply)"
               for (table, bits, buckets), (seq, requesters) in verifications.items()]
+    notes += [f"repair run for {table!r}: {len(selection.buckets)} of {1 << selection.bits} "
+              f"buckets (request seq {seq}, {len(requesters)} awaiting a reply)"
+              for table, (seq, requesters, selection) in repair_runs.items()]
     notes += [f"{count} request(s) for {table!r} joined its run already in flight "
               f"({in_flight[table].run_key})" for table, count in joined.items()]
     notes += [f"{count} verify request(s) joined verification run {run_key}, queued already"
@@ -407,7 +453,8 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     if refusals:
         notes[:0] = summarize(refusals)
     await send_replies(reply_client or client, replies)
-    return HandledRequests(max(r.seq for r in requests), runs, notes, verifications)
+    return HandledRequests(max(r.seq for r in requests), runs, notes, verifications,
+                           repair_runs)
 
 
 async def fetch_requests(client: NatsClient, stream: str, durable: str,

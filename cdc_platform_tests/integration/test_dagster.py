@@ -46,13 +46,16 @@ def test_definitions_load_with_everything(dagster_env):
     defs = build_definitions()
     keys = {key.to_user_string() for key in defs.resolve_all_asset_keys()}
     assert keys == {"jetstream_topology", "schemas", "init_snapshot", "cdc_stream",
-                    "table_verification"}
+                    "table_verification", "table_repair"}
     snapshot = defs.resolve_assets_def("init_snapshot")
     assert snapshot.partitions_def.name == "published_tables"
     verification = defs.resolve_assets_def("table_verification")
     assert verification.partitions_def.name == "published_tables"
     assert verification.asset_deps[verification.key] == {dg.AssetKey("init_snapshot")}
     assert defs.resolve_job_def("verification_job").partitions_def.name == "published_tables"
+    repair = defs.resolve_assets_def("table_repair")
+    assert repair.asset_deps[repair.key] == {dg.AssetKey("init_snapshot")}
+    assert defs.resolve_job_def("repair_job").partitions_def.name == "published_tables"
     cdc_job = defs.resolve_job_def("cdc_job")
     assert cdc_job.tags["cdc_platform/slot"] == dagster_env["CDC_SLOT"]
     assert defs.resolve_job_def("snapshot_job").partitions_def.name == "published_tables"
@@ -654,7 +657,7 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
         dagster_env, cdc_database, pg_admin, nats_client):
     """purpose verify: accepted, a verification_job run (one for two requests), which
     materializes table_verification through the real Definitions and answers done with the
-    digest's subject and seq; repair is still refused."""
+    digest's subject and seq."""
     import json as jsonlib
 
     from cdc_platform.bridge.runner import CdcBridge
@@ -674,8 +677,7 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
 
     await nats_client.subscribe(inbox, cb=collect)
     for request_id, body in (("v1", {"purpose": "verify", "bits": 2}),
-                             ("v2", {"purpose": "verify", "bits": 2}),
-                             ("p1", {"purpose": "repair", "bits": 2, "buckets": [1]})):
+                             ("v2", {"purpose": "verify", "bits": 2})):
         await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
             {"reply_to": inbox, "request_id": request_id, **body}).encode())
     await nats_client.flush()
@@ -693,9 +695,8 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
         with dg.instance_for_test() as instance:
             instance.add_dynamic_partitions("published_tables", [table])
             result = await asyncio.to_thread(request_sensor_tick(defs, instance), None)
-            await wait_replies(3)
+            await wait_replies(2)
             by_id = {r["request_id"]: r for r in replies}
-            assert by_id["p1"]["status"] == "refused" and "repair" in by_id["p1"]["reason"]
             assert by_id["v1"]["status"] == by_id["v2"]["status"] == "accepted"
             [run] = result.run_requests
             assert run.job_name == "verification_job" and run.partition_key == table
@@ -713,7 +714,7 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
     finally:
         bridge.request_stop()
         await asyncio.wait_for(bridge_task, 60)
-    await wait_replies(5)
+    await wait_replies(4)
     done = [r for r in replies if r["status"] == "done"]
     assert sorted(r["request_id"] for r in done) == ["v1", "v2"]
     assert metadata["bits"] == done[0]["bits"] == 2 and metadata["row_count"] == 300
@@ -724,3 +725,97 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
         f"cdc.cdc-platform.verify.{table}.{done[0]['verification_id']}")
     digest = msgpack.unpackb(stored.data)
     assert digest["lsn"] == done[0]["lsn"] == metadata["lsn"] and sum(digest["counts"]) == 300
+
+
+async def test_repair_requests_are_answered_by_one_table_repair_run(
+        dagster_env, cdc_database, pg_admin, nats_client):
+    """purpose repair: two requests of one table (at 4 and 5 bits) share one repair_job run
+    of the union of their buckets at 5 bits, one asking for more than a quarter of the
+    buckets is refused; the run materializes table_repair through the real Definitions and
+    answers done naming its meta on init.repair.{table}, which holds exactly the rows of
+    those buckets, loaded as a consumer loads them; init.meta.{table} gets nothing."""
+    import json as jsonlib
+
+    from nats.js.errors import NotFoundError
+
+    from cdc_platform.bridge.runner import CdcBridge
+    from cdc_platform.consumer.snapshots import repair_meta_at
+    from cdc_platform.definitions import build_definitions
+    from cdc_platform.defs.snapshots.assets import REPLIES_TAG
+    from cdc_platform.defs.verification.repairs import REPAIR_BUCKETS_TAG
+    from cdc_platform.mirror.snapshots import read_chunks
+    from cdc_platform.settings import load_settings
+    from cdc_platform.wire.digest import RowDigester, bucket_of
+
+    table = random_name("repair_asked")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT i, 'v' || i FROM generate_series(1, 600) i")
+    cdc_database.add_tables(pg_admin, table)
+    inbox = f"_INBOX.replies.{random_name('r')}"
+    replies: list[dict] = []
+
+    async def collect(message):
+        replies.append(jsonlib.loads(message.data))
+
+    await nats_client.subscribe(inbox, cb=collect)
+    for request_id, body in (("r1", {"bits": 4, "buckets": [2, 1]}),
+                             ("r2", {"bits": 5, "buckets": [7]}),
+                             ("all", {"bits": 2, "buckets": [0, 1]})):
+        await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
+            {"reply_to": inbox, "request_id": request_id, "purpose": "repair",
+             **body}).encode())
+    await nats_client.flush()
+
+    async def wait_replies(count):
+        deadline = time.monotonic() + 30
+        while len(replies) < count:
+            assert time.monotonic() < deadline, replies
+            await asyncio.sleep(0.1)
+
+    defs = build_definitions()
+    bridge = CdcBridge(load_settings())  # the repair's watermark marker, as a snapshot's
+    bridge_task = asyncio.create_task(bridge.run())
+    try:
+        with dg.instance_for_test() as instance:
+            instance.add_dynamic_partitions("published_tables", [table])
+            result = await asyncio.to_thread(request_sensor_tick(defs, instance), None)
+            await wait_replies(3)
+            by_id = {r["request_id"]: r for r in replies}
+            assert by_id["all"]["status"] == "refused"
+            assert by_id["all"]["reason"] == (
+                "2 of 4 buckets is more than a quarter of the table: request a full snapshot")
+            assert by_id["r1"]["status"] == by_id["r2"]["status"] == "accepted"
+            [run] = result.run_requests
+            assert run.job_name == "repair_job" and run.partition_key == table
+            assert by_id["r1"]["run_key"] == by_id["r2"]["run_key"] == run.run_key
+            assert run.tags[REPAIR_BUCKETS_TAG] == "5:2-5,7"  # 1 and 2 at 4 bits, 7 at 5
+            assert jsonlib.loads(run.tags[REPLIES_TAG]) == [["r1", inbox], ["r2", inbox]]
+
+            job = defs.resolve_job_def("repair_job")
+            outcome = await asyncio.to_thread(
+                job.execute_in_process, instance=instance, partition_key=table,
+                tags=run.tags)
+            assert outcome.success
+            [event] = outcome.get_asset_materialization_events()
+            metadata = {k: v.value for k, v in
+                        event.step_materialization_data.materialization.metadata.items()}
+    finally:
+        bridge.request_stop()
+        await asyncio.wait_for(bridge_task, 60)
+    await wait_replies(5)
+    done = [r for r in replies if r["status"] == "done"]
+    assert sorted(r["request_id"] for r in done) == ["r1", "r2"]
+    assert done[0]["meta_subject"] == f"init.repair.{table}"
+    assert done[0]["snapshot_id"].startswith("repair-")
+    assert metadata["snapshot_id"] == done[0]["snapshot_id"]
+    assert metadata["meta_seq"] == done[0]["meta_seq"] and metadata["buckets"] == "5:2-5,7"
+    js = nats_client.jetstream()
+    meta = await repair_meta_at(js, "INIT", done[0])
+    assert (meta.bits, meta.buckets, meta.lsn) == (5, (2, 3, 4, 5, 7), parse_lsn(done[0]["lsn"]))
+    digester = RowDigester(["id", "v"], ["id"])
+    expected = sorted(i for i in range(1, 601)
+                      if bucket_of(digester.key_hash({"id": i}), 5) in meta.buckets)
+    loaded = [row["id"] async for chunk in read_chunks(js, meta) for row in chunk.rows]
+    assert sorted(loaded) == expected and metadata["row_count"] == len(expected) > 0
+    with pytest.raises(NotFoundError):
+        await js.get_last_msg("INIT", f"init.meta.{table}")
