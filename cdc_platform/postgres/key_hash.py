@@ -78,9 +78,23 @@ def bucket_sql(columns: Iterable[tuple[str, str]], bits: int) -> sql.Composable:
         key_bytes_sql(columns), sql.Literal(MAX_SQL_BITS - bits))
 
 
+def bucket_ranges(buckets: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ``buckets`` as runs of consecutive numbers ``(first, last)``."""
+    ranges: list[tuple[int, int]] = []
+    for bucket in buckets:
+        if ranges and bucket == ranges[-1][1] + 1:
+            ranges[-1] = (ranges[-1][0], bucket)
+        else:
+            ranges.append((bucket, bucket))
+    return ranges
+
+
 def bucket_predicate(columns: Iterable[tuple[str, str]], bits: int,
                      buckets: Iterable[int]) -> sql.Composable:
-    """``WHERE`` condition: the row's key falls in one of ``buckets`` at ``bits``. A constant
-    ``IN`` list, which PostgreSQL 14+ hashes, so thousands of buckets cost one look-up."""
-    return sql.SQL("{} IN ({})").format(
-        bucket_sql(columns, bits), sql.SQL(", ").join(map(sql.Literal, buckets)))
+    """``WHERE`` condition: the row's key falls in one of ``buckets`` (sorted, distinct) at
+    ``bits``. Their runs as one int4multirange constant (PostgreSQL 14+): its size grows with
+    the runs, not the buckets (a quarter of the table at 20 bits is 262,144 buckets), and a
+    row's look-up is a binary search."""
+    ranges = ",".join(f"[{first},{last + 1})" for first, last in bucket_ranges(buckets))
+    return sql.SQL("{} <@ {}::int4multirange").format(
+        bucket_sql(columns, bits), sql.Literal(f"{{{ranges}}}"))

@@ -11,7 +11,12 @@ from itertools import chain
 from psycopg import sql
 
 from cdc_platform.postgres.catalog import TableSchema
-from cdc_platform.postgres.key_hash import MAX_SQL_BITS, bucket_predicate, sql_key_kinds
+from cdc_platform.postgres.key_hash import (
+    MAX_SQL_BITS,
+    bucket_predicate,
+    bucket_ranges,
+    sql_key_kinds,
+)
 from cdc_platform.snapshot.chunks import Chunker, ChunkLayout, Converter
 from cdc_platform.wire.digest import HASH_BITS, MAX_HELD_BITS, RowDigester
 
@@ -57,16 +62,9 @@ class BucketSelection:
 
     def to_text(self) -> str:
         """``bits:ranges``, e.g. ``10:3-5,9``: short enough for a run tag at any size."""
-        ranges: list[str] = []
-        first = previous = self.buckets[0]
-        for bucket in (*self.buckets[1:], None):
-            if bucket is not None and bucket == previous + 1:
-                previous = bucket
-                continue
-            ranges.append(str(first) if first == previous else f"{first}-{previous}")
-            if bucket is not None:
-                first = previous = bucket
-        return f"{self.bits}:{','.join(ranges)}"
+        return f"{self.bits}:" + ",".join(
+            str(first) if first == last else f"{first}-{last}"
+            for first, last in bucket_ranges(self.buckets))
 
     @classmethod
     def from_text(cls, text: str) -> BucketSelection:

@@ -336,7 +336,7 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     else share one run per table, bits and buckets (``verifications``). Requests with
     ``purpose: repair`` of one table share one run (``repairs``), of the union of their
     buckets at the finest bits; one asking for more than a quarter of the buckets is
-    refused."""
+    refused, and so are all of a table's when together they do."""
     js = client.jetstream()
     pacing = pacing or Pacing()
     now = time.time()
@@ -423,6 +423,21 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
         # repeated requests for one table coalesce into one run
         runs[request.table] = (request.seq, requesters)
         accepted.append(request)
+    repair_runs = {table: (seq, requesters, BucketSelection.union(asked))
+                   for table, (seq, requesters, asked) in repairs.items()}
+    for table, (_, _, selection) in list(repair_runs.items()):
+        if selection.share > MAX_REPAIR_SHARE:  # each asked for a quarter at most: together
+            del repair_runs[table]
+            reason = (f"the repairs asked of {table!r} at once add up to "
+                      f"{len(selection.buckets)} of {1 << selection.bits} buckets, more "
+                      "than a quarter of the table: request a full snapshot")
+            refusals.append(f"refused repair requests for {table[:200]!r}: {reason}")
+            replies += [(request.reply_to, Reply("refused", table, request.request_id,
+                                                 {"reason": reason}))
+                        for request in accepted
+                        if request.purpose == "repair" and request.table == table]
+    accepted = [request for request in accepted
+                if request.purpose != "repair" or request.table in repair_runs]
     # the run key names the table's last request: known once all are read
     replies += [(request.reply_to, Reply("accepted", request.table, request.request_id, {
         "run_key": verification_run_key(request.table, verifications[
@@ -431,8 +446,6 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
         if request.purpose == "repair"
         else request_run_key(request.table, runs[request.table][0])}))
         for request in accepted]
-    repair_runs = {table: (seq, requesters, BucketSelection.union(asked))
-                   for table, (seq, requesters, asked) in repairs.items()}
     notes += [f"snapshot run for {table!r} (request seq {seq}, {len(requesters)} "
               "awaiting a reply)" for table, (seq, requesters) in runs.items()]
     notes += [f"verification run for {table!r}{'' if bits is None else f' at {bits} bits'}"

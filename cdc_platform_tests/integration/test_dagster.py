@@ -799,10 +799,25 @@ async def test_repair_requests_are_answered_by_one_table_repair_run(
             [event] = outcome.get_asset_materialization_events()
             metadata = {k: v.value for k, v in
                         event.step_materialization_data.materialization.metadata.items()}
+            await wait_replies(5)
+
+            # a quarter and an eighth: each may be asked, together they are too many
+            for request_id, body in (("u1", {"bits": 2, "buckets": [0]}),
+                                     ("u2", {"bits": 3, "buckets": [2]})):
+                await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
+                    {"reply_to": inbox, "request_id": request_id, "purpose": "repair",
+                     **body}).encode())
+            await nats_client.flush()
+            again = await asyncio.to_thread(request_sensor_tick(defs, instance),
+                                            result.cursor)
+            await wait_replies(7)
+            assert again.run_requests == []
+            assert [(r["request_id"], r["status"]) for r in replies[5:]] == [
+                ("u1", "refused"), ("u2", "refused")]
+            assert "add up to 3 of 8 buckets" in replies[5]["reason"]
     finally:
         bridge.request_stop()
         await asyncio.wait_for(bridge_task, 60)
-    await wait_replies(5)
     done = [r for r in replies if r["status"] == "done"]
     assert sorted(r["request_id"] for r in done) == ["r1", "r2"]
     assert done[0]["meta_subject"] == f"init.repair.{table}"

@@ -104,6 +104,11 @@ def test_a_key_hashed_in_sql_equals_the_digests_key_hash_and_selects_its_bucket(
             sql.Identifier(table), bucket_predicate(kinds, bits, buckets))).fetchall()
         assert sorted(note for (note,) in selected) == sorted(
             note for note, hashed in by_note.items() if bucket_of(hashed, bits) in buckets)
+    quarter = range(3 << 18, 1 << 20)  # the last quarter at 20 bits: one run of buckets
+    selected = session.execute(sql.SQL("SELECT note FROM {} WHERE {}").format(
+        sql.Identifier(table), bucket_predicate(kinds, 20, quarter))).fetchall()
+    assert sorted(note for (note,) in selected) == sorted(
+        note for note, hashed in by_note.items() if bucket_of(hashed, 2) == 3)
     for bucket in range(8):  # each bucket alone: every row in exactly one
         selected = session.execute(sql.SQL("SELECT note FROM {} WHERE {}").format(
             sql.Identifier(table), bucket_predicate(kinds, 3, [bucket]))).fetchall()

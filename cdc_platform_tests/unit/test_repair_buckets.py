@@ -9,6 +9,7 @@ import pytest
 from cdc_platform.postgres.catalog import CatalogColumn, TableSchema
 from cdc_platform.postgres.key_hash import (
     bucket_predicate,
+    bucket_ranges,
     bucket_sql,
     key_bytes_sql,
     sql_key_kinds,
@@ -52,9 +53,16 @@ def test_the_bucket_is_the_top_bits_of_the_hashs_first_three_bytes_hashed_once()
     assert bucket.startswith("(('x' || left(encode(sha256(")
     assert bucket.endswith("), 'hex'), 6))::bit(24)::int4 >> 19)")
     assert bucket.count("sha256") == 1
-    assert bucket_predicate([("id", "int")], 5, [3, 17]).as_string(None) == f"{bucket} IN (3, 17)"
+    assert bucket_predicate([("id", "int")], 5, [3, 4, 5, 17]).as_string(None) == (
+        f"{bucket} <@ '{{[3,6),[17,18)}}'::int4multirange")
     with pytest.raises(ValueError, match="bits must be 0..24"):
         bucket_sql([("id", "int")], 25)
+
+
+def test_buckets_run_together_into_ranges():
+    assert bucket_ranges([]) == []
+    assert bucket_ranges([0]) == [(0, 0)]
+    assert bucket_ranges([0, 1, 2, 5, 7, 8]) == [(0, 2), (5, 5), (7, 8)]
 
 
 @pytest.mark.parametrize(("columns", "kinds"), [
