@@ -279,12 +279,23 @@ class HeldRun:
 @dataclass
 class Pacing:
     """The minimum interval between a table's snapshot runs started by requests
-    (docs/wire-contract.md "Floods"; 0: none). ``last_started``: table -> when its newest
-    request-started run was created; ``held``: the runs held back (updated in place)."""
+    (docs/wire-contract.md "Floods"; 0: none), and between its repair runs.
+    ``last_started``: table -> when its newest request-started run was created; ``held``:
+    the runs held back (updated in place); ``repairs_started``: table -> when its newest
+    repair run was created."""
 
     min_interval: float = 0.0
     last_started: Mapping[str, float] = field(default_factory=dict)
     held: dict[str, HeldRun] = field(default_factory=dict)
+    repairs_started: Mapping[str, float] = field(default_factory=dict)
+
+    def repair_retry_after(self, table: str, now: float) -> float | None:
+        """Seconds until a repair run of ``table`` may start (None: now). Each reads the
+        whole table: a consumer asking again and again must not keep it scanning."""
+        started = self.repairs_started.get(table)
+        if started is None or now - started >= self.min_interval:
+            return None
+        return started + self.min_interval - now
 
     def hold(self, table: str, seq: int, now: float) -> HeldRun | None:
         """The held run a request of ``table`` that needs a new run joins (None: one may
@@ -381,6 +392,16 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
             continue
         if request.purpose == "repair":
             assert request.bits is not None and request.buckets is not None  # (refused else)
+            wait = pacing.repair_retry_after(request.table, now)
+            if wait is not None:
+                reason = (f"a repair of {request.table!r} started less than "
+                          f"{pacing.min_interval:.0f}s ago: ask again in {wait:.0f}s")
+                refusals.append(f"refused repair request for {request.table[:200]!r} "
+                                f"(stream seq {request.seq}): {reason}")
+                replies.append((request.reply_to, Reply(
+                    "refused", request.table, request.request_id,
+                    {"reason": reason, "retry_after": round(wait, 1)})))
+                continue
             _, requesters, asked = repairs.get(request.table, (0, [], []))
             if request.requester is not None:
                 requesters.append(request.requester)

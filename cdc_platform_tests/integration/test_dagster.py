@@ -730,10 +730,12 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
 async def test_repair_requests_are_answered_by_one_table_repair_run(
         dagster_env, cdc_database, pg_admin, nats_client):
     """purpose repair: two requests of one table (at 4 and 5 bits) share one repair_job run
-    of the union of their buckets at 5 bits, one asking for more than a quarter of the
-    buckets is refused; the run materializes table_repair through the real Definitions and
-    answers done naming its meta on init.repair.{table}, which holds exactly the rows of
-    those buckets, loaded as a consumer loads them; init.meta.{table} gets nothing."""
+    of the union of their buckets at 5 bits; one asking for more than a quarter of the
+    buckets is refused, and so are two of another table that together do; the run
+    materializes table_repair through the real Definitions and answers done naming its meta
+    on init.repair.{table}, which holds exactly the rows of those buckets, loaded as a
+    consumer loads them; init.meta.{table} gets nothing; a repair asked again within the
+    minimum interval is refused with retry_after."""
     import json as jsonlib
 
     from nats.js.errors import NotFoundError
@@ -747,10 +749,11 @@ async def test_repair_requests_are_answered_by_one_table_repair_run(
     from cdc_platform.settings import load_settings
     from cdc_platform.wire.digest import RowDigester, bucket_of
 
-    table = random_name("repair_asked")
-    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
-    pg_admin.execute(f"INSERT INTO {table} SELECT i, 'v' || i FROM generate_series(1, 600) i")
-    cdc_database.add_tables(pg_admin, table)
+    table, other = random_name("repair_asked"), random_name("repair_many")
+    for name in (table, other):
+        pg_admin.execute(f"CREATE TABLE {name} (id int PRIMARY KEY, v text)")
+        pg_admin.execute(f"INSERT INTO {name} SELECT i, 'v' || i FROM generate_series(1, 600) i")
+    cdc_database.add_tables(pg_admin, table, other)
     inbox = f"_INBOX.replies.{random_name('r')}"
     replies: list[dict] = []
 
@@ -758,10 +761,13 @@ async def test_repair_requests_are_answered_by_one_table_repair_run(
         replies.append(jsonlib.loads(message.data))
 
     await nats_client.subscribe(inbox, cb=collect)
-    for request_id, body in (("r1", {"bits": 4, "buckets": [2, 1]}),
-                             ("r2", {"bits": 5, "buckets": [7]}),
-                             ("all", {"bits": 2, "buckets": [0, 1]})):
-        await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
+    # u1 and u2: a quarter and an eighth of the other table; each may be asked, not both
+    for name, request_id, body in ((table, "r1", {"bits": 4, "buckets": [2, 1]}),
+                                   (table, "r2", {"bits": 5, "buckets": [7]}),
+                                   (table, "all", {"bits": 2, "buckets": [0, 1]}),
+                                   (other, "u1", {"bits": 2, "buckets": [0]}),
+                                   (other, "u2", {"bits": 3, "buckets": [2]})):
+        await nats_client.publish(f"snapshot.request.{name}", jsonlib.dumps(
             {"reply_to": inbox, "request_id": request_id, "purpose": "repair",
              **body}).encode())
     await nats_client.flush()
@@ -777,13 +783,15 @@ async def test_repair_requests_are_answered_by_one_table_repair_run(
     bridge_task = asyncio.create_task(bridge.run())
     try:
         with dg.instance_for_test() as instance:
-            instance.add_dynamic_partitions("published_tables", [table])
+            instance.add_dynamic_partitions("published_tables", [table, other])
             result = await asyncio.to_thread(request_sensor_tick(defs, instance), None)
-            await wait_replies(3)
+            await wait_replies(5)
             by_id = {r["request_id"]: r for r in replies}
             assert by_id["all"]["status"] == "refused"
             assert by_id["all"]["reason"] == (
                 "2 of 4 buckets is more than a quarter of the table: request a full snapshot")
+            assert by_id["u1"]["status"] == by_id["u2"]["status"] == "refused"
+            assert "add up to 3 of 8 buckets" in by_id["u2"]["reason"]
             assert by_id["r1"]["status"] == by_id["r2"]["status"] == "accepted"
             [run] = result.run_requests
             assert run.job_name == "repair_job" and run.partition_key == table
@@ -799,22 +807,21 @@ async def test_repair_requests_are_answered_by_one_table_repair_run(
             [event] = outcome.get_asset_materialization_events()
             metadata = {k: v.value for k, v in
                         event.step_materialization_data.materialization.metadata.items()}
-            await wait_replies(5)
+            await wait_replies(7)
 
-            # a quarter and an eighth: each may be asked, together they are too many
-            for request_id, body in (("u1", {"bits": 2, "buckets": [0]}),
-                                     ("u2", {"bits": 3, "buckets": [2]})):
-                await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
-                    {"reply_to": inbox, "request_id": request_id, "purpose": "repair",
-                     **body}).encode())
+            # the table was repaired just now: a repair run starts CDC_SNAPSHOT_MIN_INTERVAL
+            # (60 s) after the last at the soonest
+            await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
+                {"reply_to": inbox, "request_id": "r3", "purpose": "repair", "bits": 4,
+                 "buckets": [9]}).encode())
             await nats_client.flush()
             again = await asyncio.to_thread(request_sensor_tick(defs, instance),
                                             result.cursor)
-            await wait_replies(7)
+            await wait_replies(8)
             assert again.run_requests == []
-            assert [(r["request_id"], r["status"]) for r in replies[5:]] == [
-                ("u1", "refused"), ("u2", "refused")]
-            assert "add up to 3 of 8 buckets" in replies[5]["reason"]
+            assert (replies[7]["request_id"], replies[7]["status"]) == ("r3", "refused")
+            assert "started less than 60s ago" in replies[7]["reason"]
+            assert 0 < replies[7]["retry_after"] <= 60
     finally:
         bridge.request_stop()
         await asyncio.wait_for(bridge_task, 60)

@@ -17,7 +17,8 @@ snapshot a table back to back). Requests with ``purpose: verify`` become `table_
 runs (``verification_job``), one per table, bits and buckets, joining such a run while it is
 queued; their runs answer the requesters as snapshot runs do. Requests with ``purpose:
 repair`` become one `table_repair` run (``repair_job``) per table and tick, of the union of
-their buckets.
+their buckets, at least ``CDC_SNAPSHOT_MIN_INTERVAL`` apart (sooner: refused with
+``retry_after``).
 """
 
 import asyncio
@@ -139,6 +140,19 @@ def _request_runs_since(instance: dg.DagsterInstance, since: float) -> dict[str,
     return created
 
 
+def _runs_of_job_since(instance: dg.DagsterInstance, job_name: str,
+                       since: float) -> dict[str, float]:
+    """Table -> when its newest run of ``job_name`` was created, of those created after
+    ``since``."""
+    created: dict[str, float] = {}
+    for record in instance.get_run_records(dg.RunsFilter(
+            job_name=job_name, created_after=datetime.fromtimestamp(since, UTC))):
+        table = record.dagster_run.tags.get(PARTITION_TAG)
+        if table is not None:
+            created[table] = max(created.get(table, 0.0), record.create_timestamp.timestamp())
+    return created
+
+
 @dataclass
 class _Cursor:
     """The sensor's cursor: the highest stream sequence handled (its RunRequests recorded),
@@ -178,7 +192,9 @@ def build_snapshot_request_sensor(snapshot_job, verification_job,
         settings = load_settings(OrchestrationSettings)
         interval = settings.snapshot_min_interval_seconds
         pacing = Pacing(interval, _request_runs_since(context.instance, time.time() - interval)
-                        if interval else {}, cursor.held)
+                        if interval else {}, cursor.held,
+                        _runs_of_job_since(context.instance, repair_job.name,
+                                           time.time() - interval) if interval else {})
         outcome = asyncio.run(_handle_requests(
             nats, nats_replies, cursor.recorded_through, _published_relation_ids(postgres),
             postgres.settings().publication, settings.snapshot_reuse_seconds,
