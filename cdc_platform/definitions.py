@@ -27,6 +27,7 @@ from cdc_platform.defs.snapshots.sensors import (
 from cdc_platform.defs.verification.assets import table_verification
 from cdc_platform.defs.verification.repairs import table_repair
 from cdc_platform.defs.verification.schedules import build_verification_schedule
+from cdc_platform.defs.verification.sensors import build_resync_sensor
 from cdc_platform.settings import OrchestrationSettings, PostgresSettings, load_settings
 from cdc_platform.snapshot.spark_session import default_spark_config
 
@@ -54,7 +55,7 @@ def build_definitions() -> dg.Definitions:
         sensors=[build_cdc_sensor(cdc_job, orchestration.cdc_relaunch_backoff_seconds,
                                  orchestration.cdc_liveness_timeout_seconds),
                  build_snapshot_request_sensor(snapshot_job, verification_job, repair_job),
-                 publication_sync_sensor],
+                 publication_sync_sensor, build_resync_sensor(verification_job)],
         schedules=[build_snapshot_refresh_schedule(
             snapshot_job, orchestration.snapshot_cron, orchestration.snapshot_timezone),
             build_verification_schedule(verification_job, orchestration.verify_cron,

@@ -143,7 +143,7 @@ class WatermarkMarker(TypedDict):
 
 
 class ResyncMarker(TypedDict):
-    """``cdc.cdc-platform.resync``: the bridge's slot was invalidated and the bridge (with
+    """``cdc.cdc-platform.resync.{slot}``: the bridge's slot was invalidated and the bridge (with
     ``CDC_ON_SLOT_LOST=resync``) streams from a new slot. Stored before anything from the new
     slot, so every message after it in ``CDC`` comes from the new slot; changes committed
     after ``lost_after`` and before the new slot's start may be missing from the stream."""

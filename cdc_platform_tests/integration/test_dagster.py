@@ -60,7 +60,7 @@ def test_definitions_load_with_everything(dagster_env):
     assert cdc_job.tags["cdc_platform/slot"] == dagster_env["CDC_SLOT"]
     assert defs.resolve_job_def("snapshot_job").partitions_def.name == "published_tables"
     assert {s.name for s in defs.sensors} == {
-        "cdc_sensor", "snapshot_request_sensor", "publication_sync_sensor"}
+        "cdc_sensor", "snapshot_request_sensor", "publication_sync_sensor", "resync_sensor"}
     assert defs.resolve_schedule_def("snapshot_refresh_schedule").cron_schedule == "0 3 * * *"
     off = defs.resolve_schedule_def("verification_schedule")  # CDC_VERIFY_CRON unset
     assert off.default_status == dg.DefaultScheduleStatus.STOPPED
@@ -414,6 +414,39 @@ async def test_max_age_0_cannot_force_back_to_back_snapshots(
     finally:
         bridge.request_stop()
         await asyncio.wait_for(bridge_task, 60)
+
+
+async def test_a_resync_marker_starts_a_verification_of_every_table_once(
+        dagster_env, cdc_database, nats_client):
+    from cdc_platform.definitions import build_definitions
+    from cdc_platform.wire import encoder, resync_msg_id, resync_subject
+
+    defs = build_definitions()
+    sensor = defs.resolve_sensor_def("resync_sensor")
+    with dg.instance_for_test() as instance:
+        def tick(cursor):
+            return sensor(dg.build_sensor_context(instance=instance, cursor=cursor,
+                                                  resources=dagster_resources(),
+                                                  definitions=defs))
+
+        assert isinstance(await asyncio.to_thread(tick, None), dg.SkipReason)  # no marker
+        # the marker as the bridge stores it after replacing this platform's lost slot
+        # (test_slot_resync.py has a real bridge do that)
+        msg_id = resync_msg_id(cdc_database.slot, 0x16_0000_0000)
+        ack = await nats_client.jetstream().publish(
+            resync_subject(cdc_database.slot), encoder("msgpack")({
+                "type": "resync", "slot": cdc_database.slot, "lost_after": "16/0",
+                "reason": "slot lost", "timestamp": 0, "msg_id": msg_id}),
+            headers={"Nats-Msg-Id": msg_id})
+        # no tables known yet: the marker waits for them
+        waiting = await asyncio.to_thread(tick, None)
+        assert isinstance(waiting, dg.SkipReason) and "no published tables" in str(waiting)
+        instance.add_dynamic_partitions("published_tables", ["sales__orders", "users"])
+        result = await asyncio.to_thread(tick, None)
+        assert sorted((r.partition_key, r.run_key) for r in result.run_requests) == [
+            ("sales__orders", f"resync-{ack.seq}-sales__orders"),
+            ("users", f"resync-{ack.seq}-users")]
+        assert isinstance(await asyncio.to_thread(tick, result.cursor), dg.SkipReason)
 
 
 def test_cdc_sensor_keeps_exactly_one_run(dagster_env):
