@@ -8,6 +8,7 @@ import json
 import pytest
 
 from cdc_platform.snapshot.requests import (
+    Pacing,
     RunInFlight,
     parse_request,
     repair_request_refusal,
@@ -113,3 +114,12 @@ def test_a_repair_of_more_than_a_quarter_of_the_buckets_is_refused(bits, buckets
     assert (reason is not None) is refused
     if refused:
         assert reason.endswith("more than a quarter of the table: request a full snapshot")
+
+
+def test_a_tables_repairs_start_the_minimum_interval_apart():
+    pacing = Pacing(60.0, repairs_started={"users": 1000.0})
+    assert pacing.repair_retry_after("users", 1010.0) == 50.0
+    assert pacing.repair_retry_after("users", 1060.0) is None
+    assert pacing.repair_retry_after("orders", 1010.0) is None
+    assert Pacing(0.0, repairs_started={"users": 1000.0}).repair_retry_after(
+        "users", 1000.0) is None
