@@ -317,8 +317,21 @@ async def _done_if_usable(js: JetStreamContext, table: str, meta: SnapshotMeta, 
         return None
     return {"snapshot_id": meta.snapshot_id, "lsn": meta.raw["lsn"],
             "cdc_stream": meta.cdc_stream, "cdc_start_seq": start_seq,
-            "meta_subject": snapshot_meta_subject(table), "meta_seq": meta.seq,
-            "reused": reused}
+            "meta_subject": meta.subject, "meta_seq": meta.seq, "reused": reused}
+
+
+async def repair_stored_since(js: JetStreamContext, table: str, asked_after_seq: int,
+                              bits: int, buckets: Iterable[int], init_stream: str = "INIT", *,
+                              verifier: SignatureVerifier | None = None
+                              ) -> dict[str, Any] | None:
+    """The ``done`` fields of the newest repair snapshot of ``table`` if it was stored after
+    the request was made (its `INIT` sequence above ``asked_after_seq``), holds every row of
+    ``buckets`` at ``bits``, and has a cutover point the CDC stream still holds: what a
+    repair requester whose ``done`` got lost finds instead."""
+    meta = await latest_repair_meta(js, table, init_stream, verifier)
+    if meta is None or meta.seq <= asked_after_seq or not meta.covers(bits, buckets):
+        return None
+    return await _done_if_usable(js, table, meta, reused=False, verifier=verifier)
 
 
 def snapshot_relation_id(meta: SnapshotMeta) -> int | None:

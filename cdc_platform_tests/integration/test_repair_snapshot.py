@@ -6,6 +6,7 @@ digest) in those buckets, for keys PostgreSQL hashes and keys the tasks hash; it
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections import Counter
 
@@ -15,6 +16,7 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
+from cdc_platform.consumer.requests import SnapshotRequester
 from cdc_platform.consumer.snapshots import (
     SnapshotMeta,
     SnapshotUnusable,
@@ -47,6 +49,7 @@ from cdc_platform_tests.fixtures.bridge import (
     slot_confirmed,
     wait_for,
 )
+from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import random_name
 from cdc_platform_tests.fixtures.snapshots import NO_BRIDGE, direct_rows, settings_for
 
@@ -265,3 +268,36 @@ async def test_a_consumer_reads_a_repair_with_the_checks_of_a_full_snapshot(
                                  headers={"Nats-Msg-Id": "misplaced-repair-meta"})
     with pytest.raises(SnapshotUnusable, match="not init.repair"):
         await meta_at(js, "INIT", {"meta_seq": misplaced.seq})
+
+
+async def test_a_requester_asks_for_a_repair_and_asks_again_when_told_to(
+        cdc_database, pg_admin, provisioned_nats, nats_client):
+    """The consumer's requester: purpose repair, done names the repair's meta, which loads;
+    refused for now (a repair of the table ran moments ago) it asks again after retry_after
+    and gets the second one."""
+    table, columns, key = _create(pg_admin, cdc_database, "int8")
+    settings = settings_for(cdc_database, provisioned_nats.url)
+    js = nats_client.jetstream()
+    reports: list[str] = []
+    requester = SnapshotRequester(
+        nats_client, js, requests_stream=settings.topology.requests.name,
+        init_stream="INIT", max_age_seconds=0, wait_seconds=60,
+        status_interval_seconds=60, report=reports.append)
+    stop = asyncio.Event()
+    async with snapshot_responder(settings, options=IN_PROCESS, repair_interval=3.0) as taken:
+        first = await requester.request_repair(table, BITS, BUCKETS[:2], stop)
+        second = await requester.request_repair(table, BITS - 1, [BUCKETS[2] >> 1], stop)
+    assert [result.snapshot_id for result in taken] == [
+        first["snapshot_id"], second["snapshot_id"]]
+    # refused at first (the table was repaired moments before), then asked again
+    assert [line for line in reports if "too soon; asking again in" in line]
+    rows = direct_rows(cdc_database.server.superuser_conninfo(), table, columns)
+    for done, bits, buckets in ((first, BITS, BUCKETS[:2]),
+                                (second, BITS - 1, (BUCKETS[2] >> 1,))):
+        assert done["meta_subject"] == repair_meta_subject(table)
+        meta = await repair_meta_at(js, "INIT", done)
+        assert (meta.bits, meta.buckets) == (bits, buckets)
+        loaded: Counter = Counter()
+        async for chunk in read_chunks(js, meta):
+            loaded.update(_pack(row) for row in chunk.rows)
+        assert loaded == in_buckets(rows, columns, key, bits, buckets)
