@@ -556,6 +556,10 @@ class OrchestrationSettings(_Settings):
     # for a fresher snapshot gets one this young, or waits for the next run
     snapshot_min_interval_seconds: Seconds = Field(
         60.0, ge=0, validation_alias=_env("CDC_SNAPSHOT_MIN_INTERVAL"))
+    # a table's verification runs started by requests begin at least this far apart (one
+    # asking other bits or buckets meanwhile is refused until the held one started)
+    verify_min_interval_seconds: Seconds = Field(
+        60.0, ge=0, validation_alias=_env("CDC_VERIFY_MIN_INTERVAL"))
     cdc_relaunch_backoff_seconds: Seconds = Field(
         30.0, gt=0, validation_alias=_env("CDC_RELAUNCH_BACKOFF"))
     # A cdc_job run whose worker wrote no liveness tag for this long is dead (killed, its

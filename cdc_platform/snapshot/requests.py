@@ -274,6 +274,13 @@ class HeldRun:
     seq: int  # the stream sequence of its first request (names its run key)
     requesters: list  # [request_id, reply_to] of the requests it serves
     not_before: float  # time.time() from which it may start
+    # a verification run's bits and buckets (a snapshot run has neither)
+    bits: int | None = None
+    buckets: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.buckets is not None:  # (a list when read back from JSON)
+            self.buckets = tuple(self.buckets)
 
 
 @dataclass
@@ -330,8 +337,8 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
                           reply_client: NatsClient | None = None,
                           pacing: Pacing | None = None,
                           verifier: SignatureVerifier | None = None,
-                          verifying: Mapping[VerificationKey, RunInFlight] | None = None
-                          ) -> HandledRequests:
+                          verifying: Mapping[VerificationKey, RunInFlight] | None = None,
+                          verify_pacing: Pacing | None = None) -> HandledRequests:
     """Decide every request (in stream order) and send the replies that are due now, through
     ``reply_client`` (default: ``client``) (``published``: the publication's tables -> their
     oids):
@@ -343,11 +350,12 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     ``accepted`` for the runs to start (one per table, named by its last request); the run
     answers those with ``done`` or ``failed``. With ``verifier`` (the platform signs its
     snapshots), a meta it refuses is never handed out. Requests with ``purpose: verify``
-    join a queued verification run of the same table, bits and buckets (``verifying``),
-    else share one run per table, bits and buckets (``verifications``). Requests with
-    ``purpose: repair`` of one table share one run (``repairs``), of the union of their
-    buckets at the finest bits; one asking for more than a quarter of the buckets is
-    refused, and so are all of a table's when together they do."""
+    go to :class:`_VerifyRequests` (``verifying``: the verification runs in flight;
+    ``verify_pacing``: their own minimum interval and held runs). Requests with ``purpose:
+    repair`` of one table share one run (``repairs``), of the union of their buckets at the
+    finest bits; one asking for more than a quarter of the buckets is refused, and so are all
+    of a table's when together they do, and any while the table's last repair run started
+    less than ``pacing.min_interval`` ago (with ``retry_after``)."""
     js = client.jetstream()
     pacing = pacing or Pacing()
     now = time.time()
@@ -358,9 +366,7 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     refusals: list[str] = []
     joined: dict[str, int] = {}
     held_back: dict[str, int] = {}
-    verifications: dict[VerificationKey, tuple[int, list]] = {}
-    joined_verifications: dict[str, int] = {}  # run key -> requests that joined it
-    verifying = verifying or {}
+    verifications = _VerifyRequests(verifying or {}, verify_pacing or Pacing())
     repairs: dict[str, tuple[int, list, list[tuple[int, tuple[int, ...]]]]] = {}
     for request in requests:
         reason = request.refused or (
@@ -375,20 +381,11 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
                                                     {"reason": reason})))
             continue
         if request.purpose == "verify":
-            key = (request.table, request.bits, request.buckets)
-            running = verifying.get(key)
-            if running is not None and running.joinable:
-                joined_verifications[running.run_key] = joined_verifications.get(
-                    running.run_key, 0) + 1
-                replies.append((request.reply_to, Reply(
-                    "accepted", request.table, request.request_id,
-                    {"run_key": running.run_key, "coalesced": True})))
-                continue
-            _, requesters = verifications.get(key, (0, []))
-            if request.requester is not None:
-                requesters.append(request.requester)
-            verifications[key] = (request.seq, requesters)
-            accepted.append(request)
+            reply = verifications.take(request, now)
+            if reply is None:
+                accepted.append(request)
+            else:
+                replies.append((request.reply_to, reply))
             continue
         if request.purpose == "repair":
             assert request.bits is not None and request.buckets is not None  # (refused else)
@@ -461,7 +458,7 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
                 if request.purpose != "repair" or request.table in repair_runs]
     # the run key names the table's last request: known once all are read
     replies += [(request.reply_to, Reply("accepted", request.table, request.request_id, {
-        "run_key": verification_run_key(request.table, verifications[
+        "run_key": verification_run_key(request.table, verifications.runs[
             request.table, request.bits, request.buckets][0]) if request.purpose == "verify"
         else repair_run_key(request.table, repairs[request.table][0])
         if request.purpose == "repair"
@@ -469,17 +466,12 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
         for request in accepted]
     notes += [f"snapshot run for {table!r} (request seq {seq}, {len(requesters)} "
               "awaiting a reply)" for table, (seq, requesters) in runs.items()]
-    notes += [f"verification run for {table!r}{'' if bits is None else f' at {bits} bits'}"
-              f"{'' if buckets is None else f' ({len(buckets)} buckets)'} (request seq {seq}, "
-              f"{len(requesters)} awaiting a reply)"
-              for (table, bits, buckets), (seq, requesters) in verifications.items()]
+    notes += verifications.notes()
     notes += [f"repair run for {table!r}: {len(selection.buckets)} of {1 << selection.bits} "
               f"buckets (request seq {seq}, {len(requesters)} awaiting a reply)"
               for table, (seq, requesters, selection) in repair_runs.items()]
     notes += [f"{count} request(s) for {table!r} joined its run already in flight "
               f"({in_flight[table].run_key})" for table, count in joined.items()]
-    notes += [f"{count} verify request(s) joined verification run {run_key}, queued already"
-              for run_key, count in joined_verifications.items()]
     notes += [f"{count} request(s) for {table!r} joined its run held back until "
               f"{time.strftime('%H:%M:%S', time.gmtime(pacing.held[table].not_before))} UTC "
               f"(its previous request-started run began less than "
@@ -487,8 +479,88 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     if refusals:
         notes[:0] = summarize(refusals)
     await send_replies(reply_client or client, replies)
-    return HandledRequests(max(r.seq for r in requests), runs, notes, verifications,
+    return HandledRequests(max(r.seq for r in requests), runs, notes, verifications.runs,
                            repair_runs)
+
+
+def _utc_time(timestamp: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(timestamp))
+
+
+class _VerifyRequests:
+    """The verify requests of one pass. A request joins a queued verification run of the same
+    table, bits and buckets (``verifying``), else this pass's run of them (``runs``), else the
+    table's run held back by ``pacing`` when it asks the same (another is refused until that
+    one started: a table's verification runs started by requests begin at least
+    ``pacing.min_interval`` apart, whatever they ask), else starts a run."""
+
+    def __init__(self, verifying: Mapping[VerificationKey, RunInFlight],
+                 pacing: Pacing) -> None:
+        self.verifying = verifying
+        self.pacing = pacing
+        self.runs: dict[VerificationKey, tuple[int, list]] = {}
+        self.joined: dict[str, int] = {}  # run key -> requests that joined it
+        self.held_back: dict[str, int] = {}  # table -> requests that joined its held run
+
+    def take(self, request: SnapshotRequest, now: float) -> Reply | None:
+        """The reply due now (None: ``accepted`` with the run key of ``runs``, known once
+        every request is read)."""
+        table, key = request.table, (request.table, request.bits, request.buckets)
+        running = self.verifying.get(key)
+        if running is not None and running.joinable:
+            self.joined[running.run_key] = self.joined.get(running.run_key, 0) + 1
+            return Reply("accepted", table, request.request_id,
+                         {"run_key": running.run_key, "coalesced": True})
+        if key not in self.runs:
+            held = self._held(request, now)
+            if held is not None:
+                return self._join_held(held, request)
+            self.runs[key] = (request.seq, [])
+        _, requesters = self.runs[key]
+        if request.requester is not None:
+            requesters.append(request.requester)
+        self.runs[key] = (request.seq, requesters)  # the run key names the last request
+        return None
+
+    def _held(self, request: SnapshotRequest, now: float) -> HeldRun | None:
+        """The table's held run this request meets (None: a run may start now)."""
+        pacing, table = self.pacing, request.table
+        if table in pacing.held or not pacing.min_interval:
+            return pacing.held.get(table)
+        if any(other == table for other, _, _ in self.runs):  # one starts in this pass
+            pacing.held[table] = HeldRun(request.seq, [], now + pacing.min_interval)
+        elif pacing.hold(table, request.seq, now) is None:
+            return None
+        held = pacing.held[table]
+        held.bits, held.buckets = request.bits, request.buckets
+        return held
+
+    def _join_held(self, held: HeldRun, request: SnapshotRequest) -> Reply:
+        table = request.table
+        if (held.bits, held.buckets) != (request.bits, request.buckets):
+            return Reply("refused", table, request.request_id, {"reason": (
+                f"a verification of {table!r} with other bits or buckets is held back until "
+                f"{_utc_time(held.not_before)} UTC (at most one a table every {self.pacing.min_interval:.0f}s): "
+                "ask again after it started")})
+        if request.requester is not None and len(held.requesters) < MAX_REPLIES_PER_RUN:
+            held.requesters.append(request.requester)
+        self.held_back[table] = self.held_back.get(table, 0) + 1
+        return Reply("accepted", table, request.request_id,
+                     {"run_key": verification_run_key(table, held.seq)})
+
+    def notes(self) -> list[str]:
+        """What the pass decided of verifications, for the log."""
+        started = [
+            f"verification run for {table!r}{'' if bits is None else f' at {bits} bits'}"
+            f"{'' if buckets is None else f' ({len(buckets)} buckets)'} (request seq {seq}, "
+            f"{len(requesters)} awaiting a reply)"
+            for (table, bits, buckets), (seq, requesters) in self.runs.items()]
+        joined = [f"{count} verify request(s) joined verification run {run_key}, queued "
+                  "already" for run_key, count in self.joined.items()]
+        held = [f"{count} verify request(s) for {table!r} joined its verification run held "
+                f"back until {_utc_time(self.pacing.held[table].not_before)} UTC"
+                for table, count in self.held_back.items()]
+        return started + joined + held
 
 
 async def fetch_requests(client: NatsClient, stream: str, durable: str,

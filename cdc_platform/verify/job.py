@@ -178,15 +178,11 @@ async def _verify_once(spark: Any, settings: PlatformSettings, table: str,
                 digest_seconds = time.monotonic() - digest_started
             control.execute("ROLLBACK")  # releases the guard lock
             digest, rows_read = summed_digest(results, held_bits, verification_id)
-            if buckets is None:
-                final_bits = bucket_bits(rows_read) if bits is None else bits
-                folded = digest.folded(final_bits)
-                totals, counts = folded.totals, folded.counts
-            else:
-                final_bits = bits or 0
-                folded = digest.folded(final_bits)
-                totals = [folded.totals[bucket] for bucket in buckets]
-                counts = [folded.counts[bucket] for bucket in buckets]
+            final_bits = bucket_bits(rows_read) if bits is None else bits
+            folded = digest.folded(final_bits)
+            covered = range(1 << final_bits) if buckets is None else buckets
+            totals = [folded.totals[bucket] for bucket in covered]
+            counts = [folded.counts[bucket] for bucket in covered]
             # 5. every transaction below lsn stored; 6. the digest after them
             wait_started = time.monotonic()
             await wait_for_bridge(control, pg.slot, lsn, settings.verify.wait_seconds)

@@ -688,9 +688,10 @@ async def test_snapshot_requests_get_replies(dagster_env, cdc_database, pg_admin
 
 async def test_a_verify_request_is_answered_by_a_table_verification_run(
         dagster_env, cdc_database, pg_admin, nats_client):
-    """purpose verify: accepted, a verification_job run (one for two requests), which
-    materializes table_verification through the real Definitions and answers done with the
-    digest's subject and seq."""
+    """purpose verify: accepted, a verification_job run (one for two requests asking the same
+    bits; one asking other bits is held back: CDC_VERIFY_MIN_INTERVAL), which materializes
+    table_verification through the real Definitions and answers done with the digest's
+    subject and seq."""
     import json as jsonlib
 
     from cdc_platform.bridge.runner import CdcBridge
@@ -710,7 +711,8 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
 
     await nats_client.subscribe(inbox, cb=collect)
     for request_id, body in (("v1", {"purpose": "verify", "bits": 2}),
-                             ("v2", {"purpose": "verify", "bits": 2})):
+                             ("v2", {"purpose": "verify", "bits": 2}),
+                             ("v3", {"purpose": "verify"})):
         await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
             {"reply_to": inbox, "request_id": request_id, **body}).encode())
     await nats_client.flush()
@@ -728,11 +730,12 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
         with dg.instance_for_test() as instance:
             instance.add_dynamic_partitions("published_tables", [table])
             result = await asyncio.to_thread(request_sensor_tick(defs, instance), None)
-            await wait_replies(2)
+            await wait_replies(3)
             by_id = {r["request_id"]: r for r in replies}
             assert by_id["v1"]["status"] == by_id["v2"]["status"] == "accepted"
             [run] = result.run_requests
             assert run.job_name == "verification_job" and run.partition_key == table
+            assert by_id["v3"]["status"] == "accepted" and by_id["v3"]["run_key"] != run.run_key
             assert by_id["v1"]["run_key"] == by_id["v2"]["run_key"] == run.run_key
             assert jsonlib.loads(run.tags[REPLIES_TAG]) == [["v1", inbox], ["v2", inbox]]
 
@@ -747,7 +750,7 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
     finally:
         bridge.request_stop()
         await asyncio.wait_for(bridge_task, 60)
-    await wait_replies(4)
+    await wait_replies(5)
     done = [r for r in replies if r["status"] == "done"]
     assert sorted(r["request_id"] for r in done) == ["v1", "v2"]
     assert metadata["bits"] == done[0]["bits"] == 2 and metadata["row_count"] == 300
@@ -874,3 +877,68 @@ async def test_repair_requests_are_answered_by_one_table_repair_run(
     assert sorted(loaded) == expected and metadata["row_count"] == len(expected) > 0
     with pytest.raises(NotFoundError):
         await js.get_last_msg("INIT", f"init.meta.{table}")
+
+
+async def test_a_flood_of_verify_requests_starts_one_verification_a_table_per_interval(
+        dagster_env, nats_client, cdc_database, pg_admin, monkeypatch):
+    """A table's verification runs started by requests begin CDC_VERIFY_MIN_INTERVAL apart:
+    a request after the table's run needs one held back until then (joined by those asking
+    the same; one asking other bits is refused until it started), whatever the requests
+    ask."""
+    import json as jsonlib
+
+    from cdc_platform.definitions import build_definitions
+    from cdc_platform.defs.snapshots.assets import REPLIES_TAG
+    from cdc_platform.defs.verification.assets import BITS_TAG
+
+    interval = 8.0
+    monkeypatch.setenv("CDC_VERIFY_MIN_INTERVAL", str(interval))
+    table = random_name("verify_flood")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    cdc_database.add_tables(pg_admin, table)
+    inbox = f"_INBOX.replies.{random_name('r')}"
+    replies: dict[str, dict] = {}
+
+    async def collect(message):
+        reply = jsonlib.loads(message.data)
+        replies[reply["request_id"]] = reply
+
+    await nats_client.subscribe(inbox, cb=collect)
+
+    async def ask(*requests):
+        for request_id, body in requests:
+            await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
+                {"reply_to": inbox, "request_id": request_id, "purpose": "verify",
+                 **body}).encode())
+        await nats_client.flush()
+
+    async def tick(cursor, *request_ids):
+        result = await asyncio.to_thread(evaluate, cursor)
+        deadline = time.monotonic() + 30
+        while not all(request_id in replies for request_id in request_ids):
+            assert time.monotonic() < deadline, replies
+            await asyncio.sleep(0.05)
+        return result
+
+    defs = build_definitions()
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("published_tables", [table])
+        evaluate = request_sensor_tick(defs, instance)
+        started = time.time()
+        await ask(*[(f"a{n}", {"bits": 2}) for n in range(20)], ("b1", {}), ("c1", {"bits": 3}))
+        first = await tick(None, "a19", "b1", "c1")
+        (run,) = first.run_requests  # twenty of one kind: one run
+        assert run.tags[BITS_TAG] == "2" and len(jsonlib.loads(run.tags[REPLIES_TAG])) == 20
+        assert replies["b1"]["status"] == "accepted" and replies["b1"]["run_key"] != run.run_key
+        assert replies["c1"]["status"] == "refused" and "held back" in replies["c1"]["reason"]
+
+        await ask(("b2", {}))
+        second = await tick(first.cursor, "b2")
+        assert not second.run_requests
+        assert replies["b2"]["run_key"] == replies["b1"]["run_key"]
+        assert time.time() < started + interval  # (held: not due yet)
+        await asyncio.sleep(started + interval + 0.5 - time.time())
+        due = await tick(second.cursor)
+        (released,) = due.run_requests
+        assert released.run_key == replies["b1"]["run_key"] and BITS_TAG not in released.tags
+        assert jsonlib.loads(released.tags[REPLIES_TAG]) == [["b1", inbox], ["b2", inbox]]

@@ -6,8 +6,10 @@ events up to the digest's lsn, hashed with ``RowDigester``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 
+import psycopg
 import pytest
 from nats.js.errors import NotFoundError
 
@@ -97,6 +99,11 @@ async def test_the_digest_is_the_tables_rows_at_its_lsn_under_concurrent_writes(
     above = [seq for seq, event in events if parse_lsn(event["commit_lsn"]) >= lsn]
     assert applied > 0 and above, "writes between the snapshot and the digest, and after it"
     assert marker_seq is not None and marker_seq < min(above)
+    marker = decode_payload((await nats_client.jetstream().get_msg("CDC", marker_seq)).data,
+                            "msgpack")
+    assert (marker["type"], marker["snapshot_id"], marker["table"]) == (
+        "watermark", result.verification_id, table)
+    assert payload["marker_subject"] == result.marker_subject == marker["subject"]
     assert message.seq > max(below)
     print(f"verification: {writer.transactions} writer transactions; {applied} events "
           f"between the snapshot and the digest's lsn, {len(above)} after it")
@@ -154,6 +161,49 @@ async def test_a_table_without_a_primary_key_is_keyed_by_every_column_in_json_to
     rows = [{"n": 1, "t": "a", "f": 0.5}, {"n": 1, "t": "a", "f": 0.5},
             {"n": 2, "t": None, "f": float("nan")}, {"n": 3, "t": "", "f": -0.0}]
     assert digest == buckets_of(table_digest(rows, RowDigester(["n", "t", "f"]), 1))
+
+
+async def test_a_verification_gives_way_to_ddl_its_export_waits_for_and_is_made_again(
+        cdc_database, pg_admin, provisioned_nats, nats_client):
+    """As a snapshot does (test_snapshot.py): a transaction that wrote runs ALTER TABLE while
+    the verification holds its guard and creates its slot; the verification gives way and is
+    made again under ``{id}-r1``, digesting the altered table."""
+    table = random_name("ddlverify")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' FROM generate_series(1, 10) g")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    async with running_bridge(settings):
+        await wait_for(lambda: slot_confirmed(pg_admin, cdc_database.slot) > 0,
+                       what="the bridge's slot")
+        with psycopg.connect(cdc_database.server.superuser_conninfo()) as migration:
+            migration.execute(f"UPDATE {table} SET v = 'w' WHERE id = 1")  # (it has an xid)
+            verification = asyncio.create_task(verify_table(None, settings, table, bits=1))
+
+            def exporting_waits() -> bool:
+                return pg_admin.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender' "
+                    "AND application_name = 'cdc_platform_snapshot' "
+                    "AND wait_event_type = 'Lock'").fetchone()[0] > 0
+            await wait_for(lambda: exporting_waits() or verification.done(),
+                           what="the exporting slot to wait")
+            assert exporting_waits()
+
+            def alter() -> None:
+                migration.execute(f"ALTER TABLE {table} ADD COLUMN w int DEFAULT 7")
+                migration.commit()
+            altering = asyncio.create_task(asyncio.to_thread(alter))
+            try:
+                result = await asyncio.wait_for(asyncio.shield(verification), 60)
+            finally:
+                verification.cancel()
+                with contextlib.suppress(BaseException):
+                    await verification
+                await altering
+    assert result.verification_id.endswith("-r1")  # the second attempt, after the DDL
+    rows = [{"id": 1, "v": "w", "w": 7}, *({"id": i, "v": "v", "w": 7} for i in range(2, 11))]
+    digest = (await digest_message(nats_client, result))[2]
+    assert digest == buckets_of(table_digest(rows, RowDigester(["id", "v", "w"], ["id"]), 1))
 
 
 async def test_an_unknown_or_unpublished_table_is_refused_before_any_marker(

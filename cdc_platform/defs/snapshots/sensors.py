@@ -58,7 +58,8 @@ from cdc_platform.wire import SignatureVerifier
 
 PARTITION_TAG = "dagster/partition"
 RUN_KEY_TAG = "dagster/run_key"
-REQUEST_SEQ_TAG = "cdc_platform/request_seq"  # on runs started by requests
+REQUEST_SEQ_TAG = "cdc_platform/request_seq"  # on snapshot runs started by requests
+VERIFY_REQUEST_SEQ_TAG = "cdc_platform/verify_request_seq"  # ... on verification runs
 
 FETCH_LIMIT = 500
 
@@ -128,14 +129,22 @@ def _in_flight_by(instance: dg.DagsterInstance, job_name: str,
     return in_flight
 
 
-def _request_runs_since(instance: dg.DagsterInstance, since: float) -> dict[str, float]:
-    """Table -> when its newest snapshot run started by requests (tagged with the request's
-    sequence) was created, of the runs created after ``since``."""
+def _pacing(instance: dg.DagsterInstance, seq_tag: str, interval: float,
+            held: dict[str, HeldRun]) -> Pacing:
+    """The minimum interval between a table's runs started by requests (tagged ``seq_tag``)."""
+    return Pacing(interval, _request_runs_since(instance, seq_tag, time.time() - interval)
+                  if interval else {}, held)
+
+
+def _request_runs_since(instance: dg.DagsterInstance, seq_tag: str,
+                        since: float) -> dict[str, float]:
+    """Table -> when its newest run started by requests (tagged ``seq_tag`` with the
+    request's sequence) was created, of the runs created after ``since``."""
     created: dict[str, float] = {}
     for record in instance.get_run_records(dg.RunsFilter(
             created_after=datetime.fromtimestamp(since, UTC))):
         table = record.dagster_run.tags.get(PARTITION_TAG)
-        if table is not None and REQUEST_SEQ_TAG in record.dagster_run.tags:
+        if table is not None and seq_tag in record.dagster_run.tags:
             created[table] = max(created.get(table, 0.0), record.create_timestamp.timestamp())
     return created
 
@@ -156,10 +165,12 @@ def _runs_of_job_since(instance: dg.DagsterInstance, job_name: str,
 @dataclass
 class _Cursor:
     """The sensor's cursor: the highest stream sequence handled (its RunRequests recorded),
-    and the runs held back by the minimum interval (JSON; a bare number before them)."""
+    and the snapshot and verification runs held back by their minimum intervals (JSON; a
+    bare number before them)."""
 
     recorded_through: int = 0
     held: dict[str, HeldRun] = field(default_factory=dict)
+    held_verifications: dict[str, HeldRun] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, text: str | None) -> "_Cursor":
@@ -168,13 +179,16 @@ class _Cursor:
         if text.isdigit():
             return cls(int(text))
         value = json.loads(text)
-        return cls(value["through"], {table: HeldRun(*held)
-                                      for table, held in value["held"].items()})
+        return cls(value["through"], *({table: HeldRun(*held) for table, held in
+                                        value.get(name, {}).items()}
+                                       for name in ("held", "held_verifications")))
 
     def dump(self) -> str:
         return json.dumps({"through": self.recorded_through, "held": {
             table: [held.seq, held.requesters, held.not_before]
-            for table, held in self.held.items()}})
+            for table, held in self.held.items()}, "held_verifications": {
+            table: [held.seq, held.requesters, held.not_before, held.bits, held.buckets]
+            for table, held in self.held_verifications.items()}})
 
 
 def build_snapshot_request_sensor(snapshot_job, verification_job,
@@ -190,19 +204,22 @@ def build_snapshot_request_sensor(snapshot_job, verification_job,
                                 postgres: PostgresResource):
         cursor = _Cursor.parse(context.cursor)
         settings = load_settings(OrchestrationSettings)
-        interval = settings.snapshot_min_interval_seconds
-        pacing = Pacing(interval, _request_runs_since(context.instance, time.time() - interval)
-                        if interval else {}, cursor.held,
-                        _runs_of_job_since(context.instance, repair_job.name,
-                                           time.time() - interval) if interval else {})
+        pacing = _pacing(context.instance, REQUEST_SEQ_TAG,
+                         settings.snapshot_min_interval_seconds, cursor.held)
+        pacing.repairs_started = _runs_of_job_since(
+            context.instance, repair_job.name, time.time() - pacing.min_interval
+        ) if pacing.min_interval else {}
+        verify_pacing = _pacing(context.instance, VERIFY_REQUEST_SEQ_TAG,
+                                settings.verify_min_interval_seconds,
+                                cursor.held_verifications)
         outcome = asyncio.run(_handle_requests(
             nats, nats_replies, cursor.recorded_through, _published_relation_ids(postgres),
             postgres.settings().publication, settings.snapshot_reuse_seconds,
             _runs_in_flight(context.instance, snapshot_job.name), pacing,
             settings.snapshot_verifier(),
-            _verifications_in_flight(context.instance, verification_job.name)))
+            _verifications_in_flight(context.instance, verification_job.name), verify_pacing))
         runs = dict(outcome.runs) if outcome else {}
-        verifications = outcome.verifications if outcome else {}
+        verifications = dict(outcome.verifications) if outcome else {}
         repairs = outcome.repairs if outcome else {}
         notes = list(outcome.notes) if outcome else []
         now = time.time()
@@ -211,11 +228,18 @@ def build_snapshot_request_sensor(snapshot_job, verification_job,
             runs[table] = (held.seq, held.requesters)
             notes.append(f"snapshot run for {table!r} (request seq {held.seq}, "
                          f"{len(held.requesters)} awaiting a reply), held back until now")
-        if outcome is None and not runs:
+        for table in [table for table, held in verify_pacing.held.items()
+                      if held.not_before <= now]:
+            held = verify_pacing.held.pop(table)
+            verifications[table, held.bits, held.buckets] = (held.seq, held.requesters)
+            notes.append(f"verification run for {table!r} (request seq {held.seq}, "
+                         f"{len(held.requesters)} awaiting a reply), held back until now")
+        if outcome is None and not runs and not verifications:
+            held_count = len(pacing.held) + len(verify_pacing.held)
             return dg.SkipReason("no new snapshot requests" + (
-                f"; {len(pacing.held)} run(s) held back" if pacing.held else ""))
+                f"; {held_count} run(s) held back" if held_count else ""))
         cursor = _Cursor(outcome.highest_seq if outcome else cursor.recorded_through,
-                         pacing.held)
+                         pacing.held, verify_pacing.held)
         for note in notes:
             context.log.info(note)
         if not runs and not verifications and not repairs:  # say why in the tick itself
@@ -244,10 +268,10 @@ def build_snapshot_request_sensor(snapshot_job, verification_job,
 
 def _verification_run(job_name: str, key: VerificationKey, seq: int,
                       requesters: list) -> dg.RunRequest:
-    """A verification run for verify requests (not tagged with REQUEST_SEQ_TAG: only
-    snapshot runs count for the snapshot pacing)."""
+    """A verification run for verify requests."""
     table, bits, buckets = key
-    tags = {REPLIES_TAG: json.dumps(requesters[:MAX_REPLIES_PER_RUN])}
+    tags = {VERIFY_REQUEST_SEQ_TAG: str(seq),
+            REPLIES_TAG: json.dumps(requesters[:MAX_REPLIES_PER_RUN])}
     if bits is not None:
         tags[BITS_TAG] = str(bits)
     if buckets is not None:
@@ -273,8 +297,8 @@ async def _handle_requests(nats: NatsResource, nats_replies: NatsRepliesResource
                            in_flight: dict[str, RunInFlight],
                            pacing: Pacing,
                            verifier: SignatureVerifier | None,
-                           verifying: dict[VerificationKey, RunInFlight]
-                           ) -> HandledRequests | None:
+                           verifying: dict[VerificationKey, RunInFlight],
+                           verify_pacing: Pacing) -> HandledRequests | None:
     """What the new requests decided (None: nothing new); see ``answer_requests``."""
     topology = load_settings(NatsTopology)
     async with nats.connect("cdc-platform-snapshot-sensor", as_sensor=True) as client:
@@ -287,4 +311,5 @@ async def _handle_requests(nats: NatsResource, nats_replies: NatsRepliesResource
                                          publication=publication, reuse_seconds=reuse_seconds,
                                          in_flight=in_flight, init_stream=topology.init.name,
                                          reply_client=reply_client, pacing=pacing,
-                                         verifier=verifier, verifying=verifying)
+                                         verifier=verifier, verifying=verifying,
+                                         verify_pacing=verify_pacing)
