@@ -239,8 +239,10 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
             js = client.jetstream()
             wire_table = described.schema.wire_name
             signer = settings.bridge.signer()
-            # 2. dictionary
-            trained, dictionary_key = await _dictionary(
+            # 2. dictionary; none for a repair: training samples the whole table and stores
+            # a new KV entry, for a few chunks (a dictionary matters for small messages,
+            # hardly for chunks near max_payload)
+            trained, dictionary_key = (None, None) if selection else await _dictionary(
                 control, js, described, settings.encoding, settings.topology.dictionaries,
                 signer, snapshot_id, client.max_payload, options)
             # 3. watermark; 4. guard

@@ -229,20 +229,24 @@ async def test_spark_and_in_process_repairs_agree(kind, cdc_database, pg_admin, 
 
 async def test_a_consumer_reads_a_repair_with_the_checks_of_a_full_snapshot(
         cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path):
-    """Signed like every snapshot: its meta (named by the done reply) and chunks verify; a
+    """Signed and compressed like every snapshot (zstd, without the table's dictionary: one
+    is not trained for a repair): its meta (named by the done reply) and chunks verify; a
     done reply naming the wrong kind of meta is refused both ways; an unsigned copy of the
     meta, or one stored where full snapshots' metas are, is not read as a repair."""
     seed_file = tmp_path / "signing.seed"
     seed_file.write_text(new_seed(os.urandom(32)))
     verifier = SignatureVerifier([MessageSigner(seed_file.read_text()).public_key])
     table, columns, key = _create(pg_admin, cdc_database, "timestamptz")
-    settings = settings_for(cdc_database, provisioned_nats.url, chunk_rows=100)
+    settings = settings_for(cdc_database, provisioned_nats.url, chunk_rows=100, zstd=True,
+                            zstd_dictionary=True)
     settings = settings.model_copy(update={"bridge": BridgeSettings(
         http_port=0, signing_key_seed=str(seed_file))})
     full = await snapshot_table(None, settings, table, options=IN_PROCESS)
     repair = await snapshot_table(None, settings, table, options=IN_PROCESS,
                                   buckets=(BITS, BUCKETS))
     js = nats_client.jetstream()
+    assert full.dictionary_id is not None and repair.dictionary_id is None
+    assert repair.compression == "zstd" and repair.bytes_compressed < repair.bytes_raw
 
     meta = await repair_meta_at(js, "INIT", done_fields(repair), verifier)
     assert meta is not None and (meta.snapshot_id, meta.bits, meta.buckets) == (
