@@ -25,6 +25,7 @@ from cdc_platform.consumer.snapshots import (
     repair_meta_at,
     repair_refusal,
 )
+from cdc_platform.errors import SnapshotRequestRefused
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.mirror.snapshots import read_chunks
 from cdc_platform.replication.connection import SESSION_OPTIONS
@@ -305,3 +306,17 @@ async def test_a_requester_asks_for_a_repair_and_asks_again_when_told_to(
         async for chunk in read_chunks(js, meta):
             loaded.update(_pack(row) for row in chunk.rows)
         assert loaded == in_buckets(rows, columns, key, bits, buckets)
+
+
+@pytest.mark.parametrize("buckets", [(3, [8]), (3, []), (21, [1]), (3, [-1])])
+async def test_buckets_that_are_not_buckets_are_refused_before_anything_starts(
+        buckets, cdc_database, pg_admin, provisioned_nats, nats_client):
+    table, _, _ = _create(pg_admin, cdc_database, "int8")
+    settings = settings_for(cdc_database, provisioned_nats.url)
+    with pytest.raises(SnapshotRequestRefused, match=f"repair snapshot of {table}"):
+        await snapshot_table(None, settings, table, options=IN_PROCESS, buckets=buckets)
+    with pytest.raises(NotFoundError):
+        await nats_client.jetstream().get_last_msg("INIT", repair_meta_subject(table))
+    slots = pg_admin.execute("SELECT count(*) FROM pg_replication_slots "
+                               "WHERE slot_name LIKE 'cdc_snap_%'").fetchone()[0]
+    assert slots == 0  # no snapshot slot was made
