@@ -318,5 +318,5 @@ async def test_buckets_that_are_not_buckets_are_refused_before_anything_starts(
     with pytest.raises(NotFoundError):
         await nats_client.jetstream().get_last_msg("INIT", repair_meta_subject(table))
     slots = pg_admin.execute("SELECT count(*) FROM pg_replication_slots "
-                               "WHERE slot_name LIKE 'cdc_snap_%'").fetchone()[0]
+                             "WHERE slot_name LIKE 'cdc_snap_%'").fetchone()[0]
     assert slots == 0  # no snapshot slot was made
