@@ -147,6 +147,8 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
     settings = load_settings()
     tables = [table.strip() for table in args.tables.split(",") if table.strip()]
     keys = {"trusted_keys": ",".join(args.trusted_key)} if args.trusted_key else {}
+    if args.mirror_id is not None:
+        keys["mirror_id"] = args.mirror_id
     if args.inbox_prefix is not None:
         os.environ["CDC_MIRROR_INBOX_PREFIX"] = args.inbox_prefix
     mirror = Mirror(settings, tables, args.sqlite, durable=args.durable,
@@ -159,6 +161,37 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
             await mirror.run(stop, until_caught_up=args.once)
 
     asyncio.run(run())
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from cdc_platform.settings import OrchestrationSettings, load_settings
+    from cdc_platform.snapshot.options import SnapshotOptions
+    from cdc_platform.verify import run_verification
+
+    settings = load_settings()
+    orchestration = load_settings(OrchestrationSettings)
+
+    def spark_session():  # started only for a table too large to read here
+        try:
+            from cdc_platform.snapshot.spark_session import local_spark_session
+
+            return local_spark_session("cdc-platform-verify", master=orchestration.spark_master)
+        except ImportError as exc:
+            raise CdcError(f"{args.table} is over CDC_SNAPSHOT_LOCAL_MAX_BYTES, which needs "
+                           f"Spark (pip install 'cdc_platform[spark]'): {exc}") from exc
+
+    result = run_verification(
+        spark_session, settings, args.table, bits=args.bits,
+        options=SnapshotOptions(small_table_bytes=orchestration.snapshot_local_max_bytes))
+    print(f"verification {result.verification_id} of {result.table}: {result.row_count:,} "
+          f"rows in {1 << result.bits:,} buckets ({result.bits} bits) at lsn {result.lsn}")
+    print(f"digest: {result.digest_subject} (CDC seq {result.digest_seq}); marker: "
+          f"{result.marker_subject}; schema fingerprint {result.schema_fingerprint}")
+    print(f"{result.duration_seconds:.1f}s: reading and hashing {result.digest_seconds:.1f}s "
+          f"({result.rows_per_second:,.0f} rows/s, {result.partitions} ranges"
+          f"{', Spark' if result.spark else ''}), waiting for the bridge "
+          f"{result.wait_seconds:.1f}s")
     return 0
 
 
@@ -266,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the prefix of its inbox subjects (CDC_MIRROR_INBOX_PREFIX, "
                         "_INBOX): a team user's own, _INBOX_{team} "
                         "(docs/operations.md \"NATS setup\")")
+    mirror.add_argument("--mirror-id",
+                        help="the key of its state in KV mirrors (CDC_MIRROR_ID; default "
+                        "{hostname}-{file stem}); a team's user: {team}.{name}")
     mirror.add_argument("--once", action="store_true",
                         help="catch up, then exit (0) instead of following")
     mirror.add_argument("--trusted-key", action="append", metavar="PUBLIC_NKEY",
@@ -273,6 +309,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "while keys are rotated; replaces CDC_MIRROR_TRUSTED_KEYS); see "
                         "docs/wire-contract.md \"Signatures\"")
     mirror.set_defaults(handler=_cmd_mirror, runs_until_stopped=True)
+
+    verify = commands.add_parser(
+        "verify", help="publish a table's digest for mirrors to compare with",
+        description="Digest the table's rows at an exact point of the CDC stream and publish "
+        "the digest on cdc.cdc-platform.verify.{table}.{id} once the bridge has stored "
+        "every change before it (at most CDC_VERIFY_WAIT); mirrors compare it with their "
+        "copy. See docs/verification.md.")
+    verify.add_argument("table", help="a published table's wire name (users, sales/orders)")
+    verify.add_argument("--bits", type=int,
+                        help="split the digest into 2^BITS buckets (0-14; default: about "
+                        "1,024 rows a bucket)")
+    verify.set_defaults(handler=_cmd_verify)
 
     signing = commands.add_parser(
         "signing-key", help="create a signing key seed file (when missing), print its public key",

@@ -28,10 +28,12 @@ from cdc_platform.protocol.changes import (
 )
 from cdc_platform.protocol.pgoutput import Relation, RelationColumn
 from cdc_platform.settings import EncodingSettings
+from cdc_platform.snapshot.buckets import BucketSelection
 from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
 from cdc_platform.snapshot.meta import snapshot_meta
 from cdc_platform.snapshot.reader import RangeStats
 from cdc_platform.speedups import compiled_twin
+from cdc_platform.verify.message import digest_message, digest_payload
 from cdc_platform.wire import (
     CONTENT_TYPES,
     HEADER_CONTENT_TYPE,
@@ -43,9 +45,11 @@ from cdc_platform.wire import (
     MessageSigner,
     encoder,
     meta_msg_id,
+    repair_meta_subject,
     signed_bytes,
     snapshot_meta_subject,
 )
+from cdc_platform.wire.digest import RowDigester, table_digest
 from cdc_platform.wire.signing import new_seed, public_key_bytes
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
@@ -158,9 +162,9 @@ def chunk(fmt: str, implementation: str) -> list[Message]:
             for c in chunks]
 
 
-def meta(fmt: str, implementation: str) -> list[Message]:
+def meta(fmt: str, implementation: str, buckets: BucketSelection | None = None,
+         snapshot_id: str = "20261122T100000Z-0a0b0c0d") -> list[Message]:
     schema = table_schema()
-    snapshot_id = "20261122T100000Z-0a0b0c0d"
     payload = snapshot_meta(  # the snapshot job's own writer
         snapshot_id=snapshot_id, lsn="1/900", watermark_lsn="1/980", cdc_stream="CDC",
         cdc_start_seq=41, schema=schema, partitions=3,
@@ -169,10 +173,46 @@ def meta(fmt: str, implementation: str) -> list[Message]:
                           bytes_compressed=700)],
         encoding=EncodingSettings(format=fmt, zstd=False), dictionary_id=None,
         dictionary_bucket="zstd_dictionaries", dictionary_key=None, duration=1.5,
-        timestamp=1795000100)
-    return [{"subject": snapshot_meta_subject("users"), "msg_id": meta_msg_id(snapshot_id),
+        timestamp=1795000100, buckets=buckets)
+    subject = snapshot_meta_subject("users") if buckets is None else repair_meta_subject("users")
+    return [{"subject": subject, "msg_id": meta_msg_id(snapshot_id),
              "headers": [[HEADER_CONTENT_TYPE, CONTENT_TYPES[fmt]]],
              "payload": encoder(fmt)(payload)}]
+
+
+def repair_meta(fmt: str, implementation: str) -> list[Message]:
+    """A repair snapshot's meta (docs/verification.md Part 2, item 4): on init.repair.users,
+    with its bits and buckets."""
+    return meta(fmt, implementation, BucketSelection(4, (3, 9)),
+                "repair-20261122T100000Z-0a0b0c0d")
+
+
+def digest(fmt: str, implementation: str) -> list[Message]:
+    """Two digest messages of the golden table: every bucket at 2 bits, and buckets 1 and 6
+    at 3 bits (a run asked for some)."""
+    schema = table_schema()
+    rows = [{"id": 1, "name": "Zoë", "score": -0.0, "blob": b"\x00\xff", "tags": [1, None, 3],
+             "doc": '{"a": 1}'},
+            {"id": 2, "name": None, "score": float("nan"), "blob": None, "tags": [],
+             "doc": "null"},
+            {"id": 3, "name": "x", "score": 7.0, "blob": b"", "tags": None, "doc": None}]
+    digester = RowDigester([name for name, _, _ in _COLUMNS], schema.primary_key)
+    fine = table_digest(rows, digester, 3)
+    messages = []
+    for verification_id, bits, buckets in (("verify-20261122T100000Z-0a0b0c0d", 2, None),
+                                           ("verify-20261122T100500Z-0e0f1011", 3, [1, 6])):
+        folded = fine.folded(bits)
+        covered = buckets if buckets is not None else range(1 << bits)
+        payload = digest_payload(
+            verification_id=verification_id, table="users", lsn="1/A00",
+            schema_fingerprint=schema.fingerprint, bits=bits,
+            totals=[folded.totals[b] for b in covered],
+            counts=[folded.counts[b] for b in covered], buckets=buckets, duration=2.25)
+        subject, headers, data = digest_message(payload, fmt)
+        msg_id = headers.pop(HEADER_MSG_ID)
+        messages.append({"subject": subject, "msg_id": msg_id,
+                         "headers": sorted([k, v] for k, v in headers.items()), "payload": data})
+    return messages
 
 
 def kv_schema(fmt: str, implementation: str) -> list[Message]:
@@ -182,7 +222,7 @@ def kv_schema(fmt: str, implementation: str) -> list[Message]:
 
 CASES: dict[str, Callable[[str, str], list[Message]]] = {
     "per_change": per_change, "batched": batched, "chunk": chunk, "meta": meta,
-    "kv_schema": kv_schema}
+    "repair_meta": repair_meta, "kv_schema": kv_schema, "digest": digest}
 # The cases with two writers (compiled twins of them write msgpack: cdc_platform/_speedups).
 TWO_WRITERS = {"per_change", "batched", "chunk"}
 

@@ -62,7 +62,6 @@ from cdc_platform.telemetry import BridgeMetrics, TelemetryServer
 from cdc_platform.wire import (
     CONTROL_EOB_SUBJECT,
     HEARTBEAT_PREFIX,
-    RESYNC_SUBJECT,
     MessageSigner,
     ResyncMarker,
     cdc_schema_subject,
@@ -72,6 +71,7 @@ from cdc_platform.wire import (
     encoder,
     in_field_order,
     resync_msg_id,
+    resync_subject,
 )
 
 log = logging.getLogger(__name__)
@@ -335,7 +335,7 @@ class CdcBridge:
                 "type": "resync", "slot": slot, "lost_after": format_lsn(lost_after),
                 "reason": str(lost), "timestamp": int(time.time() * 1000), "msg_id": msg_id})
             await self.publisher.publish([OutgoingMessage(
-                RESYNC_SUBJECT, msg_id, self.encode(dict(marker)))])
+                resync_subject(slot), msg_id, self.encode(dict(marker)))])
             try:
                 await self._unless_stopped(self.publisher.flush())
             except StopRequested:
@@ -346,7 +346,7 @@ class CdcBridge:
         self.metrics.last_resync_lost_after = lost_after
         log.error("slot %s was lost (%s); marked the gap after %s in CDC (%s) and dropped the "
                   "slot: streaming from a new slot. Mirrors verify and repair what the gap "
-                  "took", slot, lost, format_lsn(lost_after), RESYNC_SUBJECT)
+                  "took", slot, lost, format_lsn(lost_after), resync_subject(slot))
 
     async def _close_reader(self, reader: SlotReader) -> None:
         """Final ack: everything stored is confirmed before the connection goes."""

@@ -13,7 +13,12 @@ docs/verification.md; ``repair``: a snapshot of some buckets only, its meta on
 repair: required, the buckets to read). Replies are JSON objects: ``request_id``, ``table``, ``status`` (``accepted``,
 ``refused``, ``done``, ``failed``) and per status ``reason`` (refused, failed), ``run_key``
 (accepted), ``snapshot_id``, ``lsn``, ``cdc_stream``, ``cdc_start_seq``, ``meta_subject``,
-``meta_seq``, ``reused`` (done).
+``meta_seq``, ``reused`` (done); a verification's ``done``: ``verification_id``, ``lsn``,
+``digest_subject``, ``digest_seq``, ``bits``, ``row_count``. Verifications are never reused
+(each is a new digest at a new point). A repair asks for at most a quarter of the table's
+buckets (more: refused, "request a full snapshot"); the repair requests of one table in one
+pass share one run, of the union of their buckets at the finest bits, whose ``done`` names its
+meta on ``init.repair.{table}`` (``meta_subject``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from cdc_platform.errors import ProvisioningError
 from cdc_platform.jetstream.connection import fetch_available
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.naming import parse_wire_name
+from cdc_platform.snapshot.buckets import BucketSelection
 from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX, SignatureVerifier
 
 log = logging.getLogger(__name__)
@@ -53,6 +59,9 @@ _SUBJECT = re.compile(r"[A-Za-z0-9_$=/-]+(\.[A-Za-z0-9_$=/-]+)*")
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 PURPOSES = ("snapshot", "verify", "repair")
 MAX_REQUEST_BITS = 20  # the finest buckets a request may name (a repair bisecting)
+# A repair of more than this share of a table's buckets reads nearly as much as a full
+# snapshot, and moves several times what a mirror would bootstrap from instead: refused.
+MAX_REPAIR_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -223,6 +232,39 @@ def request_run_key(table: str, seq: int) -> str:
     return f"snapshot-request-{table}-{seq}"
 
 
+def verification_run_key(table: str, seq: int) -> str:
+    """The run key of the verification run that a table's request at stream ``seq`` starts."""
+    return f"verify-request-{table}-{seq}"
+
+
+def verification_done_fields(result: Any) -> dict[str, Any]:
+    """The ``done`` reply of a verification just made (a ``VerificationResult``)."""
+    return {"verification_id": result.verification_id, "lsn": result.lsn,
+            "digest_subject": result.digest_subject, "digest_seq": result.digest_seq,
+            "bits": result.bits, "row_count": result.row_count}
+
+
+# what a verification run digests: (table, bits, buckets); requests asking the same share a run
+VerificationKey = tuple[str, int | None, tuple[int, ...] | None]
+
+
+def repair_run_key(table: str, seq: int) -> str:
+    """The run key of the repair run that a table's repair request at stream ``seq`` (the
+    last of its pass) starts."""
+    return f"repair-request-{table}-{seq}"
+
+
+def repair_request_refusal(request: SnapshotRequest) -> str | None:
+    """Why a well-formed ``purpose: repair`` request is not served (None: it is)."""
+    if request.bits is None or request.buckets is None:
+        return "purpose repair needs bits and buckets"
+    share = len(request.buckets) / (1 << request.bits)
+    if share > MAX_REPAIR_SHARE:
+        return (f"{len(request.buckets)} of {1 << request.bits} buckets is more than a "
+                f"quarter of the table: request a full snapshot")
+    return None
+
+
 @dataclass
 class HeldRun:
     """A table's snapshot run that requests asked for, held back until ``not_before``: the
@@ -232,17 +274,35 @@ class HeldRun:
     seq: int  # the stream sequence of its first request (names its run key)
     requesters: list  # [request_id, reply_to] of the requests it serves
     not_before: float  # time.time() from which it may start
+    # a verification run's bits and buckets (a snapshot run has neither)
+    bits: int | None = None
+    buckets: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.buckets is not None:  # (a list when read back from JSON)
+            self.buckets = tuple(self.buckets)
 
 
 @dataclass
 class Pacing:
     """The minimum interval between a table's snapshot runs started by requests
-    (docs/wire-contract.md "Floods"; 0: none). ``last_started``: table -> when its newest
-    request-started run was created; ``held``: the runs held back (updated in place)."""
+    (docs/wire-contract.md "Floods"; 0: none), and between its repair runs.
+    ``last_started``: table -> when its newest request-started run was created; ``held``:
+    the runs held back (updated in place); ``repairs_started``: table -> when its newest
+    repair run was created."""
 
     min_interval: float = 0.0
     last_started: Mapping[str, float] = field(default_factory=dict)
     held: dict[str, HeldRun] = field(default_factory=dict)
+    repairs_started: Mapping[str, float] = field(default_factory=dict)
+
+    def repair_retry_after(self, table: str, now: float) -> float | None:
+        """Seconds until a repair run of ``table`` may start (None: now). Each reads the
+        whole table: a consumer asking again and again must not keep it scanning."""
+        started = self.repairs_started.get(table)
+        if started is None or now - started >= self.min_interval:
+            return None
+        return started + self.min_interval - now
 
     def hold(self, table: str, seq: int, now: float) -> HeldRun | None:
         """The held run a request of ``table`` that needs a new run joins (None: one may
@@ -263,6 +323,12 @@ class HandledRequests:
     highest_seq: int  # the highest stream sequence handled
     runs: dict[str, tuple[int, list]]  # table -> (seq of its last request, requesters)
     notes: list[str]  # what was decided, for the log (refusals summarized)
+    # the verification runs to start: (table, bits, buckets) -> (seq of its last request,
+    # requesters)
+    verifications: dict[VerificationKey, tuple[int, list]] = field(default_factory=dict)
+    # the repair runs to start: table -> (seq of its last repair request, requesters, the
+    # union of their buckets)
+    repairs: dict[str, tuple[int, list, BucketSelection]] = field(default_factory=dict)
 
 
 async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *,
@@ -270,7 +336,9 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
                           in_flight: dict[str, RunInFlight], init_stream: str = "INIT",
                           reply_client: NatsClient | None = None,
                           pacing: Pacing | None = None,
-                          verifier: SignatureVerifier | None = None) -> HandledRequests:
+                          verifier: SignatureVerifier | None = None,
+                          verifying: Mapping[VerificationKey, RunInFlight] | None = None,
+                          verify_pacing: Pacing | None = None) -> HandledRequests:
     """Decide every request (in stream order) and send the replies that are due now, through
     ``reply_client`` (default: ``client``) (``published``: the publication's tables -> their
     oids):
@@ -281,7 +349,13 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     ``accepted`` for a run held back by ``pacing`` (it joins ``pacing.held``), and
     ``accepted`` for the runs to start (one per table, named by its last request); the run
     answers those with ``done`` or ``failed``. With ``verifier`` (the platform signs its
-    snapshots), a meta it refuses is never handed out."""
+    snapshots), a meta it refuses is never handed out. Requests with ``purpose: verify``
+    go to :class:`_VerifyRequests` (``verifying``: the verification runs in flight;
+    ``verify_pacing``: their own minimum interval and held runs). Requests with ``purpose:
+    repair`` of one table share one run (``repairs``), of the union of their buckets at the
+    finest bits; one asking for more than a quarter of the buckets is refused, and so are all
+    of a table's when together they do, and any while the table's last repair run started
+    less than ``pacing.min_interval`` ago (with ``retry_after``)."""
     js = client.jetstream()
     pacing = pacing or Pacing()
     now = time.time()
@@ -292,18 +366,45 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     refusals: list[str] = []
     joined: dict[str, int] = {}
     held_back: dict[str, int] = {}
+    verifications = _VerifyRequests(verifying or {}, verify_pacing or Pacing())
+    repairs: dict[str, tuple[int, list, list[tuple[int, tuple[int, ...]]]]] = {}
     for request in requests:
         reason = request.refused or (
             None if request.table in published
             else f"{request.table!r} is not a table of publication {publication}") or (
-            None if request.purpose == "snapshot"
-            else f"purpose {request.purpose} is not served by this platform version")
+            repair_request_refusal(request) if request.purpose == "repair" else None)
         if reason is not None:
             refusals.append(f"refused snapshot request for {request.table[:200]!r} "
                             f"(stream seq {request.seq}): {reason}")
             replies.append((request.reply_to, Reply("refused", request.table,
                                                     request.request_id,
                                                     {"reason": reason})))
+            continue
+        if request.purpose == "verify":
+            reply = verifications.take(request, now)
+            if reply is None:
+                accepted.append(request)
+            else:
+                replies.append((request.reply_to, reply))
+            continue
+        if request.purpose == "repair":
+            assert request.bits is not None and request.buckets is not None  # (refused else)
+            wait = pacing.repair_retry_after(request.table, now)
+            if wait is not None:
+                reason = (f"a repair of {request.table!r} started less than "
+                          f"{pacing.min_interval:.0f}s ago: ask again in {wait:.0f}s")
+                refusals.append(f"refused repair request for {request.table[:200]!r} "
+                                f"(stream seq {request.seq}): {reason}")
+                replies.append((request.reply_to, Reply(
+                    "refused", request.table, request.request_id,
+                    {"reason": reason, "retry_after": round(wait, 1)})))
+                continue
+            _, requesters, asked = repairs.get(request.table, (0, [], []))
+            if request.requester is not None:
+                requesters.append(request.requester)
+            asked.append((request.bits, request.buckets))
+            repairs[request.table] = (request.seq, requesters, asked)
+            accepted.append(request)
             continue
         max_age = max(pacing.min_interval, reuse_seconds if request.max_age_seconds is None
                       else request.max_age_seconds)
@@ -340,12 +441,35 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
         # repeated requests for one table coalesce into one run
         runs[request.table] = (request.seq, requesters)
         accepted.append(request)
+    repair_runs = {table: (seq, requesters, BucketSelection.union(asked))
+                   for table, (seq, requesters, asked) in repairs.items()}
+    for table, (_, _, selection) in list(repair_runs.items()):
+        if selection.share > MAX_REPAIR_SHARE:  # each asked for a quarter at most: together
+            del repair_runs[table]
+            reason = (f"the repairs asked of {table!r} at once add up to "
+                      f"{len(selection.buckets)} of {1 << selection.bits} buckets, more "
+                      "than a quarter of the table: request a full snapshot")
+            refusals.append(f"refused repair requests for {table[:200]!r}: {reason}")
+            replies += [(request.reply_to, Reply("refused", table, request.request_id,
+                                                 {"reason": reason}))
+                        for request in accepted
+                        if request.purpose == "repair" and request.table == table]
+    accepted = [request for request in accepted
+                if request.purpose != "repair" or request.table in repair_runs]
     # the run key names the table's last request: known once all are read
     replies += [(request.reply_to, Reply("accepted", request.table, request.request_id, {
-        "run_key": request_run_key(request.table, runs[request.table][0])}))
+        "run_key": verification_run_key(request.table, verifications.runs[
+            request.table, request.bits, request.buckets][0]) if request.purpose == "verify"
+        else repair_run_key(request.table, repairs[request.table][0])
+        if request.purpose == "repair"
+        else request_run_key(request.table, runs[request.table][0])}))
         for request in accepted]
     notes += [f"snapshot run for {table!r} (request seq {seq}, {len(requesters)} "
               "awaiting a reply)" for table, (seq, requesters) in runs.items()]
+    notes += verifications.notes()
+    notes += [f"repair run for {table!r}: {len(selection.buckets)} of {1 << selection.bits} "
+              f"buckets (request seq {seq}, {len(requesters)} awaiting a reply)"
+              for table, (seq, requesters, selection) in repair_runs.items()]
     notes += [f"{count} request(s) for {table!r} joined its run already in flight "
               f"({in_flight[table].run_key})" for table, count in joined.items()]
     notes += [f"{count} request(s) for {table!r} joined its run held back until "
@@ -355,7 +479,88 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     if refusals:
         notes[:0] = summarize(refusals)
     await send_replies(reply_client or client, replies)
-    return HandledRequests(max(r.seq for r in requests), runs, notes)
+    return HandledRequests(max(r.seq for r in requests), runs, notes, verifications.runs,
+                           repair_runs)
+
+
+def _utc_time(timestamp: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(timestamp))
+
+
+class _VerifyRequests:
+    """The verify requests of one pass. A request joins a queued verification run of the same
+    table, bits and buckets (``verifying``), else this pass's run of them (``runs``), else the
+    table's run held back by ``pacing`` when it asks the same (another is refused until that
+    one started: a table's verification runs started by requests begin at least
+    ``pacing.min_interval`` apart, whatever they ask), else starts a run."""
+
+    def __init__(self, verifying: Mapping[VerificationKey, RunInFlight],
+                 pacing: Pacing) -> None:
+        self.verifying = verifying
+        self.pacing = pacing
+        self.runs: dict[VerificationKey, tuple[int, list]] = {}
+        self.joined: dict[str, int] = {}  # run key -> requests that joined it
+        self.held_back: dict[str, int] = {}  # table -> requests that joined its held run
+
+    def take(self, request: SnapshotRequest, now: float) -> Reply | None:
+        """The reply due now (None: ``accepted`` with the run key of ``runs``, known once
+        every request is read)."""
+        table, key = request.table, (request.table, request.bits, request.buckets)
+        running = self.verifying.get(key)
+        if running is not None and running.joinable:
+            self.joined[running.run_key] = self.joined.get(running.run_key, 0) + 1
+            return Reply("accepted", table, request.request_id,
+                         {"run_key": running.run_key, "coalesced": True})
+        if key not in self.runs:
+            held = self._held(request, now)
+            if held is not None:
+                return self._join_held(held, request)
+            self.runs[key] = (request.seq, [])
+        _, requesters = self.runs[key]
+        if request.requester is not None:
+            requesters.append(request.requester)
+        self.runs[key] = (request.seq, requesters)  # the run key names the last request
+        return None
+
+    def _held(self, request: SnapshotRequest, now: float) -> HeldRun | None:
+        """The table's held run this request meets (None: a run may start now)."""
+        pacing, table = self.pacing, request.table
+        if table in pacing.held or not pacing.min_interval:
+            return pacing.held.get(table)
+        if any(other == table for other, _, _ in self.runs):  # one starts in this pass
+            pacing.held[table] = HeldRun(request.seq, [], now + pacing.min_interval)
+        elif pacing.hold(table, request.seq, now) is None:
+            return None
+        held = pacing.held[table]
+        held.bits, held.buckets = request.bits, request.buckets
+        return held
+
+    def _join_held(self, held: HeldRun, request: SnapshotRequest) -> Reply:
+        table = request.table
+        if (held.bits, held.buckets) != (request.bits, request.buckets):
+            return Reply("refused", table, request.request_id, {"reason": (
+                f"a verification of {table!r} with other bits or buckets is held back until "
+                f"{_utc_time(held.not_before)} UTC (at most one a table every {self.pacing.min_interval:.0f}s): "
+                "ask again after it started")})
+        if request.requester is not None and len(held.requesters) < MAX_REPLIES_PER_RUN:
+            held.requesters.append(request.requester)
+        self.held_back[table] = self.held_back.get(table, 0) + 1
+        return Reply("accepted", table, request.request_id,
+                     {"run_key": verification_run_key(table, held.seq)})
+
+    def notes(self) -> list[str]:
+        """What the pass decided of verifications, for the log."""
+        started = [
+            f"verification run for {table!r}{'' if bits is None else f' at {bits} bits'}"
+            f"{'' if buckets is None else f' ({len(buckets)} buckets)'} (request seq {seq}, "
+            f"{len(requesters)} awaiting a reply)"
+            for (table, bits, buckets), (seq, requesters) in self.runs.items()]
+        joined = [f"{count} verify request(s) joined verification run {run_key}, queued "
+                  "already" for run_key, count in self.joined.items()]
+        held = [f"{count} verify request(s) for {table!r} joined its verification run held "
+                f"back until {_utc_time(self.pacing.held[table].not_before)} UTC"
+                for table, count in self.held_back.items()]
+        return started + joined + held
 
 
 async def fetch_requests(client: NatsClient, stream: str, durable: str,

@@ -15,7 +15,7 @@ WATERMARK_SUBJECT_PREFIX = f"{CDC_PREFIX}.{CONTROL_TOKEN}.watermark"
 CONTROL_EOB_SUBJECT = f"{CDC_PREFIX}.{CONTROL_TOKEN}.eob"
 # The bridge lost its slot and streams from a new one (CDC_ON_SLOT_LOST=resync): changes
 # between the marker's lost_after and the first change after it may be missing.
-RESYNC_SUBJECT = f"{CDC_PREFIX}.{CONTROL_TOKEN}.resync"
+RESYNC_SUBJECT_PREFIX = f"{CDC_PREFIX}.{CONTROL_TOKEN}.resync"
 # A table's verification digest (docs/verification.md): after every transaction it covers.
 VERIFY_SUBJECT_PREFIX = f"{CDC_PREFIX}.{CONTROL_TOKEN}.verify"
 # The watermark marker of a verification has an id starting so (a snapshot's never does).
@@ -25,6 +25,10 @@ INIT_META_PREFIX = "init.meta"
 # The meta of a repair snapshot (some buckets of a table): never where full snapshots' are.
 INIT_REPAIR_PREFIX = "init.repair"
 SNAPSHOT_REQUEST_PREFIX = "snapshot.request"
+# A mirror's state: READERS' import of PLATFORM's KV `mirrors` (key = the mirror id).
+MIRROR_STATE_PREFIX = "mirror.state"
+# A mirror id: a name, or a team's user's `{team}.{name}` (its rights: mirror.state.{team}.>).
+MIRROR_ID_PATTERN = r"[A-Za-z0-9_-]{1,64}(\.[A-Za-z0-9_-]{1,64})?"
 
 # Logical decoding message prefixes we emit with pg_logical_emit_message.
 HEARTBEAT_PREFIX = "cdc_platform.heartbeat"
@@ -84,6 +88,11 @@ def snapshot_request_subject(table: str) -> str:
     return f"{SNAPSHOT_REQUEST_PREFIX}.{table}"
 
 
+def mirror_state_subject(mirror_id: str) -> str:
+    """``mirror.state.{mirror_id}``: stored as key ``mirror_id`` of KV ``mirrors``."""
+    return f"{MIRROR_STATE_PREFIX}.{mirror_id}"
+
+
 # -- message ids (the Nats-Msg-Id header) ----------------------------------------------------
 def change_msg_id(commit_lsn: int, ordinal: int) -> str:
     """Unique per change (a commit LSN belongs to one transaction), stable across replays."""
@@ -111,6 +120,11 @@ def chunk_msg_id(snapshot_id: str, chunk: int) -> str:
 
 def meta_msg_id(snapshot_id: str) -> str:
     return f"{snapshot_id}:meta"
+
+
+def resync_subject(slot: str) -> str:
+    """``cdc.cdc-platform.resync.{slot}`` (a slot name is lowercase letters, digits, ``_``)."""
+    return f"{RESYNC_SUBJECT_PREFIX}.{slot}"
 
 
 def resync_msg_id(slot: str, lost_after: int) -> str:

@@ -16,7 +16,7 @@ from cdc_platform.errors import SlotLostError
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.postgres.admin import provision_database
 from cdc_platform.replication.slots import read_slot
-from cdc_platform.wire import RESYNC_SUBJECT, ResyncMarker, decode_payload, in_field_order
+from cdc_platform.wire import ResyncMarker, decode_payload, in_field_order, resync_subject
 from cdc_platform_tests.fixtures.bridge import bridge_ready, running_bridge, wait_for
 from cdc_platform_tests.fixtures.services import (
     CdcDatabase,
@@ -86,8 +86,7 @@ async def test_a_lost_slot_stops_the_bridge_or_is_marked_and_replaced(server_dir
             admin.execute(f"INSERT INTO {table} (note) VALUES ('after')")
             after = await read_subjects(nats_client, "CDC", subject, expect=2)
             assert bridge.metrics.status()["last_resync_lost_after"] is not None
-        markers = [m for m in await read_subjects(nats_client, "CDC", RESYNC_SUBJECT)
-                   if decode_payload(m.data, "msgpack")["slot"] == database.slot]
+        markers = await read_subjects(nats_client, "CDC", resync_subject(database.slot))
         assert len(markers) == 1
         marker = decode_payload(markers[0].data, "msgpack")
         assert marker == in_field_order(ResyncMarker, marker)
