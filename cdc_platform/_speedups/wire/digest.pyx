@@ -2,7 +2,7 @@
 """Compiled twin of ``wire/digest.py``: a row's canonical bytes written in C into one buffer
 and hashed by the bundled SHA-256 (``_speedups/sha256.h``: SHA-NI where the CPU has it), and
 hashes added into a ``TableDigest``'s lists directly. The pure module is the definition: the
-same bytes, hashes and exception types (``test_speedups.py`` compares them on generated
+same bytes, hashes and exception types (``test_digest_twins.py`` compares them on generated
 rows)."""
 
 import struct
