@@ -577,6 +577,9 @@ class MirrorSettings(_Settings):
     fetch_batch: int = Field(256, ge=1, le=10_000, validation_alias=_env("CDC_MIRROR_FETCH_BATCH"))
     # public nkeys, comma-separated: only messages signed by one of them are applied
     trusted_keys: PublicKeys = Field("", validation_alias=_env("CDC_MIRROR_TRUSTED_KEYS"))
+    # keep each table's digest current as changes apply (docs/verification.md "Mirror
+    # upkeep"); off: none kept (``mirror verify`` says so), for comparing the apply rate
+    digests: bool = Field(True, validation_alias=_env("CDC_MIRROR_DIGESTS"))
 
     def verifier(self) -> SignatureVerifier | None:
         """What checks each message before it is applied (None: no key is trusted)."""

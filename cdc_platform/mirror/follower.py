@@ -59,7 +59,7 @@ from cdc_platform.mirror.consistency import (
 )
 from cdc_platform.mirror.errors import DivergenceError, MirrorError
 from cdc_platform.mirror.positions import TableState
-from cdc_platform.mirror.snapshots import BootstrapProgress, read_chunks
+from cdc_platform.mirror.snapshots import BootstrapProgress, decode_chunk, read_chunks
 from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.mirror.transactions import StreamGap, TransactionCollector
 from cdc_platform.naming import parse_wire_name
@@ -145,7 +145,8 @@ class Mirror:
         streams and nothing is pending). Raises :class:`MirrorError` on what needs a human:
         a table that is not published, a corrupt database, a schema it cannot map."""
         stop = stop or asyncio.Event()
-        store = MirrorStore(self.path)  # a corrupt file is an error before anything else
+        # a corrupt file is an error before anything else
+        store = MirrorStore(self.path, digests=self.options.digests)
         try:
             nc = await connect_nats(self.settings.nats, name="cdc-platform-mirror",
                                     reconnect_forever=True,
@@ -273,8 +274,17 @@ class Mirror:
                 if columns else None
 
             def load(data: bytes, seen: set[int]) -> tuple[int, int] | None:
-                assert compiled is not None
-                return None if store.in_transaction else compiled(data, seen)
+                assert compiled is not None and columns is not None
+                if store.in_transaction:
+                    return None
+                taken = compiled(data, seen)
+                if taken is not None and store.keeps_digests:
+                    # (its own connection: the store's triggers did not see these rows)
+                    chunk = decode_chunk(data, columns)
+                    store.digest_loaded(shadow, chunk.rows if chunk.as_tuples else
+                                        [tuple(row[name] for name in columns)
+                                         for row in chunk.rows])
+                return taken
             async for chunk in read_chunks(js, meta, stream=self.settings.topology.init.name,
                                            progress=progress.update, columns=columns,
                                            load=load if compiled is not None else None,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cdc_platform.lsn import parse_lsn_cached
-from cdc_platform.mirror import positions
+from cdc_platform.mirror import positions, verifications
 from cdc_platform.mirror.apply import (
     CHANGE_ERRORS,
     ChangeWriter,
@@ -29,12 +29,14 @@ from cdc_platform.mirror.apply import (
     does_not_fit,
     from_the_change,
 )
-from cdc_platform.mirror.columns import TableShape, insert_statement, quote
+from cdc_platform.mirror.columns import TableShape, insert_statement, quote, to_sqlite
+from cdc_platform.mirror.digests import DigestKeeper
 from cdc_platform.mirror.errors import DivergenceError, MirrorError
 from cdc_platform.mirror.positions import TableState, lsn_or_zero
 from cdc_platform.mirror.tables import SchemaChange, create_lookup, drop_lookup, follow_shape
 from cdc_platform.speedups import compiled_twin
 from cdc_platform.wire import SCHEMA_OPERATION
+from cdc_platform.wire.digest import TableDigest
 
 # a table being bootstrapped is loaded and caught up under this prefix, then renamed (wire
 # names never hold a space, so no published table is named like this)
@@ -54,9 +56,10 @@ class Applied:
 
 
 class MirrorStore:
-    """One SQLite database holding mirrored tables and their positions."""
+    """One SQLite database holding mirrored tables and their positions, and (``digests``)
+    each table's digest kept current (mirror/digests.py)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, digests: bool = True) -> None:
         self.path = str(path)
         try:
             # (the twin's Statements run batches on this connection's own SQLite handle)
@@ -66,17 +69,23 @@ class MirrorStore:
             # rows and position travel together, so the mirror re-reads what it lost.
             self._db.execute("PRAGMA synchronous=NORMAL")
             positions.create_tables(self._db)
+            verifications.create_tables(self._db)
             # the shape each table was last given, as the stream (not today's KV) has it
             shapes = positions.load_shapes(self._db)
+            self._digests = DigestKeeper(self._db, enabled=digests)
         except (sqlite3.DatabaseError, MirrorError) as exc:
             raise MirrorError(f"{self.path} is not a usable mirror database ({exc}): move it "
                               "away and start the mirror again to rebuild it") from exc
         # (one dict, the writer's too: changed in place, never replaced)
         self._shapes: dict[str, TableShape] = shapes
-        self._writer = ChangeWriter(self._db, statements, self._shapes)
+        self._writer = ChangeWriter(self._db, statements, self._shapes,
+                                    truncate=self._digests.truncate)
         self._states: dict[str, TableState | None] = {}  # committed states, cached
         self._open: Applied | None = None  # the transaction begin() opened
         self._open_states: dict[str, TableState] = {}
+        with self._transaction():  # (a table whose digest is not kept yet: computed now)
+            for shape in shapes.values():
+                self._digests.follow(shape)
 
     def close(self) -> None:
         if self._writer.statements is not None:
@@ -129,15 +138,39 @@ class MirrorStore:
         before = self._shapes.get(shape.table)
         self._shapes[shape.table] = shape
         self._writer.forget({shape.table})
-        return follow_shape(self._db, before, shape, added_values)
+        self._digests.unfollow(shape.table)  # (its triggers name the columns an ALTER changes)
+        change = follow_shape(self._db, before, shape, added_values)
+        if change is not SchemaChange.NEEDS_BOOTSTRAP:
+            self._digests.follow(shape, created=change is SchemaChange.CREATED,
+                                 rehash=change is SchemaChange.ALTERED
+                                 and rehashes(before, shape, added_values))
+        return change
 
     def shape(self, table: str) -> TableShape:
         return self._writer.shape(table)
+
+    # -- digests --------------------------------------------------------------------------------
+    @property
+    def keeps_digests(self) -> bool:
+        return self._digests.enabled
+
+    def digest(self, table: str) -> TableDigest | None:
+        """A copy of ``table``'s digest as committed (None: not kept)."""
+        return self._digests.digest(table)
+
+    def digest_loaded(self, table: str, rows: Iterable[Sequence[Any]]) -> None:
+        """Rows (wire values in the table's column order) the compiled ``ChunkLoader`` wrote
+        into ``table``: into its digest (a bootstrap interrupted before both begins again)."""
+        if self._digests.enabled:
+            with self._transaction():
+                self._digests.add_stored(table, ([to_sqlite(value) for value in row]
+                                                 for row in rows))
 
     # -- bootstrap ------------------------------------------------------------------------------
     def begin_bootstrap(self, shape: TableShape, snapshot_id: str, snapshot_lsn: int) -> None:
         """Empty the table (recreated in the snapshot's shape) and mark it bootstrapping."""
         with self._transaction():
+            self._digests.forget(shape.table)
             self._db.execute(f"DROP TABLE IF EXISTS {quote(shape.table)}")
             self._shapes.pop(shape.table, None)
             self.apply_shape(shape)
@@ -287,6 +320,7 @@ class MirrorStore:
             names = list(followed)
             if names:
                 self._advance(names, stream_seq)
+            self._digests.fold()
             self._db.execute("COMMIT")
         except BaseException:
             self.rollback()
@@ -310,6 +344,7 @@ class MirrorStore:
         committed = positions.load_shapes(self._db)
         self._shapes.clear()
         self._shapes.update(committed)
+        self._digests.reset(committed)
 
     def _cached_state(self, table: str) -> TableState | None:
         if table not in self._states:
@@ -377,9 +412,12 @@ class MirrorStore:
                 if state is None or shape is None or state.status != "streaming":
                     raise MirrorError(f"{table}: no caught-up shadow to swap in")
                 renamed = dataclasses.replace(shape, table=table)
+                self._digests.forget(table)
+                self._digests.unfollow(shadow)
                 self._db.execute(f"DROP TABLE IF EXISTS {quote(table)}")
                 drop_lookup(self._db, shadow)
                 self._db.execute(f"ALTER TABLE {quote(shadow)} RENAME TO {quote(table)}")
+                self._digests.renamed(shadow, renamed)
                 self._shapes.pop(shadow, None)
                 self._shapes[table] = renamed
                 if not renamed.key_columns:
@@ -417,9 +455,26 @@ class _Transaction:
         if not self._outer:
             return
         if kind is None:
+            self._store._digests.fold()
             self._store._db.execute("COMMIT")
         else:
             self._store.rollback()
+
+
+def rehashes(before: TableShape | None, after: TableShape,
+             added_values: Mapping[str, Any] | None) -> bool:
+    """Whether following ``before`` -> ``after`` (an ALTER) changes rows' hashes: a column
+    dropped, renamed or dropped and added again (its values go or move), or one added with
+    a value (docs/verification.md "Names in the bytes"). Not known (no ``before``): yes."""
+    if before is None:
+        return True
+    now = {column.name: column.attnum for column in after.columns}
+    for column in before.columns:
+        attnum = now.get(column.name)
+        if attnum is None or column.attnum and attnum not in (0, column.attnum):
+            return True
+    return any((added_values or {}).get(name) is not None
+               for name in now.keys() - {column.name for column in before.columns})
 
 
 class LoadsChunks(Protocol):
