@@ -156,6 +156,8 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
     settings = load_settings()
     tables = [table.strip() for table in args.tables.split(",") if table.strip()]
     keys = {"trusted_keys": ",".join(args.trusted_key)} if args.trusted_key else {}
+    if args.verify_scan is not None:
+        keys["verify_scan"] = args.verify_scan
     if args.inbox_prefix is not None:
         os.environ["CDC_MIRROR_INBOX_PREFIX"] = args.inbox_prefix
     mirror = Mirror(settings, tables, args.sqlite, durable=args.durable,
@@ -284,6 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="apply only messages signed by this key (repeat it for several, "
                         "while keys are rotated; replaces CDC_MIRROR_TRUSTED_KEYS); see "
                         "docs/wire-contract.md \"Signatures\"")
+    mirror.add_argument("--verify-scan", choices=["at_marker", "never"],
+                        help="at a source verification's marker, recompute the table's digest "
+                        "from its rows (at_marker, the default: also finds rows changed behind "
+                        "the mirror's back) or compare the digest kept as changes applied "
+                        "(never: costs nothing); CDC_MIRROR_VERIFY_SCAN")
     mirror.set_defaults(handler=_cmd_mirror, runs_until_stopped=True)
 
     signing = commands.add_parser(

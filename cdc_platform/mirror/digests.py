@@ -180,15 +180,23 @@ class DigestKeeper:
         self._hasher.called = True
         self._create_trigger(table, table_id, "delete")
 
-    def add_stored(self, table: str, rows: Iterable[Sequence[Any]]) -> None:
-        """Rows written to ``table`` by another connection (the compiled ``ChunkLoader``), as
-        stored, in the table's column order: added to its digest in the open transaction."""
+    def hashes(self, table: str, rows: Iterable[Sequence[Any]]) -> tuple[int, list[bytes]]:
+        """(``table``'s id, the packed hashes of ``rows`` as stored, in the table's column
+        order), for :meth:`add`; no database work (a worker thread may run it)."""
         table_id = self._ids.get(table)
         if table_id is None:
-            return
+            return 0, []
         hashes = self._digesters[table_id].hashes
+        return table_id, [_pair.pack(*hashes(row)) for row in rows]
+
+    def add(self, table_id: int, hashes: list[bytes]) -> None:
+        """Rows another connection wrote (the compiled ``ChunkLoader``), hashed by
+        :meth:`hashes`: added to their table's digest in the open transaction (nothing when
+        the table is no longer followed under that id)."""
+        if self._tables.get(table_id) is None:
+            return
         self._db.executemany(f"INSERT INTO {_CHANGES} VALUES (?, 1, ?)",
-                             ((table_id, _pair.pack(*hashes(row))) for row in rows))
+                             ((table_id, pair) for pair in hashes))
         self._hasher.called = True
 
     # -- the transaction -------------------------------------------------------------------
@@ -244,6 +252,19 @@ class DigestKeeper:
         for shape in shapes.values():
             if shape.table in self._kept():
                 self.follow(shape)
+
+    def shift(self, table: str, subtract: TableDigest, add: TableDigest) -> None:
+        """``table``'s buckets moved by ``add - subtract`` (reset from a scan of its rows:
+        the digest kept at a point, and the one recomputed there)."""
+        digest = self._digest(table)
+        moved = [bucket for bucket in range(len(digest.counts))
+                 if subtract.totals[bucket] != add.totals[bucket]
+                 or subtract.counts[bucket] != add.counts[bucket]]
+        for bucket in moved:
+            digest.totals[bucket] = (digest.totals[bucket] - subtract.totals[bucket]
+                                     + add.totals[bucket]) & _MASK
+            digest.counts[bucket] += add.counts[bucket] - subtract.counts[bucket]
+        self._write(table, digest, moved)
 
     def digest(self, table: str) -> TableDigest | None:
         """A copy of ``table``'s digest as of the last fold (None: not kept)."""

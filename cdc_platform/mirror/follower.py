@@ -58,6 +58,7 @@ from cdc_platform.mirror.consistency import (
     table_point,
 )
 from cdc_platform.mirror.errors import DivergenceError, MirrorError
+from cdc_platform.mirror.meetings import Meetings, OnVerification
 from cdc_platform.mirror.positions import TableState
 from cdc_platform.mirror.snapshots import BootstrapProgress, decode_chunk, read_chunks
 from cdc_platform.mirror.store import MirrorStore
@@ -67,13 +68,17 @@ from cdc_platform.settings import MirrorSettings, PlatformSettings
 from cdc_platform.wire import (
     CDC_PREFIX,
     CHANGE_OPERATIONS,
+    CONTROL_TOKEN,
     HEADER_CLAIM_CHECK,
     SCHEMA_OPERATION,
+    VERIFY_SUBJECT_PREFIX,
+    WATERMARK_SUBJECT_PREFIX,
     SignatureVerifier,
     commit_ts_epoch,
     decode_any,
     decode_payload,
     payload_format,
+    verify_digest_subject,
 )
 
 log = logging.getLogger(__name__)
@@ -95,6 +100,7 @@ _KV_CATCH_UP_SECONDS = 30.0
 # Snapshots in a row whose chunks cannot be used before a person is needed (each is asked
 # for past the last one's cutover LSN, so a new one is taken each time).
 _UNUSABLE_SNAPSHOTS = 3
+_CONTROL_PREFIX = f"{CDC_PREFIX}.{CONTROL_TOKEN}."  # markers, digest messages
 
 
 class _Restart(Exception):
@@ -106,7 +112,8 @@ class Mirror:
 
     def __init__(self, settings: PlatformSettings, tables: Iterable[str],
                  sqlite_path: str | Path, *, durable: str | None = None,
-                 options: MirrorSettings | None = None, report: Report | None = None) -> None:
+                 options: MirrorSettings | None = None, report: Report | None = None,
+                 on_verification: OnVerification | None = None) -> None:
         self.settings = settings
         self.tables = list(dict.fromkeys(tables))
         if not self.tables:
@@ -121,6 +128,9 @@ class Mirror:
         self.durable = durable
         self.options = options or MirrorSettings()
         self.report = report or (lambda line: log.info("%s", line))
+        # told each source verification met (docs/verification.md "Meeting a verification")
+        self.on_verification = on_verification
+        self.meetings: Meetings | None = None
         self.position = 0  # the `CDC` sequence every followed table is mirrored up to
         self.applied_events = 0
         self.applied_transactions = 0
@@ -147,6 +157,9 @@ class Mirror:
         stop = stop or asyncio.Event()
         # a corrupt file is an error before anything else
         store = MirrorStore(self.path, digests=self.options.digests)
+        store.most_logged = self.options.verify_log_rows
+        self.meetings = Meetings(store, scan=self.options.verify_scan == "at_marker",
+                                 report=self.report, on_verification=self.on_verification)
         try:
             nc = await connect_nats(self.settings.nats, name="cdc-platform-mirror",
                                     reconnect_forever=True,
@@ -273,22 +286,31 @@ class Mirror:
             compiled = stack.enter_context(store.chunk_loader(shadow, columns)) \
                 if columns else None
 
+            loaded: list[bytes] = []  # chunks the compiled loader wrote, to digest
+
             def load(data: bytes, seen: set[int]) -> tuple[int, int] | None:
-                assert compiled is not None and columns is not None
+                assert compiled is not None
                 if store.in_transaction:
                     return None
                 taken = compiled(data, seen)
                 if taken is not None and store.keeps_digests:
-                    # (its own connection: the store's triggers did not see these rows)
-                    chunk = decode_chunk(data, columns)
-                    store.digest_loaded(shadow, chunk.rows if chunk.as_tuples else
-                                        [tuple(row[name] for name in columns)
-                                         for row in chunk.rows])
+                    loaded.append(data)
                 return taken
+
+            def hashes(data: bytes) -> tuple[int, list[bytes]]:
+                assert columns is not None
+                chunk = decode_chunk(data, columns)
+                return store.loaded_hashes(shadow, chunk.rows if chunk.as_tuples else [
+                    tuple(row[name] for name in columns) for row in chunk.rows])
             async for chunk in read_chunks(js, meta, stream=self.settings.topology.init.name,
                                            progress=progress.update, columns=columns,
                                            load=load if compiled is not None else None,
                                            verifier=self.verifier):
+                while loaded:  # (its own connection: the store's triggers did not see it)
+                    # hashed on a worker thread: the other tables' changes go on meanwhile
+                    hashed = await asyncio.to_thread(hashes, loaded.pop())
+                    await _between_transactions(store)
+                    store.digest_loaded(hashed)
                 if chunk.loaded is None:
                     await _between_transactions(store)
                     if chunk.as_tuples and columns is not None:
@@ -479,7 +501,9 @@ class Mirror:
                     await asyncio.sleep(1.0)
                     raise _Restart from None
                 for message in await follow.authentic(messages) if verifying else messages:
-                    if message.has_header(HEADER_CLAIM_CHECK):  # in the object store
+                    if message.subject.startswith(_CONTROL_PREFIX):  # a marker, a digest
+                        await follow.control(message)
+                    elif message.has_header(HEADER_CLAIM_CHECK):  # in the object store
                         try:
                             await follow.claim_checked(message)
                         except (NatsError, TimeoutError) as exc:
@@ -538,6 +562,10 @@ class Mirror:
     async def _subscribe(self, nc: NatsClient, js: JetStreamContext, stream: str,
                          followed: Sequence[str], start: int) -> PullReader:
         subjects = [f"{CDC_PREFIX}.{table}.>" for table in followed]
+        # verify markers (every marker: few) and the followed tables' digest messages, in
+        # stream order with the changes (one consumer, several filters)
+        subjects += [f"{WATERMARK_SUBJECT_PREFIX}.*",
+                     *(f"{verify_digest_subject(table, '*')}" for table in followed)]
         config = ConsumerConfig(
             durable_name=self.durable, filter_subjects=subjects,
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start,
@@ -733,8 +761,38 @@ class _Following:
                 self.group_transactions += 1
                 self.group_commit_lsn = done.commit_lsn
                 self.group_commit_ts = event.get("commit_ts")
-                if self.store.open_events >= _GROUP_EVENTS:
+                # (while a verification logs deltas, each transaction is its own commit: a
+                # log row names its transaction's commit LSN)
+                if self.store.open_events >= _GROUP_EVENTS or self.store.logging:
                     self.commit()
+
+    async def control(self, message: PulledMessage) -> None:
+        """A watermark marker or a digest message (docs/verification.md "Meeting a
+        verification"): a verification of a followed table is met here, in stream order,
+        after what was applied before it is committed. One that is not what it says is
+        said and skipped: it stops nothing."""
+        meetings = self.mirror.meetings
+        assert meetings is not None
+        try:
+            payload = decode_any(message.data)
+            if message.subject.startswith(f"{WATERMARK_SUBJECT_PREFIX}."):
+                marker = meetings.verify_marker(payload, self.local)
+                if marker is None:
+                    return
+                self.commit()
+                vid, table, marker_lsn = marker
+                meetings.marker(vid, table, marker_lsn,
+                                streaming=self.local.get(table) == table,
+                                inside_transaction=self.collector.pending is not None)
+                return
+            table, _, vid = message.subject[len(VERIFY_SUBJECT_PREFIX) + 1:].rpartition(".")
+            if table not in self._followed:
+                raise ValueError(f"a digest message of {table!r:.80}, not followed")
+            self.commit()
+            await meetings.digest(payload, table, vid)
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            log.error("refused message %s on %s: %s: %s", message.stream_seq, message.subject,
+                      type(exc).__name__, exc)
 
     def _before(self, tables: list[str], commit_lsn: int) -> bool:
         """Whether no event of the transaction ``commit_lsn`` applies to ``tables``: it
@@ -755,7 +813,8 @@ class _Following:
             return
         try:
             self._record_consistent_lsn()
-            applied = self.store.commit(self.group_seq, self.local_followed)
+            applied = self.store.commit(self.group_seq, self.local_followed,
+                                        self.group_commit_lsn)
         except DivergenceError as exc:  # a batch flushed at commit did not fit
             self.open = False  # (the store rolled back)
             self.abandon()

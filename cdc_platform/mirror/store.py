@@ -30,7 +30,7 @@ from cdc_platform.mirror.apply import (
     from_the_change,
 )
 from cdc_platform.mirror.columns import TableShape, insert_statement, quote, to_sqlite
-from cdc_platform.mirror.digests import DigestKeeper
+from cdc_platform.mirror.digests import Deltas, DigestKeeper
 from cdc_platform.mirror.errors import DivergenceError, MirrorError
 from cdc_platform.mirror.positions import TableState, lsn_or_zero
 from cdc_platform.mirror.tables import SchemaChange, create_lookup, drop_lookup, follow_shape
@@ -86,6 +86,10 @@ class MirrorStore:
         with self._transaction():  # (a table whose digest is not kept yet: computed now)
             for shape in shapes.values():
                 self._digests.follow(shape)
+        # table -> the verification whose deltas its applied transactions log
+        self._logging = {table: pending for table, pending
+                         in verifications.load_pending(self._db).items() if pending.why is None}
+        self.most_logged = 1_000_000  # deltas a verification logs at most
 
     def close(self) -> None:
         if self._writer.statements is not None:
@@ -158,13 +162,101 @@ class MirrorStore:
         """A copy of ``table``'s digest as committed (None: not kept)."""
         return self._digests.digest(table)
 
-    def digest_loaded(self, table: str, rows: Iterable[Sequence[Any]]) -> None:
-        """Rows (wire values in the table's column order) the compiled ``ChunkLoader`` wrote
-        into ``table``: into its digest (a bootstrap interrupted before both begins again)."""
-        if self._digests.enabled:
+    def meet_marker(self, verification_id: str, table: str, marker_lsn: int, *,
+                    why: str | None = None) -> verifications.Pending:
+        """A verify marker of ``table`` (between transactions, all before it committed): its
+        digest here, and its transactions' deltas logged from now on (docs/verification.md
+        "Meeting a verification"); ``why``: why it cannot be compared, if known already."""
+        state = self.state(table)
+        if why is None:
+            if state is None or state.status != "streaming":
+                why = "the table was not streaming at the marker"
+            elif state.cutover_lsn > marker_lsn or state.applied_commit_lsn >= marker_lsn:
+                why = "the mirror was past the marker (it met it again after a restart)"
+            elif self.digest(table) is None:
+                why = "the mirror keeps no digest of the table (CDC_MIRROR_DIGESTS=off)"
+        pending = verifications.Pending(verification_id, table, marker_lsn,
+                                        state.snapshot_id if state else None,
+                                        None if why else self.digest(table), why)
+        with self._transaction():
+            earlier = self._logging.pop(table, None)
+            if earlier is not None:
+                verifications.drop_pending(self._db, earlier)
+            verifications.save_pending(self._db, pending)
+        if why is None:
+            self._logging[table] = pending
+        return pending
+
+    def pending_verification(self, table: str) -> verifications.Pending | None:
+        """The verification of ``table`` met at its marker, still logging (its digest
+        message not yet met)."""
+        return self._logging.get(table) or verifications.load_pending(self._db).get(table)
+
+    @property
+    def logging(self) -> bool:
+        """Whether a verification logs deltas (the follower then commits each transaction
+        on its own: a log row names its transaction's commit LSN)."""
+        return bool(self._logging)
+
+    def finish_verification(self, pending: verifications.Pending | None,
+                            result: verifications.VerificationResult,
+                            reset: tuple[TableDigest, TableDigest] | None = None) -> None:
+        """Record ``result`` and drop ``pending`` and its log; ``reset``: (the digest kept
+        at the marker, the one recomputed from the rows there): the kept buckets moved by the
+        difference."""
+        with self._transaction():
+            if reset is not None:
+                self._digests.shift(result.table, *reset)
+            verifications.record(self._db, result)
+            if pending is not None:
+                verifications.drop_pending(self._db, pending)
+        if pending is not None and self._logging.get(pending.table) is pending:
+            del self._logging[pending.table]
+
+    def verification_recorded(self, verification_id: str, table: str) -> bool:
+        return verifications.recorded(self._db, verification_id, table)
+
+    def digest_at(self, pending: verifications.Pending, base: TableDigest,
+                  lsn: int) -> TableDigest:
+        """``base`` (``pending``'s table's digest at its marker) plus the logged deltas of
+        the transactions below ``lsn``."""
+        return verifications.digest_at(self._db, pending, base, lsn)
+
+    def log_digest_deltas(self, table: str, commit_lsn: int, deltas: Deltas) -> None:
+        """(in the open transaction) ``table``'s deltas of the transaction ``commit_lsn``."""
+        pending = self._logging.get(table)
+        if pending is None:
+            return
+        if pending.logged + len(deltas) > self.most_logged:
+            pending.why = (f"its log passed CDC_MIRROR_VERIFY_LOG_ROWS ({self.most_logged} "
+                           "deltas)")
+            pending.digest = None
+            verifications.save_pending(self._db, pending)
+            verifications.drop_log(self._db, pending)
+            del self._logging[table]
+            return
+        verifications.log_deltas(self._db, pending, commit_lsn, deltas)
+
+    def read_connection(self) -> sqlite3.Connection:
+        """A second connection to the file (a verification's scan, on another thread)."""
+        return sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+
+    def loaded_hashes(self, table: str, rows: Iterable[Sequence[Any]]
+                      ) -> tuple[int, list[bytes]]:
+        """The hashes of rows (wire values in the table's column order) the compiled
+        ``ChunkLoader`` wrote into ``table``, for :meth:`digest_loaded`. No database work:
+        a worker thread may run it while the follower goes on."""
+        if not self._digests.enabled:
+            return 0, []
+        return self._digests.hashes(table, ([to_sqlite(value) for value in row]
+                                            for row in rows))
+
+    def digest_loaded(self, hashes: tuple[int, list[bytes]]) -> None:
+        """:meth:`loaded_hashes` into the table's digest (a bootstrap interrupted between
+        the chunk and this begins again)."""
+        if hashes[1]:
             with self._transaction():
-                self._digests.add_stored(table, ([to_sqlite(value) for value in row]
-                                                 for row in rows))
+                self._digests.add(*hashes)
 
     # -- bootstrap ------------------------------------------------------------------------------
     def begin_bootstrap(self, shape: TableShape, snapshot_id: str, snapshot_lsn: int) -> None:
@@ -308,9 +400,11 @@ class MirrorStore:
         """Events applied in the open transaction so far."""
         return self._open.events if self._open is not None else 0
 
-    def commit(self, stream_seq: int, followed: Iterable[str] = ()) -> Applied:
+    def commit(self, stream_seq: int, followed: Iterable[str] = (), commit_lsn: int = 0
+               ) -> Applied:
         """Commit the open transaction with the new positions: each table's high-water mark,
-        and ``stream_seq`` for the tables of ``followed`` (all were read up to it)."""
+        and ``stream_seq`` for the tables of ``followed`` (all were read up to it).
+        ``commit_lsn``: of its last transaction (the one, while verifications log)."""
         assert self._open is not None
         try:
             self._writer.flush()
@@ -320,7 +414,9 @@ class MirrorStore:
             names = list(followed)
             if names:
                 self._advance(names, stream_seq)
-            self._digests.fold()
+            deltas = self._digests.fold()
+            for table in self._logging.keys() & deltas.keys():
+                self.log_digest_deltas(table, commit_lsn, deltas[table])
             self._db.execute("COMMIT")
         except BaseException:
             self.rollback()
@@ -345,6 +441,9 @@ class MirrorStore:
         self._shapes.clear()
         self._shapes.update(committed)
         self._digests.reset(committed)
+        self._logging = verifications.load_pending(self._db)
+        self._logging = {table: pending for table, pending in self._logging.items()
+                         if pending.why is None}
 
     def _cached_state(self, table: str) -> TableState | None:
         if table not in self._states:
