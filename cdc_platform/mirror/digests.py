@@ -91,6 +91,8 @@ class DigestKeeper:
         self._hasher = _RowHasher()
         self._digesters = self._hasher.digesters  # table id -> its digester
         self._ids: dict[str, int] = {}  # table -> the id its triggers pass
+        # every id given (one per shape a table was followed in) -> its table: the changes of
+        # the open transaction made before a schema change are still its table's
         self._tables: dict[int, str] = {}
         self._next_id = 1
         self._digests: dict[str, TableDigest] = {}  # as committed (and folded), cached
@@ -140,7 +142,6 @@ class DigestKeeper:
             self._db.execute(f"DROP TRIGGER IF EXISTS temp.{quote(_trigger(table, kind))}")
         table_id = self._ids.pop(table, None)
         if table_id is not None:
-            self._tables.pop(table_id, None)
             self._digesters.pop(table_id, None)
 
     def forget(self, table: str) -> None:
@@ -148,6 +149,7 @@ class DigestKeeper:
         if not self.enabled:
             return
         self.unfollow(table)
+        self._drop_changes(table)
         self._db.execute(f"DELETE FROM {DIGESTS_TABLE} WHERE wire_table = ?", (table,))
         self._db.execute(f"DELETE FROM {KEPT_TABLE} WHERE wire_table = ?", (table,))
         self._digests.pop(table, None)
@@ -193,7 +195,7 @@ class DigestKeeper:
         """Rows another connection wrote (the compiled ``ChunkLoader``), hashed by
         :meth:`hashes`: added to their table's digest in the open transaction (nothing when
         the table is no longer followed under that id)."""
-        if self._tables.get(table_id) is None:
+        if table_id not in self._digesters:
             return
         self._db.executemany(f"INSERT INTO {_CHANGES} VALUES (?, 1, ?)",
                              ((table_id, pair) for pair in hashes))
@@ -213,9 +215,7 @@ class DigestKeeper:
         self._db.execute(f"DELETE FROM {_CHANGES}")
         before: dict[str, dict[int, tuple[int, int]]] = {}
         for table_id, sign, hashes in changes:
-            table = self._tables.get(table_id)
-            if table is None:
-                continue  # (a table unfollowed since: its digest is recomputed or forgotten)
+            table = self._tables[table_id]
             digest = self._digest(table)
             touched = before.setdefault(table, {})
             totals, counts = digest.totals, digest.counts
@@ -296,7 +296,16 @@ class DigestKeeper:
     def _kept(self) -> set[str]:
         return {row[0] for row in self._db.execute(f"SELECT wire_table FROM {KEPT_TABLE}")}
 
+    def _drop_changes(self, table: str) -> None:
+        """Forget the open transaction's changes of ``table`` (its digest is set anew)."""
+        ids = [table_id for table_id, name in self._tables.items() if name == table]
+        if ids:
+            self._db.execute(f"DELETE FROM {_CHANGES} WHERE tid IN "
+                             f"({', '.join('?' * len(ids))})", ids)
+
     def _set(self, table: str, digest: TableDigest) -> None:
+        """``table``'s digest is ``digest`` (from its rows, or empty) from now on."""
+        self._drop_changes(table)
         self._db.execute(f"DELETE FROM {DIGESTS_TABLE} WHERE wire_table = ?", (table,))
         self._db.execute(f"INSERT OR REPLACE INTO {KEPT_TABLE} VALUES (?, ?)", (table, BITS))
         self._db.executemany(

@@ -106,7 +106,7 @@ class _Stream:
         self.keys.discard(key)
         return event("DELETE", lsn, ordinal, data={"id": key}, old={"id": key}, table="t")
 
-    def schema_change(self, lsn: str) -> dict:
+    def schema_change(self, lsn: str, ordinal: int = 0) -> dict:
         rng = self.rng
         how = rng.choice(["add", "add_default", "drop", "rename"])
         others = self.columns[1:]
@@ -123,8 +123,8 @@ class _Stream:
             name, oid, data_type, attnum = self.columns[index]
             self.columns[index] = (f"{name}_r", oid, data_type, attnum)
         self.fingerprint += 1
-        return schema_event(lsn, 0, _schema(self.columns, fingerprint=f"f{self.fingerprint}",
-                                            missing=missing))
+        return schema_event(lsn, ordinal, _schema(
+            self.columns, fingerprint=f"f{self.fingerprint}", missing=missing))
 
     def transaction(self, seq: int) -> None:
         self.lsn += 0x10
@@ -134,6 +134,10 @@ class _Stream:
             self.keys.clear()
         elif self.rng.random() < 0.1:
             events = [self.schema_change(lsn)]
+        elif self.rng.random() < 0.1:  # changes before and after a schema change, in one
+            before = [self.change(lsn, ordinal) for ordinal in range(3)]
+            events = [*before, self.schema_change(lsn, 3),
+                      *(self.change(lsn, ordinal) for ordinal in range(3, 6))]
         else:
             events = [self.change(lsn, ordinal) for ordinal in range(self.rng.randrange(1, 30))]
         applied = self.store.apply_transaction(events, stream_seq=seq)
