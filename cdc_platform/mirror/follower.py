@@ -63,6 +63,7 @@ from cdc_platform.mirror.positions import TableState
 from cdc_platform.mirror.snapshots import BootstrapProgress, decode_chunk, read_chunks
 from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.mirror.transactions import StreamGap, TransactionCollector
+from cdc_platform.mirror.verifications import VerificationResult
 from cdc_platform.naming import parse_wire_name
 from cdc_platform.settings import MirrorSettings, PlatformSettings
 from cdc_platform.wire import (
@@ -131,6 +132,7 @@ class Mirror:
         # told each source verification met (docs/verification.md "Meeting a verification")
         self.on_verification = on_verification
         self.meetings: Meetings | None = None
+        self.verified: dict[str, VerificationResult] = {}  # table -> its last verification
         self.position = 0  # the `CDC` sequence every followed table is mirrored up to
         self.applied_events = 0
         self.applied_transactions = 0
@@ -159,7 +161,7 @@ class Mirror:
         store = MirrorStore(self.path, digests=self.options.digests)
         store.most_logged = self.options.verify_log_rows
         self.meetings = Meetings(store, scan=self.options.verify_scan == "at_marker",
-                                 report=self.report, on_verification=self.on_verification)
+                                 report=self.report, on_verification=self._verified)
         try:
             nc = await connect_nats(self.settings.nats, name="cdc-platform-mirror",
                                     reconnect_forever=True,
@@ -595,6 +597,11 @@ class Mirror:
             self.position = last
         return pending
 
+    def _verified(self, table: str, result: VerificationResult) -> None:
+        self.verified[table] = result
+        if self.on_verification is not None:
+            self.on_verification(table, result)
+
     def status_line(self, pending: int, streaming: int) -> str:
         behind = 0.0
         if pending and self._last_commit_ts:
@@ -605,7 +612,10 @@ class Mirror:
                 f"behind, {behind:.1f}s behind the source commit time; position "
                 f"{self.position}"
                 + (f"; {self.refused_messages:,} unsigned or badly signed messages refused"
-                   if self.refused_messages else ""))
+                   if self.refused_messages else "")
+                + ("; last verifications: " + ", ".join(
+                    f"{table} {result.status}" for table, result in sorted(
+                        self.verified.items())) if self.verified else ""))
 
 
 class _Following:

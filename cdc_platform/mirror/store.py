@@ -315,7 +315,7 @@ class MirrorStore:
             self._put_state(state, stream_seq=stream_seq)
 
     # -- changes --------------------------------------------------------------------------------
-    def apply_transaction(self, events: Iterable[Mapping[str, Any]], stream_seq: int,
+    def apply_transaction(self, events: Sequence[Mapping[str, Any]], stream_seq: int,
                           followed: Iterable[str] = ()) -> Applied:
         """Every event of one transaction (of the mirrored tables), in ordinal order, in one
         SQLite transaction with the new positions (see :meth:`begin`)."""
@@ -327,7 +327,8 @@ class MirrorStore:
         except BaseException:
             self.rollback()
             raise
-        return self.commit(stream_seq, followed)
+        return self.commit(stream_seq, followed, max(
+            (parse_lsn_cached(event["commit_lsn"]) for event in events), default=0))
 
     # One transaction applied as its events come (a huge one need not fit in memory):
     # begin(), apply() each new event, commit() once the transaction is whole.

@@ -112,6 +112,7 @@ async def test_verifications_met_equal_under_writes_and_differ_where_a_row_was_r
         await wait_for(lambda: any(r.verification_id == second["verification_id"]
                                    for r in results), timeout=60,
                        what="the second verification met")
+        assert "last verifications: " + table + " differ" in mirror.status_line(0, 1)
         stop.set()
         await asyncio.wait_for(running, 30)
     by_id = {result.verification_id: result for result in results}

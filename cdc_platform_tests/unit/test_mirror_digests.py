@@ -15,8 +15,17 @@ from cdc_platform.cli import main
 from cdc_platform.mirror.columns import TableShape
 from cdc_platform.mirror.digests import DIGESTS_TABLE, KEPT_TABLE, read_digest, scan_digest
 from cdc_platform.mirror.errors import DivergenceError
+from cdc_platform.mirror.meetings import Meetings
 from cdc_platform.mirror.store import MirrorStore
-from cdc_platform.wire.digest import RowDigester, TableDigest, bucket_of
+from cdc_platform.mirror.verifications import parse_digest
+from cdc_platform.wire.digest import (
+    ALGORITHM,
+    RowDigester,
+    TableDigest,
+    bucket_of,
+    digest_rows,
+    pack_totals,
+)
 from cdc_platform_tests.fixtures.mirror_events import event, schema_event
 
 # (name, type oid, data_type); the key first
@@ -273,3 +282,76 @@ def test_mirror_verify_says_when_digests_are_not_kept(tmp_path, capsys):
     assert "not compared: its digest is not kept" in capsys.readouterr().out
     assert main(["mirror", "verify", "--sqlite", str(path), "--tables", "nope"]) == 2
     assert "not mirrored in this file: nope" in capsys.readouterr().err
+
+
+def _digest_message(vid: str, lsn: int, rows: list[dict], bits: int, fingerprint: str,
+                    **changed) -> dict:
+    digest = TableDigest(14)
+    digest_rows(digest, RowDigester(["id", "name"], ["id"]), rows)
+    folded = digest.folded(bits)
+    return {"type": "digest", "verification_id": vid, "table": "t",
+            "lsn": f"0/{lsn:X}", "marker_subject": f"cdc.cdc-platform.watermark.{vid}",
+            "schema_fingerprint": fingerprint, "algorithm": ALGORITHM, "bits": bits,
+            "row_count": len(rows), "totals": pack_totals(folded.totals),
+            "counts": folded.counts, "buckets": None, "duration_seconds": 0.1,
+            "msg_id": f"verify:{vid}:digest"} | changed
+
+
+@pytest.mark.parametrize("scan", [True, False])
+async def test_meeting_a_verification_compares_the_digest_at_its_lsn(tmp_path, scan):
+    """Marker at 0/300, digest lsn 0/500: the transaction at 0/400 is in the source's digest,
+    the one at 0/600 not. A row deleted from the file behind the mirror's back before the
+    marker: found (changed outside, and differing from the source) only by the scan."""
+    store = MirrorStore(tmp_path / "m.db")
+    store.begin_bootstrap(TableShape.from_schema(_schema(
+        [("id", 20, "bigint", 1), ("name", 25, "text", 2)])), "s", 0x100)
+    source = {key: {"id": key, "name": f"n{key}"} for key in range(1, 60)}
+    store.load_rows("t", list(source.values()))
+    store.finish_bootstrap("t", stream_seq=1)
+    results = []
+    meetings = Meetings(store, scan=scan, report=lambda line: None,
+                        on_verification=lambda table, result: results.append(result))
+    store.apply_transaction([event("INSERT", "0/200", 0, data={"id": 100, "name": "a"},
+                                   table="t")], 2)
+    source[100] = {"id": 100, "name": "a"}
+    with sqlite3.connect(tmp_path / "m.db") as other:  # another writer: not counted
+        other.execute("DELETE FROM t WHERE id = 5")
+    other.close()
+    meetings.marker("verify-a", "t", 0x300, streaming=True, inside_transaction=False)
+    store.apply_transaction([
+        event("UPDATE", "0/400", 0, data={"id": 7, "name": "changed"}, table="t"),
+        event("DELETE", "0/400", 1, data={"id": 9}, old={"id": 9}, table="t")], 3)
+    source[7] = {"id": 7, "name": "changed"}
+    del source[9]
+    store.apply_transaction([event("INSERT", "0/600", 0, data={"id": 200, "name": "late"},
+                                   table="t")], 4)
+    assert store.logging
+    message = _digest_message("verify-a", 0x500, list(source.values()), 4,
+                              store.state("t").fingerprint)
+    result = await meetings.digest(message, "t", "verify-a")
+    assert results == [result] and not store.logging
+    if scan:
+        assert result.status == "differ"
+        assert result.buckets_differing == {_key_bucket(5) >> 10: (
+            message["counts"][_key_bucket(5) >> 10] - 1,
+            message["counts"][_key_bucket(5) >> 10])}
+        assert result.changed_outside == [_key_bucket(5)]
+        assert _assert_kept(store)  # the kept digest reset from the rows
+    else:
+        assert (result.status, result.changed_outside) == ("equal", [])
+    assert store.verification_recorded("verify-a", "t")
+    assert await meetings.digest(message, "t", "verify-a") is None  # met once
+    unmet = await meetings.digest({**message, "verification_id": "verify-b"}, "t", "verify-b")
+    assert (unmet.status, unmet.why) == ("not_comparable", "the marker was not seen")
+    store.close()
+
+
+@pytest.mark.parametrize("changed, why", [
+    ({"totals": b"\x00" * 7}, "need"), ({"counts": [1, -1]}, "types"),
+    ({"table": "other"}, "not its subject's"), ({"verification_id": "x"}, "not its subject's"),
+    ({"bits": "4"}, "types"), ({"type": "watermark"}, "not a digest message"),
+    ({"lsn": "nope"}, "LSN"), ({"buckets": [0, 0]}, "distinct")])
+def test_a_digest_message_that_is_not_one_is_refused_saying_why(changed, why):
+    message = _digest_message("verify-a", 0x500, [{"id": 1, "name": "a"}], 1, "f") | changed
+    with pytest.raises((ValueError, TypeError), match=why):
+        parse_digest(message, "t", "verify-a")
