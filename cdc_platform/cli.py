@@ -173,6 +173,37 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from cdc_platform.settings import OrchestrationSettings, load_settings
+    from cdc_platform.snapshot.options import SnapshotOptions
+    from cdc_platform.verify import run_verification
+
+    settings = load_settings()
+    orchestration = load_settings(OrchestrationSettings)
+
+    def spark_session():  # started only for a table too large to read here
+        try:
+            from cdc_platform.snapshot.spark_session import local_spark_session
+
+            return local_spark_session("cdc-platform-verify", master=orchestration.spark_master)
+        except ImportError as exc:
+            raise CdcError(f"{args.table} is over CDC_SNAPSHOT_LOCAL_MAX_BYTES, which needs "
+                           f"Spark (pip install 'cdc_platform[spark]'): {exc}") from exc
+
+    result = run_verification(
+        spark_session, settings, args.table, bits=args.bits,
+        options=SnapshotOptions(small_table_bytes=orchestration.snapshot_local_max_bytes))
+    print(f"verification {result.verification_id} of {result.table}: {result.row_count:,} "
+          f"rows in {1 << result.bits:,} buckets ({result.bits} bits) at lsn {result.lsn}")
+    print(f"digest: {result.digest_subject} (CDC seq {result.digest_seq}); marker: "
+          f"{result.marker_subject}; schema fingerprint {result.schema_fingerprint}")
+    print(f"{result.duration_seconds:.1f}s: reading and hashing {result.digest_seconds:.1f}s "
+          f"({result.rows_per_second:,.0f} rows/s, {result.partitions} ranges"
+          f"{', Spark' if result.spark else ''}), waiting for the bridge "
+          f"{result.wait_seconds:.1f}s")
+    return 0
+
+
 def _cmd_signing_key(args: argparse.Namespace) -> int:
     import os
 
@@ -292,6 +323,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "the mirror's back) or compare the digest kept as changes applied "
                         "(never: costs nothing); CDC_MIRROR_VERIFY_SCAN")
     mirror.set_defaults(handler=_cmd_mirror, runs_until_stopped=True)
+
+    verify = commands.add_parser(
+        "verify", help="publish a table's digest for mirrors to compare with",
+        description="Digest the table's rows at an exact point of the CDC stream and publish "
+        "the digest on cdc.cdc-platform.verify.{table}.{id} once the bridge has stored "
+        "every change before it (at most CDC_VERIFY_WAIT); mirrors compare it with their "
+        "copy. See docs/verification.md.")
+    verify.add_argument("table", help="a published table's wire name (users, sales/orders)")
+    verify.add_argument("--bits", type=int,
+                        help="split the digest into 2^BITS buckets (0-14; default: about "
+                        "1,024 rows a bucket)")
+    verify.set_defaults(handler=_cmd_verify)
 
     signing = commands.add_parser(
         "signing-key", help="create a signing key seed file (when missing), print its public key",

@@ -24,6 +24,9 @@ from cdc_platform.defs.snapshots.sensors import (
     build_snapshot_request_sensor,
     publication_sync_sensor,
 )
+from cdc_platform.defs.verification.assets import table_verification
+from cdc_platform.defs.verification.schedules import build_verification_schedule
+from cdc_platform.defs.verification.sensors import build_resync_sensor
 from cdc_platform.settings import OrchestrationSettings, PostgresSettings, load_settings
 from cdc_platform.snapshot.spark_session import default_spark_config
 
@@ -35,14 +38,22 @@ def build_definitions() -> dg.Definitions:
     snapshot_job = dg.define_asset_job(
         "snapshot_job", selection=[init_snapshot], tags={SNAPSHOT_KIND_TAG: "snapshot"},
         description="INIT snapshot of one table (partition = wire table name).")
+    verification_job = dg.define_asset_job(
+        "verification_job", selection=[table_verification],
+        tags={SNAPSHOT_KIND_TAG: "verification"},
+        description="The source's digest of one table for mirrors to compare with "
+        "(partition = wire table name).")
     return dg.Definitions(
-        assets=[jetstream_topology, schemas, init_snapshot, cdc_stream],
-        jobs=[cdc_job, snapshot_job],
+        assets=[jetstream_topology, schemas, init_snapshot, cdc_stream, table_verification],
+        jobs=[cdc_job, snapshot_job, verification_job],
         sensors=[build_cdc_sensor(cdc_job, orchestration.cdc_relaunch_backoff_seconds,
                                  orchestration.cdc_liveness_timeout_seconds),
-                 build_snapshot_request_sensor(snapshot_job), publication_sync_sensor],
+                 build_snapshot_request_sensor(snapshot_job, verification_job),
+                 publication_sync_sensor, build_resync_sensor(verification_job)],
         schedules=[build_snapshot_refresh_schedule(
-            snapshot_job, orchestration.snapshot_cron, orchestration.snapshot_timezone)],
+            snapshot_job, orchestration.snapshot_cron, orchestration.snapshot_timezone),
+            build_verification_schedule(verification_job, orchestration.verify_cron,
+                                        orchestration.snapshot_timezone)],
         resources={
             # where the servers are and the credentials: the environment's, at run time
             # (never run config: it could send them to another host)

@@ -68,3 +68,12 @@ class SnapshotRequestRefused(SnapshotError):
 
 class PayloadTooLarge(SnapshotError):
     """A single row encodes to more bytes than the NATS server's max_payload."""
+
+
+class VerificationError(CdcError):
+    """A source verification (docs/verification.md) could not be made or published."""
+
+
+class BridgeBehindError(VerificationError):
+    """The bridge had not stored every transaction below a digest's lsn in time: the digest
+    would precede some of them in the stream, so it is not published."""

@@ -465,6 +465,14 @@ class EncodingSettings(_Settings):
     chunk_rows: int = Field(10_000, ge=1, validation_alias=_env("CDC_CHUNK_ROWS"))
 
 
+class VerifySettings(_Settings):
+    """Source verifications (docs/verification.md Part 2, item 2)."""
+
+    # how long a verification waits for the bridge to have stored every transaction below
+    # its digest's lsn before it fails ("the bridge is behind")
+    wait_seconds: Seconds = Field(600.0, gt=0, validation_alias=_env("CDC_VERIFY_WAIT"))
+
+
 class BridgeSettings(_Settings):
     """How the CDC bridge runs (message mode, heartbeats, telemetry, monitoring)."""
 
@@ -502,6 +510,10 @@ class BridgeSettings(_Settings):
                                            validation_alias=_env("CDC_RECONNECT_MAX"))
     shutdown_timeout_seconds: Seconds = Field(
         30.0, gt=0, validation_alias=_env("CDC_SHUTDOWN_TIMEOUT"))
+    # an invalidated slot: "stop" (say what to do) or "resync" (mark the gap in CDC, drop the
+    # slot, stream from a new one; mirrors verify and repair: docs/verification.md)
+    on_slot_lost: Literal["stop", "resync"] = Field(
+        "stop", validation_alias=_env("CDC_ON_SLOT_LOST"))
     # an nkey seed file: the bridge signs every message it publishes (docs/wire-contract.md
     # "Signatures")
     signing_key_seed: str | None = Field(None, validation_alias=_env("CDC_SIGNING_KEY_SEED"))
@@ -530,6 +542,8 @@ class OrchestrationSettings(_Settings):
     spark_driver_memory: str = Field("1g", validation_alias=_env("CDC_SPARK_DRIVER_MEMORY"))
     snapshot_cron: str = Field("0 3 * * *", validation_alias=_env("CDC_SNAPSHOT_CRON"))
     snapshot_timezone: str = Field("UTC", validation_alias=_env("CDC_SNAPSHOT_TIMEZONE"))
+    # verification_schedule's cron (docs/verification.md), in snapshot_timezone; unset: off
+    verify_cron: str | None = Field(None, validation_alias=_env("CDC_VERIFY_CRON"))
     cdc_observe_interval_seconds: Seconds = Field(
         30.0, gt=0, validation_alias=_env("CDC_OBSERVE_INTERVAL"))
     # snapshots of tables up to this size run without Spark (see SnapshotOptions)
@@ -542,6 +556,10 @@ class OrchestrationSettings(_Settings):
     # for a fresher snapshot gets one this young, or waits for the next run
     snapshot_min_interval_seconds: Seconds = Field(
         60.0, ge=0, validation_alias=_env("CDC_SNAPSHOT_MIN_INTERVAL"))
+    # a table's verification runs started by requests begin at least this far apart (one
+    # asking other bits or buckets meanwhile is refused until the held one started)
+    verify_min_interval_seconds: Seconds = Field(
+        60.0, ge=0, validation_alias=_env("CDC_VERIFY_MIN_INTERVAL"))
     cdc_relaunch_backoff_seconds: Seconds = Field(
         30.0, gt=0, validation_alias=_env("CDC_RELAUNCH_BACKOFF"))
     # A cdc_job run whose worker wrote no liveness tag for this long is dead (killed, its
@@ -628,6 +646,7 @@ class PlatformSettings(_Settings):
     topology: NatsTopology = Field(default_factory=NatsTopology)
     encoding: EncodingSettings = Field(default_factory=EncodingSettings)
     bridge: BridgeSettings = Field(default_factory=BridgeSettings)
+    verify: VerifySettings = Field(default_factory=VerifySettings)
 
 
 def _env_name(model: type[BaseSettings], field: str) -> str:
@@ -671,7 +690,7 @@ def load_settings(model: type[_Settings] = PlatformSettings, **overrides: Any) -
             parts = {}
             for name, sub in (("postgres", PostgresSettings), ("nats", NatsSettings),
                               ("topology", NatsTopology), ("encoding", EncodingSettings),
-                              ("bridge", BridgeSettings)):
+                              ("bridge", BridgeSettings), ("verify", VerifySettings)):
                 parts[name] = overrides.pop(name, None) or load_settings(sub)
             return PlatformSettings(**parts)
         if model is NatsTopology:

@@ -58,6 +58,8 @@ class BridgeMetrics:
         self.nats_connected = Gauge("bridge_nats_connected", "1 while connected to NATS",
                                     registry=r)
         self.reconnects = Counter("bridge_reconnects", "PostgreSQL reconnections", registry=r)
+        self.resyncs = Counter("bridge_slot_resyncs", "lost slots replaced by a new one "
+                               "(CDC_ON_SLOT_LOST=resync), each marked in CDC", registry=r)
         self.nats_reconnects = Counter("bridge_nats_reconnects", "NATS reconnections",
                                        registry=r)
         self.last_processing_time_us = Gauge(
@@ -94,6 +96,7 @@ class BridgeMetrics:
         # plain values for /status (gauges hold floats; LSNs are printed as LSNs)
         self.confirmed_lsn = 0
         self.current_lsn = 0
+        self.last_resync_lost_after: int | None = None
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -121,6 +124,9 @@ class BridgeMetrics:
             "wal_lag_mb": int(self.value(self.wal_lag_bytes)) // (1024 * 1024),
             "in_flight_messages": int(self.value(self.in_flight)),
             "duplicate_conflicts": int(self.value(self.duplicate_conflicts)),
+            "slot_resyncs": int(self.value(self.resyncs)),
+            "last_resync_lost_after": (None if self.last_resync_lost_after is None
+                                       else format_lsn(self.last_resync_lost_after)),
         }
 
     def readiness(self) -> dict:

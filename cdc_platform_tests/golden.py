@@ -32,6 +32,7 @@ from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
 from cdc_platform.snapshot.meta import snapshot_meta
 from cdc_platform.snapshot.reader import RangeStats
 from cdc_platform.speedups import compiled_twin
+from cdc_platform.verify.message import digest_message, digest_payload
 from cdc_platform.wire import (
     CONTENT_TYPES,
     HEADER_CONTENT_TYPE,
@@ -46,6 +47,7 @@ from cdc_platform.wire import (
     signed_bytes,
     snapshot_meta_subject,
 )
+from cdc_platform.wire.digest import RowDigester, table_digest
 from cdc_platform.wire.signing import new_seed, public_key_bytes
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
@@ -175,6 +177,34 @@ def meta(fmt: str, implementation: str) -> list[Message]:
              "payload": encoder(fmt)(payload)}]
 
 
+def digest(fmt: str, implementation: str) -> list[Message]:
+    """Two digest messages of the golden table: every bucket at 2 bits, and buckets 1 and 6
+    at 3 bits (a run asked for some)."""
+    schema = table_schema()
+    rows = [{"id": 1, "name": "Zoë", "score": -0.0, "blob": b"\x00\xff", "tags": [1, None, 3],
+             "doc": '{"a": 1}'},
+            {"id": 2, "name": None, "score": float("nan"), "blob": None, "tags": [],
+             "doc": "null"},
+            {"id": 3, "name": "x", "score": 7.0, "blob": b"", "tags": None, "doc": None}]
+    digester = RowDigester([name for name, _, _ in _COLUMNS], schema.primary_key)
+    fine = table_digest(rows, digester, 3)
+    messages = []
+    for verification_id, bits, buckets in (("verify-20261122T100000Z-0a0b0c0d", 2, None),
+                                           ("verify-20261122T100500Z-0e0f1011", 3, [1, 6])):
+        folded = fine.folded(bits)
+        covered = buckets if buckets is not None else range(1 << bits)
+        payload = digest_payload(
+            verification_id=verification_id, table="users", lsn="1/A00",
+            schema_fingerprint=schema.fingerprint, bits=bits,
+            totals=[folded.totals[b] for b in covered],
+            counts=[folded.counts[b] for b in covered], buckets=buckets, duration=2.25)
+        subject, headers, data = digest_message(payload, fmt)
+        msg_id = headers.pop(HEADER_MSG_ID)
+        messages.append({"subject": subject, "msg_id": msg_id,
+                         "headers": sorted([k, v] for k, v in headers.items()), "payload": data})
+    return messages
+
+
 def kv_schema(fmt: str, implementation: str) -> list[Message]:
     return [{"subject": "$KV.schemas.users", "msg_id": "", "headers": [],
              "payload": encoder(fmt)(table_schema().to_wire())}]
@@ -182,7 +212,7 @@ def kv_schema(fmt: str, implementation: str) -> list[Message]:
 
 CASES: dict[str, Callable[[str, str], list[Message]]] = {
     "per_change": per_change, "batched": batched, "chunk": chunk, "meta": meta,
-    "kv_schema": kv_schema}
+    "kv_schema": kv_schema, "digest": digest}
 # The cases with two writers (compiled twins of them write msgpack: cdc_platform/_speedups).
 TWO_WRITERS = {"per_change", "batched", "chunk"}
 

@@ -52,6 +52,7 @@ from cdc_platform.postgres.catalog import (
 from cdc_platform.protocol.changes import ChangeRecord
 from cdc_platform.protocol.pgoutput import Relation
 from cdc_platform.publishing.claim_check import ClaimChecks
+from cdc_platform.publishing.messages import OutgoingMessage
 from cdc_platform.publishing.publisher import JetStreamPublisher
 from cdc_platform.publishing.schemas import keeping_storage, schema_entry, stored_schema
 from cdc_platform.replication.reader import SlotReader
@@ -62,11 +63,15 @@ from cdc_platform.wire import (
     CONTROL_EOB_SUBJECT,
     HEARTBEAT_PREFIX,
     MessageSigner,
+    ResyncMarker,
     cdc_schema_subject,
     cdc_table_subjects,
     commit_ts_epoch,
     decode_any,
     encoder,
+    in_field_order,
+    resync_msg_id,
+    resync_subject,
 )
 
 log = logging.getLogger(__name__)
@@ -271,6 +276,7 @@ class CdcBridge:
         self._reading_task = asyncio.current_task()
         delay = self.options.reconnect_min_seconds
         ever_streamed = False
+        lost: SlotLostError | None = None  # CDC_ON_SLOT_LOST=resync: resync once closed
         while not self.stop_requested.is_set():
             reader = SlotReader(self.settings.postgres,
                                 status_interval=self.options.status_interval_seconds)
@@ -286,8 +292,12 @@ class CdcBridge:
                 await self._stream(reader)
             except StopRequested:
                 pass  # stopped while connecting or reading a schema
-            except (SlotLostError, ReplicationConfigError):
-                raise  # retrying cannot fix these: say what to do
+            except SlotLostError as exc:
+                if self.options.on_slot_lost != "resync":
+                    raise  # retrying cannot fix it: say what to do
+                lost = exc
+            except ReplicationConfigError:
+                raise  # retrying cannot fix it: say what to do
             except (ReplicationError, psycopg.OperationalError, OSError) as exc:
                 if ever_streamed:
                     self.metrics.reconnects.inc()
@@ -300,9 +310,43 @@ class CdcBridge:
                 self.metrics.slot_active.set(0)
                 await self._close_reader(reader)
                 self.reader = None
+            if lost is not None:
+                await self._resync(lost)
+                lost = None
+                continue
             if not self.stop_requested.is_set():
                 await self._stoppable_sleep(delay * (0.8 + 0.4 * random.random()))
                 delay = min(delay * 2, self.options.reconnect_max_seconds)
+
+    async def _resync(self, lost: SlotLostError) -> None:
+        """``CDC_ON_SLOT_LOST=resync``: store a resync marker in CDC (the stream is whole up to
+        the lost slot's confirmed position), then drop the slot; the next open creates a new
+        one. The marker is stored before the slot is dropped, so a bridge killed in between
+        finds the lost slot again and marks again (same message id), and nothing from a new
+        slot can precede it. Consumers repair what the gap took by verification
+        (docs/verification.md "Item 6")."""
+        assert self.publisher is not None
+        slot = self.settings.postgres.slot
+        async with await self._sql_connection() as conn:
+            state = await read_slot_async(conn, slot)
+            lost_after = (state.confirmed_flush_lsn or 0) if state is not None else 0
+            msg_id = resync_msg_id(slot, lost_after)
+            marker: ResyncMarker = in_field_order(ResyncMarker, {  # type: ignore[assignment]
+                "type": "resync", "slot": slot, "lost_after": format_lsn(lost_after),
+                "reason": str(lost), "timestamp": int(time.time() * 1000), "msg_id": msg_id})
+            await self.publisher.publish([OutgoingMessage(
+                resync_subject(slot), msg_id, self.encode(dict(marker)))])
+            try:
+                await self._unless_stopped(self.publisher.flush())
+            except StopRequested:
+                return  # not stored for sure: the next start finds the lost slot again
+            if state is not None:
+                await conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+        self.metrics.resyncs.inc()
+        self.metrics.last_resync_lost_after = lost_after
+        log.error("slot %s was lost (%s); marked the gap after %s in CDC (%s) and dropped the "
+                  "slot: streaming from a new slot. Mirrors verify and repair what the gap "
+                  "took", slot, lost, format_lsn(lost_after), resync_subject(slot))
 
     async def _close_reader(self, reader: SlotReader) -> None:
         """Final ack: everything stored is confirmed before the connection goes."""
@@ -653,6 +697,7 @@ class CdcBridge:
         last_observation = 0.0
         last_events = 0.0
         next_check = next_observation = 0.0
+        lost_reported = False
         while True:
             now = time.monotonic()
             check_due = now >= next_check
@@ -670,6 +715,7 @@ class CdcBridge:
                     if observe_due:
                         next_observation = now + self.observe_interval
                     if state is not None:
+                        lost_reported = lost_reported and state.lost
                         if check_due or state.lost:  # a lost slot is fatal: never wait
                             self._check_lag(state)
                         if observe_due and self.observer is not None:
@@ -685,10 +731,17 @@ class CdcBridge:
                                 "events_published": int(events),
                             })
             except SlotLostError as exc:
-                self.fatal = exc
-                log.error("%s", exc)
-                self.request_stop()
-                return
+                if self.options.on_slot_lost == "resync":
+                    # the walsender of an invalidated slot is ended by PostgreSQL: the
+                    # reader's next open finds the slot lost and resyncs (_resync)
+                    if not lost_reported:
+                        log.error("%s; resyncing (CDC_ON_SLOT_LOST=resync)", exc)
+                    lost_reported = True
+                else:
+                    self.fatal = exc
+                    log.error("%s", exc)
+                    self.request_stop()
+                    return
             except psycopg.Error as exc:
                 log.warning("slot lag check failed: %s", exc)
                 conn = None

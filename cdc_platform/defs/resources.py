@@ -27,6 +27,7 @@ from cdc_platform.settings import (
     PostgresSettings,
     ReplyNatsSettings,
     SensorNatsSettings,
+    VerifySettings,
     load_settings,
 )
 
@@ -116,4 +117,4 @@ class CdcResource(ConfigurableResource):
                               "http_port": self.http_port}.items() if v is not None})
         return PlatformSettings(postgres=postgres.settings(), nats=nats.settings(),
                                 topology=load_settings(NatsTopology), encoding=encoding,
-                                bridge=bridge)
+                                bridge=bridge, verify=load_settings(VerifySettings))

@@ -53,9 +53,10 @@ import logging
 import re
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from nats.js import JetStreamContext
@@ -106,6 +107,7 @@ from cdc_platform.wire import (
 log = logging.getLogger(__name__)
 
 _SNAPSHOT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_T = TypeVar("_T")
 
 
 def new_snapshot_id() -> str:
@@ -166,18 +168,27 @@ async def snapshot_table(spark: Any, settings: PlatformSettings, table: str, *,
     snapshot_id = snapshot_id or new_snapshot_id()
     if not _SNAPSHOT_ID.fullmatch(snapshot_id):
         raise SnapshotError(f"snapshot id {snapshot_id!r} must match [A-Za-z0-9_-]{{1,64}}")
+    return await taken_again_after_ddl(
+        lambda attempt_id: _snapshot_once(spark, settings, table, attempt_id, options, fault),
+        snapshot_id, options.lock_retries, f"snapshot of {table}")
+
+
+async def taken_again_after_ddl(take: Callable[[str], Awaitable[_T]], first_id: str,
+                                retries: int, what: str) -> _T:
+    """``take(id)``, taken again under a new id (up to ``retries`` times) when it gave way to
+    DDL (:class:`TableLockWaitError`): a new id per attempt, so the abandoned one's messages
+    (chunks without a meta, a marker without a digest) never mix in."""
     attempt = 0
     while True:
-        # a new id per attempt: the abandoned one's chunks (no meta) never mix in
-        attempt_id = snapshot_id if attempt == 0 else f"{snapshot_id[:58]}-r{attempt}"
+        attempt_id = first_id if attempt == 0 else f"{first_id[:58]}-r{attempt}"
         try:
-            return await _snapshot_once(spark, settings, table, attempt_id, options, fault)
+            return await take(attempt_id)
         except TableLockWaitError as exc:
             attempt += 1
-            if attempt > options.lock_retries:
+            if attempt > retries:
                 raise
-            log.warning("snapshot %s of %s gave way to DDL (%s); taking it again (attempt %d)",
-                        attempt_id, table, exc, attempt + 1)
+            log.warning("%s %s gave way to DDL (%s); taking it again (attempt %d)",
+                        what, attempt_id, exc, attempt + 1)
             await asyncio.sleep(min(10.0, 0.5 * attempt))
 
 

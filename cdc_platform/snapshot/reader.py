@@ -24,6 +24,7 @@ and Spark retries the task, which republishes identical chunks (see ``chunks``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Sequence
@@ -238,11 +239,32 @@ def _attempt_number() -> int:
     return context.attemptNumber() if context is not None else 0
 
 
-def converters_for(spec: TaskSpec) -> list:
+def converters_for(type_rows: Sequence[tuple[Any, ...]],
+                   columns: Sequence[CatalogColumn]) -> list:
+    """One ``text -> value`` converter per column, from the catalog rows of their types."""
     registry = TypeRegistry()
-    registry.add_catalog_rows(spec.type_rows)
-    converters = registry.for_columns(spec.columns)
-    return converters
+    registry.add_catalog_rows(type_rows)
+    return registry.for_columns(columns)
+
+
+@contextlib.contextmanager
+def imported_snapshot(conninfo: str, snapshot_name: str, *, qualified_table: str = "",
+                      lock_timeout_ms: int = 5_000) -> Iterator[psycopg.Connection]:
+    """A task's connection in a read-only transaction of the exported snapshot (see the
+    module docstring), holding the table's lock (:func:`_lock_table`); committed when the
+    block ends, closed in any case."""
+    # not ``with``: leaving a failed COPY must not try a ROLLBACK on a busy connection
+    conn = psycopg.connect(conninfo, autocommit=True)
+    try:
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot_name)))
+        conn.execute("SET LOCAL synchronize_seqscans = off")
+        conn.execute("SET LOCAL max_parallel_workers_per_gather = 0")
+        _lock_table(conn, qualified_table, lock_timeout_ms)
+        yield conn
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
 
 
 async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 0) -> RangeStats:
@@ -255,7 +277,8 @@ async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 
         js = client.jetstream()
         layout = replace(spec.layout, max_payload=min(spec.layout.max_payload,
                                                       client.max_payload))
-        chunker = Chunker(layout, converters_for(spec), block_range.index)
+        chunker = Chunker(layout, converters_for(spec.type_rows, spec.columns),
+                          block_range.index)
         publisher = JetStreamPublisher(
             client, stream=spec.stream, max_in_flight_messages=spec.publish_window,
             max_in_flight_bytes=spec.publish_window * client.max_payload,
@@ -267,24 +290,15 @@ async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 
                               stats)
         fault = spec.fault if (spec.fault and spec.fault.partition == block_range.index
                                and attempt == 0) else None
-        # not ``with``: leaving a failed COPY must not try a ROLLBACK on a busy connection
-        conn = psycopg.connect(spec.conninfo, autocommit=True)
-        try:
-            conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(
-                sql.Literal(spec.snapshot_name)))
-            conn.execute("SET LOCAL synchronize_seqscans = off")
-            conn.execute("SET LOCAL max_parallel_workers_per_gather = 0")
-            _lock_table(conn, spec)
+        with imported_snapshot(spec.conninfo, spec.snapshot_name,
+                               qualified_table=spec.qualified_table,
+                               lock_timeout_ms=spec.lock_timeout_ms) as conn:
             async for block in copy_blocks(conn.pgconn, spec.copy_command(block_range)):
                 for chunk in chunker.add(block):
                     await chunks.send(chunk, fault)
             for chunk in chunker.finish():
                 await chunks.send(chunk, fault)
             await chunks.flush()
-            conn.execute("COMMIT")
-        finally:
-            conn.close()
         stats.rows = chunker.stats.rows
         stats.chunks = chunker.stats.chunks
         stats.bytes_raw = chunker.stats.bytes_raw
@@ -333,21 +347,21 @@ class _ChunkSender:
         await _stalled_after(self._stall_seconds, self._publisher.flush())
 
 
-def _lock_table(conn: psycopg.Connection, spec: TaskSpec) -> None:
+def _lock_table(conn: psycopg.Connection, qualified_table: str, lock_timeout_ms: int) -> None:
     """Take the table's ACCESS SHARE lock, waiting at most ``lock_timeout_ms``. The driver
     holds the same lock for the whole snapshot; a DDL statement that queued for it in the
     meantime sits in front of this request, and would wait for the snapshot forever while
     the snapshot waits for it."""
-    if not spec.qualified_table:
+    if not qualified_table:
         return
     conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(
-        sql.Literal(f"{spec.lock_timeout_ms}ms")))
+        sql.Literal(f"{lock_timeout_ms}ms")))
     try:
         conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS SHARE MODE").format(
-            sql.SQL(spec.qualified_table)))
+            sql.SQL(qualified_table)))
     except psycopg.errors.LockNotAvailable:
         raise TableLockWaitError(
-            f"{spec.qualified_table}: a lock request (DDL?) is waiting for the table; the "
+            f"{qualified_table}: a lock request (DDL?) is waiting for the table; the "
             "snapshot gives way and is taken again") from None
     conn.execute("SET LOCAL lock_timeout = 0")
 

@@ -13,7 +13,9 @@ docs/verification.md; ``repair``: a snapshot of some buckets only, its meta on
 repair: required, the buckets to read). Replies are JSON objects: ``request_id``, ``table``, ``status`` (``accepted``,
 ``refused``, ``done``, ``failed``) and per status ``reason`` (refused, failed), ``run_key``
 (accepted), ``snapshot_id``, ``lsn``, ``cdc_stream``, ``cdc_start_seq``, ``meta_subject``,
-``meta_seq``, ``reused`` (done).
+``meta_seq``, ``reused`` (done); a verification's ``done``: ``verification_id``, ``lsn``,
+``digest_subject``, ``digest_seq``, ``bits``, ``row_count``. Verifications are never reused
+(each is a new digest at a new point) and ``repair`` is not served yet.
 """
 
 from __future__ import annotations
@@ -223,6 +225,22 @@ def request_run_key(table: str, seq: int) -> str:
     return f"snapshot-request-{table}-{seq}"
 
 
+def verification_run_key(table: str, seq: int) -> str:
+    """The run key of the verification run that a table's request at stream ``seq`` starts."""
+    return f"verify-request-{table}-{seq}"
+
+
+def verification_done_fields(result: Any) -> dict[str, Any]:
+    """The ``done`` reply of a verification just made (a ``VerificationResult``)."""
+    return {"verification_id": result.verification_id, "lsn": result.lsn,
+            "digest_subject": result.digest_subject, "digest_seq": result.digest_seq,
+            "bits": result.bits, "row_count": result.row_count}
+
+
+# what a verification run digests: (table, bits, buckets); requests asking the same share a run
+VerificationKey = tuple[str, int | None, tuple[int, ...] | None]
+
+
 @dataclass
 class HeldRun:
     """A table's snapshot run that requests asked for, held back until ``not_before``: the
@@ -232,6 +250,13 @@ class HeldRun:
     seq: int  # the stream sequence of its first request (names its run key)
     requesters: list  # [request_id, reply_to] of the requests it serves
     not_before: float  # time.time() from which it may start
+    # a verification run's bits and buckets (a snapshot run has neither)
+    bits: int | None = None
+    buckets: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.buckets is not None:  # (a list when read back from JSON)
+            self.buckets = tuple(self.buckets)
 
 
 @dataclass
@@ -263,6 +288,9 @@ class HandledRequests:
     highest_seq: int  # the highest stream sequence handled
     runs: dict[str, tuple[int, list]]  # table -> (seq of its last request, requesters)
     notes: list[str]  # what was decided, for the log (refusals summarized)
+    # the verification runs to start: (table, bits, buckets) -> (seq of its last request,
+    # requesters)
+    verifications: dict[VerificationKey, tuple[int, list]] = field(default_factory=dict)
 
 
 async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *,
@@ -270,7 +298,9 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
                           in_flight: dict[str, RunInFlight], init_stream: str = "INIT",
                           reply_client: NatsClient | None = None,
                           pacing: Pacing | None = None,
-                          verifier: SignatureVerifier | None = None) -> HandledRequests:
+                          verifier: SignatureVerifier | None = None,
+                          verifying: Mapping[VerificationKey, RunInFlight] | None = None,
+                          verify_pacing: Pacing | None = None) -> HandledRequests:
     """Decide every request (in stream order) and send the replies that are due now, through
     ``reply_client`` (default: ``client``) (``published``: the publication's tables -> their
     oids):
@@ -281,7 +311,9 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     ``accepted`` for a run held back by ``pacing`` (it joins ``pacing.held``), and
     ``accepted`` for the runs to start (one per table, named by its last request); the run
     answers those with ``done`` or ``failed``. With ``verifier`` (the platform signs its
-    snapshots), a meta it refuses is never handed out."""
+    snapshots), a meta it refuses is never handed out. Requests with ``purpose: verify``
+    go to :class:`_VerifyRequests` (``verifying``: the verification runs in flight;
+    ``verify_pacing``: their own minimum interval and held runs)."""
     js = client.jetstream()
     pacing = pacing or Pacing()
     now = time.time()
@@ -292,11 +324,12 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     refusals: list[str] = []
     joined: dict[str, int] = {}
     held_back: dict[str, int] = {}
+    verifications = _VerifyRequests(verifying or {}, verify_pacing or Pacing())
     for request in requests:
         reason = request.refused or (
             None if request.table in published
             else f"{request.table!r} is not a table of publication {publication}") or (
-            None if request.purpose == "snapshot"
+            None if request.purpose in ("snapshot", "verify")
             else f"purpose {request.purpose} is not served by this platform version")
         if reason is not None:
             refusals.append(f"refused snapshot request for {request.table[:200]!r} "
@@ -304,6 +337,13 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
             replies.append((request.reply_to, Reply("refused", request.table,
                                                     request.request_id,
                                                     {"reason": reason})))
+            continue
+        if request.purpose == "verify":
+            reply = verifications.take(request, now)
+            if reply is None:
+                accepted.append(request)
+            else:
+                replies.append((request.reply_to, reply))
             continue
         max_age = max(pacing.min_interval, reuse_seconds if request.max_age_seconds is None
                       else request.max_age_seconds)
@@ -342,10 +382,13 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
         accepted.append(request)
     # the run key names the table's last request: known once all are read
     replies += [(request.reply_to, Reply("accepted", request.table, request.request_id, {
-        "run_key": request_run_key(request.table, runs[request.table][0])}))
+        "run_key": verification_run_key(request.table, verifications.runs[
+            request.table, request.bits, request.buckets][0]) if request.purpose == "verify"
+        else request_run_key(request.table, runs[request.table][0])}))
         for request in accepted]
     notes += [f"snapshot run for {table!r} (request seq {seq}, {len(requesters)} "
               "awaiting a reply)" for table, (seq, requesters) in runs.items()]
+    notes += verifications.notes()
     notes += [f"{count} request(s) for {table!r} joined its run already in flight "
               f"({in_flight[table].run_key})" for table, count in joined.items()]
     notes += [f"{count} request(s) for {table!r} joined its run held back until "
@@ -355,7 +398,87 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     if refusals:
         notes[:0] = summarize(refusals)
     await send_replies(reply_client or client, replies)
-    return HandledRequests(max(r.seq for r in requests), runs, notes)
+    return HandledRequests(max(r.seq for r in requests), runs, notes, verifications.runs)
+
+
+def _utc_time(timestamp: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(timestamp))
+
+
+class _VerifyRequests:
+    """The verify requests of one pass. A request joins a queued verification run of the same
+    table, bits and buckets (``verifying``), else this pass's run of them (``runs``), else the
+    table's run held back by ``pacing`` when it asks the same (another is refused until that
+    one started: a table's verification runs started by requests begin at least
+    ``pacing.min_interval`` apart, whatever they ask), else starts a run."""
+
+    def __init__(self, verifying: Mapping[VerificationKey, RunInFlight],
+                 pacing: Pacing) -> None:
+        self.verifying = verifying
+        self.pacing = pacing
+        self.runs: dict[VerificationKey, tuple[int, list]] = {}
+        self.joined: dict[str, int] = {}  # run key -> requests that joined it
+        self.held_back: dict[str, int] = {}  # table -> requests that joined its held run
+
+    def take(self, request: SnapshotRequest, now: float) -> Reply | None:
+        """The reply due now (None: ``accepted`` with the run key of ``runs``, known once
+        every request is read)."""
+        table, key = request.table, (request.table, request.bits, request.buckets)
+        running = self.verifying.get(key)
+        if running is not None and running.joinable:
+            self.joined[running.run_key] = self.joined.get(running.run_key, 0) + 1
+            return Reply("accepted", table, request.request_id,
+                         {"run_key": running.run_key, "coalesced": True})
+        if key not in self.runs:
+            held = self._held(request, now)
+            if held is not None:
+                return self._join_held(held, request)
+            self.runs[key] = (request.seq, [])
+        _, requesters = self.runs[key]
+        if request.requester is not None:
+            requesters.append(request.requester)
+        self.runs[key] = (request.seq, requesters)  # the run key names the last request
+        return None
+
+    def _held(self, request: SnapshotRequest, now: float) -> HeldRun | None:
+        """The table's held run this request meets (None: a run may start now)."""
+        pacing, table = self.pacing, request.table
+        if table in pacing.held or not pacing.min_interval:
+            return pacing.held.get(table)
+        if any(other == table for other, _, _ in self.runs):  # one starts in this pass
+            pacing.held[table] = HeldRun(request.seq, [], now + pacing.min_interval)
+        elif pacing.hold(table, request.seq, now) is None:
+            return None
+        held = pacing.held[table]
+        held.bits, held.buckets = request.bits, request.buckets
+        return held
+
+    def _join_held(self, held: HeldRun, request: SnapshotRequest) -> Reply:
+        table = request.table
+        if (held.bits, held.buckets) != (request.bits, request.buckets):
+            return Reply("refused", table, request.request_id, {"reason": (
+                f"a verification of {table!r} with other bits or buckets is held back until "
+                f"{_utc_time(held.not_before)} UTC (at most one a table every {self.pacing.min_interval:.0f}s): "
+                "ask again after it started")})
+        if request.requester is not None and len(held.requesters) < MAX_REPLIES_PER_RUN:
+            held.requesters.append(request.requester)
+        self.held_back[table] = self.held_back.get(table, 0) + 1
+        return Reply("accepted", table, request.request_id,
+                     {"run_key": verification_run_key(table, held.seq)})
+
+    def notes(self) -> list[str]:
+        """What the pass decided of verifications, for the log."""
+        started = [
+            f"verification run for {table!r}{'' if bits is None else f' at {bits} bits'}"
+            f"{'' if buckets is None else f' ({len(buckets)} buckets)'} (request seq {seq}, "
+            f"{len(requesters)} awaiting a reply)"
+            for (table, bits, buckets), (seq, requesters) in self.runs.items()]
+        joined = [f"{count} verify request(s) joined verification run {run_key}, queued "
+                  "already" for run_key, count in self.joined.items()]
+        held = [f"{count} verify request(s) for {table!r} joined its verification run held "
+                f"back until {_utc_time(self.pacing.held[table].not_before)} UTC"
+                for table, count in self.held_back.items()]
+        return started + joined + held
 
 
 async def fetch_requests(client: NatsClient, stream: str, durable: str,

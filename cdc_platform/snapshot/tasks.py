@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -19,7 +19,7 @@ from cdc_platform.errors import (
 )
 from cdc_platform.snapshot.options import SnapshotOptions
 from cdc_platform.snapshot.plan import BlockRange, plan_ranges, range_count
-from cdc_platform.snapshot.reader import RangeStats, TaskSpec, run_partition
+from cdc_platform.snapshot.reader import RangeStats, run_partition
 from cdc_platform.snapshot.source import SourceTable
 
 JOB_GROUP_PREFIX = "cdc-snapshot-"
@@ -41,18 +41,26 @@ def plan_tasks(spark: Any, described: SourceTable,
     return spark, plan_ranges(described.blocks, count)
 
 
-async def run_tasks(spark: Any, spec: TaskSpec, ranges: list[BlockRange],
-                    options: SnapshotOptions, snapshot_id: str, wire_table: str) -> list:
-    """Every range task's rows of statistics: a Spark job, or (``spark`` None) the same tasks
-    in this process. A failure is one :class:`SnapshotError` with the task's own line
-    (:class:`TableLockWaitError` when it gave way to DDL); a cancellation cancels the job."""
+# a ``mapPartitions`` body: (the job's spec, the partition's ranges) -> one dict per range
+PartitionBody = Callable[[Any, Iterable[BlockRange]], Iterator[dict[str, Any]]]
+
+
+async def run_tasks(spark: Any, spec: Any, ranges: list[BlockRange],
+                    options: SnapshotOptions, snapshot_id: str, wire_table: str, *,
+                    body: PartitionBody = run_partition, what: str = "snapshot") -> list:
+    """Every range task's result row (``body``'s; a snapshot's: statistics): a Spark job, or
+    (``spark`` None) the same tasks in this process. A failure is one :class:`SnapshotError`
+    with the task's own line (:class:`TableLockWaitError` when it gave way to DDL); a
+    cancellation cancels the job. ``spec`` is ``body``'s (a :class:`TaskSpec` for
+    ``run_partition``) and has the ``layout`` (ChunkLayout) of the job's table; ``what`` names
+    the job (``snapshot``, ``verification``)."""
     group = f"{JOB_GROUP_PREFIX}{snapshot_id}"
     executor = ThreadPoolExecutor(1, thread_name_prefix="cdc-snapshot-spark")
     try:
         if spark is None:
-            return await _run_here(spec, ranges, options.local_parallelism)
+            return await _run_here(body, spec, ranges, options.local_parallelism)
         return await asyncio.get_running_loop().run_in_executor(
-            executor, _run_spark_job, spark, spec, ranges, group)
+            executor, _run_spark_job, body, spark, spec, ranges, group, what)
     except asyncio.CancelledError:
         if spark is not None:
             spark.sparkContext.cancelJobGroup(group)
@@ -61,30 +69,30 @@ async def run_tasks(spark: Any, spec: TaskSpec, ranges: list[BlockRange],
         failure = (f"{type(exc).__name__}: {exc}" if spark is None
                    else _spark_failure(exc))
         kind = TableLockWaitError if TableLockWaitError.__name__ in failure else SnapshotError
-        raise kind(f"snapshot {snapshot_id} of {wire_table}: "
+        raise kind(f"{what} {snapshot_id} of {wire_table}: "
                    f"{'tasks' if spark is None else 'Spark job'} failed: {failure}") from exc
     finally:
         executor.shutdown(wait=False)
 
 
-def _run_spark_job(spark: Any, spec: TaskSpec, ranges: list[BlockRange],
-                   group: str) -> list[dict[str, Any]]:
+def _run_spark_job(body: PartitionBody, spark: Any, spec: Any, ranges: list[BlockRange],
+                   group: str, what: str) -> list[dict[str, Any]]:
     context = spark.sparkContext
-    context.setJobGroup(group, f"INIT snapshot of {spec.layout.table} "
-                               f"({spec.layout.snapshot_id})", interruptOnCancel=True)
+    context.setJobGroup(group, f"{what} of {spec.layout.table} ({spec.layout.snapshot_id})",
+                        interruptOnCancel=True)
     rdd = context.parallelize(ranges, len(ranges))
-    return rdd.mapPartitions(partial(run_partition, spec)).collect()
+    return rdd.mapPartitions(partial(body, spec)).collect()
 
 
-async def _run_here(spec: TaskSpec, ranges: list[BlockRange],
+async def _run_here(body: PartitionBody, spec: Any, ranges: list[BlockRange],
                     parallelism: int) -> list[dict[str, Any]]:
-    """The Spark tasks' work (``run_partition``) in threads of this process, for small tables:
-    the same ranges of the same exported snapshot, so the result is the same."""
+    """The Spark tasks' work (``body``) in threads of this process, for small tables: the
+    same ranges of the same exported snapshot, so the result is the same."""
     limit = asyncio.Semaphore(max(1, parallelism))
 
     async def one(block_range: BlockRange) -> list[dict[str, Any]]:
         async with limit:
-            return await asyncio.to_thread(lambda: list(run_partition(spec, [block_range])))
+            return await asyncio.to_thread(lambda: list(body(spec, [block_range])))
 
     return [row for rows in await asyncio.gather(*map(one, ranges)) for row in rows]
 

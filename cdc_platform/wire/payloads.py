@@ -142,6 +142,20 @@ class WatermarkMarker(TypedDict):
     msg_id: str
 
 
+class ResyncMarker(TypedDict):
+    """``cdc.cdc-platform.resync.{slot}``: the bridge's slot was invalidated and the bridge (with
+    ``CDC_ON_SLOT_LOST=resync``) streams from a new slot. Stored before anything from the new
+    slot, so every message after it in ``CDC`` comes from the new slot; changes committed
+    after ``lost_after`` and before the new slot's start may be missing from the stream."""
+
+    type: Literal["resync"]
+    slot: str
+    lost_after: str  # the lost slot's confirmed position: the stream is whole up to it
+    reason: str
+    timestamp: int  # milliseconds since the epoch
+    msg_id: str
+
+
 class VerificationDigestPayload(TypedDict):
     """``cdc.cdc-platform.verify.{table}.{verification_id}`` (stream ``CDC``): the source's
     table digest (docs/verification.md) at ``lsn``: it covers exactly the transactions whose

@@ -13,6 +13,9 @@ CONTROL_TOKEN = "cdc-platform"
 WATERMARK_SUBJECT_PREFIX = f"{CDC_PREFIX}.{CONTROL_TOKEN}.watermark"
 # Commit frames of JetStream fast-ingest batches: captured by the CDC stream, never stored.
 CONTROL_EOB_SUBJECT = f"{CDC_PREFIX}.{CONTROL_TOKEN}.eob"
+# The bridge lost its slot and streams from a new one (CDC_ON_SLOT_LOST=resync): changes
+# between the marker's lost_after and the first change after it may be missing.
+RESYNC_SUBJECT_PREFIX = f"{CDC_PREFIX}.{CONTROL_TOKEN}.resync"
 # A table's verification digest (docs/verification.md): after every transaction it covers.
 VERIFY_SUBJECT_PREFIX = f"{CDC_PREFIX}.{CONTROL_TOKEN}.verify"
 # The watermark marker of a verification has an id starting so (a snapshot's never does).
@@ -108,6 +111,15 @@ def chunk_msg_id(snapshot_id: str, chunk: int) -> str:
 
 def meta_msg_id(snapshot_id: str) -> str:
     return f"{snapshot_id}:meta"
+
+
+def resync_subject(slot: str) -> str:
+    """``cdc.cdc-platform.resync.{slot}`` (a slot name is lowercase letters, digits, ``_``)."""
+    return f"{RESYNC_SUBJECT_PREFIX}.{slot}"
+
+
+def resync_msg_id(slot: str, lost_after: int) -> str:
+    return f"resync:{slot}:{format_lsn(lost_after)}"
 
 
 def verify_digest_msg_id(verification_id: str) -> str:

@@ -45,15 +45,32 @@ def test_definitions_load_with_everything(dagster_env):
 
     defs = build_definitions()
     keys = {key.to_user_string() for key in defs.resolve_all_asset_keys()}
-    assert keys == {"jetstream_topology", "schemas", "init_snapshot", "cdc_stream"}
+    assert keys == {"jetstream_topology", "schemas", "init_snapshot", "cdc_stream",
+                    "table_verification"}
     snapshot = defs.resolve_assets_def("init_snapshot")
     assert snapshot.partitions_def.name == "published_tables"
+    verification = defs.resolve_assets_def("table_verification")
+    assert verification.partitions_def.name == "published_tables"
+    assert verification.asset_deps[verification.key] == {dg.AssetKey("init_snapshot")}
+    assert defs.resolve_job_def("verification_job").partitions_def.name == "published_tables"
     cdc_job = defs.resolve_job_def("cdc_job")
     assert cdc_job.tags["cdc_platform/slot"] == dagster_env["CDC_SLOT"]
     assert defs.resolve_job_def("snapshot_job").partitions_def.name == "published_tables"
     assert {s.name for s in defs.sensors} == {
-        "cdc_sensor", "snapshot_request_sensor", "publication_sync_sensor"}
+        "cdc_sensor", "snapshot_request_sensor", "publication_sync_sensor", "resync_sensor"}
     assert defs.resolve_schedule_def("snapshot_refresh_schedule").cron_schedule == "0 3 * * *"
+    off = defs.resolve_schedule_def("verification_schedule")  # CDC_VERIFY_CRON unset
+    assert off.default_status == dg.DefaultScheduleStatus.STOPPED
+
+
+def test_the_verification_schedule_runs_when_its_cron_is_set(dagster_env, monkeypatch):
+    from cdc_platform.definitions import build_definitions
+
+    monkeypatch.setenv("CDC_VERIFY_CRON", "15 2 * * *")
+    schedule = build_definitions().resolve_schedule_def("verification_schedule")
+    assert schedule.cron_schedule == "15 2 * * *"
+    assert schedule.default_status == dg.DefaultScheduleStatus.RUNNING
+    assert schedule.job_name == "verification_job"
 
 
 def test_what_the_ui_shows_of_the_resources_holds_no_secret(dagster_env):
@@ -396,6 +413,39 @@ async def test_max_age_0_cannot_force_back_to_back_snapshots(
         await asyncio.wait_for(bridge_task, 60)
 
 
+async def test_a_resync_marker_starts_a_verification_of_every_table_once(
+        dagster_env, cdc_database, nats_client):
+    from cdc_platform.definitions import build_definitions
+    from cdc_platform.wire import encoder, resync_msg_id, resync_subject
+
+    defs = build_definitions()
+    sensor = defs.resolve_sensor_def("resync_sensor")
+    with dg.instance_for_test() as instance:
+        def tick(cursor):
+            return sensor(dg.build_sensor_context(instance=instance, cursor=cursor,
+                                                  resources=dagster_resources(),
+                                                  definitions=defs))
+
+        assert isinstance(await asyncio.to_thread(tick, None), dg.SkipReason)  # no marker
+        # the marker as the bridge stores it after replacing this platform's lost slot
+        # (test_slot_resync.py has a real bridge do that)
+        msg_id = resync_msg_id(cdc_database.slot, 0x16_0000_0000)
+        ack = await nats_client.jetstream().publish(
+            resync_subject(cdc_database.slot), encoder("msgpack")({
+                "type": "resync", "slot": cdc_database.slot, "lost_after": "16/0",
+                "reason": "slot lost", "timestamp": 0, "msg_id": msg_id}),
+            headers={"Nats-Msg-Id": msg_id})
+        # no tables known yet: the marker waits for them
+        waiting = await asyncio.to_thread(tick, None)
+        assert isinstance(waiting, dg.SkipReason) and "no published tables" in str(waiting)
+        instance.add_dynamic_partitions("published_tables", ["sales__orders", "users"])
+        result = await asyncio.to_thread(tick, None)
+        assert sorted((r.partition_key, r.run_key) for r in result.run_requests) == [
+            ("sales__orders", f"resync-{ack.seq}-sales__orders"),
+            ("users", f"resync-{ack.seq}-users")]
+        assert isinstance(await asyncio.to_thread(tick, result.cursor), dg.SkipReason)
+
+
 def test_cdc_sensor_keeps_exactly_one_run(dagster_env):
     from cdc_platform.definitions import build_definitions
 
@@ -631,3 +681,147 @@ async def test_snapshot_requests_get_replies(dagster_env, cdc_database, pg_admin
     finally:
         bridge.request_stop()
         await asyncio.wait_for(bridge_task, 60)
+
+
+async def test_a_verify_request_is_answered_by_a_table_verification_run(
+        dagster_env, cdc_database, pg_admin, nats_client):
+    """purpose verify: accepted, a verification_job run (one for two requests asking the same
+    bits; one asking other bits is held back: CDC_VERIFY_MIN_INTERVAL), which materializes
+    table_verification through the real Definitions and answers done with the digest's
+    subject and seq; repair is still refused."""
+    import json as jsonlib
+
+    from cdc_platform.bridge.runner import CdcBridge
+    from cdc_platform.definitions import build_definitions
+    from cdc_platform.defs.snapshots.assets import REPLIES_TAG
+    from cdc_platform.settings import load_settings
+
+    table = random_name("verify_asked")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT i, 'v' || i FROM generate_series(1, 300) i")
+    cdc_database.add_tables(pg_admin, table)
+    inbox = f"_INBOX.replies.{random_name('r')}"
+    replies: list[dict] = []
+
+    async def collect(message):
+        replies.append(jsonlib.loads(message.data))
+
+    await nats_client.subscribe(inbox, cb=collect)
+    for request_id, body in (("v1", {"purpose": "verify", "bits": 2}),
+                             ("v2", {"purpose": "verify", "bits": 2}),
+                             ("v3", {"purpose": "verify"}),
+                             ("p1", {"purpose": "repair", "bits": 2, "buckets": [1]})):
+        await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
+            {"reply_to": inbox, "request_id": request_id, **body}).encode())
+    await nats_client.flush()
+
+    async def wait_replies(count):
+        deadline = time.monotonic() + 30
+        while len(replies) < count:
+            assert time.monotonic() < deadline, replies
+            await asyncio.sleep(0.1)
+
+    defs = build_definitions()
+    bridge = CdcBridge(load_settings())  # the digest waits for the bridge to store lsn
+    bridge_task = asyncio.create_task(bridge.run())
+    try:
+        with dg.instance_for_test() as instance:
+            instance.add_dynamic_partitions("published_tables", [table])
+            result = await asyncio.to_thread(request_sensor_tick(defs, instance), None)
+            await wait_replies(4)
+            by_id = {r["request_id"]: r for r in replies}
+            assert by_id["p1"]["status"] == "refused" and "repair" in by_id["p1"]["reason"]
+            assert by_id["v1"]["status"] == by_id["v2"]["status"] == "accepted"
+            [run] = result.run_requests
+            assert run.job_name == "verification_job" and run.partition_key == table
+            assert by_id["v3"]["status"] == "accepted" and by_id["v3"]["run_key"] != run.run_key
+            assert by_id["v1"]["run_key"] == by_id["v2"]["run_key"] == run.run_key
+            assert jsonlib.loads(run.tags[REPLIES_TAG]) == [["v1", inbox], ["v2", inbox]]
+
+            job = defs.resolve_job_def("verification_job")
+            outcome = await asyncio.to_thread(
+                job.execute_in_process, instance=instance, partition_key=table,
+                tags=run.tags)
+            assert outcome.success
+            [event] = outcome.get_asset_materialization_events()
+            metadata = {k: v.value for k, v in
+                        event.step_materialization_data.materialization.metadata.items()}
+    finally:
+        bridge.request_stop()
+        await asyncio.wait_for(bridge_task, 60)
+    await wait_replies(6)
+    done = [r for r in replies if r["status"] == "done"]
+    assert sorted(r["request_id"] for r in done) == ["v1", "v2"]
+    assert metadata["bits"] == done[0]["bits"] == 2 and metadata["row_count"] == 300
+    assert metadata["verification_id"] == done[0]["verification_id"]
+    assert metadata["digest_seq"] == done[0]["digest_seq"] and metadata["rows_per_second"] > 0
+    stored = await nats_client.jetstream().get_msg("CDC", done[0]["digest_seq"])
+    assert stored.subject == done[0]["digest_subject"] == (
+        f"cdc.cdc-platform.verify.{table}.{done[0]['verification_id']}")
+    digest = msgpack.unpackb(stored.data)
+    assert digest["lsn"] == done[0]["lsn"] == metadata["lsn"] and sum(digest["counts"]) == 300
+
+
+async def test_a_flood_of_verify_requests_starts_one_verification_a_table_per_interval(
+        dagster_env, nats_client, cdc_database, pg_admin, monkeypatch):
+    """A table's verification runs started by requests begin CDC_VERIFY_MIN_INTERVAL apart:
+    a request after the table's run needs one held back until then (joined by those asking
+    the same; one asking other bits is refused until it started), whatever the requests
+    ask."""
+    import json as jsonlib
+
+    from cdc_platform.definitions import build_definitions
+    from cdc_platform.defs.snapshots.assets import REPLIES_TAG
+    from cdc_platform.defs.verification.assets import BITS_TAG
+
+    interval = 8.0
+    monkeypatch.setenv("CDC_VERIFY_MIN_INTERVAL", str(interval))
+    table = random_name("verify_flood")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
+    cdc_database.add_tables(pg_admin, table)
+    inbox = f"_INBOX.replies.{random_name('r')}"
+    replies: dict[str, dict] = {}
+
+    async def collect(message):
+        reply = jsonlib.loads(message.data)
+        replies[reply["request_id"]] = reply
+
+    await nats_client.subscribe(inbox, cb=collect)
+
+    async def ask(*requests):
+        for request_id, body in requests:
+            await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
+                {"reply_to": inbox, "request_id": request_id, "purpose": "verify",
+                 **body}).encode())
+        await nats_client.flush()
+
+    async def tick(cursor, *request_ids):
+        result = await asyncio.to_thread(evaluate, cursor)
+        deadline = time.monotonic() + 30
+        while not all(request_id in replies for request_id in request_ids):
+            assert time.monotonic() < deadline, replies
+            await asyncio.sleep(0.05)
+        return result
+
+    defs = build_definitions()
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("published_tables", [table])
+        evaluate = request_sensor_tick(defs, instance)
+        started = time.time()
+        await ask(*[(f"a{n}", {"bits": 2}) for n in range(20)], ("b1", {}), ("c1", {"bits": 3}))
+        first = await tick(None, "a19", "b1", "c1")
+        (run,) = first.run_requests  # twenty of one kind: one run
+        assert run.tags[BITS_TAG] == "2" and len(jsonlib.loads(run.tags[REPLIES_TAG])) == 20
+        assert replies["b1"]["status"] == "accepted" and replies["b1"]["run_key"] != run.run_key
+        assert replies["c1"]["status"] == "refused" and "held back" in replies["c1"]["reason"]
+
+        await ask(("b2", {}))
+        second = await tick(first.cursor, "b2")
+        assert not second.run_requests
+        assert replies["b2"]["run_key"] == replies["b1"]["run_key"]
+        assert time.time() < started + interval  # (held: not due yet)
+        await asyncio.sleep(started + interval + 0.5 - time.time())
+        due = await tick(second.cursor)
+        (released,) = due.run_requests
+        assert released.run_key == replies["b1"]["run_key"] and BITS_TAG not in released.tags
+        assert jsonlib.loads(released.tags[REPLIES_TAG]) == [["b1", inbox], ["b2", inbox]]

@@ -1,6 +1,6 @@
 """Mirrors answer verifications (docs/verification.md, item 3) end to end: a real bridge,
-real snapshots, the mirror's library and its CLI, source digests published as the platform's
-run publishes them (fixtures/verification.py)."""
+real snapshots, the mirror's library and its CLI, source digests published by the platform's
+verification run (``verify_table``)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from cdc_platform.mirror.positions import load_shapes
 from cdc_platform.mirror.verifications import VerificationResult
 from cdc_platform.mirror.verify import verify_file
 from cdc_platform.settings import MirrorSettings
+from cdc_platform.verify.job import verify_table
 from cdc_platform.wire.digest import RowDigester, bucket_of
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_caught_up
 from cdc_platform_tests.fixtures.bridge import bridge_ready, running_bridge, wait_for
@@ -32,8 +33,8 @@ from cdc_platform_tests.fixtures.services import (
     random_name,
 )
 from cdc_platform_tests.fixtures.verification import (
+    digest_message,
     publish_digest,
-    source_digest,
     table_digest_now,
 )
 
@@ -84,7 +85,8 @@ async def test_verifications_met_equal_under_writes_and_differ_where_a_row_was_r
         writing = threading.Event()
         writer = asyncio.create_task(asyncio.to_thread(_writes, conninfo, table, writing, 1))
         await asyncio.sleep(0.3)
-        first = await source_digest(settings, cdc_database, table)
+        verified = await verify_table(None, settings, table)
+        _, first, _ = await digest_message(nats_client, verified)
         await asyncio.sleep(0.3)
         writing.set()
         assert await writer > 20
@@ -108,7 +110,8 @@ async def test_verifications_met_equal_under_writes_and_differ_where_a_row_was_r
         await mirror_caught_up(mirror, running, nats_client)
         with contextlib.closing(sqlite3.connect(db, timeout=30)) as local, local:
             assert local.execute(f'DELETE FROM "{table}" WHERE id = ?', (removed,)).rowcount == 1
-        second = await source_digest(settings, cdc_database, table, bits=6)
+        verified = await verify_table(None, settings, table, bits=6)
+        _, second, _ = await digest_message(nats_client, verified)
         await wait_for(lambda: any(r.verification_id == second["verification_id"]
                                    for r in results), timeout=60,
                        what="the second verification met")

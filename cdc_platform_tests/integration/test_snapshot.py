@@ -9,7 +9,6 @@ import hashlib
 import json
 import math
 import random
-import threading
 import time
 import uuid
 from collections import Counter
@@ -35,6 +34,8 @@ from cdc_platform_tests.fixtures.services import SMALL_MAX_PAYLOAD, platform_set
 from cdc_platform_tests.fixtures.snapshots import (
     NO_BRIDGE,
     TYPES_COLUMNS,
+    Writer,
+    apply_event,
     chunk_messages,
     create_types_table,
     decoded_chunks,
@@ -305,43 +306,6 @@ async def test_retried_task_does_not_duplicate_chunks(cdc_database, pg_admin, pr
 
 
 # -- concurrent writes and the cutover ---------------------------------------------------------
-class Writer(threading.Thread):
-    """Random inserts/updates/deletes in small transactions until stopped."""
-
-    def __init__(self, conninfo, table, first_free_id):
-        super().__init__(daemon=True)
-        self.conninfo, self.table, self.next_id = conninfo, table, first_free_id
-        self.stop = threading.Event()
-        self.transactions = 0
-        self.error = None
-
-    def run(self):
-        rng = random.Random(7)
-        try:
-            with psycopg.connect(self.conninfo, autocommit=True) as conn:
-                while not self.stop.is_set():
-                    with conn.transaction():
-                        for _ in range(rng.randint(1, 4)):
-                            op = rng.random()
-                            if op < 0.4:
-                                conn.execute(f"INSERT INTO {self.table} VALUES "
-                                             "(%s, %s, %s, now(), ARRAY['w', %s])",
-                                             (self.next_id, rng.randint(0, 99), "new",
-                                              str(self.next_id)))
-                                self.next_id += 1
-                            elif op < 0.8:
-                                conn.execute(f"UPDATE {self.table} SET v = v + 1, txt = %s "
-                                             "WHERE id = %s", (f"upd{rng.random()}",
-                                                               rng.randint(1, self.next_id)))
-                            else:
-                                conn.execute(f"DELETE FROM {self.table} WHERE id = %s",
-                                             (rng.randint(1, self.next_id),))
-                    self.transactions += 1
-                    self.stop.wait(0.002)
-        except Exception as exc:  # noqa: BLE001 - reported by the test
-            self.error = exc
-
-
 async def cdc_events(client, table, start_seq):
     """The table's CDC events from ``start_seq`` (None: from the start) up to the final
     change with id 0 that the test writes last."""
@@ -375,23 +339,6 @@ def cutover(table_rows, events, snapshot_lsn):
         else:
             skipped += 1
     return applied, skipped
-
-
-def apply_event(table_rows, event):
-    """Strict: an INSERT of an existing key or an UPDATE/DELETE of a missing one is a bug
-    (a change applied twice or a row missing from the snapshot)."""
-    op, data = event["operation"], event["data"]
-    if op == "INSERT":
-        assert data["id"] not in table_rows, f"insert of existing {data['id']}"
-        table_rows[data["id"]] = data
-    elif op == "UPDATE":
-        assert data["id"] in table_rows, f"update of missing {data['id']}"
-        table_rows[data["id"]] = data
-    elif op == "DELETE":
-        assert data["id"] in table_rows, f"delete of missing {data['id']}"
-        del table_rows[data["id"]]
-    else:
-        raise AssertionError(f"unexpected {op}")
 
 
 async def test_concurrent_writes_and_the_cutover_rule_rebuild_the_table(

@@ -43,6 +43,8 @@ def _golden_payloads(fmt: str):
 def _payload_type(subject: str) -> type:
     if subject.startswith("cdc.cdc-platform.watermark."):
         return payloads.WatermarkMarker
+    if subject.startswith("cdc.cdc-platform.verify."):
+        return payloads.VerificationDigestPayload
     if subject.startswith("cdc.") and subject.endswith(".schema"):
         return payloads.SchemaEvent
     if subject.startswith("cdc."):
@@ -80,7 +82,7 @@ def test_every_golden_payload_has_the_fields_of_its_type(fmt):
     # the files cover every operation, the transaction mark, and every payload type
     assert seen["ChangeEvent"] >= {"INSERT", "UPDATE", "DELETE", "TRUNCATE", "tx_tables"}
     assert set(seen) == {"ChangeEvent", "SchemaEvent", "WatermarkMarker", "SnapshotChunk",
-                         "SnapshotMetaPayload", "TableSchemaValue"}
+                         "SnapshotMetaPayload", "TableSchemaValue", "VerificationDigestPayload"}
 
 
 def test_a_payload_with_a_missing_or_unknown_field_is_refused():

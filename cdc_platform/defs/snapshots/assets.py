@@ -50,11 +50,11 @@ def init_snapshot(context: dg.AssetExecutionContext, postgres: PostgresResource,
     try:
         result = run_snapshot(spark_session, settings, table, options=options)
     except Exception as exc:
-        _answer(nats_replies, requesters, Reply("failed", table, fields={
+        answer_requesters(nats_replies, requesters, Reply("failed", table, fields={
             "reason": str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__,
             "run_id": context.run.run_id}))
         raise
-    _answer(nats_replies, requesters, Reply("done", table, fields=done_fields(result)))
+    answer_requesters(nats_replies, requesters, Reply("done", table, fields=done_fields(result)))
     context.log.info(f"snapshot {result.snapshot_id} of {table}: {result.row_count} rows in "
                      f"{result.batch_count} chunks, cutover at LSN {result.lsn}")
     return dg.MaterializeResult(metadata={
@@ -75,7 +75,7 @@ def init_snapshot(context: dg.AssetExecutionContext, postgres: PostgresResource,
     })
 
 
-def _answer(replies: NatsRepliesResource, requesters: list, reply: Reply) -> None:
+def answer_requesters(replies: NatsRepliesResource, requesters: list, reply: Reply) -> None:
     """The same reply to every request this run serves (each with its own request_id)."""
     if not requesters:
         return

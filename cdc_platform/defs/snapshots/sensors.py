@@ -13,20 +13,25 @@ flood of requests starts at most one run per table (docs/wire-contract.md "Snaps
 unpublished tables are skipped with a reason. A table's runs started by requests begin at
 least ``CDC_SNAPSHOT_MIN_INTERVAL`` apart: a request that needs a new run sooner joins a run
 the sensor holds back in its cursor until then (``max_age_seconds: 0`` cannot make it
-snapshot a table back to back).
+snapshot a table back to back). Requests with ``purpose: verify`` become `table_verification`
+runs (``verification_job``), one per table, bits and buckets, joining such a run while it is
+queued; their runs answer the requesters as snapshot runs do.
 """
 
 import asyncio
 import json
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import dagster as dg
 
 from cdc_platform.defs.resources import NatsRepliesResource, NatsResource, PostgresResource
 from cdc_platform.defs.snapshots.assets import REPLIES_TAG
 from cdc_platform.defs.snapshots.partitions import PUBLISHED_TABLES, published_tables_partitions
+from cdc_platform.defs.verification.assets import BITS_TAG, BUCKETS_TAG
 from cdc_platform.jetstream.provision import REQUESTS_DURABLE
 from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import published_relation_ids, published_tables
@@ -37,15 +42,18 @@ from cdc_platform.snapshot.requests import (
     HeldRun,
     Pacing,
     RunInFlight,
+    VerificationKey,
     answer_requests,
     fetch_requests,
     request_run_key,
+    verification_run_key,
 )
 from cdc_platform.wire import SignatureVerifier
 
 PARTITION_TAG = "dagster/partition"
 RUN_KEY_TAG = "dagster/run_key"
-REQUEST_SEQ_TAG = "cdc_platform/request_seq"  # on runs started by requests
+REQUEST_SEQ_TAG = "cdc_platform/request_seq"  # on snapshot runs started by requests
+VERIFY_REQUEST_SEQ_TAG = "cdc_platform/verify_request_seq"  # ... on verification runs
 
 FETCH_LIMIT = 500
 
@@ -87,26 +95,50 @@ _STARTED = {dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED}
 def _runs_in_flight(instance: dg.DagsterInstance, job_name: str) -> dict[str, RunInFlight]:
     """Table -> its snapshot run already queued or running (a queued one when there are
     both: it answers every request)."""
-    in_flight: dict[str, RunInFlight] = {}
+    return _in_flight_by(instance, job_name, lambda tags, table: table)
+
+
+def _verifications_in_flight(instance: dg.DagsterInstance,
+                             job_name: str) -> dict[VerificationKey, RunInFlight]:
+    """(table, bits, buckets) -> its verification run already queued or running."""
+    return _in_flight_by(instance, job_name, lambda tags, table: (
+        table, int(tags[BITS_TAG]) if BITS_TAG in tags else None,
+        tuple(json.loads(tags[BUCKETS_TAG])) if BUCKETS_TAG in tags else None))
+
+
+def _in_flight_by(instance: dg.DagsterInstance, job_name: str,
+                  key: Callable[[Mapping[str, str], str], Any]) -> dict:
+    """``key(run tags, table)`` -> the run of ``job_name`` queued or running for it (a
+    queued one when there are both: it answers every request)."""
+    in_flight: dict = {}
     for run in instance.get_runs(filters=dg.RunsFilter(job_name=job_name, statuses=_IN_FLIGHT)):
         table = run.tags.get(PARTITION_TAG)
         if table is None:
             continue
         candidate = RunInFlight(table, run.tags.get(RUN_KEY_TAG) or run.run_id,
                                 run.status in _STARTED)
-        if table not in in_flight or in_flight[table].started:
-            in_flight[table] = candidate
+        run_key = key(run.tags, table)
+        if run_key not in in_flight or in_flight[run_key].started:
+            in_flight[run_key] = candidate
     return in_flight
 
 
-def _request_runs_since(instance: dg.DagsterInstance, since: float) -> dict[str, float]:
-    """Table -> when its newest snapshot run started by requests (tagged with the request's
-    sequence) was created, of the runs created after ``since``."""
+def _pacing(instance: dg.DagsterInstance, seq_tag: str, interval: float,
+            held: dict[str, HeldRun]) -> Pacing:
+    """The minimum interval between a table's runs started by requests (tagged ``seq_tag``)."""
+    return Pacing(interval, _request_runs_since(instance, seq_tag, time.time() - interval)
+                  if interval else {}, held)
+
+
+def _request_runs_since(instance: dg.DagsterInstance, seq_tag: str,
+                        since: float) -> dict[str, float]:
+    """Table -> when its newest run started by requests (tagged ``seq_tag`` with the
+    request's sequence) was created, of the runs created after ``since``."""
     created: dict[str, float] = {}
     for record in instance.get_run_records(dg.RunsFilter(
             created_after=datetime.fromtimestamp(since, UTC))):
         table = record.dagster_run.tags.get(PARTITION_TAG)
-        if table is not None and REQUEST_SEQ_TAG in record.dagster_run.tags:
+        if table is not None and seq_tag in record.dagster_run.tags:
             created[table] = max(created.get(table, 0.0), record.create_timestamp.timestamp())
     return created
 
@@ -114,10 +146,12 @@ def _request_runs_since(instance: dg.DagsterInstance, since: float) -> dict[str,
 @dataclass
 class _Cursor:
     """The sensor's cursor: the highest stream sequence handled (its RunRequests recorded),
-    and the runs held back by the minimum interval (JSON; a bare number before them)."""
+    and the snapshot and verification runs held back by their minimum intervals (JSON; a
+    bare number before them)."""
 
     recorded_through: int = 0
     held: dict[str, HeldRun] = field(default_factory=dict)
+    held_verifications: dict[str, HeldRun] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, text: str | None) -> "_Cursor":
@@ -126,34 +160,42 @@ class _Cursor:
         if text.isdigit():
             return cls(int(text))
         value = json.loads(text)
-        return cls(value["through"], {table: HeldRun(*held)
-                                      for table, held in value["held"].items()})
+        return cls(value["through"], *({table: HeldRun(*held) for table, held in
+                                        value.get(name, {}).items()}
+                                       for name in ("held", "held_verifications")))
 
     def dump(self) -> str:
         return json.dumps({"through": self.recorded_through, "held": {
             table: [held.seq, held.requesters, held.not_before]
-            for table, held in self.held.items()}})
+            for table, held in self.held.items()}, "held_verifications": {
+            table: [held.seq, held.requesters, held.not_before, held.bits, held.buckets]
+            for table, held in self.held_verifications.items()}})
 
 
-def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
-    @dg.sensor(job=snapshot_job, minimum_interval_seconds=2,
+def build_snapshot_request_sensor(snapshot_job, verification_job) -> dg.SensorDefinition:
+    @dg.sensor(jobs=[snapshot_job, verification_job], minimum_interval_seconds=2,
                default_status=dg.DefaultSensorStatus.RUNNING,
-               description="`snapshot.request.{table}` messages -> `init_snapshot` runs, "
-               "with replies (accepted, refused, done, failed) to requests that ask for them.")
+               description="`snapshot.request.{table}` messages -> `init_snapshot` runs "
+               "(`table_verification` runs for purpose verify), with replies (accepted, "
+               "refused, done, failed) to requests that ask for them.")
     def snapshot_request_sensor(context: dg.SensorEvaluationContext, nats: NatsResource,
                                 nats_replies: NatsRepliesResource,
                                 postgres: PostgresResource):
         cursor = _Cursor.parse(context.cursor)
         settings = load_settings(OrchestrationSettings)
-        interval = settings.snapshot_min_interval_seconds
-        pacing = Pacing(interval, _request_runs_since(context.instance, time.time() - interval)
-                        if interval else {}, cursor.held)
+        pacing = _pacing(context.instance, REQUEST_SEQ_TAG,
+                         settings.snapshot_min_interval_seconds, cursor.held)
+        verify_pacing = _pacing(context.instance, VERIFY_REQUEST_SEQ_TAG,
+                                settings.verify_min_interval_seconds,
+                                cursor.held_verifications)
         outcome = asyncio.run(_handle_requests(
             nats, nats_replies, cursor.recorded_through, _published_relation_ids(postgres),
             postgres.settings().publication, settings.snapshot_reuse_seconds,
             _runs_in_flight(context.instance, snapshot_job.name), pacing,
-            settings.snapshot_verifier()))
+            settings.snapshot_verifier(),
+            _verifications_in_flight(context.instance, verification_job.name), verify_pacing))
         runs = dict(outcome.runs) if outcome else {}
+        verifications = dict(outcome.verifications) if outcome else {}
         notes = list(outcome.notes) if outcome else []
         now = time.time()
         for table in [table for table, held in pacing.held.items() if held.not_before <= now]:
@@ -161,23 +203,33 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
             runs[table] = (held.seq, held.requesters)
             notes.append(f"snapshot run for {table!r} (request seq {held.seq}, "
                          f"{len(held.requesters)} awaiting a reply), held back until now")
-        if outcome is None and not runs:
+        for table in [table for table, held in verify_pacing.held.items()
+                      if held.not_before <= now]:
+            held = verify_pacing.held.pop(table)
+            verifications[table, held.bits, held.buckets] = (held.seq, held.requesters)
+            notes.append(f"verification run for {table!r} (request seq {held.seq}, "
+                         f"{len(held.requesters)} awaiting a reply), held back until now")
+        if outcome is None and not runs and not verifications:
+            held_count = len(pacing.held) + len(verify_pacing.held)
             return dg.SkipReason("no new snapshot requests" + (
-                f"; {len(pacing.held)} run(s) held back" if pacing.held else ""))
+                f"; {held_count} run(s) held back" if held_count else ""))
         cursor = _Cursor(outcome.highest_seq if outcome else cursor.recorded_through,
-                         pacing.held)
+                         pacing.held, verify_pacing.held)
         for note in notes:
             context.log.info(note)
-        if not runs:  # say why in the tick itself, not only in its logs
+        if not runs and not verifications:  # say why in the tick itself, not only in its logs
             return dg.SensorResult(cursor=cursor.dump(), skip_reason="; ".join(notes)[:1000])
         known = set(context.instance.get_dynamic_partitions(PUBLISHED_TABLES))
-        new_partitions = sorted(set(runs) - known)
+        new_partitions = sorted((set(runs) | {key[0] for key in verifications}) - known)
         return dg.SensorResult(
             run_requests=[dg.RunRequest(
                 run_key=request_run_key(table, seq), partition_key=table,
+                job_name=snapshot_job.name,
                 tags={REQUEST_SEQ_TAG: str(seq),
                       REPLIES_TAG: json.dumps(requesters[:MAX_REPLIES_PER_RUN])})
-                for table, (seq, requesters) in runs.items()],
+                for table, (seq, requesters) in runs.items()] + [
+                _verification_run(verification_job.name, key, seq, requesters)
+                for key, (seq, requesters) in verifications.items()],
             cursor=cursor.dump(),
             dynamic_partitions_requests=[
                 published_tables_partitions.build_add_request(new_partitions)]
@@ -186,13 +238,29 @@ def build_snapshot_request_sensor(snapshot_job) -> dg.SensorDefinition:
     return snapshot_request_sensor
 
 
+def _verification_run(job_name: str, key: VerificationKey, seq: int,
+                      requesters: list) -> dg.RunRequest:
+    """A verification run for verify requests."""
+    table, bits, buckets = key
+    tags = {VERIFY_REQUEST_SEQ_TAG: str(seq),
+            REPLIES_TAG: json.dumps(requesters[:MAX_REPLIES_PER_RUN])}
+    if bits is not None:
+        tags[BITS_TAG] = str(bits)
+    if buckets is not None:
+        tags[BUCKETS_TAG] = json.dumps(list(buckets))
+    return dg.RunRequest(run_key=verification_run_key(table, seq), partition_key=table,
+                         job_name=job_name, tags=tags)
+
+
 async def _handle_requests(nats: NatsResource, nats_replies: NatsRepliesResource,
                            recorded_through: int,
                            published: dict[str, int],
                            publication: str, reuse_seconds: float,
                            in_flight: dict[str, RunInFlight],
                            pacing: Pacing,
-                           verifier: SignatureVerifier | None) -> HandledRequests | None:
+                           verifier: SignatureVerifier | None,
+                           verifying: dict[VerificationKey, RunInFlight],
+                           verify_pacing: Pacing) -> HandledRequests | None:
     """What the new requests decided (None: nothing new); see ``answer_requests``."""
     topology = load_settings(NatsTopology)
     async with nats.connect("cdc-platform-snapshot-sensor", as_sensor=True) as client:
@@ -205,4 +273,5 @@ async def _handle_requests(nats: NatsResource, nats_replies: NatsRepliesResource
                                          publication=publication, reuse_seconds=reuse_seconds,
                                          in_flight=in_flight, init_stream=topology.init.name,
                                          reply_client=reply_client, pacing=pacing,
-                                         verifier=verifier)
+                                         verifier=verifier, verifying=verifying,
+                                         verify_pacing=verify_pacing)

@@ -1,0 +1,63 @@
+"""The digest message on ``cdc.cdc-platform.verify.{table}.{verification_id}`` (stream
+``CDC``; docs/verification.md "Digest message"): built in the contract's field order, and
+stored with the headers of the platform's other messages of ``CDC`` and ``INIT``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+from nats.js import JetStreamContext
+
+from cdc_platform.wire import (
+    CONTENT_TYPES,
+    HEADER_CONTENT_TYPE,
+    HEADER_MSG_ID,
+    HEADER_SCHEMA_FINGERPRINT,
+    MessageSigner,
+    VerificationDigestPayload,
+    encoder,
+    in_field_order,
+    verify_digest_msg_id,
+    verify_digest_subject,
+    watermark_subject,
+)
+from cdc_platform.wire.digest import ALGORITHM, pack_totals
+from cdc_platform.wire.encoding import Format
+
+
+def digest_payload(*, verification_id: str, table: str, lsn: str, schema_fingerprint: str,
+                   bits: int, totals: Sequence[int], counts: Sequence[int],
+                   buckets: Sequence[int] | None, duration: float) -> VerificationDigestPayload:
+    """The digest message's payload: ``totals`` and ``counts`` per covered bucket, in the
+    order of ``buckets`` (None: every bucket at ``bits``)."""
+    fields: dict[str, Any] = {
+        "type": "digest", "verification_id": verification_id, "table": table, "lsn": lsn,
+        "marker_subject": watermark_subject(verification_id),
+        "schema_fingerprint": schema_fingerprint, "algorithm": ALGORITHM, "bits": bits,
+        "row_count": sum(counts), "totals": pack_totals(totals), "counts": list(counts),
+        "buckets": None if buckets is None else list(buckets),
+        "duration_seconds": round(duration, 3),
+        "msg_id": verify_digest_msg_id(verification_id),
+    }
+    return cast(VerificationDigestPayload, in_field_order(VerificationDigestPayload, fields))
+
+
+def digest_message(payload: VerificationDigestPayload, fmt: Format
+                   ) -> tuple[str, dict[str, str], bytes]:
+    """``(subject, headers, payload bytes)`` of the digest message, unsigned."""
+    subject = verify_digest_subject(payload["table"], payload["verification_id"])
+    headers = {HEADER_MSG_ID: payload["msg_id"], HEADER_CONTENT_TYPE: CONTENT_TYPES[fmt],
+               HEADER_SCHEMA_FINGERPRINT: payload["schema_fingerprint"]}
+    return subject, headers, encoder(fmt)(payload)
+
+
+async def publish_digest(js: JetStreamContext, payload: VerificationDigestPayload, fmt: Format,
+                         stream: str, signer: MessageSigner | None = None) -> int:
+    """Store the digest message in ``stream`` (deduplicated by its message id), signed by
+    ``signer`` when there is one; its stream sequence."""
+    subject, headers, data = digest_message(payload, fmt)
+    if signer is not None:
+        headers = signer.signed_headers(subject, headers, data)
+    ack = await js.publish(subject, data, headers=headers, stream=stream)
+    return ack.seq
