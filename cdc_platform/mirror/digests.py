@@ -20,9 +20,10 @@ the table's buckets from its rows.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from cdc_platform.mirror.columns import TableShape, quote
@@ -190,6 +191,18 @@ class DigestKeeper:
             return 0, []
         hashes = self._digesters[table_id].hashes
         return table_id, [_pair.pack(*hashes(row)) for row in rows]
+
+    @contextlib.contextmanager
+    def uncounted_inserts(self, table: str) -> Iterator[None]:
+        """(in the open transaction) INSERTs into ``table`` not hashed by its trigger: the
+        caller adds their :meth:`hashes` (worked out on a worker thread)."""
+        table_id = self._ids.get(table)
+        if table_id is None:
+            yield
+            return
+        self._db.execute(f"DROP TRIGGER temp.{quote(_trigger(table, 'insert'))}")
+        yield
+        self._create_trigger(table, table_id, "insert")
 
     def add(self, table_id: int, hashes: list[bytes]) -> None:
         """Rows another connection wrote (the compiled ``ChunkLoader``), hashed by

@@ -281,7 +281,8 @@ class Mirror:
         progress = BootstrapProgress(table, meta.row_count, meta.batch_count, time.monotonic())
         last_report = time.monotonic()
         from_json = meta.format == "json"
-        columns = None if from_json else tuple(c.name for c in shape.columns)
+        names = tuple(c.name for c in shape.columns)
+        columns = None if from_json else names
         with contextlib.ExitStack() as stack:
             # msgpack chunks straight into SQLite where the compiled loader takes them (on
             # its own connection: only while the follower has no transaction open)
@@ -300,10 +301,12 @@ class Mirror:
                 return taken
 
             def hashes(data: bytes) -> tuple[int, list[bytes]]:
-                assert columns is not None
                 chunk = decode_chunk(data, columns)
-                return store.loaded_hashes(shadow, chunk.rows if chunk.as_tuples else [
-                    tuple(row[name] for name in columns) for row in chunk.rows])
+                return rows_hashes(chunk.rows, as_tuples=chunk.as_tuples)
+
+            def rows_hashes(rows: list[Any], *, as_tuples: bool) -> tuple[int, list[bytes]]:
+                return store.loaded_hashes(shadow, rows if as_tuples else [
+                    tuple(row.get(name) for name in names) for row in rows])
             async for chunk in read_chunks(js, meta, stream=self.settings.topology.init.name,
                                            progress=progress.update, columns=columns,
                                            load=load if compiled is not None else None,
@@ -314,12 +317,19 @@ class Mirror:
                     await _between_transactions(store)
                     store.digest_loaded(hashed)
                 if chunk.loaded is None:
+                    as_tuples = chunk.as_tuples and columns is not None
+                    rows = (chunk.rows if as_tuples or not from_json
+                            else [shape.from_json(r) or {} for r in chunk.rows])
+                    # hashed on a worker thread, not row by row in the store's triggers
+                    chunk_hashes = (await asyncio.to_thread(rows_hashes, rows,
+                                                            as_tuples=as_tuples)
+                                    if store.keeps_digests else None)
                     await _between_transactions(store)
-                    if chunk.as_tuples and columns is not None:
-                        store.load_tuples(shadow, columns, chunk.rows, has_nan=chunk.has_nan)
+                    if as_tuples and columns is not None:
+                        store.load_tuples(shadow, columns, rows, has_nan=chunk.has_nan,
+                                          hashes=chunk_hashes)
                     else:
-                        store.load_rows(shadow, [shape.from_json(r) or {} for r in chunk.rows]
-                                        if from_json else chunk.rows)
+                        store.load_rows(shadow, rows, hashes=chunk_hashes)
                 if time.monotonic() - last_report >= self.options.status_interval_seconds:
                     last_report = time.monotonic()
                     self.report(progress.line())

@@ -269,17 +269,29 @@ class MirrorStore:
             self._put_state(TableState(shape.table, shape.fingerprint, "bootstrapping",
                                        snapshot_id, snapshot_lsn, 0, -1), stream_seq=0)
 
-    def load_rows(self, table: str, rows: Sequence[Mapping[str, Any]]) -> None:
-        """One snapshot chunk's rows, in one transaction."""
-        with self._transaction():
+    def load_rows(self, table: str, rows: Sequence[Mapping[str, Any]], *,
+                  hashes: tuple[int, list[bytes]] | None = None) -> None:
+        """One snapshot chunk's rows, in one transaction. ``hashes``: their
+        :meth:`loaded_hashes` (then added as they are, not worked out row by row here)."""
+        with self._transaction(), self._counted(table, hashes):
             self._writer.insert_rows(table, rows)
 
     def load_tuples(self, table: str, columns: tuple[str, ...], rows: list[tuple], *,
-                    has_nan: bool) -> None:
+                    has_nan: bool, hashes: tuple[int, list[bytes]] | None = None) -> None:
         """One snapshot chunk's rows as tuples in ``columns`` order, in one transaction.
-        Bound as they are unless a column needs converting or a value is NaN."""
-        with self._transaction():
+        Bound as they are unless a column needs converting or a value is NaN. ``hashes``:
+        as :meth:`load_rows`."""
+        with self._transaction(), self._counted(table, hashes):
             self._writer.insert_tuples(table, columns, rows, has_nan=has_nan)
+
+    @contextlib.contextmanager
+    def _counted(self, table: str, hashes: tuple[int, list[bytes]] | None) -> Iterator[None]:
+        if hashes is None or not self._digests.enabled:
+            yield
+            return
+        with self._digests.uncounted_inserts(table):
+            yield
+        self._digests.add(*hashes)
 
     @contextlib.contextmanager
     def chunk_loader(self, table: str, columns: tuple[str, ...]) -> Iterator[ChunkLoad | None]:

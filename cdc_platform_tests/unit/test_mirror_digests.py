@@ -166,8 +166,11 @@ def test_the_kept_digest_equals_a_recompute_after_a_random_stream(tmp_path, pure
     for row in loaded[40:]:  # (what the compiled loader takes: no arrays, no NaN)
         row.update(tags=None, score=rng.choice([None, -0.0, 2.5]))
     store.load_rows("t", loaded[:20])
-    store.load_tuples("t", names, [tuple(row.values()) for row in loaded[20:40]],
-                      has_nan=True)
+    tuples = [tuple(row.values()) for row in loaded[20:40]]
+    # (hashed beforehand, as the follower does on a worker thread: not by the trigger)
+    store.load_tuples("t", names, tuples[:10], has_nan=True,
+                      hashes=store.loaded_hashes("t", tuples[:10]))
+    store.load_tuples("t", names, tuples[10:], has_nan=True)
     with store.chunk_loader("t", names) as load:
         chunk = msgpack.packb({"chunk": 3, "data": loaded[40:]})
         if load is not None:  # (compiled) on its own connection: the follower adds them
