@@ -65,7 +65,7 @@ def create_tables(db: sqlite3.Connection) -> None:
     db.execute(f"CREATE TABLE IF NOT EXISTS {VERIFICATIONS_TABLE} (verification_id TEXT NOT NULL,"
                " wire_table TEXT NOT NULL, lsn TEXT NOT NULL, status TEXT NOT NULL,"
                " bits INTEGER NOT NULL, buckets_differing TEXT NOT NULL,"
-               " changed_outside TEXT NOT NULL, why TEXT, rows_repaired INTEGER NOT NULL"
+               " differing_counts TEXT NOT NULL, changed_outside TEXT NOT NULL, why TEXT, rows_repaired INTEGER NOT NULL"
                " DEFAULT 0, at REAL NOT NULL, PRIMARY KEY (verification_id, wire_table))")
     db.execute(f"CREATE TABLE IF NOT EXISTS {LOG_TABLE} (verification_id TEXT NOT NULL,"
                " commit_lsn INTEGER NOT NULL, bucket INTEGER NOT NULL, dtotal INTEGER NOT NULL,"
@@ -205,10 +205,11 @@ def compare(message: DigestMessage, mirror: TableDigest) -> dict[int, tuple[int,
 
 def record(db: sqlite3.Connection, result: VerificationResult) -> None:
     db.execute(f"INSERT OR REPLACE INTO {VERIFICATIONS_TABLE} VALUES (?, ?, ?, ?, ?, ?, ?, ?,"
-               " 0, ?)",
+               " ?, 0, ?)",
                (result.verification_id, result.table, format_lsn(result.lsn), result.status,
-                result.bits, json.dumps({str(bucket): list(counts) for bucket, counts
-                                         in result.buckets_differing.items()}),
+                result.bits, json.dumps(list(result.buckets_differing)),
+                json.dumps({str(bucket): list(counts) for bucket, counts
+                            in result.buckets_differing.items()}),
                 json.dumps(result.changed_outside), result.why, result.at))
 
 

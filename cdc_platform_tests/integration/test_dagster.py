@@ -15,7 +15,12 @@ import yaml
 
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.replication.slots import read_slot
-from cdc_platform_tests.fixtures.dagster import dagster_resources, request_sensor_tick
+from cdc_platform_tests.fixtures.dagster import (
+    dagster_resources,
+    latest_check_evaluation,
+    report_sensor_tick,
+    request_sensor_tick,
+)
 from cdc_platform_tests.fixtures.services import TEST_SECRETS, random_name, read_subjects
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +51,7 @@ def test_definitions_load_with_everything(dagster_env):
     defs = build_definitions()
     keys = {key.to_user_string() for key in defs.resolve_all_asset_keys()}
     assert keys == {"jetstream_topology", "schemas", "init_snapshot", "cdc_stream",
-                    "table_verification"}
+                    "table_verification", "mirror_fleet"}
     snapshot = defs.resolve_assets_def("init_snapshot")
     assert snapshot.partitions_def.name == "published_tables"
     verification = defs.resolve_assets_def("table_verification")
@@ -57,7 +62,8 @@ def test_definitions_load_with_everything(dagster_env):
     assert cdc_job.tags["cdc_platform/slot"] == dagster_env["CDC_SLOT"]
     assert defs.resolve_job_def("snapshot_job").partitions_def.name == "published_tables"
     assert {s.name for s in defs.sensors} == {
-        "cdc_sensor", "snapshot_request_sensor", "publication_sync_sensor", "resync_sensor"}
+        "cdc_sensor", "snapshot_request_sensor", "publication_sync_sensor", "resync_sensor",
+        "mirror_fleet_sensor"}
     assert defs.resolve_schedule_def("snapshot_refresh_schedule").cron_schedule == "0 3 * * *"
     off = defs.resolve_schedule_def("verification_schedule")  # CDC_VERIFY_CRON unset
     assert off.default_status == dg.DefaultScheduleStatus.STOPPED
@@ -825,3 +831,162 @@ async def test_a_flood_of_verify_requests_starts_one_verification_a_table_per_in
         (released,) = due.run_requests
         assert released.run_key == replies["b1"]["run_key"] and BITS_TAG not in released.tags
         assert jsonlib.loads(released.tags[REPLIES_TAG]) == [["b1", inbox], ["b2", inbox]]
+
+
+def _mirror_state(mirror_id: str, lag_seconds: float, verifications: dict) -> bytes:
+    """A mirror's state value as `cdc-platform mirror` publishes it (wire MirrorStateValue),
+    following the tables of ``verifications`` (table -> its last verification or None)."""
+    import json as jsonlib
+
+    from cdc_platform.wire import MirrorStateValue, in_field_order
+
+    return jsonlib.dumps(in_field_order(MirrorStateValue, {
+        "mirror_id": mirror_id, "host": "edge", "pid": 1, "version": "0",
+        "started_at": "2026-11-26T05:00:00Z", "updated_at": "2026-11-26T05:00:30Z",
+        "consistent_lsn": "0/2", "stream_last_lsn": "0/2", "lag_bytes": 0,
+        "lag_seconds": lag_seconds, "tables": {
+            table: {"status": "streaming", "snapshot_id": "s", "cutover_lsn": "0/1",
+                    "applied_lsn": "0/2", "last_verification": verification}
+            for table, verification in verifications.items()}})).encode()
+
+
+@pytest.fixture
+async def state_bucket(dagster_env, nats_client, monkeypatch):
+    """A KV `mirrors` of the test's own (CDC_MIRROR_STATE_BUCKET), as provisioning makes it:
+    ``put(mirror_id, value)``, ``delete(mirror_id)``."""
+    from cdc_platform.jetstream.provision import (
+        mirror_state_bucket_config,
+        reader_written_bucket_stream,
+    )
+    from cdc_platform.settings import NatsTopology
+
+    bucket = random_name("mirrors")
+    monkeypatch.setenv("CDC_MIRROR_STATE_BUCKET", bucket)
+    js = nats_client.jetstream()
+    await js.add_stream(reader_written_bucket_stream(mirror_state_bucket_config(
+        NatsTopology())))
+    kv = await js.key_value(bucket)
+    yield kv
+    await js.delete_stream(f"KV_{bucket}")
+
+
+async def test_mirror_fleet_sensor_shows_lagging_gone_and_unreadable_mirrors_red(
+        dagster_env, state_bucket):
+    """Through the real Definitions on a real instance: each tick records an observation of
+    `mirror_fleet` (every mirror's lag and tables) and the evaluation of `mirrors_fresh`:
+    green while every mirror is within CDC_MIRROR_LAG_CRITICAL, red (ERROR) when one falls
+    behind, when one that reported is gone, when a value is not a state."""
+    from cdc_platform.definitions import build_definitions
+
+    defs = build_definitions()
+    verification = {"verification_id": "verify-1", "lsn": "0/2", "status": "equal",
+                    "buckets_differing": 0, "rows_repaired": 0, "at": None}
+    await state_bucket.put("team_a.edge1", _mirror_state("team_a.edge1", 2.5,
+                                                         {"users": verification}))
+    await state_bucket.put("edge2", _mirror_state("edge2", 0.0, {"users": None}))
+    with dg.instance_for_test() as instance:
+        cursor = None
+
+        async def tick():
+            nonlocal cursor
+            cursor = (await asyncio.to_thread(report_sensor_tick, defs, instance,
+                                              "mirror_fleet_sensor", cursor)).cursor
+            return latest_check_evaluation(instance, "mirror_fleet", "mirrors_fresh")
+
+        def observations() -> int:
+            return len(instance.fetch_observations(dg.AssetKey("mirror_fleet"),
+                                                   limit=20).records)
+
+        fresh = await tick()
+        assert fresh.passed, fresh.description
+        (record,) = instance.fetch_observations(dg.AssetKey("mirror_fleet"), limit=1).records
+        observed = record.asset_observation.metadata
+        assert observed["mirrors"].value == 2
+        assert observed["max_lag_seconds"].value == 2.5
+        fleet = observed["fleet"].value
+        assert fleet["team_a.edge1"]["tables"]["users"]["last_verification"][
+            "status"] == "equal"
+        assert fleet["edge2"]["lag_seconds"] == 0.0
+
+        await state_bucket.put("edge2", _mirror_state("edge2", 0.5, {"users": None}))
+        assert (await tick()).passed and observations() == 1  # nothing new to show
+
+        await state_bucket.put("edge2", _mirror_state("edge2", 301.0, {"users": None}))
+        fresh = await tick()
+        assert not fresh.passed and fresh.severity == dg.AssetCheckSeverity.ERROR
+        assert fresh.metadata["lagging"].value == {"edge2": 301.0}
+
+        await state_bucket.put("edge2", _mirror_state("edge2", 1.0, {"users": None}))
+        assert (await tick()).passed
+        await state_bucket.delete("team_a.edge1")  # (as its TTL does once it stops)
+        fresh = await tick()
+        assert not fresh.passed and fresh.metadata["gone"].value == ["team_a.edge1"]
+        fresh = await tick()  # and stays so (until CDC_MIRROR_GONE_KEEP)
+        assert not fresh.passed and fresh.metadata["gone"].value == ["team_a.edge1"]
+
+        await state_bucket.put("team_a.edge1", b"not a state")
+        fresh = await tick()
+        assert not fresh.passed and fresh.metadata["gone"].value == []
+        assert fresh.metadata["unreadable"].value == {"team_a.edge1": "not JSON"}
+        assert observations() == 5  # (not the repeated "gone": it showed nothing new)
+
+
+async def test_mirrors_equal_source_turns_red_when_a_mirror_differs_and_green_once_repaired(
+        dagster_env, state_bucket):
+    """The check of each `table_verification` partition, run by mirror_fleet_sensor (a run
+    of mirrors_equal_source_job, the check alone selected) when the mirrors' verdict on the
+    table's latest verification (its materialization's `verification_id`) changes: met
+    `equal` or `repaired` by every mirror following it passes; `differ` fails (ERROR) with
+    the buckets; a mirror that has not met it yet warns. Each new verdict is run once."""
+    from cdc_platform.definitions import build_definitions
+
+    table = random_name("verified")
+    defs = build_definitions()
+
+    def verified(status: str, verification_id: str = "verify-2", differing: int = 0,
+                 repaired: int = 0) -> dict:
+        return {"verification_id": verification_id, "lsn": "0/2", "status": status,
+                "buckets_differing": differing, "rows_repaired": repaired, "at": None}
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("published_tables", [table])
+        # what a verification_job run records (defs/verification/assets.py)
+        instance.report_runless_asset_event(dg.AssetMaterialization(
+            asset_key="table_verification", partition=table,
+            metadata={"verification_id": "verify-2", "lsn": "0/2"}))
+        launched: set[str] = set()
+
+        async def tick():
+            before = len(launched)
+            await asyncio.to_thread(report_sensor_tick, defs, instance,
+                                    "mirror_fleet_sensor", None, launched)
+            return len(launched) - before, latest_check_evaluation(
+                instance, "table_verification", "mirrors_equal_source", partition=table)
+
+        await state_bucket.put("edge1", _mirror_state("edge1", 1.0, {table: verified("equal")}))
+        await state_bucket.put("edge2", _mirror_state("edge2", 1.0, {
+            table: verified("differ", differing=3)}))
+        runs, check = await tick()
+        assert runs == 1
+        assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
+        assert check.metadata["buckets_differing"].value == 3
+        assert check.metadata["mirrors"].value == {"edge1": "equal", "edge2": "differ"}
+        assert (await tick())[0] == 0  # the same verdict: no second run
+
+        await state_bucket.put("edge2", _mirror_state("edge2", 1.0, {
+            table: verified("repaired", differing=3, repaired=25)}))
+        runs, check = await tick()
+        assert runs == 1 and check.passed and check.metadata["rows_repaired"].value == 25
+
+        await state_bucket.put("edge3", _mirror_state("edge3", 1.0, {
+            table: verified("equal", verification_id="verify-1")}))
+        runs, check = await tick()
+        assert not check.passed and check.severity == dg.AssetCheckSeverity.WARN
+        assert check.metadata["pending"].value == ["edge3"]
+        # a table no partition names (KV's table names come from readers) gets no run
+        await state_bucket.put("edge4", _mirror_state("edge4", 1.0, {
+            "not_a_partition": verified("differ")}))
+        assert (await tick())[0] == 0
+        # and no verification run materialized the table meanwhile
+        assert len(instance.fetch_materializations(dg.AssetKey("table_verification"),
+                                                   limit=10).records) == 1

@@ -16,6 +16,7 @@ import psycopg
 import pytest
 
 from cdc_platform.mirror.digests import read_digest, scan_digest
+from cdc_platform.mirror.fleet import file_state
 from cdc_platform.mirror.follower import Mirror
 from cdc_platform.mirror.positions import load_shapes
 from cdc_platform.mirror.verifications import VerificationResult
@@ -128,6 +129,11 @@ async def test_verifications_met_equal_under_writes_and_differ_where_a_row_was_r
     assert found.buckets_differing == {_bucket(removed, bits): (
         second["counts"][_bucket(removed, bits)] - 1, second["counts"][_bucket(removed, bits)])}
     assert found.changed_outside == [_bucket(removed, 14)]
+    # what the fleet reporter publishes of it (mirror/fleet.py reads the file)
+    shown = file_state(db, [table])[1][table]["last_verification"]
+    assert shown is not None
+    assert (shown["verification_id"], shown["status"], shown["buckets_differing"]) == (
+        second["verification_id"], "differ", 1)
     # the kept digest was reset from the rows: the file agrees with itself again
     assert [check.differing for check in verify_file(db)] == [{}]
     with contextlib.closing(sqlite3.connect(db)) as local:
