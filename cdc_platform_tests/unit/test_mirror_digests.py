@@ -5,6 +5,7 @@ holds it across a reopen."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sqlite3
 
@@ -358,3 +359,22 @@ def test_a_digest_message_that_is_not_one_is_refused_saying_why(changed, why):
     message = _digest_message("verify-a", 0x500, [{"id": 1, "name": "a"}], 1, "f") | changed
     with pytest.raises((ValueError, TypeError), match=why):
         parse_digest(message, "t", "verify-a")
+
+
+async def test_a_verification_whose_log_passes_its_limit_is_not_comparable(tmp_path):
+    store = MirrorStore(tmp_path / "m.db")
+    store.begin_bootstrap(TableShape.from_schema(_schema(
+        [("id", 20, "bigint", 1), ("name", 25, "text", 2)])), "s", 0x100)
+    store.finish_bootstrap("t", stream_seq=1)
+    store.most_logged = 3
+    meetings = Meetings(store, scan=False, report=lambda line: None)
+    meetings.marker("verify-a", "t", 0x300, streaming=True, inside_transaction=False)
+    store.apply_transaction([event("INSERT", "0/400", ordinal, data={"id": key, "name": "x"},
+                                   table="t") for ordinal, key in enumerate(range(1, 9))], 2)
+    assert not store.logging  # (stopped logging: nothing more to keep)
+    message = _digest_message("verify-a", 0x500, [], 0, store.state("t").fingerprint)
+    result = await meetings.digest(message, "t", "verify-a")
+    assert result.status == "not_comparable" and "CDC_MIRROR_VERIFY_LOG_ROWS" in result.why
+    with contextlib.closing(sqlite3.connect(tmp_path / "m.db")) as db:
+        assert db.execute("SELECT count(*) FROM _cdc_mirror_digest_log").fetchone() == (0,)
+    store.close()
