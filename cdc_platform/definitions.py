@@ -28,6 +28,7 @@ from cdc_platform.defs.snapshots.sensors import (
     publication_sync_sensor,
 )
 from cdc_platform.defs.verification.assets import table_verification
+from cdc_platform.defs.verification.repairs import table_repair
 from cdc_platform.defs.verification.schedules import build_verification_schedule
 from cdc_platform.defs.verification.sensors import build_resync_sensor
 from cdc_platform.settings import OrchestrationSettings, PostgresSettings, load_settings
@@ -54,14 +55,18 @@ def build_definitions() -> dg.Definitions:
         description="mirror_fleet_sensor runs it with only the check mirrors_equal_source "
         "selected, for a table whose mirrors' verdict changed (run whole, it also verifies "
         "the table).")
+    repair_job = dg.define_asset_job(
+        "repair_job", selection=[table_repair], tags={SNAPSHOT_KIND_TAG: "repair"},
+        description="A repair snapshot of some buckets of one table, for mirrors' repair "
+        "requests (partition = wire table name).")
     return dg.Definitions(
         assets=[jetstream_topology, schemas, init_snapshot, cdc_stream, table_verification,
-                mirror_fleet],
+                table_repair, mirror_fleet],
         asset_checks=[mirrors_fresh, mirrors_equal_source],
-        jobs=[cdc_job, snapshot_job, verification_job, mirrors_equal_source_job],
+        jobs=[cdc_job, snapshot_job, verification_job, repair_job, mirrors_equal_source_job],
         sensors=[build_cdc_sensor(cdc_job, orchestration.cdc_relaunch_backoff_seconds,
                                  orchestration.cdc_liveness_timeout_seconds),
-                 build_snapshot_request_sensor(snapshot_job, verification_job),
+                 build_snapshot_request_sensor(snapshot_job, verification_job, repair_job),
                  publication_sync_sensor, build_resync_sensor(verification_job),
                  build_mirror_fleet_sensor(mirrors_equal_source_job)],
         schedules=[build_snapshot_refresh_schedule(

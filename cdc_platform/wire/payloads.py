@@ -261,6 +261,14 @@ class SnapshotMetaPayload(TypedDict):
     chunk_subject_prefix: str
 
 
+class RepairMetaPayload(SnapshotMetaPayload):
+    """``init.repair.{table}``: the meta of a repair snapshot, which holds the rows of some
+    buckets only (docs/verification.md Part 2, item 4): a snapshot meta and the buckets."""
+
+    bits: int
+    buckets: list[int]  # sorted: the rows whose key hash's top ``bits`` bits are one of these
+
+
 class SnapshotReply(TypedDict):
     """The reply to a snapshot request with ``reply_to`` (status ``done``)."""
 
@@ -302,6 +310,7 @@ CHANGE_EVENT_FIELDS = fields(ChangeEvent)
 SCHEMA_EVENT_FIELDS = fields(SchemaEvent)
 SNAPSHOT_CHUNK_FIELDS = fields(SnapshotChunk)
 SNAPSHOT_META_FIELDS = fields(SnapshotMetaPayload)
+REPAIR_META_FIELDS = fields(RepairMetaPayload)
 VERIFICATION_DIGEST_FIELDS = fields(VerificationDigestPayload)
 MIRROR_STATE_FIELDS = fields(MirrorStateValue)
 TABLE_SCHEMA_FIELDS = fields(TableSchemaValue)

@@ -51,13 +51,16 @@ def test_definitions_load_with_everything(dagster_env):
     defs = build_definitions()
     keys = {key.to_user_string() for key in defs.resolve_all_asset_keys()}
     assert keys == {"jetstream_topology", "schemas", "init_snapshot", "cdc_stream",
-                    "table_verification", "mirror_fleet"}
+                    "table_verification", "table_repair", "mirror_fleet"}
     snapshot = defs.resolve_assets_def("init_snapshot")
     assert snapshot.partitions_def.name == "published_tables"
     verification = defs.resolve_assets_def("table_verification")
     assert verification.partitions_def.name == "published_tables"
     assert verification.asset_deps[verification.key] == {dg.AssetKey("init_snapshot")}
     assert defs.resolve_job_def("verification_job").partitions_def.name == "published_tables"
+    repair = defs.resolve_assets_def("table_repair")
+    assert repair.asset_deps[repair.key] == {dg.AssetKey("init_snapshot")}
+    assert defs.resolve_job_def("repair_job").partitions_def.name == "published_tables"
     cdc_job = defs.resolve_job_def("cdc_job")
     assert cdc_job.tags["cdc_platform/slot"] == dagster_env["CDC_SLOT"]
     assert defs.resolve_job_def("snapshot_job").partitions_def.name == "published_tables"
@@ -694,7 +697,7 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
     """purpose verify: accepted, a verification_job run (one for two requests asking the same
     bits; one asking other bits is held back: CDC_VERIFY_MIN_INTERVAL), which materializes
     table_verification through the real Definitions and answers done with the digest's
-    subject and seq; repair is still refused."""
+    subject and seq."""
     import json as jsonlib
 
     from cdc_platform.bridge.runner import CdcBridge
@@ -715,8 +718,7 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
     await nats_client.subscribe(inbox, cb=collect)
     for request_id, body in (("v1", {"purpose": "verify", "bits": 2}),
                              ("v2", {"purpose": "verify", "bits": 2}),
-                             ("v3", {"purpose": "verify"}),
-                             ("p1", {"purpose": "repair", "bits": 2, "buckets": [1]})):
+                             ("v3", {"purpose": "verify"})):
         await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
             {"reply_to": inbox, "request_id": request_id, **body}).encode())
     await nats_client.flush()
@@ -734,9 +736,8 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
         with dg.instance_for_test() as instance:
             instance.add_dynamic_partitions("published_tables", [table])
             result = await asyncio.to_thread(request_sensor_tick(defs, instance), None)
-            await wait_replies(4)
+            await wait_replies(3)
             by_id = {r["request_id"]: r for r in replies}
-            assert by_id["p1"]["status"] == "refused" and "repair" in by_id["p1"]["reason"]
             assert by_id["v1"]["status"] == by_id["v2"]["status"] == "accepted"
             [run] = result.run_requests
             assert run.job_name == "verification_job" and run.partition_key == table
@@ -755,7 +756,7 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
     finally:
         bridge.request_stop()
         await asyncio.wait_for(bridge_task, 60)
-    await wait_replies(6)
+    await wait_replies(5)
     done = [r for r in replies if r["status"] == "done"]
     assert sorted(r["request_id"] for r in done) == ["v1", "v2"]
     assert metadata["bits"] == done[0]["bits"] == 2 and metadata["row_count"] == 300
@@ -766,6 +767,122 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
         f"cdc.cdc-platform.verify.{table}.{done[0]['verification_id']}")
     digest = msgpack.unpackb(stored.data)
     assert digest["lsn"] == done[0]["lsn"] == metadata["lsn"] and sum(digest["counts"]) == 300
+
+
+async def test_repair_requests_are_answered_by_one_table_repair_run(
+        dagster_env, cdc_database, pg_admin, nats_client):
+    """purpose repair: two requests of one table (at 4 and 5 bits) share one repair_job run
+    of the union of their buckets at 5 bits; one asking for more than a quarter of the
+    buckets is refused, and so are two of another table that together do; the run
+    materializes table_repair through the real Definitions and answers done naming its meta
+    on init.repair.{table}, which holds exactly the rows of those buckets, loaded as a
+    consumer loads them; init.meta.{table} gets nothing; a repair asked again within the
+    minimum interval is refused with retry_after."""
+    import json as jsonlib
+
+    from nats.js.errors import NotFoundError
+
+    from cdc_platform.bridge.runner import CdcBridge
+    from cdc_platform.consumer.snapshots import repair_meta_at
+    from cdc_platform.definitions import build_definitions
+    from cdc_platform.defs.snapshots.assets import REPLIES_TAG
+    from cdc_platform.defs.verification.repairs import REPAIR_BUCKETS_TAG
+    from cdc_platform.mirror.snapshots import read_chunks
+    from cdc_platform.settings import load_settings
+    from cdc_platform.wire.digest import RowDigester, bucket_of
+
+    table, other = random_name("repair_asked"), random_name("repair_many")
+    for name in (table, other):
+        pg_admin.execute(f"CREATE TABLE {name} (id int PRIMARY KEY, v text)")
+        pg_admin.execute(f"INSERT INTO {name} SELECT i, 'v' || i FROM generate_series(1, 600) i")
+    cdc_database.add_tables(pg_admin, table, other)
+    inbox = f"_INBOX.replies.{random_name('r')}"
+    replies: list[dict] = []
+
+    async def collect(message):
+        replies.append(jsonlib.loads(message.data))
+
+    await nats_client.subscribe(inbox, cb=collect)
+    # u1 and u2: a quarter and an eighth of the other table; each may be asked, not both
+    for name, request_id, body in ((table, "r1", {"bits": 4, "buckets": [2, 1]}),
+                                   (table, "r2", {"bits": 5, "buckets": [7]}),
+                                   (table, "all", {"bits": 2, "buckets": [0, 1]}),
+                                   (other, "u1", {"bits": 2, "buckets": [0]}),
+                                   (other, "u2", {"bits": 3, "buckets": [2]})):
+        await nats_client.publish(f"snapshot.request.{name}", jsonlib.dumps(
+            {"reply_to": inbox, "request_id": request_id, "purpose": "repair",
+             **body}).encode())
+    await nats_client.flush()
+
+    async def wait_replies(count):
+        deadline = time.monotonic() + 30
+        while len(replies) < count:
+            assert time.monotonic() < deadline, replies
+            await asyncio.sleep(0.1)
+
+    defs = build_definitions()
+    bridge = CdcBridge(load_settings())  # the repair's watermark marker, as a snapshot's
+    bridge_task = asyncio.create_task(bridge.run())
+    try:
+        with dg.instance_for_test() as instance:
+            instance.add_dynamic_partitions("published_tables", [table, other])
+            result = await asyncio.to_thread(request_sensor_tick(defs, instance), None)
+            await wait_replies(5)
+            by_id = {r["request_id"]: r for r in replies}
+            assert by_id["all"]["status"] == "refused"
+            assert by_id["all"]["reason"] == (
+                "2 of 4 buckets is more than a quarter of the table: request a full snapshot")
+            assert by_id["u1"]["status"] == by_id["u2"]["status"] == "refused"
+            assert "add up to 3 of 8 buckets" in by_id["u2"]["reason"]
+            assert by_id["r1"]["status"] == by_id["r2"]["status"] == "accepted"
+            [run] = result.run_requests
+            assert run.job_name == "repair_job" and run.partition_key == table
+            assert by_id["r1"]["run_key"] == by_id["r2"]["run_key"] == run.run_key
+            assert run.tags[REPAIR_BUCKETS_TAG] == "5:2-5,7"  # 1 and 2 at 4 bits, 7 at 5
+            assert jsonlib.loads(run.tags[REPLIES_TAG]) == [["r1", inbox], ["r2", inbox]]
+
+            job = defs.resolve_job_def("repair_job")
+            outcome = await asyncio.to_thread(
+                job.execute_in_process, instance=instance, partition_key=table,
+                tags=run.tags)
+            assert outcome.success
+            [event] = outcome.get_asset_materialization_events()
+            metadata = {k: v.value for k, v in
+                        event.step_materialization_data.materialization.metadata.items()}
+            await wait_replies(7)
+
+            # the table was repaired just now: a repair run starts CDC_SNAPSHOT_MIN_INTERVAL
+            # (60 s) after the last at the soonest
+            await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
+                {"reply_to": inbox, "request_id": "r3", "purpose": "repair", "bits": 4,
+                 "buckets": [9]}).encode())
+            await nats_client.flush()
+            again = await asyncio.to_thread(request_sensor_tick(defs, instance),
+                                            result.cursor)
+            await wait_replies(8)
+            assert again.run_requests == []
+            assert (replies[7]["request_id"], replies[7]["status"]) == ("r3", "refused")
+            assert "started less than 60s ago" in replies[7]["reason"]
+            assert 0 < replies[7]["retry_after"] <= 60
+    finally:
+        bridge.request_stop()
+        await asyncio.wait_for(bridge_task, 60)
+    done = [r for r in replies if r["status"] == "done"]
+    assert sorted(r["request_id"] for r in done) == ["r1", "r2"]
+    assert done[0]["meta_subject"] == f"init.repair.{table}"
+    assert done[0]["snapshot_id"].startswith("repair-")
+    assert metadata["snapshot_id"] == done[0]["snapshot_id"]
+    assert metadata["meta_seq"] == done[0]["meta_seq"] and metadata["buckets"] == "5:2-5,7"
+    js = nats_client.jetstream()
+    meta = await repair_meta_at(js, "INIT", done[0])
+    assert (meta.bits, meta.buckets, meta.lsn) == (5, (2, 3, 4, 5, 7), parse_lsn(done[0]["lsn"]))
+    digester = RowDigester(["id", "v"], ["id"])
+    expected = sorted(i for i in range(1, 601)
+                      if bucket_of(digester.key_hash({"id": i}), 5) in meta.buckets)
+    loaded = [row["id"] async for chunk in read_chunks(js, meta) for row in chunk.rows]
+    assert sorted(loaded) == expected and metadata["row_count"] == len(expected) > 0
+    with pytest.raises(NotFoundError):
+        await js.get_last_msg("INIT", f"init.meta.{table}")
 
 
 async def test_a_flood_of_verify_requests_starts_one_verification_a_table_per_interval(
