@@ -119,8 +119,8 @@ class DigestKeeper:
         table = shape.table
         self.unfollow(table)
         physical = [row[1] for row in self._db.execute(f"PRAGMA table_info({quote(table)})")]
-        if (len(shape.columns) > self._most_columns
-                or physical != [column.name for column in shape.columns]):
+        by_name = {column.name: column for column in shape.columns}
+        if len(shape.columns) > self._most_columns or sorted(physical) != sorted(by_name):
             self.forget(table)  # (too wide for a trigger's call, or not in this shape)
             return
         if created:
@@ -130,7 +130,9 @@ class DigestKeeper:
         table_id = self._next_id
         self._next_id += 1
         self._ids[table], self._tables[table_id] = table_id, table
-        self._digesters[table_id] = StoredRowDigester(shape.columns, shape.key_columns)
+        # (in the file's column order, which may differ from the source's: the same values)
+        self._digesters[table_id] = StoredRowDigester([by_name[name] for name in physical],
+                                                      shape.key_columns)
 
         for kind in _KINDS:
             self._create_trigger(table, table_id, kind)

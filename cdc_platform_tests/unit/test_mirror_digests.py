@@ -378,3 +378,19 @@ async def test_a_verification_whose_log_passes_its_limit_is_not_comparable(tmp_p
     with contextlib.closing(sqlite3.connect(tmp_path / "m.db")) as db:
         assert db.execute("SELECT count(*) FROM _cdc_mirror_digest_log").fetchone() == (0,)
     store.close()
+
+
+def test_a_table_whose_columns_the_file_orders_otherwise_keeps_its_digest(tmp_path):
+    """SQLite appends an added column where the source's shape may list it elsewhere: the
+    same values, the same digest."""
+    store = MirrorStore(tmp_path / "m.db")
+    columns = [("id", 20, "bigint", 1), ("name", 25, "text", 2)]
+    store.begin_bootstrap(TableShape.from_schema(_schema(columns)), "s", 0x100)
+    store.load_rows("t", [{"id": 1, "name": "a"}])
+    store.finish_bootstrap("t", stream_seq=1)
+    wider = _schema([columns[0], ("extra", 23, "integer", 3), columns[1]], fingerprint="f2",
+                    missing={"extra": 4})
+    store.apply_transaction([schema_event("0/200", 0, wider), event(
+        "INSERT", "0/200", 0, data={"id": 2, "name": "b", "extra": 5}, table="t")], 2)
+    assert sum(_assert_kept(store).counts) == 2
+    store.close()
