@@ -188,6 +188,28 @@ class ChangeWriter:
         else:
             raise MirrorError(f"{table}: unknown operation {operation!r} in {event.get('msg_id')}")
 
+    def force(self, event: Mapping[str, Any]) -> None:
+        """A change of a keyed table's row that does not fit (a row under repair the table
+        lacks, or holds already): the row made what the change says as far as it can. An
+        INSERT replaces a row of its key; an UPDATE replaces the rows of its old and new keys
+        by its row when it carries every column, else leaves them (the repair replaces
+        them); a DELETE of a row not there is nothing."""
+        table, operation = event["table"], event["operation"]
+        shape = self.shape(table)
+        if operation not in ("INSERT", "UPDATE") or not shape.key_columns:
+            return
+        data = event["data"]
+        if operation == "UPDATE" and {c.name for c in shape.columns} - set(data):
+            return
+        for identity in (event.get("old"), data):
+            if identity:
+                try:
+                    rowid = self._find_row(shape, identity, event)
+                except DivergenceError:
+                    continue
+                self._db.execute(f"DELETE FROM {quote(table)} WHERE rowid = ?", (rowid,))
+        self.insert_rows(table, [data])
+
     def _delete_all(self, table: str) -> None:
         self._db.execute(f"DELETE FROM {quote(table)}")
 

@@ -41,6 +41,8 @@ from cdc_platform.consumer.snapshots import (
     SnapshotUnusable,
     cutover_start_seq,
     meta_at,
+    repair_meta_at,
+    repair_refusal,
     reusable_snapshot,
     snapshot_relation_id,
 )
@@ -61,6 +63,12 @@ from cdc_platform.mirror.errors import DivergenceError, MirrorError
 from cdc_platform.mirror.fleet import MirrorStateReporter, default_mirror_id
 from cdc_platform.mirror.meetings import Meetings, OnVerification
 from cdc_platform.mirror.positions import TableState
+from cdc_platform.mirror.repair import (
+    REPAIR_PREFIX,
+    Repair,
+    RepairedBuckets,
+    why_not_repaired,
+)
 from cdc_platform.mirror.snapshots import BootstrapProgress, decode_chunk, read_chunks
 from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.mirror.transactions import StreamGap, TransactionCollector
@@ -151,6 +159,13 @@ class Mirror:
         self.bootstrapping: set[str] = set(self.tables)
         self._loaded = asyncio.Event()  # a shadow is loaded: follow it from the next pass
         self.pending_events = 0  # events not applied yet, as last looked up
+        # table -> its repair under way (mirror/repair.py), and the task loading it
+        self.repairs: dict[str, Repair] = {}
+        self._repair_tasks: dict[str, asyncio.Task] = {}
+        self.rows_repaired = 0
+        # what a repair started from the follow loop needs (set by run())
+        self._session: tuple[NatsClient, JetStreamContext, MirrorStore, asyncio.Event] | None \
+            = None
         # its state in KV `mirrors`; report_now() after a verification or a repair
         self.fleet = MirrorStateReporter(
             self.options.mirror_id or default_mirror_id(self.path), self.path, self.tables,
@@ -171,11 +186,15 @@ class Mirror:
         store.most_logged = self.options.verify_log_rows
         self.meetings = Meetings(store, scan=self.options.verify_scan == "at_marker",
                                  report=self.report, on_verification=self._verified)
+        for name in store.tables():  # a repair under way when it stopped: asked for anew
+            if name.startswith(REPAIR_PREFIX):  # by the next verification that differs
+                store.drop_shadow(name)
         try:
             nc = await connect_nats(self.settings.nats, name="cdc-platform-mirror",
                                     reconnect_forever=True,
                                     inbox_prefix=self.options.inbox_prefix)
             js = nc.jetstream()
+            self._session = (nc, js, store, stop)
             reporting = asyncio.create_task(self.fleet.run(js))
             try:
                 await self._check_published(js)
@@ -190,6 +209,8 @@ class Mirror:
                 with contextlib.suppress(asyncio.CancelledError):
                     await reporting
                 await self._stop_loaders()
+                await self._stop_repairs()
+                self._session = None
                 await close_nats(nc, 5.0)
         finally:
             store.close()
@@ -284,10 +305,14 @@ class Mirror:
                 min_lsn = max(min_lsn, meta.lsn + 1)
 
     async def _load_snapshot(self, js: JetStreamContext, store: MirrorStore, table: str,
-                             meta: SnapshotMeta, start_seq: int, stop: asyncio.Event) -> None:
-        """One snapshot into the shadow (:class:`SnapshotUnusable`: its chunks cannot be)."""
+                             meta: SnapshotMeta, start_seq: int, stop: asyncio.Event,
+                             shadow: str | None = None) -> bool:
+        """One snapshot into the shadow (``shadow``: another than the bootstrap's, a
+        repair's); whether it was loaded (False: stopped first). :class:`SnapshotUnusable`:
+        its chunks cannot be."""
         assert meta.table_schema is not None  # (_snapshot returns only metas that carry it)
-        shadow = shadow_name(table)
+        repairing = shadow is not None
+        shadow = shadow or shadow_name(table)
         shape = dataclasses.replace(TableShape.from_schema(meta.table_schema), table=shadow)
         await _between_transactions(store)
         store.begin_bootstrap(shape, meta.snapshot_id, meta.lsn)
@@ -347,16 +372,22 @@ class Mirror:
                     last_report = time.monotonic()
                     self.report(progress.line())
                 if stop.is_set():
-                    return  # left "bootstrapping": the next start begins it again
+                    return False  # left "bootstrapping": the next start begins it again
                 await asyncio.sleep(0)  # the follower's turn
         await _between_transactions(store)
         store.finish_bootstrap(shadow, stream_seq=start_seq - 1)
-        self.bootstraps += 1
         self._loaded.set()
+        if repairing:
+            self.report(f"{table}: repair snapshot {meta.snapshot_id} loaded ({meta.row_count} "
+                        f"rows, cutover lsn {meta.raw.get('lsn')}); its buckets are replaced "
+                        "once it is consistent with the other tables")
+            return True
+        self.bootstraps += 1
         self.report(f"{progress.line()}; done (snapshot {meta.snapshot_id}, cutover lsn "
                     f"{meta.raw.get('lsn')}, following {self.settings.topology.cdc.name} "
                     f"from sequence {start_seq}; swapped in once consistent with the other "
                     "tables)")
+        return True
 
     async def _snapshot(self, nc: NatsClient, js: JetStreamContext, table: str, min_lsn: int,
                         stop: asyncio.Event) -> tuple[SnapshotMeta | None, int]:
@@ -456,17 +487,114 @@ class Mirror:
                                 stop: asyncio.Event) -> dict[str, Any] | None:
         """Ask on ``snapshot.request.{table}`` and wait for ``done`` (docs/wire-contract.md
         "Snapshot requests"); refused or failed is a :class:`MirrorError` with the reason."""
+        try:
+            return await self._requester(nc, js).request(table, min_lsn, relation_id, stop)
+        except SnapshotRequestFailed as exc:
+            raise MirrorError(str(exc)) from exc
+
+    # -- repair (mirror/repair.py) -----------------------------------------------------------
+    def verification_met(self, follow: _Following, result: VerificationResult) -> None:
+        """After a verification of a streaming table differs: repair its buckets, or (too
+        many, or no key to find them by) bootstrap it again. Between transactions."""
+        table = result.table
+        if (result.status != "differ" or table in self.repairs or self._session is None
+                or follow.local.get(table) != table):
+            return
+        nc, js, store, stop = self._session
+        why = why_not_repaired(result, store.shape(table))
+        if why is not None:
+            follow.bootstrap_again(table, why, result.lsn)
+            return
+        repair = self.repairs[table] = Repair(table, result.verification_id, result.lsn,
+                                              result.bits,
+                                              tuple(sorted(result.buckets_differing)))
+        self._repair_tasks[table] = asyncio.create_task(
+            self._repair(nc, js, store, repair, stop), name=f"repair {table}")
+
+    async def _repair(self, nc: NatsClient, js: JetStreamContext, store: MirrorStore,
+                      repair: Repair, stop: asyncio.Event) -> None:
+        """Ask for a repair snapshot of ``repair``'s buckets and load it into its shadow
+        (which the follower then catches up and replaces the buckets' rows from); a repair
+        that cannot be had, or whose snapshots are unusable a few times in a row, gives way
+        to a full bootstrap of the table, as an unusable bootstrap snapshot does."""
+        table = repair.table
+        why = "no repair snapshot"
+        try:
+            for _ in range(_UNUSABLE_SNAPSHOTS):
+                try:
+                    done = await self._requester(nc, js).request_repair(
+                        table, repair.bits, repair.buckets, stop)
+                    if done is None:
+                        return  # stopped
+                    meta = await repair_meta_at(js, self.settings.topology.init.name, done,
+                                                self.verifier)
+                    if meta is None:
+                        self.refused_messages += 1
+                        why = "the repair snapshot's meta is not signed by a trusted key"
+                        continue
+                    state = store.state(table)
+                    refusal = repair_refusal(meta, table, state.fingerprint if state else "",
+                                             repair.bits, repair.buckets)
+                    if refusal is not None or meta.table_schema is None:
+                        raise SnapshotUnusable(refusal or f"repair snapshot {meta.snapshot_id} "
+                                               "has no table_schema")
+                    start_seq = await self._cutover_point(js, table, meta, stop)
+                    if start_seq is None or not await self._load_snapshot(
+                            js, store, table, meta, start_seq, stop, shadow=repair.shadow):
+                        return  # stopped
+                    repair.loaded = True
+                    return
+                except (SnapshotUnusable, NoMetaThere) as exc:
+                    why = str(exc)
+                    self.report(f"{table}: the repair is unusable ({exc})")
+        except (SnapshotRequestFailed, MirrorError) as exc:
+            why = str(exc)
+        await _between_transactions(store)
+        self._give_up_repair(store, table)
+        store.mark_stale(table, f"its repair failed ({why})", repair.lsn)
+        self.report(f"{table}: its repair failed ({why}); bootstrapping again")
+        self._loaded.set()  # (the follow loop starts over, bootstrapping it)
+
+    def _requester(self, nc: NatsClient, js: JetStreamContext) -> SnapshotRequester:
         topology, options = self.settings.topology, self.options
-        requester = SnapshotRequester(
+        return SnapshotRequester(
             nc, js, requests_stream=topology.requests.name, init_stream=topology.init.name,
             max_age_seconds=options.snapshot_max_age_seconds,
             wait_seconds=options.snapshot_wait_seconds,
             status_interval_seconds=options.status_interval_seconds, report=self.report,
             verifier=self.verifier)
-        try:
-            return await requester.request(table, min_lsn, relation_id, stop)
-        except SnapshotRequestFailed as exc:
-            raise MirrorError(str(exc)) from exc
+
+    def repaired(self, repair: Repair, deleted: int, inserted: int, lsn: int | None) -> None:
+        """``repair``'s buckets were replaced (recorded with the rows, in one transaction)."""
+        self.repairs.pop(repair.table, None)
+        self._repair_tasks.pop(repair.table, None)
+        self.rows_repaired += inserted
+        last = self.verified.get(repair.table)
+        if last is not None and last.verification_id == repair.verification_id:
+            last.status = "repaired"
+        shown = format_lsn(lsn) if lsn is not None else "not known yet (the source is idle)"
+        self.report(f"{repair.table}: repaired {len(repair.buckets)} of {1 << repair.bits} "
+                    f"buckets (verification {repair.verification_id}): {deleted} rows "
+                    f"deleted, {inserted} inserted; every table consistent at lsn {shown}")
+        self.fleet.report_now()
+
+    def _give_up_repair(self, store: MirrorStore, table: str) -> None:
+        """Forget ``table``'s repair and drop its shadow (between transactions)."""
+        repair = self.repairs.pop(table, None)
+        task = self._repair_tasks.pop(table, None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        if repair is not None:
+            store.drop_shadow(repair.shadow)
+
+    async def _stop_repairs(self) -> None:
+        for task in self._repair_tasks.values():
+            task.cancel()
+        for task in self._repair_tasks.values():
+            with contextlib.suppress(BaseException):
+                await task
+        self._repair_tasks.clear()
+        self.repairs.clear()
 
     # -- following ---------------------------------------------------------------------------
     async def _follow(self, nc: NatsClient, js: JetStreamContext, store: MirrorStore,
@@ -481,6 +609,12 @@ class Mirror:
             elif _streaming(store.state(shadow_name(table))):
                 local[table] = shadow_name(table)
         self.bootstrapping = {table for table in self.tables if local.get(table) != table}
+        for table in list(self.repairs):  # a table bootstrapped again needs no repair
+            if local.get(table) != table:
+                self._give_up_repair(store, table)
+        # table -> its repair whose shadow is loaded: the shadow follows too
+        repair_shadows = {table: repair for table, repair in self.repairs.items()
+                          if repair.loaded and _streaming(store.state(repair.shadow))}
         self._start_loaders(nc, js, store, stop, local)
         self._loaded.clear()
         if not local:  # nothing to follow until a shadow is loaded
@@ -492,7 +626,8 @@ class Mirror:
                     await asyncio.wait_for(self._loaded.wait(), 0.5)
             return False
         followed = list(local)
-        start = store.resume_seq(local.values())
+        start = store.resume_seq([*local.values(),
+                                  *(repair.shadow for repair in repair_shadows.values())])
         first = (await js.stream_info(stream)).state.first_seq
         if start < first:
             for table, name in local.items():
@@ -512,7 +647,7 @@ class Mirror:
         held = {table: table_point(positions[name][1], positions[name][2])
                 for table, name in local.items() if name in positions}
         collector = TransactionCollector(followed, keep_events=False, held=held)
-        follow = _Following(self, js, store, collector, local)
+        follow = _Following(self, js, store, collector, local, repair_shadows)
         verifying = self.verifier is not None
         last_status = last_message = time.monotonic()
         try:
@@ -552,6 +687,7 @@ class Mirror:
                     raise _Restart  # follow the loaded shadow too
                 if between:
                     follow.swap_shadows()
+                    follow.finish_repairs()
                 if messages and self.durable:
                     with contextlib.suppress(Exception):
                         await reader.ack(messages[-1])  # the server's view of progress only
@@ -563,17 +699,20 @@ class Mirror:
                         last_status = now
                         self.report(self.status_line(pending,
                                                      len(followed) - len(follow.shadowed)))
-                    if pending == 0 and between and follow.shadowed:
+                    if pending == 0 and between and (follow.shadowed or follow.repair_shadows):
                         # read to the end: the stream's last message (any table's) bounds
                         # where the followed tables are
                         end = await _commit_lsn_at(js, stream, self.position, self.verifier)
                         if end is not None:
                             follow.read_through = max(follow.read_through or 0, end - 1)
                             follow.swap_shadows()
-                        if follow.shadowed and now - last_message >= IDLE_SWAP_SECONDS:
+                            follow.finish_repairs()
+                        if now - last_message >= IDLE_SWAP_SECONDS:
                             follow.swap_shadows(idle=True)
+                            follow.finish_repairs(idle=True)
                     if (pending == 0 and until_caught_up and collector.pending is None
-                            and not follow.shadowed and not self._loaders):
+                            and not follow.shadowed and not self._loaders
+                            and not self.repairs):
                         return True
                 await asyncio.sleep(0)  # a loader's turn
             return False
@@ -659,7 +798,8 @@ class _Following:
 
     def __init__(self, mirror: Mirror, js: JetStreamContext, store: MirrorStore,
                  collector: TransactionCollector,
-                 local: Mapping[str, str] | Sequence[str]) -> None:
+                 local: Mapping[str, str] | Sequence[str],
+                 repair_shadows: Mapping[str, Repair] | None = None) -> None:
         if not isinstance(local, Mapping):  # tables followed as they are, no shadow
             local = {table: table for table in local}
         self.mirror = mirror
@@ -673,7 +813,14 @@ class _Following:
         # shadow it is being bootstrapped in (mirror/consistency.py)
         self.local = dict(local)
         self.shadowed = {table: name for table, name in local.items() if name != table}
+        # table -> its repair whose shadow this pass follows: the table applies every event
+        # (those of the repaired buckets tolerantly, from the moment a repair is asked for),
+        # its repair shadow those of the buckets (mirror/repair.py)
+        self.repair_shadows = dict(repair_shadows or {})
+        self._repaired_buckets: dict[str, tuple[Repair, RepairedBuckets]] = {}
         self._tables = {name: table for table, name in local.items()}
+        self._tables.update((repair.shadow, table)
+                            for table, repair in self.repair_shadows.items())
         self.read_through: int | None = None  # commit LSN of the pass's last whole one
         # One SQLite transaction holds whole PostgreSQL transactions (and then, maybe, the
         # one being read) until commit(): a commit per batch read instead of one per
@@ -754,7 +901,8 @@ class _Following:
 
     @property
     def local_followed(self) -> list[str]:
-        return list(self.local.values())
+        return [*self.local.values(),
+                *(repair.shadow for repair in self.repair_shadows.values())]
 
     def event(self, event: Mapping[str, Any], seq: int, from_json: bool) -> None:
         try:
@@ -782,13 +930,24 @@ class _Following:
             shadow = self.shadowed.get(event["table"])
             if shadow is not None:
                 event = shadow_event(event, shadow)
+        tolerant, repaired = False, None  # (the event to the repair shadow too)
+        repair = self.mirror.repairs.get(event["table"]) if self.mirror.repairs else None
+        if repair is not None and self._buckets(repair).holds(event, from_json=from_json):
+            tolerant = True
+            if event["table"] in self.repair_shadows:
+                repaired = shadow_event(event, repair.shadow)
         # (once a transaction is open, apply() itself skips what the positions cover)
-        if fresh and (self.open or not self.store.covers(event)):
+        if fresh and (self.open or not self.store.covers(event)
+                      or (repaired is not None and not self.store.covers(repaired))):
             if not self.open:
                 self.store.begin()
                 self.open, self.applied_in_open = True, 0
             try:
-                self.store.apply(event, from_json=from_json)
+                # a row under repair may be missing or extra in the table: its changes are
+                # made to fit, never a divergence (its rows are replaced from the shadow)
+                self.store.apply(event, from_json=from_json, tolerant=tolerant)
+                if repaired is not None:
+                    self.store.apply(repaired, from_json=from_json, tolerant=True)
             except DivergenceError as exc:
                 self.abandon()
                 # (a batch of another table may have been flushed before this event: the
@@ -835,7 +994,9 @@ class _Following:
             if table not in self._followed:
                 raise ValueError(f"a digest message of {table!r:.80}, not followed")
             self.commit()
-            await meetings.digest(payload, table, vid)
+            result = await meetings.digest(payload, table, vid)
+            if result is not None:
+                self.mirror.verification_met(self, result)
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             log.error("refused message %s on %s: %s: %s", message.stream_seq, message.subject,
                       type(exc).__name__, exc)
@@ -844,7 +1005,9 @@ class _Following:
         """Whether no event of the transaction ``commit_lsn`` applies to ``tables``: it
         precedes each one's cutover or high-water mark (as committed), its shadow's too when
         it is bootstrapped aside."""
-        for table in [*tables, *(self.shadowed[t] for t in tables if t in self.shadowed)]:
+        for table in [*tables, *(self.shadowed[t] for t in tables if t in self.shadowed),
+                      *(self.repair_shadows[t].shadow for t in tables
+                        if t in self.repair_shadows)]:
             state = self.store.state(table)
             if (state is not None and state.status == "streaming"
                     and commit_lsn >= state.cutover_lsn
@@ -921,6 +1084,38 @@ class _Following:
         shown = format_lsn(lsn) if lsn is not None else "not known yet (the source is idle)"
         self.mirror.report(f"{', '.join(chosen)}: swapped in; every table consistent at lsn "
                            f"{shown}")
+
+    def finish_repairs(self, *, idle: bool = False) -> None:
+        """Replace the buckets of each repair whose shadow has caught up, at the point the
+        shadows of bootstraps are swapped in at (with ``idle``: now, the point then not
+        known). Between transactions only."""
+        if not self.repair_shadows:
+            return
+        visible, _ = self._points([t for t in self.followed if t not in self.shadowed])
+        shadows, _ = self._points([repair.shadow for repair in self.repair_shadows.values()])
+        ready = {self._tables[name]: point for name, point in shadows.items()}
+        for table, point in ready.items():
+            chosen, lsn = joining(visible, {table: point}, self.read_through)
+            if not chosen and not idle:
+                continue
+            repair = self.repair_shadows.pop(table)
+            deleted, inserted = self.store.replace_buckets(
+                table, repair.shadow, repair.bits, repair.buckets, repair.verification_id,
+                lsn if chosen else None)
+            del self._tables[repair.shadow]
+            self.mirror.repaired(repair, deleted, inserted, lsn if chosen else None)
+
+    def _buckets(self, repair: Repair) -> RepairedBuckets:
+        """Which events are of ``repair``'s buckets."""
+        known = self._repaired_buckets.get(repair.table)
+        if known is None or known[0] is not repair:
+            known = self._repaired_buckets[repair.table] = (repair, RepairedBuckets(
+                self.store.shape(repair.table), repair.bits, repair.buckets))
+        return known[1]
+
+    def bootstrap_again(self, table: str, reason: str, at_lsn: int) -> None:
+        """``table`` is bootstrapped again from a snapshot at ``at_lsn`` at least."""
+        self._mark_stale([table], reason, at_lsn)
 
     def abandon(self) -> None:
         """Roll back the open transaction (its events come again on the next pass)."""

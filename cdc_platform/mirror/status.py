@@ -10,6 +10,7 @@ from pathlib import Path
 from cdc_platform.lsn import format_lsn
 from cdc_platform.mirror.errors import MirrorError
 from cdc_platform.mirror.positions import CONSISTENT_TABLE, STATE_TABLE
+from cdc_platform.mirror.repair import REPAIR_PREFIX
 from cdc_platform.mirror.store import SHADOW_PREFIX
 
 
@@ -37,6 +38,12 @@ def status_lines(path: str | Path) -> list[str]:
             status = ("loading its snapshot" if status == "bootstrapping"
                       else "snapshot loaded, catching up" if status == "streaming" else status)
             status = f"(shadow) {status}"
+        elif table.startswith(REPAIR_PREFIX):
+            table = table[len(REPAIR_PREFIX):]
+            status = ("loading its repair snapshot" if status == "bootstrapping"
+                      else "repair snapshot loaded, catching up" if status == "streaming"
+                      else status)
+            status = f"(repair shadow) {status}"
         shown.append((table, status, snapshot_id, cutover, applied, seq, reason))
     lines = []
     for table, status, snapshot_id, cutover, applied, seq, reason in sorted(shown):

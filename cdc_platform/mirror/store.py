@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cdc_platform.lsn import parse_lsn_cached
-from cdc_platform.mirror import positions, verifications
+from cdc_platform.mirror import positions, repair, verifications
 from cdc_platform.mirror.apply import (
     CHANGE_ERRORS,
     ChangeWriter,
@@ -30,7 +30,7 @@ from cdc_platform.mirror.apply import (
     from_the_change,
 )
 from cdc_platform.mirror.columns import TableShape, insert_statement, quote, to_sqlite
-from cdc_platform.mirror.digests import Deltas, DigestKeeper
+from cdc_platform.mirror.digests import Deltas, DigestKeeper, scan_digest
 from cdc_platform.mirror.errors import DivergenceError, MirrorError
 from cdc_platform.mirror.positions import TableState, lsn_or_zero
 from cdc_platform.mirror.tables import SchemaChange, create_lookup, drop_lookup, follow_shape
@@ -356,9 +356,13 @@ class MirrorStore:
         return (state is None or state.status != "streaming"
                 or not state.wants(parse_lsn_cached(event["commit_lsn"]), event["ordinal"]))
 
-    def apply(self, event: Mapping[str, Any], *, from_json: bool = False) -> None:
+    def apply(self, event: Mapping[str, Any], *, from_json: bool = False,
+              tolerant: bool = False) -> None:
         """One event of the open transaction, unless the positions cover it. A schema event
-        alters the table, or marks it stale when no ALTER can follow the change."""
+        alters the table, or marks it stale when no ALTER can follow the change.
+        ``tolerant``: a change of a row under repair (mirror/repair.py), whose rows are
+        replaced anyway: one that does not fit is made to (:meth:`ChangeWriter.force`)
+        instead of raising :class:`DivergenceError`."""
         assert self._open is not None, "apply() outside begin()/commit()"
         try:
             table = event["table"]
@@ -378,7 +382,7 @@ class MirrorStore:
                 state.applied_commit_lsn, state.applied_ordinal = commit_lsn, event["ordinal"]
                 self._open.events += 1
                 return
-            if (operation in ("INSERT", "UPDATE") and not from_json
+            if (operation in ("INSERT", "UPDATE") and not from_json and not tolerant
                     and self._writer.batch(event, operation, table)):
                 state.applied_commit_lsn = commit_lsn
                 state.applied_ordinal = event["ordinal"]
@@ -398,7 +402,10 @@ class MirrorStore:
                 return
             if from_json:
                 event = self._restored(event)
-            self._writer.write(event)
+            if tolerant:
+                self._write_tolerantly(event)
+            else:
+                self._writer.write(event)
             state.applied_commit_lsn, state.applied_ordinal = commit_lsn, event["ordinal"]
             self._open.events += 1
         except DivergenceError:
@@ -407,6 +414,19 @@ class MirrorStore:
             if not from_the_change(exc, self._db):
                 raise
             raise does_not_fit(event["table"], event, exc) from exc
+
+    def _write_tolerantly(self, event: Mapping[str, Any]) -> None:
+        """``event`` written as it is where it fits, else forced (in a savepoint: what the
+        failed write did, its digest changes too, goes back first)."""
+        self._db.execute("SAVEPOINT cdc_tolerant")
+        try:
+            self._writer.write(event)
+        except CHANGE_ERRORS as exc:
+            if not isinstance(exc, DivergenceError) and not from_the_change(exc, self._db):
+                raise
+            self._db.execute("ROLLBACK TO cdc_tolerant")
+            self._writer.force(event)
+        self._db.execute("RELEASE cdc_tolerant")
 
     @property
     def open_events(self) -> int:
@@ -540,6 +560,59 @@ class MirrorStore:
                                                     stale_lsn=0), stream_seq=state.stream_seq)
             self.record_consistent_lsn(consistent_lsn)
         self._writer.forget({*shadows, *shadows.values()})
+
+    # -- repair (mirror/repair.py) --------------------------------------------------------------
+    def replace_buckets(self, table: str, shadow: str, bits: int, buckets: Sequence[int],
+                        verification_id: str, consistent_lsn: int | None) -> tuple[int, int]:
+        """In one SQLite transaction: delete ``table``'s rows whose key falls in ``buckets``
+        (at ``bits``), insert the caught-up ``shadow``'s rows of those buckets, set those
+        buckets' digests from what was inserted, drop the shadow, record the verification
+        ``verification_id`` ``repaired`` and ``consistent_lsn``. Rows outside the buckets
+        are not written. (rows deleted, rows inserted)."""
+        with self._transaction():
+            state, shape = self.state(shadow), self._shapes.get(shadow)
+            if state is None or shape is None or state.status != "streaming":
+                raise MirrorError(f"{table}: no caught-up repair shadow")
+            target = self.shape(table)
+            doomed = repair.rowids_in_buckets(self._db, target, bits, buckets)
+            self._db.executemany(f"DELETE FROM {quote(table)} WHERE rowid = ?",
+                                 ((rowid,) for rowid in doomed))
+            # (rows a key change moved out of the buckets while the shadow followed)
+            self._db.executemany(f"DELETE FROM {quote(shadow)} WHERE rowid = ?", (
+                (rowid,) for rowid in repair.rowids_in_buckets(self._db, shape, bits, buckets,
+                                                               inside=False)))
+            names = ", ".join(quote(column.name) for column in target.columns)
+            inserted = self._db.execute(f"INSERT INTO {quote(table)} ({names}) SELECT {names} "
+                                        f"FROM {quote(shadow)}").rowcount
+            self._digests.fold()
+            kept = self._digests.digest(table)
+            if kept is not None:
+                # the buckets' digests are what was inserted, whatever they were before (a
+                # digest kept without a scan may not have matched the damaged rows)
+                wanted = TableDigest(kept.bits, list(kept.totals), list(kept.counts))
+                inserted_digest = scan_digest(self._db, shape)
+                for bucket in repair.fine_buckets(bits, buckets, kept.bits):
+                    wanted.totals[bucket] = inserted_digest.totals[bucket]
+                    wanted.counts[bucket] = inserted_digest.counts[bucket]
+                self._digests.shift(table, kept, wanted)
+            self._drop_shadow(shadow)
+            verifications.record_repair(self._db, verification_id, table, inserted)
+            self.record_consistent_lsn(consistent_lsn)
+        self._writer.forget({table, shadow})
+        return len(doomed), inserted
+
+    def drop_shadow(self, shadow: str) -> None:
+        """Drop a shadow and its state (a repair given up)."""
+        with self._transaction():
+            self._drop_shadow(shadow)
+        self._writer.forget({shadow})
+
+    def _drop_shadow(self, shadow: str) -> None:
+        self._digests.forget(shadow)
+        self._db.execute(f"DROP TABLE IF EXISTS {quote(shadow)}")
+        self._shapes.pop(shadow, None)
+        positions.delete_state(self._db, shadow)
+        self._states.pop(shadow, None)
 
     # -- plumbing -------------------------------------------------------------------------------
     def _put_state(self, state: TableState, *, stream_seq: int) -> None:

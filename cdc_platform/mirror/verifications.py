@@ -213,6 +213,13 @@ def record(db: sqlite3.Connection, result: VerificationResult) -> None:
                 json.dumps(result.changed_outside), result.why, result.at))
 
 
+def record_repair(db: sqlite3.Connection, verification_id: str, table: str, rows: int) -> None:
+    """The buckets ``verification_id`` found differing in ``table`` were repaired: ``rows``
+    rows replaced them."""
+    db.execute(f"UPDATE {VERIFICATIONS_TABLE} SET status = 'repaired', rows_repaired = ? WHERE"
+               " verification_id = ? AND wire_table = ?", (rows, verification_id, table))
+
+
 def recorded(db: sqlite3.Connection, verification_id: str, table: str) -> bool:
     """Whether the mirror met ``verification_id`` of ``table`` already."""
     return db.execute(f"SELECT 1 FROM {VERIFICATIONS_TABLE} WHERE verification_id = ? AND "

@@ -15,6 +15,7 @@ from pathlib import Path
 from cdc_platform.mirror import positions
 from cdc_platform.mirror.digests import read_digest, scan_digest
 from cdc_platform.mirror.errors import MirrorError
+from cdc_platform.mirror.repair import REPAIR_PREFIX
 from cdc_platform.mirror.store import SHADOW_PREFIX
 from cdc_platform.mirror.verifications import last_verification
 from cdc_platform.wire.digest import TableDigest
@@ -64,7 +65,7 @@ def verify_file(path: str | Path, tables: Sequence[str] = ()) -> list[TableCheck
 
 def _checks(db: sqlite3.Connection, tables: Sequence[str]) -> list[TableCheck]:
     states = {name: positions.read_state(db, name) for name in positions.table_names(db)
-              if not name.startswith(SHADOW_PREFIX)}
+              if not name.startswith((SHADOW_PREFIX, REPAIR_PREFIX))}
     missing = [name for name in tables if name not in states]
     if missing:
         raise MirrorError(f"not mirrored in this file: {', '.join(missing)}")
