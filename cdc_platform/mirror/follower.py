@@ -80,6 +80,7 @@ from cdc_platform.wire import (
     CHANGE_OPERATIONS,
     CONTROL_TOKEN,
     HEADER_CLAIM_CHECK,
+    RESYNC_SUBJECT_PREFIX,
     SCHEMA_OPERATION,
     VERIFY_SUBJECT_PREFIX,
     WATERMARK_SUBJECT_PREFIX,
@@ -146,6 +147,7 @@ class Mirror:
         self.applied_events = 0
         self.applied_transactions = 0
         self.bootstraps = 0
+        self.init_bytes = 0  # chunk bytes read from `INIT` (bootstraps and repairs)
         # None: every message is taken as the platform's; else only those it verifies
         self.verifier = self.options.verifier()
         # refused for their signature (docs/wire-contract.md "Signatures")
@@ -163,6 +165,9 @@ class Mirror:
         self.repairs: dict[str, Repair] = {}
         self._repair_tasks: dict[str, asyncio.Task] = {}
         self.rows_repaired = 0
+        # tables that may miss changes a lost slot took (a resync marker), until verified:
+        # their changes are made to fit meanwhile (docs/verification.md "Item 6")
+        self.resyncing: set[str] = set()
         # what a repair started from the follow loop needs (set by run())
         self._session: tuple[NatsClient, JetStreamContext, MirrorStore, asyncio.Event] | None \
             = None
@@ -189,6 +194,7 @@ class Mirror:
         for name in store.tables():  # a repair under way when it stopped: asked for anew
             if name.startswith(REPAIR_PREFIX):  # by the next verification that differs
                 store.drop_shadow(name)
+        self.resyncing = store.resyncing()
         try:
             nc = await connect_nats(self.settings.nats, name="cdc-platform-mirror",
                                     reconnect_forever=True,
@@ -348,7 +354,7 @@ class Mirror:
             async for chunk in read_chunks(js, meta, stream=self.settings.topology.init.name,
                                            progress=progress.update, columns=columns,
                                            load=load if compiled is not None else None,
-                                           verifier=self.verifier):
+                                           verifier=self.verifier, received=self._received):
                 while loaded:  # (its own connection: the store's triggers did not see it)
                     # hashed on a worker thread: the other tables' changes go on meanwhile
                     hashed = await asyncio.to_thread(hashes, loaded.pop())
@@ -497,13 +503,18 @@ class Mirror:
         """After a verification of a streaming table differs: repair its buckets, or (too
         many, or no key to find them by) bootstrap it again. Between transactions."""
         table = result.table
-        if (result.status != "differ" or table in self.repairs or self._session is None
-                or follow.local.get(table) != table):
+        if self._session is None or follow.local.get(table) != table:
             return
         nc, js, store, stop = self._session
+        if result.status == "equal" and table in self.resyncing:
+            self._resynced(store, table)
+        if result.status != "differ" or table in self.repairs:
+            return
         why = why_not_repaired(result, store.shape(table))
         if why is not None:
             follow.bootstrap_again(table, why, result.lsn)
+            if table in self.resyncing:
+                self._resynced(store, table)
             return
         repair = self.repairs[table] = Repair(table, result.verification_id, result.lsn,
                                               result.bits,
@@ -555,6 +566,9 @@ class Mirror:
         self.report(f"{table}: its repair failed ({why}); bootstrapping again")
         self._loaded.set()  # (the follow loop starts over, bootstrapping it)
 
+    def _received(self, size: int) -> None:
+        self.init_bytes += size
+
     def _requester(self, nc: NatsClient, js: JetStreamContext) -> SnapshotRequester:
         topology, options = self.settings.topology, self.options
         return SnapshotRequester(
@@ -564,8 +578,34 @@ class Mirror:
             status_interval_seconds=options.status_interval_seconds, report=self.report,
             verifier=self.verifier)
 
+    def resync_marker(self, follow: _Following, seq: int, marker: Mapping[str, Any]) -> None:
+        """A resync marker at ``seq`` (between transactions): the followed tables that had
+        not read past it may miss changes from its ``lost_after`` on. Each keeps following,
+        its changes made to fit, until a verification met finds it equal or its differing
+        buckets are repaired (the platform verifies every table after a resync)."""
+        if marker.get("type") != "resync" or not isinstance(marker.get("lost_after"), str):
+            raise ValueError("not a resync marker")
+        assert self._session is not None
+        store = self._session[2]
+        tables = [table for table, name in follow.local.items()
+                  if (state := store.state(name)) is not None and state.stream_seq < seq
+                  and table not in self.resyncing]
+        if not tables:
+            return
+        store.set_resyncing(tables, marker["lost_after"])
+        self.resyncing.update(tables)
+        self.report(f"{', '.join(tables)}: the bridge lost its slot (changes after "
+                    f"{marker['lost_after']} may be missing); following tolerantly until "
+                    "verified")
+
+    def _resynced(self, store: MirrorStore, table: str) -> None:
+        self.resyncing.discard(table)
+        store.set_resyncing([table], None)
+
     def repaired(self, repair: Repair, deleted: int, inserted: int, lsn: int | None) -> None:
         """``repair``'s buckets were replaced (recorded with the rows, in one transaction)."""
+        if repair.table in self.resyncing and self._session is not None:
+            self._resynced(self._session[2], repair.table)
         self.repairs.pop(repair.table, None)
         self._repair_tasks.pop(repair.table, None)
         self.rows_repaired += inserted
@@ -728,7 +768,8 @@ class Mirror:
         subjects = [f"{CDC_PREFIX}.{table}.>" for table in followed]
         # verify markers (every marker: few) and the followed tables' digest messages, in
         # stream order with the changes (one consumer, several filters)
-        subjects += [f"{WATERMARK_SUBJECT_PREFIX}.*",
+        # resync markers: the bridge lost its slot (docs/wire-contract.md "Resync marker")
+        subjects += [f"{WATERMARK_SUBJECT_PREFIX}.*", f"{RESYNC_SUBJECT_PREFIX}.*",
                      *(f"{verify_digest_subject(table, '*')}" for table in followed)]
         config = ConsumerConfig(
             durable_name=self.durable, filter_subjects=subjects,
@@ -926,15 +967,17 @@ class _Following:
                 # began before this pass started and held nothing new: not a gap
                 self.first = False
             fresh, done = self.collector.offer(event, seq)
+        table = event["table"]
         if self.shadowed:
-            shadow = self.shadowed.get(event["table"])
+            shadow = self.shadowed.get(table)
             if shadow is not None:
                 event = shadow_event(event, shadow)
-        tolerant, repaired = False, None  # (the event to the repair shadow too)
-        repair = self.mirror.repairs.get(event["table"]) if self.mirror.repairs else None
+        # (the event to the repair shadow too, when of its buckets)
+        tolerant, repaired = table in self.mirror.resyncing, None
+        repair = self.mirror.repairs.get(table) if self.mirror.repairs else None
         if repair is not None and self._buckets(repair).holds(event, from_json=from_json):
             tolerant = True
-            if event["table"] in self.repair_shadows:
+            if table in self.repair_shadows:
                 repaired = shadow_event(event, repair.shadow)
         # (once a transaction is open, apply() itself skips what the positions cover)
         if fresh and (self.open or not self.store.covers(event)
@@ -980,6 +1023,12 @@ class _Following:
         assert meetings is not None
         try:
             payload = decode_any(message.data)
+            if message.subject.startswith(f"{RESYNC_SUBJECT_PREFIX}."):
+                if not isinstance(payload, Mapping):
+                    raise ValueError("not a resync marker")
+                self.commit()
+                self.mirror.resync_marker(self, message.stream_seq, payload)
+                return
             if message.subject.startswith(f"{WATERMARK_SUBJECT_PREFIX}."):
                 marker = meetings.verify_marker(payload, self.local)
                 if marker is None:

@@ -35,6 +35,31 @@ MOST_REPAIRED_SHARE = 0.25
 _KEY_SCAN_BATCH = 10_000
 
 
+# tables that followed the stream across a resync marker (the bridge lost its slot: changes
+# may be missing) and have not been verified since: (wire_table, the marker's lost_after)
+RESYNCING_TABLE = "_cdc_mirror_resyncing"
+
+
+def create_tables(db: sqlite3.Connection) -> None:
+    db.execute(f"CREATE TABLE IF NOT EXISTS {RESYNCING_TABLE} (wire_table TEXT PRIMARY KEY,"
+               " lost_after TEXT NOT NULL)")
+
+
+def resyncing(db: sqlite3.Connection) -> set[str]:
+    return {row[0] for row in db.execute(f"SELECT wire_table FROM {RESYNCING_TABLE}")}
+
+
+def set_resyncing(db: sqlite3.Connection, tables: Iterable[str], lost_after: str | None
+                  ) -> None:
+    """``tables`` resyncing since a marker of ``lost_after``; None: no longer."""
+    if lost_after is None:
+        db.executemany(f"DELETE FROM {RESYNCING_TABLE} WHERE wire_table = ?",
+                       ((table,) for table in tables))
+    else:
+        db.executemany(f"INSERT OR REPLACE INTO {RESYNCING_TABLE} VALUES (?, ?)",
+                       ((table, lost_after) for table in tables))
+
+
 def repair_shadow_name(table: str) -> str:
     """The local table a repair snapshot of ``table`` is loaded into and caught up in."""
     return REPAIR_PREFIX + table

@@ -85,13 +85,16 @@ async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str =
                       dictionary_bucket: str | None = None, progress: Progress | None = None,
                       columns: tuple[str, ...] | None = None,
                       load: ChunkLoad | None = None,
-                      verifier: SignatureVerifier | None = None) -> AsyncIterator[ChunkRows]:
+                      verifier: SignatureVerifier | None = None,
+                      received: Callable[[int], None] | None = None
+                      ) -> AsyncIterator[ChunkRows]:
     """Each chunk's rows (as tuples in ``columns`` order where it can: see
     :func:`decode_chunk`), every chunk exactly once; :class:`SnapshotUnusable` when the
     stream no longer holds all ``batch_count`` chunks, a chunk message cannot be read, or
     the rows do not add up to the meta's ``row_count``. With ``load``, a chunk it takes is
     written by it and comes with ``loaded`` set instead of its rows. A chunk ``verifier``
-    refuses is not the platform's: said, and read past."""
+    refuses is not the platform's: said, and read past. ``received``: told the size of
+    each chunk message read (the bytes a bootstrap or a repair moves)."""
     bucket = dictionary_bucket or meta.raw.get("dictionary_bucket") or "zstd_dictionaries"
     decompressors: dict[str | None, zstandard.ZstdDecompressor] = {}
     subscription = await js.pull_subscribe(
@@ -108,6 +111,8 @@ async def read_chunks(js: JetStreamContext, meta: SnapshotMeta, *, stream: str =
                 f"{info.num_pending} of its {meta.batch_count} chunks")
         while len(seen) < meta.batch_count:
             for message in await subscription.fetch(_FETCH_BATCH, timeout=10.0):
+                if received is not None:
+                    received(len(message.data))
                 headers = message.headers or {}
                 if verifier is not None:
                     refusal = verifier.refusal(message.subject, headers, message.data)

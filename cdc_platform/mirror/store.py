@@ -70,6 +70,7 @@ class MirrorStore:
             self._db.execute("PRAGMA synchronous=NORMAL")
             positions.create_tables(self._db)
             verifications.create_tables(self._db)
+            repair.create_tables(self._db)
             # the shape each table was last given, as the stream (not today's KV) has it
             shapes = positions.load_shapes(self._db)
             self._digests = DigestKeeper(self._db, enabled=digests)
@@ -600,6 +601,15 @@ class MirrorStore:
             self.record_consistent_lsn(consistent_lsn)
         self._writer.forget({table, shadow})
         return len(doomed), inserted
+
+    def resyncing(self) -> set[str]:
+        """The tables that may miss changes a lost slot took (mirror/repair.py)."""
+        return repair.resyncing(self._db)
+
+    def set_resyncing(self, tables: Iterable[str], lost_after: str | None) -> None:
+        """``tables`` may miss changes from ``lost_after`` on (None: verified since)."""
+        with self._transaction():
+            repair.set_resyncing(self._db, tables, lost_after)
 
     def drop_shadow(self, shadow: str) -> None:
         """Drop a shadow and its state (a repair given up)."""

@@ -12,16 +12,24 @@ import threading
 import psycopg
 import pytest
 
+from cdc_platform.dev.servers import start_logical_postgres
 from cdc_platform.mirror.follower import Mirror
 from cdc_platform.mirror.verifications import VerificationResult
 from cdc_platform.mirror.verify import verify_file
+from cdc_platform.postgres.admin import provision_database
 from cdc_platform.settings import MirrorSettings
 from cdc_platform.verify.job import verify_table
 from cdc_platform.wire.digest import RowDigester, bucket_of
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_caught_up
 from cdc_platform_tests.fixtures.bridge import bridge_ready, running_bridge, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
-from cdc_platform_tests.fixtures.services import platform_settings, random_name
+from cdc_platform_tests.fixtures.services import (
+    CdcDatabase,
+    platform_settings,
+    random_name,
+    secret_for_test,
+)
+from cdc_platform_tests.fixtures.slots import lose_slot
 from cdc_platform_tests.fixtures.verification import digest_message
 
 FAST = MirrorSettings(status_interval_seconds=1.0, snapshot_wait_seconds=120.0)
@@ -151,3 +159,86 @@ async def test_a_mirror_repairs_exactly_the_buckets_a_verification_finds_differi
     assert flowed_during > 0 and inserted > 20
     assert [check.differing for check in verify_file(db)] == [{}, {}]
     assert not any("bootstrapping again" in line for line in lines), "\n".join(lines)
+
+
+@pytest.mark.every_major
+async def test_after_a_lost_slot_a_mirror_is_made_equal_by_verification_and_repair(
+        server_dir, provisioned_nats, nats_client, tmp_path):
+    server = start_logical_postgres(server_dir / "pg", unsafe_no_fsync=True)
+    try:
+        admin = psycopg.connect(server.superuser_conninfo(), autocommit=True)
+        for setting in ("max_slot_wal_keep_size = '1MB'", "max_wal_size = '32MB'",
+                        "min_wal_size = '32MB'"):
+            admin.execute(f"ALTER SYSTEM SET {setting}")
+        admin.execute("SELECT pg_reload_conf()")
+        table, filler = random_name("resynced"), random_name("filler")
+        admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+        admin.execute(f"INSERT INTO {table} SELECT g, repeat('v', 40) || g "
+                      f"FROM generate_series(1, {ROWS}) g")
+        admin.execute(f"CREATE TABLE {filler} (id bigserial PRIMARY KEY, note text)")
+        database = CdcDatabase(server=server, publication=random_name("pub"),
+                               role=random_name("reader"), password=secret_for_test(),
+                               slot=random_name("slot"))
+        provision_database(admin, publication=database.publication, role=database.role,
+                           tables=[table], role_password=database.password)
+        settings = platform_settings(database, provisioned_nats.url, on_slot_lost="resync")
+        db = tmp_path / "mirror.db"
+        results: list[VerificationResult] = []
+        lines: list[str] = []
+        stop = asyncio.Event()
+        async with snapshot_responder(settings):
+            async with running_bridge(settings):
+                await bridge_ready(admin, database, settings, [table])
+                mirror = Mirror(settings, [table], db, options=FAST, report=lines.append,
+                                on_verification=lambda _, result: results.append(result))
+                running = asyncio.create_task(mirror.run(stop))
+                await mirror_caught_up(mirror, running, nats_client)
+            bootstrap_bytes = mirror.init_bytes
+            # the bridge away: changes its lost slot takes with it
+            admin.execute(f"UPDATE {table} SET v = 'lost' WHERE id <= 6")
+            admin.execute(f"DELETE FROM {table} WHERE id BETWEEN 21 AND 23")
+            admin.execute(f"INSERT INTO {table} SELECT g, 'lost' FROM generate_series("
+                          f"{ROWS + 1}, {ROWS + 3}) g")
+            lose_slot(admin, database.slot, filler)
+            async with running_bridge(settings) as bridge:
+                await wait_for(lambda: bridge.metrics.status()["slot_resyncs"] == 1,
+                               timeout=60, what="the resync")
+                # after the marker, changes of rows the mirror lacks or holds wrongly are
+                # made to fit instead of bootstrapping the table again
+                admin.execute(f"UPDATE {table} SET v = 'after' WHERE id IN (1, {ROWS + 1})")
+                admin.execute(f"DELETE FROM {table} WHERE id = {ROWS + 2}")
+                await bridge_caught_up(admin, database.slot)
+                await mirror_caught_up(mirror, running, nats_client)
+                assert mirror.resyncing == {table}, "\n".join(lines[-20:])
+                source = dict(admin.execute(f"SELECT id, v FROM {table}").fetchall())
+                held = {key: v for key, (_, v) in _local_rows(db, table).items()}
+                wrong = {key for key in {*source, *held} if source.get(key) != held.get(key)}
+                assert len(wrong) >= 9
+                # the platform verifies every table after a resync (resync_sensor)
+                repair_from = mirror.init_bytes
+                verified = await verify_table(None, settings, table, bits=BITS)
+                _, first, _ = await digest_message(nats_client, verified)
+                await wait_for(lambda: mirror.rows_repaired, timeout=60, what="the repair")
+                found = next(r for r in results
+                             if r.verification_id == first["verification_id"])
+                assert set(found.buckets_differing) == {_bucket(key) for key in wrong}
+                repair_bytes = mirror.init_bytes - repair_from
+                verified = await verify_table(None, settings, table, bits=BITS)
+                _, second, _ = await digest_message(nats_client, verified)
+                await wait_for(lambda: any(r.verification_id == second["verification_id"]
+                                           for r in results), timeout=60,
+                               what="the second verification met")
+                again = next(r for r in results
+                             if r.verification_id == second["verification_id"])
+                assert again.status == "equal", "\n".join(lines[-20:])
+                assert mirror.resyncing == set()
+            stop.set()
+            await asyncio.wait_for(running, 30)
+        assert {key: v for key, (_, v) in _local_rows(db, table).items()} == dict(
+            admin.execute(f"SELECT id, v FROM {table}").fetchall())
+        assert not any("bootstrapping again" in line for line in lines), "\n".join(lines)
+        # a repair of the buckets moves a small share of what a bootstrap did
+        assert 0 < repair_bytes < bootstrap_bytes / 5, (repair_bytes, bootstrap_bytes)
+        admin.close()
+    finally:
+        server.stop()

@@ -25,21 +25,7 @@ from cdc_platform_tests.fixtures.services import (
     read_subjects,
     secret_for_test,
 )
-
-
-def _lose_slot(admin: psycopg.Connection, slot: str, table: str) -> None:
-    """Write WAL past max_slot_wal_keep_size while the slot is idle, and checkpoint: PostgreSQL
-    invalidates it (what a bridge down for too long meets)."""
-    for _ in range(20):
-        admin.execute(f"INSERT INTO {table} (note) SELECT repeat('x', 1000) "
-                      "FROM generate_series(1, 3000)")
-        admin.execute(f"DELETE FROM {table} WHERE note LIKE 'xxx%'")
-        admin.execute("SELECT pg_switch_wal()")
-        admin.execute("CHECKPOINT")
-        state = read_slot(admin, slot)
-        if state is not None and state.lost:
-            return
-    raise AssertionError(f"slot {slot} was not invalidated")
+from cdc_platform_tests.fixtures.slots import lose_slot
 
 
 @pytest.mark.every_major
@@ -68,7 +54,7 @@ async def test_a_lost_slot_stops_the_bridge_or_is_marked_and_replaced(server_dir
             await read_subjects(nats_client, "CDC", subject, expect=1)
         confirmed = read_slot(admin, database.slot).confirmed_flush_lsn
         admin.execute(f"INSERT INTO {table} (note) VALUES ('lost')")
-        _lose_slot(admin, database.slot, table)
+        lose_slot(admin, database.slot, table)
 
         # the default: stop, saying what to do; the slot is left as it is
         stopping = CdcBridge(platform_settings(database, provisioned_nats.url))
