@@ -560,6 +560,12 @@ class Mirror:
                     self.report(f"{table}: the repair is unusable ({exc})")
         except (SnapshotRequestFailed, MirrorError) as exc:
             why = str(exc)
+        except (NatsError, TimeoutError) as exc:  # NATS away: the next verification asks again
+            log.warning("%s: the repair of verification %s stopped (%s)", table,
+                        repair.verification_id, exc)
+            await _between_transactions(store)
+            self._give_up_repair(store, table)
+            return
         await _between_transactions(store)
         self._give_up_repair(store, table)
         store.mark_stale(table, f"its repair failed ({why})", repair.lsn)
@@ -829,6 +835,8 @@ class Mirror:
                 f"{self.position}"
                 + (f"; {self.refused_messages:,} unsigned or badly signed messages refused"
                    if self.refused_messages else "")
+                + (f"; resyncing (not verified since the bridge lost its slot): "
+                   f"{', '.join(sorted(self.resyncing))}" if self.resyncing else "")
                 + ("; last verifications: " + ", ".join(
                     f"{table} {result.status}" for table, result in sorted(
                         self.verified.items())) if self.verified else ""))
