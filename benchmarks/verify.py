@@ -3,6 +3,8 @@
 (docs/verification.md Part 2, item 7, the source figure).
 
     .venv/bin/python benchmarks/verify.py [--rows 1000000] [--cores 2] [--runs 3] [--profile]
+                                          [--phases throughput,bridge] [--backlog 200000]
+                                          [--mode per-change] [--verify-nice N]
 
 Starts its own PostgreSQL and nats-server (temp dir), the 9-column table of ``snapshot.py``
 (its builder) with ``--rows`` rows, a bridge in this process (the digest waits until the
@@ -20,9 +22,10 @@ and measures in the same run, best of ``--runs``:
   its slot becoming active to its ``confirmed_flush_lsn`` passing the backlog's end), (a)
   alone and (b) while ``verify_table`` digests the 9-column table in this process, started
   first (the bridge starts once its tasks are reading), with ``local_parallelism`` ``--cores``
-  and 1, alternated (a, b, a, b1) ``--runs`` times; prints b/a against the mean of the a runs
-  beside it (target >= 0.9), the cores each process used during the catch-up and how much of
-  the catch-up the verification's tasks covered.
+  and 1, alternated (a, b, a, b1) ``--runs`` times (with ``--verify-nice N`` also a, b with
+  the verification's threads at nice N); prints b/a against the mean of the a runs beside
+  it (target >= 0.9), the cores each process used during the catch-up, the machine's busy
+  cores (every user's) and how much of the catch-up the verification's tasks covered.
 
 ``--phases throughput,bridge`` picks the phases (both by default).
 """
@@ -39,6 +42,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -102,6 +106,21 @@ def busy_cores_counter() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def start_verification(settings: PlatformSettings, parallelism: int, nice: int) -> Future:
+    """``verify_table`` of the 9-column table in a thread of its own, in process; ``nice``:
+    that thread's nice value, which the task threads it starts inherit (Linux)."""
+    def verify() -> VerificationResult:
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        return asyncio.run(verify_table(None, settings, TABLE, options=in_process(parallelism)))
+
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(verify)
+    finally:
+        pool.shutdown(wait=False)  # its thread ends with the verification
+
+
 def verification_reading(admin: psycopg.Connection, running: Future) -> None:
     """Until a task of the verification in ``running`` is reading its table."""
     while not admin.execute(
@@ -131,46 +150,52 @@ def bridge_beside_verification(pg, nats, settings: PlatformSettings, args,
         if admin.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s",
                          (slot,)).fetchone() is None:
             cdc.create_slots(admin, slot)
-        plan = [parallelism for _ in range(args.runs) for parallelism in (0, args.cores, 0, 1)]
-        with ThreadPoolExecutor(1) as pool:
-            for parallelism in plan:
-                while cdc.slot_state(admin, slot)[0]:  # the last bridge is still leaving
-                    time.sleep(0.05)
-                cdc.insert_rows(admin, next_id[0], args.backlog)
-                next_id[0] += args.backlog
-                end_lsn = cdc.current_lsn(admin)
-                run: dict = {"parallelism": parallelism}
-                verifying = None
-                if parallelism:
-                    verifying = pool.submit(lambda p=parallelism: asyncio.run(verify_table(
-                        None, settings, TABLE, options=in_process(p))))
-                    verification_reading(admin, verifying)
-                # the machine's busy cores from the bridge's start to its catch-up
-                run["busy"], run["started"] = busy_cores_counter(), time.monotonic()
+        # (verification's local_parallelism, its threads' nice value); 0: the bridge alone
+        kinds = [(0, 0), (args.cores, 0), (0, 0), (1, 0)]
+        if args.verify_nice:
+            kinds += [(0, 0), (args.cores, args.verify_nice)]
+        for parallelism, nice in [kind for _ in range(args.runs) for kind in kinds]:
+            while cdc.slot_state(admin, slot)[0]:  # the last bridge is still leaving
+                time.sleep(0.05)
+            cdc.insert_rows(admin, next_id[0], args.backlog)
+            next_id[0] += args.backlog
+            end_lsn = cdc.current_lsn(admin)
+            run: dict = {"parallelism": parallelism, "nice": nice}
+            verifying = None
+            if parallelism:
+                verifying = start_verification(settings, parallelism, nice)
+                verification_reading(admin, verifying)
+            # the machine's busy cores from the bridge's start to its catch-up
+            run["busy"], run["started"] = busy_cores_counter(), time.monotonic()
 
-                def caught_up(run=run, verifying=verifying) -> None:
-                    run["caught_up"] = time.monotonic()
-                    run["machine"] = (busy_cores_counter() - run["busy"]) / (
-                        run["caught_up"] - run["started"])
-                    if verifying is not None:  # the bridge confirms the verification's lsn
-                        run["verification"] = verifying.result()
-                        run["verified"] = time.monotonic()
+            def caught_up(run=run, verifying=verifying) -> None:
+                run["caught_up"] = time.monotonic()
+                run["machine"] = (busy_cores_counter() - run["busy"]) / (
+                    run["caught_up"] - run["started"])
+                if verifying is not None:  # the bridge confirms the verification's lsn
+                    run["verification"] = verifying.result()
+                    run["verified"] = time.monotonic()
 
-                run["rate"], _, run["cores"] = cdc.run_bridge_catch_up(
-                    admin, pg, nats, args.mode, slot, end_lsn, args.backlog, log, None,
-                    env=bridge_settings, also_using={"verify": os.getpid()},
-                    after_catch_up=caught_up)
-                runs.append(run)
-                print_bridge_run(run, args.backlog)
+            run["rate"], _, run["cores"] = cdc.run_bridge_catch_up(
+                admin, pg, nats, args.mode, slot, end_lsn, args.backlog, log, None,
+                env=bridge_settings, also_using={"verify": os.getpid()},
+                after_catch_up=caught_up)
+            runs.append(run)
+            print_bridge_run(run, args.backlog)
     print_bridge_ratios(runs, args)
+
+
+def kind_label(run: dict) -> str:
+    if not run["parallelism"]:
+        return "alone"
+    return (f"beside verification, parallelism {run['parallelism']}"
+            + (f", nice {run['nice']}" if run["nice"] else ""))
 
 
 def print_bridge_run(run: dict, backlog: int) -> None:
     cores = run["cores"]
-    label = f"beside verification, parallelism {run['parallelism']}" if run["parallelism"] \
-        else "alone"
-    line = (f"  {label:36s} {run['rate']:>9,.0f} ev/s | cores bridge {cores['bridge']:.2f} walsender "
-            f"{cores['walsender']:.2f} nats {cores['nats-server']:.2f} verification "
+    line = (f"  {kind_label(run):44s} {run['rate']:>9,.0f} ev/s | cores bridge "
+            f"{cores['bridge']:.2f} walsender {cores['walsender']:.2f} nats {cores['nats-server']:.2f} verification "
             f"(this process) {cores['verify']:.2f}, machine busy {run['machine']:.2f}")
     if run["parallelism"]:
         result: VerificationResult = run["verification"]
@@ -187,14 +212,14 @@ def print_bridge_ratios(runs: list[dict], args) -> None:
     """Each b run against the mean of the a runs beside it (the machine's speed drifts)."""
     print(f"\nbridge ({args.mode}, {args.backlog:,} changes) beside a verification of "
           f"{args.rows:,} rows / alone, each against the alone runs beside it (target >= 0.9):")
-    for parallelism in sorted({run["parallelism"] for run in runs} - {0}, reverse=True):
-        ratios = []
-        for index, run in enumerate(runs):
-            if run["parallelism"] == parallelism:
-                alone = [runs[i]["rate"] for i in (index - 1, index + 1)
-                         if 0 <= i < len(runs) and not runs[i]["parallelism"]]
-                ratios.append(run["rate"] / (sum(alone) / len(alone)))
-        print(f"  verification parallelism {parallelism}: "
+    by_kind: dict[str, list[float]] = {}
+    for index, run in enumerate(runs):
+        if run["parallelism"]:
+            alone = [runs[i]["rate"] for i in (index - 1, index + 1)
+                     if 0 <= i < len(runs) and not runs[i]["parallelism"]]
+            by_kind.setdefault(kind_label(run), []).append(run["rate"] / statistics.mean(alone))
+    for label, ratios in by_kind.items():
+        print(f"  {label}: "
               + ", ".join(f"{ratio:.2f}" for ratio in ratios)
               + f" (median {statistics.median(ratios):.2f})")
 
@@ -237,6 +262,9 @@ def main() -> None:
     parser.add_argument("--backlog", type=int, default=200_000,
                         help="changes the bridge catches up on in the bridge phase")
     parser.add_argument("--mode", default="per-change", help="the bridge's message mode")
+    parser.add_argument("--verify-nice", type=int, default=0,
+                        help="bridge phase: also a verification whose threads run at this "
+                             "nice value")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="bench-verify-"))
