@@ -147,6 +147,8 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
     settings = load_settings()
     tables = [table.strip() for table in args.tables.split(",") if table.strip()]
     keys = {"trusted_keys": ",".join(args.trusted_key)} if args.trusted_key else {}
+    if args.mirror_id is not None:
+        keys["mirror_id"] = args.mirror_id
     if args.inbox_prefix is not None:
         os.environ["CDC_MIRROR_INBOX_PREFIX"] = args.inbox_prefix
     mirror = Mirror(settings, tables, args.sqlite, durable=args.durable,
@@ -297,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the prefix of its inbox subjects (CDC_MIRROR_INBOX_PREFIX, "
                         "_INBOX): a team user's own, _INBOX_{team} "
                         "(docs/operations.md \"NATS setup\")")
+    mirror.add_argument("--mirror-id",
+                        help="the key of its state in KV mirrors (CDC_MIRROR_ID; default "
+                        "{hostname}-{file stem}); a team's user: {team}.{name}")
     mirror.add_argument("--once", action="store_true",
                         help="catch up, then exit (0) instead of following")
     mirror.add_argument("--trusted-key", action="append", metavar="PUBLIC_NKEY",

@@ -34,6 +34,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cdc_platform.errors import ConfigError
 from cdc_platform.wire.signing import MessageSigner, SignatureVerifier, public_key_bytes
+from cdc_platform.wire.subjects import MIRROR_ID_PATTERN
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2,
@@ -353,6 +354,12 @@ class SensorNatsSettings(_nats_settings_named("CDC_SENSOR_NATS", "", _OwnCredent
     for the runs it hosts (deploy/docker-compose.yaml)."""
 
 
+class FleetNatsSettings(_nats_settings_named("CDC_FLEET_NATS", "", _OwnCredential)):  # type: ignore[misc]
+    """The connection ``mirror_fleet_sensor`` reads the mirrors' states with: a NATS user that
+    may read the ``mirrors`` KV bucket and nothing else (``CDC_FLEET_NATS_*``), since what
+    the bucket holds was written by readers."""
+
+
 class StreamLimits(_Settings):
     """Limits shared by the three streams; each stream gets its own env prefix."""
 
@@ -453,6 +460,19 @@ class LargeBucketSettings(_Settings):
 
     bucket: str = Field("cdc_large", validation_alias=_env("CDC_LARGE_BUCKET"))
     replicas: int = Field(1, ge=1, le=5, validation_alias=_env("CDC_LARGE_REPLICAS"))
+
+
+class MirrorStateBucketSettings(_Settings):
+    """The ``mirrors`` KV bucket: each mirror's state (key = its mirror id), written by the
+    mirrors through READERS' ``mirror.state.>`` import; a mirror that stops writing is gone
+    from it after ``max_age`` (docs/verification.md Part 2, item 5)."""
+
+    bucket: str = Field("mirrors", validation_alias=_env("CDC_MIRROR_STATE_BUCKET"))
+    max_age_seconds: Seconds = Field(120.0, gt=0, validation_alias=_env("CDC_MIRROR_STATE_TTL"))
+    max_value_bytes: Bytes = Field(64 * 1024, validation_alias=_env(
+        "CDC_MIRROR_STATE_MAX_VALUE_BYTES"))
+    max_bytes: Bytes = Field(64 * 1024**2, validation_alias=_env("CDC_MIRROR_STATE_MAX_BYTES"))
+    replicas: int = Field(1, ge=1, le=5, validation_alias=_env("CDC_MIRROR_STATE_REPLICAS"))
 
 
 class EncodingSettings(_Settings):
@@ -568,6 +588,12 @@ class OrchestrationSettings(_Settings):
         90.0, ge=10, validation_alias=_env("CDC_RUN_LIVENESS_TIMEOUT"))
     cdc_liveness_interval_seconds: Seconds = Field(
         10.0, gt=0, validation_alias=_env("CDC_RUN_LIVENESS_INTERVAL"))
+    # mirrors_fresh fails when a mirror is this far behind the source's commit time, or
+    # when a mirror seen within CDC_MIRROR_GONE_KEEP stopped reporting (then forgotten)
+    mirror_lag_critical_seconds: Seconds = Field(
+        300.0, gt=0, validation_alias=_env("CDC_MIRROR_LAG_CRITICAL"))
+    mirror_gone_keep_seconds: Seconds = Field(
+        86400.0, gt=0, validation_alias=_env("CDC_MIRROR_GONE_KEEP"))
     # the public nkeys of the platform's signing keys (comma-separated, for rotation): the
     # snapshot request sensor hands out only snapshots they signed, without holding the seed
     signing_public_keys: PublicKeys = Field("", validation_alias=_env("CDC_SIGNING_PUBLIC_KEYS"))
@@ -601,6 +627,21 @@ class MirrorSettings(_Settings):
         keys = _listed(self.trusted_keys)
         return SignatureVerifier(keys) if keys else None
 
+    # The key of this mirror's state in KV `mirrors` (mirror.state.{mirror_id}): a name, or
+    # `{team}.{name}` for a team's user (which may publish mirror.state.{team}.> only).
+    # Unset: `{hostname}-{file stem}`, made a subject token (mirror/fleet.py).
+    mirror_id: str | None = Field(None, validation_alias=_env("CDC_MIRROR_ID"))
+    state_interval_seconds: Seconds = Field(
+        30.0, gt=0, validation_alias=_env("CDC_MIRROR_STATE_INTERVAL"))
+
+    @field_validator("mirror_id")
+    @classmethod
+    def _state_key(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(MIRROR_ID_PATTERN, value):
+            raise ValueError("must be {name} or {team}.{name} (each: letters, digits, _ or -, "
+                             "up to 64)")
+        return value
+
     # The subject prefix of this mirror's inboxes (nats-py's inbox_prefix): where its replies,
     # pull deliveries and snapshot replies come. A team user of deploy/nats may subscribe to
     # its own prefix only (`_INBOX_team_a`), so no other team reads what it is sent.
@@ -625,6 +666,7 @@ class NatsTopology(_Settings):
     schemas: SchemaBucketSettings = Field(default_factory=SchemaBucketSettings)
     dictionaries: DictionaryBucketSettings = Field(default_factory=DictionaryBucketSettings)
     large: LargeBucketSettings = Field(default_factory=LargeBucketSettings)
+    mirrors: MirrorStateBucketSettings = Field(default_factory=MirrorStateBucketSettings)
 
 
 class PlatformSettings(_Settings):
@@ -687,6 +729,7 @@ def load_settings(model: type[_Settings] = PlatformSettings, **overrides: Any) -
                 cdc=load_settings(CdcStreamSettings), init=load_settings(InitStreamSettings),
                 requests=load_settings(RequestStreamSettings),
                 schemas=load_settings(SchemaBucketSettings),
+                mirrors=load_settings(MirrorStateBucketSettings),
             )
         return model(**overrides)
     except ValidationError as exc:

@@ -28,6 +28,7 @@ from cdc_platform.protocol.changes import (
 )
 from cdc_platform.protocol.pgoutput import Relation, RelationColumn
 from cdc_platform.settings import EncodingSettings
+from cdc_platform.snapshot.buckets import BucketSelection
 from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
 from cdc_platform.snapshot.meta import snapshot_meta
 from cdc_platform.snapshot.reader import RangeStats
@@ -44,6 +45,7 @@ from cdc_platform.wire import (
     MessageSigner,
     encoder,
     meta_msg_id,
+    repair_meta_subject,
     signed_bytes,
     snapshot_meta_subject,
 )
@@ -160,9 +162,9 @@ def chunk(fmt: str, implementation: str) -> list[Message]:
             for c in chunks]
 
 
-def meta(fmt: str, implementation: str) -> list[Message]:
+def meta(fmt: str, implementation: str, buckets: BucketSelection | None = None,
+         snapshot_id: str = "20261122T100000Z-0a0b0c0d") -> list[Message]:
     schema = table_schema()
-    snapshot_id = "20261122T100000Z-0a0b0c0d"
     payload = snapshot_meta(  # the snapshot job's own writer
         snapshot_id=snapshot_id, lsn="1/900", watermark_lsn="1/980", cdc_stream="CDC",
         cdc_start_seq=41, schema=schema, partitions=3,
@@ -171,10 +173,18 @@ def meta(fmt: str, implementation: str) -> list[Message]:
                           bytes_compressed=700)],
         encoding=EncodingSettings(format=fmt, zstd=False), dictionary_id=None,
         dictionary_bucket="zstd_dictionaries", dictionary_key=None, duration=1.5,
-        timestamp=1795000100)
-    return [{"subject": snapshot_meta_subject("users"), "msg_id": meta_msg_id(snapshot_id),
+        timestamp=1795000100, buckets=buckets)
+    subject = snapshot_meta_subject("users") if buckets is None else repair_meta_subject("users")
+    return [{"subject": subject, "msg_id": meta_msg_id(snapshot_id),
              "headers": [[HEADER_CONTENT_TYPE, CONTENT_TYPES[fmt]]],
              "payload": encoder(fmt)(payload)}]
+
+
+def repair_meta(fmt: str, implementation: str) -> list[Message]:
+    """A repair snapshot's meta (docs/verification.md Part 2, item 4): on init.repair.users,
+    with its bits and buckets."""
+    return meta(fmt, implementation, BucketSelection(4, (3, 9)),
+                "repair-20261122T100000Z-0a0b0c0d")
 
 
 def digest(fmt: str, implementation: str) -> list[Message]:
@@ -212,7 +222,7 @@ def kv_schema(fmt: str, implementation: str) -> list[Message]:
 
 CASES: dict[str, Callable[[str, str], list[Message]]] = {
     "per_change": per_change, "batched": batched, "chunk": chunk, "meta": meta,
-    "kv_schema": kv_schema, "digest": digest}
+    "repair_meta": repair_meta, "kv_schema": kv_schema, "digest": digest}
 # The cases with two writers (compiled twins of them write msgpack: cdc_platform/_speedups).
 TWO_WRITERS = {"per_change", "batched", "chunk"}
 

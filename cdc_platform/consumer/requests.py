@@ -1,8 +1,10 @@
 """Snapshot requests, the requester's side (docs/wire-contract.md "Snapshot requests"): publish a
 request on ``snapshot.request.{table}`` and wait for its ``done`` reply, saying what happens
 meanwhile. A request that joined a run in flight, or one the stream let go in a flood, gets no
-``done``: the snapshot is then found in `INIT` (:func:`snapshot_stored_since`). The sensor answering
-requests is ``cdc_platform.snapshot.requests``."""
+``done``: the snapshot is then found in `INIT` (:func:`snapshot_stored_since`). A repair
+snapshot of some buckets (``purpose: repair``, docs/verification.md Part 2, item 4) is asked for
+the same way (:meth:`SnapshotRequester.request_repair`). The sensor answering requests is
+``cdc_platform.snapshot.requests``."""
 
 from __future__ import annotations
 
@@ -12,15 +14,16 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
-from cdc_platform.consumer.snapshots import snapshot_stored_since
+from cdc_platform.consumer.snapshots import repair_stored_since, snapshot_stored_since
 from cdc_platform.errors import CdcError
 from cdc_platform.lsn import format_lsn
 from cdc_platform.wire import SignatureVerifier, snapshot_request_subject
@@ -35,6 +38,15 @@ _STREAM_STORE_FAILED = 10077
 
 class SnapshotRequestFailed(CdcError):
     """The request was refused, its snapshot failed, or none came within the wait."""
+
+
+class AskAgainLater(SnapshotRequestFailed):
+    """Refused for now (a repair of the table ran moments ago): ask again after
+    ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -71,15 +83,54 @@ class SnapshotRequester:
             if not await self._publish(table, json.dumps(body).encode(), started, stop):
                 return None
             self.report(f"{table}: requested a snapshot (request {request_id})")
-            return await self._wait(table, request_id, inbox, replies, asked_after, min_lsn,
-                                    relation_id, started, stop)
+            return await self._wait(table, request_id, inbox, replies, partial(
+                snapshot_stored_since, self.js, table, asked_after, self.init_stream, min_lsn,
+                relation_id=relation_id, verifier=self.verifier), started, stop)
         finally:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
 
+    async def request_repair(self, table: str, bits: int, buckets: Sequence[int],
+                             stop: asyncio.Event) -> dict[str, Any] | None:
+        """The ``done`` reply's fields of a repair snapshot of ``buckets`` (at ``bits``) of
+        ``table``: its meta is on ``init.repair.{table}`` (read it with
+        ``consumer.snapshots.repair_meta_at``); None: ``stop`` was set first. Refused for
+        now (a repair of the table ran moments ago): asked again after ``retry_after``
+        while within ``wait_seconds``; any other refusal or a failure is
+        :class:`SnapshotRequestFailed`."""
+        started = time.monotonic()
+        while not stop.is_set():
+            inbox = self.nc.new_inbox()
+            replies: asyncio.Queue = asyncio.Queue()
+            subscription = await self.nc.subscribe(inbox, cb=replies.put)
+            request_id = secrets.token_hex(8)
+            try:
+                body = {"request_id": request_id, "reply_to": inbox, "purpose": "repair",
+                        "bits": bits, "buckets": list(buckets)}
+                asked_after = (await self.js.stream_info(self.init_stream)).state.last_seq
+                if not await self._publish(table, json.dumps(body).encode(), started, stop):
+                    return None
+                self.report(f"{table}: requested a repair of {len(buckets)} of "
+                            f"{1 << bits} buckets (request {request_id})")
+                return await self._wait(table, request_id, inbox, replies, partial(
+                    repair_stored_since, self.js, table, asked_after, bits, buckets,
+                    self.init_stream, verifier=self.verifier), started, stop)
+            except AskAgainLater as exc:
+                if time.monotonic() - started + exc.retry_after > self.wait_seconds:
+                    raise
+                self.report(f"{exc}; asking again in {exc.retry_after:.0f}s")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), exc.retry_after)
+            finally:
+                with contextlib.suppress(Exception):
+                    await subscription.unsubscribe()
+        return None
+
     async def _wait(self, table: str, request_id: str, inbox: str, replies: asyncio.Queue,
-                    asked_after: int, min_lsn: int, relation_id: int | None, started: float,
-                    stop: asyncio.Event) -> dict[str, Any] | None:
+                    stored_since: Callable[[], Awaitable[dict[str, Any] | None]],
+                    started: float, stop: asyncio.Event) -> dict[str, Any] | None:
+        """The ``done`` reply to ``request_id`` on ``inbox``, or what ``stored_since`` finds
+        in `INIT` meanwhile (the reply may never come); None: ``stop`` was set first."""
         last_report = last_look = time.monotonic()
         while not stop.is_set():
             try:
@@ -88,9 +139,7 @@ class SnapshotRequester:
                 now = time.monotonic()
                 if now - last_look >= LOOK_FOR_SNAPSHOT_SECONDS:
                     last_look = now
-                    found = await snapshot_stored_since(
-                        self.js, table, asked_after, self.init_stream, min_lsn,
-                        relation_id=relation_id, verifier=self.verifier)
+                    found = await stored_since()
                     if found is not None:
                         return found
                 if now - started > self.wait_seconds:
@@ -112,8 +161,11 @@ class SnapshotRequester:
             if status == "accepted":
                 self.report(f"{table}: snapshot request accepted (run key {reply.get('run_key')})")
             elif status == "refused":
-                raise SnapshotRequestFailed(f"{table}: snapshot request refused: "
-                                            f"{reply.get('reason')}")
+                refusal = f"{table}: snapshot request refused: {reply.get('reason')}"
+                retry_after = reply.get("retry_after")
+                if isinstance(retry_after, (int, float)) and 0 < retry_after <= 3600:
+                    raise AskAgainLater(refusal, float(retry_after))
+                raise SnapshotRequestFailed(refusal)
             elif status == "failed":
                 raise SnapshotRequestFailed(f"{table}: the snapshot failed: "
                                             f"{reply.get('reason')}")

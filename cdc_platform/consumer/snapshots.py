@@ -2,7 +2,10 @@
 newest meta of a table in `INIT` (:func:`latest_meta`), where `CDC` takes over from it
 (:func:`cutover_start_seq`), whether a recent snapshot can serve a request
 (:func:`reusable_snapshot`, :func:`snapshot_stored_since`), and the zstd dictionary a chunk names
-(:func:`fetch_dictionary`, :func:`decompressor`). Used by the mirror and by the snapshot request
+(:func:`fetch_dictionary`, :func:`decompressor`). A repair snapshot (some buckets of a table,
+docs/verification.md Part 2, item 4) has its meta on `init.repair.{table}`
+(:func:`latest_repair_meta`, :func:`repair_meta_at`), read with the same checks; whether it can
+repair a table is :func:`repair_refusal`. Used by the mirror and by the snapshot request
 sensor, which reads snapshots as any consumer does; taking and publishing them is
 ``cdc_platform.snapshot``."""
 
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +26,15 @@ from cdc_platform.errors import CdcError
 from cdc_platform.jetstream.kv import kv_value
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.settings import DictionaryBucketSettings
-from cdc_platform.wire import SignatureVerifier, decode_any, dictionary_key, snapshot_meta_subject
+from cdc_platform.wire import (
+    INIT_REPAIR_PREFIX,
+    SignatureVerifier,
+    decode_any,
+    dictionary_key,
+    repair_meta_subject,
+    snapshot_meta_subject,
+)
+from cdc_platform.wire.digest import MAX_HELD_BITS
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +74,45 @@ class SnapshotMeta:
     timestamp: float
     raw: dict[str, Any]
     seq: int = 0  # its sequence in the INIT stream
+    # a repair snapshot's buckets (its rows are those whose key hash falls in them); None:
+    # a full snapshot
+    bits: int | None = None
+    buckets: tuple[int, ...] | None = None
 
     @property
     def table_schema(self) -> dict[str, Any] | None:
         """The rows' shape (a KV ``schemas`` value), in metas written since it was added."""
         return self.raw.get("table_schema")
 
+    @property
+    def is_repair(self) -> bool:
+        return self.buckets is not None
+
+    @property
+    def subject(self) -> str:
+        """Where a meta of its kind is stored: ``init.repair.{table}`` or
+        ``init.meta.{table}``."""
+        return (repair_meta_subject if self.is_repair else snapshot_meta_subject)(self.table)
+
+    def covers(self, bits: int, buckets: Iterable[int]) -> bool:
+        """Whether a repair snapshot holds every row of ``buckets`` at ``bits`` (it may have
+        been taken at finer or coarser bits, for several requests at once)."""
+        if self.bits is None or self.buckets is None:
+            return True  # a full snapshot holds every row
+        mine = set(self.buckets)
+        for bucket in buckets:
+            if bits >= self.bits:
+                if bucket >> (bits - self.bits) not in mine:
+                    return False
+            elif not mine.issuperset(range(bucket << (self.bits - bits),
+                                           (bucket + 1) << (self.bits - bits))):
+                return False
+        return True
+
     @classmethod
     def from_wire(cls, meta: dict[str, Any], seq: int = 0) -> SnapshotMeta:
         try:
+            bits, buckets = _repair_buckets(meta)
             return cls(
                 table=meta["table"], snapshot_id=meta["snapshot_id"],
                 lsn=parse_lsn(meta["lsn"]), batch_count=int(meta["batch_count"]),
@@ -80,9 +121,25 @@ class SnapshotMeta:
                 watermark_subject=meta["watermark_subject"],
                 chunk_subject_prefix=meta["chunk_subject_prefix"],
                 schema_fingerprint=meta["schema_fingerprint"], format=meta["format"],
-                timestamp=float(meta["timestamp"]), raw=meta, seq=seq)
-        except (KeyError, TypeError, ValueError) as exc:
+                timestamp=float(meta["timestamp"]), raw=meta, seq=seq, bits=bits,
+                buckets=buckets)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise SnapshotUnusable(f"malformed snapshot meta ({exc!r})") from exc
+
+
+def _repair_buckets(meta: Mapping[str, Any]) -> tuple[int | None, tuple[int, ...] | None]:
+    """A repair meta's ``bits`` and ``buckets`` (both absent: a full snapshot's meta);
+    ValueError when they are not buckets at ``bits``."""
+    if "bits" not in meta and "buckets" not in meta:
+        return None, None
+    bits, buckets = meta["bits"], meta["buckets"]
+    if type(bits) is not int or not 0 <= bits <= MAX_HELD_BITS:
+        raise ValueError(f"bits {bits!r}")
+    if (not isinstance(buckets, list) or not buckets
+            or any(type(b) is not int or not 0 <= b < 1 << bits for b in buckets)
+            or buckets != sorted(set(buckets))):
+        raise ValueError(f"buckets must be sorted distinct numbers below 2^{bits}")
+    return bits, tuple(buckets)
 
 
 async def latest_meta(js: JetStreamContext, table: str, stream: str = "INIT",
@@ -98,8 +155,42 @@ async def latest_meta(js: JetStreamContext, table: str, stream: str = "INIT",
 
 async def meta_at(js: JetStreamContext, stream: str, done: Mapping[str, Any],
                   verifier: SignatureVerifier | None = None) -> SnapshotMeta | None:
-    """The meta a ``done`` reply names (``meta_seq`` in ``stream``, the `INIT` stream); None
-    when ``verifier`` refuses it (logged); :class:`NoMetaThere` when the reply names none."""
+    """The full snapshot's meta a ``done`` reply names (``meta_seq`` in ``stream``, the
+    `INIT` stream); None when ``verifier`` refuses it (logged); :class:`NoMetaThere` when
+    the reply names none; :class:`SnapshotUnusable` when it names a repair snapshot's
+    (loading its buckets as the whole table would lose every other row)."""
+    meta = await _meta_named(js, stream, done, verifier)
+    if meta is not None and meta.is_repair:
+        raise SnapshotUnusable(f"the snapshot reply names the meta of repair snapshot "
+                               f"{meta.snapshot_id} of {meta.table}, not a full snapshot's")
+    return meta
+
+
+async def repair_meta_at(js: JetStreamContext, stream: str, done: Mapping[str, Any],
+                         verifier: SignatureVerifier | None = None) -> SnapshotMeta | None:
+    """The repair snapshot's meta a ``done`` reply to a ``purpose: repair`` request names
+    (``meta_seq``; ``meta_subject`` is ``init.repair.{table}``), checked as :func:`meta_at`
+    checks a full one's; :class:`SnapshotUnusable` when it names a full snapshot's meta."""
+    meta = await _meta_named(js, stream, done, verifier)
+    if meta is not None and not meta.is_repair:
+        raise SnapshotUnusable(f"the repair reply names the meta of snapshot "
+                               f"{meta.snapshot_id} of {meta.table}, not a repair snapshot's")
+    return meta
+
+
+async def latest_repair_meta(js: JetStreamContext, table: str, stream: str = "INIT",
+                             verifier: SignatureVerifier | None = None) -> SnapshotMeta | None:
+    """The newest repair snapshot's meta of ``table`` (``init.repair.{table}``), or None
+    (also when ``verifier`` refuses it)."""
+    try:
+        message = await js.get_last_msg(stream, repair_meta_subject(table))
+    except NotFoundError:
+        return None
+    return _verified_meta(message, stream, verifier)
+
+
+async def _meta_named(js: JetStreamContext, stream: str, done: Mapping[str, Any],
+                      verifier: SignatureVerifier | None) -> SnapshotMeta | None:
     try:
         return _verified_meta(await js.get_msg(stream, seq=int(done["meta_seq"])), stream,
                               verifier)
@@ -115,7 +206,33 @@ def _verified_meta(message: RawStreamMsg, stream: str,
     if refusal is not None:
         log.error("refused the snapshot meta at %s of %s: %s", message.seq, stream, refusal)
         return None
-    return SnapshotMeta.from_wire(decode_any(message.data or b""), message.seq or 0)
+    meta = SnapshotMeta.from_wire(decode_any(message.data or b""), message.seq or 0)
+    # a repair meta (some buckets) is one only where repair metas are, and a meta there is
+    # never taken for a full snapshot's
+    if (message.subject or "").startswith(f"{INIT_REPAIR_PREFIX}.") != meta.is_repair \
+            or message.subject != meta.subject:
+        raise SnapshotUnusable(f"the meta of snapshot {meta.snapshot_id} at {message.seq} of "
+                               f"{stream} is on {message.subject}, not {meta.subject}")
+    return meta
+
+
+def repair_refusal(meta: SnapshotMeta, table: str, schema_fingerprint: str, bits: int,
+                   buckets: Iterable[int]) -> str | None:
+    """Why the repair snapshot ``meta`` cannot replace the rows of ``buckets`` (at ``bits``)
+    of ``table`` as a consumer holds it (``schema_fingerprint``: the shape of its rows), or
+    None when it can. Its rows are loaded as a full snapshot's are (:func:`repair_meta_at`,
+    then the chunks, signatures checked alike) and follow the same cutover rule."""
+    if not meta.is_repair:
+        return f"snapshot {meta.snapshot_id} is not a repair snapshot"
+    if meta.table != table:
+        return f"repair snapshot {meta.snapshot_id} is of {meta.table}, not {table}"
+    if meta.schema_fingerprint != schema_fingerprint:
+        return (f"repair snapshot {meta.snapshot_id} of {table} has rows of schema "
+                f"{meta.schema_fingerprint}, the table holds {schema_fingerprint}")
+    if not meta.covers(bits, buckets):
+        return (f"repair snapshot {meta.snapshot_id} of {table} holds buckets {meta.buckets} "
+                f"at {meta.bits} bits, not every one asked for at {bits} bits")
+    return None
 
 
 async def cutover_start_seq(js: JetStreamContext, meta: SnapshotMeta,
@@ -200,8 +317,21 @@ async def _done_if_usable(js: JetStreamContext, table: str, meta: SnapshotMeta, 
         return None
     return {"snapshot_id": meta.snapshot_id, "lsn": meta.raw["lsn"],
             "cdc_stream": meta.cdc_stream, "cdc_start_seq": start_seq,
-            "meta_subject": snapshot_meta_subject(table), "meta_seq": meta.seq,
-            "reused": reused}
+            "meta_subject": meta.subject, "meta_seq": meta.seq, "reused": reused}
+
+
+async def repair_stored_since(js: JetStreamContext, table: str, asked_after_seq: int,
+                              bits: int, buckets: Iterable[int], init_stream: str = "INIT", *,
+                              verifier: SignatureVerifier | None = None
+                              ) -> dict[str, Any] | None:
+    """The ``done`` fields of the newest repair snapshot of ``table`` if it was stored after
+    the request was made (its `INIT` sequence above ``asked_after_seq``), holds every row of
+    ``buckets`` at ``bits``, and has a cutover point the CDC stream still holds: what a
+    repair requester whose ``done`` got lost finds instead."""
+    meta = await latest_repair_meta(js, table, init_stream, verifier)
+    if meta is None or meta.seq <= asked_after_seq or not meta.covers(bits, buckets):
+        return None
+    return await _done_if_usable(js, table, meta, reused=False, verifier=verifier)
 
 
 def snapshot_relation_id(meta: SnapshotMeta) -> int | None:

@@ -21,6 +21,7 @@ from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.settings import (
     BridgeSettings,
     EncodingSettings,
+    FleetNatsSettings,
     NatsSettings,
     NatsTopology,
     PlatformSettings,
@@ -62,11 +63,14 @@ class NatsResource(ConfigurableResource):
 
     @asynccontextmanager
     async def connect(self, name: str = "cdc-platform-dagster", *,
-                      as_sensor: bool = False):
+                      as_sensor: bool = False, as_fleet: bool = False):
         """``as_sensor``: with the snapshot request sensor's own user (CDC_SENSOR_NATS_*,
-        when set: it may write nothing), not the bridge's the process may hold."""
+        when set: it may write nothing), not the bridge's the process may hold;
+        ``as_fleet``: with mirror_fleet_sensor's (CDC_FLEET_NATS_*: it may only read KV
+        mirrors)."""
         main = self.settings()
-        own = load_settings(SensorNatsSettings).resolved(main) if as_sensor else None
+        own = (load_settings(SensorNatsSettings).resolved(main) if as_sensor
+               else load_settings(FleetNatsSettings).resolved(main) if as_fleet else None)
         client = await connect_nats(own or main, name=name)
         try:
             yield client

@@ -13,6 +13,10 @@
 * ``schemas`` KV bucket: one key per published table.
 * ``zstd_dictionaries`` KV bucket: the zstd dictionaries of compressed snapshots (key =
   ``{table}.{dictionary id}``, one version each: an id never names other bytes).
+* ``mirrors`` KV bucket: each mirror's state (key = mirror id), written by readers through
+  their ``mirror.state.>`` import, gone after its TTL when a mirror stops writing; so its
+  stream takes no rollup (a ``Nats-Rollup: all`` header would purge every mirror's state)
+  and no per-message TTL header, and READERS gets no mirror of it.
 
 ``provision_readers`` makes the other account's side (deploy/nats/nats-server.conf,
 docs/operations.md "NATS setup"): mirrors of ``CDC``, ``INIT``, the two KV buckets and the object
@@ -144,12 +148,39 @@ async def _ensure_requests_consumer(js: JetStreamContext, topology: NatsTopology
 
 
 def wanted_buckets(topology: NatsTopology) -> list[KeyValueConfig]:
+    """The platform's KV buckets: ``schemas``, the dictionaries, the mirrors' states (last:
+    see :func:`mirror_state_bucket_config`)."""
     return [
         KeyValueConfig(bucket=topology.schemas.bucket, history=topology.schemas.history,
                        storage=StorageType.FILE, replicas=topology.schemas.replicas,
                        description="cdc_platform table schemas (key = table)"),
         dictionary_bucket_config(topology.dictionaries.bucket, topology.dictionaries.replicas),
+        mirror_state_bucket_config(topology),
     ]
+
+
+def mirror_state_bucket_config(topology: NatsTopology) -> KeyValueConfig:
+    limits = topology.mirrors
+    return KeyValueConfig(
+        bucket=limits.bucket, history=1, ttl=limits.max_age_seconds,
+        max_value_size=limits.max_value_bytes, max_bytes=limits.max_bytes,
+        storage=StorageType.FILE, replicas=limits.replicas,
+        description="cdc_platform mirrors' states (key = mirror id; written by readers "
+                    "on mirror.state.{mirror id})")
+
+
+def reader_written_bucket_stream(wanted: KeyValueConfig) -> StreamConfig:
+    """The stream of a KV bucket that readers write (``mirrors``): what nats-py's
+    ``create_key_value`` makes, without the rollup and per-message TTL headers a writer could
+    use against other keys or the bucket's TTL."""
+    return StreamConfig(
+        name=f"KV_{wanted.bucket}", description=wanted.description,
+        subjects=[f"$KV.{wanted.bucket}.>"], retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE, discard=DiscardPolicy.NEW, allow_direct=True,
+        allow_rollup_hdrs=False, allow_msg_ttl=False, deny_delete=True,
+        duplicate_window=min(120.0, wanted.ttl or 120.0), max_age=wanted.ttl,
+        max_bytes=wanted.max_bytes, max_msg_size=wanted.max_value_size, max_msgs=-1,
+        max_msgs_per_subject=wanted.history, num_replicas=wanted.replicas)
 
 
 def dictionary_bucket_config(bucket: str, replicas: int = 1) -> KeyValueConfig:
@@ -160,11 +191,14 @@ def dictionary_bucket_config(bucket: str, replicas: int = 1) -> KeyValueConfig:
 
 
 async def _ensure_bucket(js: JetStreamContext, wanted: KeyValueConfig, report: ProvisionReport,
-                         conflicts: list[str]) -> None:
+                         conflicts: list[str], *, readers_write: bool = False) -> None:
     try:
         info = await js.stream_info(f"KV_{wanted.bucket}")
     except NotFoundError:
-        await js.create_key_value(wanted)
+        if readers_write:
+            await js.add_stream(reader_written_bucket_stream(wanted))
+        else:
+            await js.create_key_value(wanted)
         report.created.append(f"kv:{wanted.bucket}")
         return
     differences: dict[str, tuple[Any, Any]] = {}
@@ -174,6 +208,15 @@ async def _ensure_bucket(js: JetStreamContext, wanted: KeyValueConfig, report: P
         differences["storage"] = (info.config.storage, StorageType.FILE)
     if (info.config.num_replicas or 1) != wanted.replicas:
         differences["replicas"] = (info.config.num_replicas, wanted.replicas)
+    for name, have, want in (("ttl", info.config.max_age, wanted.ttl),
+                             ("max_value_size", info.config.max_msg_size,
+                              wanted.max_value_size),
+                             ("max_bytes", info.config.max_bytes, wanted.max_bytes)):
+        unset = 0.0 if name == "ttl" else -1  # (the server's "no limit")
+        if _normalized(have or unset) != _normalized(want or unset):
+            differences[name] = (have, want)
+    if readers_write and info.config.allow_rollup_hdrs:
+        differences["allow_rollup_hdrs"] = (True, False)
     if differences:
         conflicts.append(_describe(f"kv:{wanted.bucket}", differences))
     else:
@@ -320,7 +363,8 @@ async def provision(js: JetStreamContext, topology: NatsTopology, *,
             conflicts.append(_describe(name, differences))
 
     for wanted_bucket in wanted_buckets(topology):
-        await _ensure_bucket(js, wanted_bucket, report, conflicts)
+        await _ensure_bucket(js, wanted_bucket, report, conflicts,
+                             readers_write=wanted_bucket.bucket == topology.mirrors.bucket)
     await _ensure_object_store(js, topology, report, conflicts, update)
 
     if conflicts:
@@ -358,9 +402,10 @@ def mirror_config(origin: str, limits: StreamConfig, *, api_prefix: str = READER
 
 def wanted_mirrors(topology: NatsTopology) -> list[StreamConfig]:
     """The READERS mirrors: ``CDC``, ``INIT``, ``KV_{schemas}``, ``KV_{dictionaries}``,
-    ``OBJ_{large}``, with their origins' limits (a KV mirror keeps its history)."""
+    ``OBJ_{large}``, with their origins' limits (a KV mirror keeps its history). Not the
+    mirrors' states: readers write them and never read them."""
 
-    schemas, dictionaries = wanted_buckets(topology)
+    schemas, dictionaries, _ = wanted_buckets(topology)
     large = object_store_config(topology.large.bucket, topology.cdc.max_age_seconds,
                                 topology.large.replicas)
     origins = [

@@ -58,6 +58,7 @@ from cdc_platform.mirror.consistency import (
     table_point,
 )
 from cdc_platform.mirror.errors import DivergenceError, MirrorError
+from cdc_platform.mirror.fleet import MirrorStateReporter, default_mirror_id
 from cdc_platform.mirror.positions import TableState
 from cdc_platform.mirror.snapshots import BootstrapProgress, read_chunks
 from cdc_platform.mirror.store import MirrorStore
@@ -137,6 +138,14 @@ class Mirror:
         # tables not streaming in the file yet (loading, or caught up in a shadow, or stale)
         self.bootstrapping: set[str] = set(self.tables)
         self._loaded = asyncio.Event()  # a shadow is loaded: follow it from the next pass
+        self.pending_events = 0  # events not applied yet, as last looked up
+        # its state in KV `mirrors`; report_now() after a verification or a repair
+        self.fleet = MirrorStateReporter(
+            self.options.mirror_id or default_mirror_id(self.path), self.path, self.tables,
+            bucket=settings.topology.mirrors.bucket,
+            interval_seconds=self.options.state_interval_seconds,
+            lag_seconds=lambda: self.lag_seconds(self.pending_events),
+            stream_last_lsn=self.stream_last_lsn)
 
     # -- top level ---------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None, *,
@@ -150,8 +159,9 @@ class Mirror:
             nc = await connect_nats(self.settings.nats, name="cdc-platform-mirror",
                                     reconnect_forever=True,
                                     inbox_prefix=self.options.inbox_prefix)
+            js = nc.jetstream()
+            reporting = asyncio.create_task(self.fleet.run(js))
             try:
-                js = nc.jetstream()
                 await self._check_published(js)
                 while not stop.is_set():
                     try:
@@ -160,6 +170,9 @@ class Mirror:
                     except _Restart:
                         continue
             finally:
+                reporting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reporting
                 await self._stop_loaders()
                 await close_nats(nc, 5.0)
         finally:
@@ -555,13 +568,25 @@ class Mirror:
         if pending == 0 and collector.pending is None and last > self.position:
             store.advance(followed, last)
             self.position = last
+        self.pending_events = pending
         return pending
 
-    def status_line(self, pending: int, streaming: int) -> str:
-        behind = 0.0
+    async def stream_last_lsn(self, js: JetStreamContext) -> int | None:
+        """The commit LSN of `CDC`'s last message: how far the source is."""
+        stream = self.settings.topology.cdc.name
+        last = (await js.stream_info(stream)).state.last_seq
+        return await _commit_lsn_at(js, stream, last, self.verifier) if last else None
+
+    def lag_seconds(self, pending: int) -> float:
+        """How far behind the source's commit time the mirror is, with ``pending`` events
+        not applied yet (0: none pending)."""
         if pending and self._last_commit_ts:
             with contextlib.suppress(TypeError, ValueError, OverflowError):  # (not a time)
-                behind = max(0.0, time.time() - commit_ts_epoch(self._last_commit_ts))
+                return max(0.0, time.time() - commit_ts_epoch(self._last_commit_ts))
+        return 0.0
+
+    def status_line(self, pending: int, streaming: int) -> str:
+        behind = self.lag_seconds(pending)
         return (f"mirror: {streaming} table(s) streaming, {self.applied_transactions:,} "
                 f"transactions / {self.applied_events:,} events applied, {pending:,} events "
                 f"behind, {behind:.1f}s behind the source commit time; position "

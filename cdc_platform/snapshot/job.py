@@ -29,6 +29,13 @@ this order:
    publishes (``reader``); tasks return statistics only.
 7. **Meta** on ``init.meta.{table}`` once every chunk is acknowledged.
 
+A **repair snapshot** (``buckets=(bits, bucket_numbers)``, docs/verification.md Part 2, item
+4) is the same job keeping only the rows whose key hash falls in those buckets: selected by
+a ``WHERE`` on the key hash when PostgreSQL can compute it (``postgres/key_hash.py``), else by
+the tasks after converting the key (``buckets.py``). Its id starts with ``repair-``, its meta
+(with ``bits`` and ``buckets``) goes to ``init.repair.{table}``: a full snapshot's
+``init.meta.{table}`` is untouched.
+
 Cutover rule for consumers (also in the meta's ``cutover_rule``)::
 
     load every chunk of the snapshot (batch_count of them; numbers are not contiguous), then
@@ -53,7 +60,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -64,6 +71,7 @@ from psycopg import sql
 
 from cdc_platform.errors import (
     SnapshotError,
+    SnapshotRequestRefused,
     TableLockWaitError,
 )
 from cdc_platform.jetstream.connection import connect_nats
@@ -75,13 +83,14 @@ from cdc_platform.settings import (
     PlatformSettings,
 )
 from cdc_platform.snapshot import dictionary as dictionaries
+from cdc_platform.snapshot.buckets import BucketSelection
 from cdc_platform.snapshot.export import (
     emit_watermark,
     exported_snapshot,
     take_guard,
     wait_for_marker,
 )
-from cdc_platform.snapshot.meta import publish_meta, snapshot_meta
+from cdc_platform.snapshot.meta import meta_subject, publish_meta, snapshot_meta
 from cdc_platform.snapshot.options import SnapshotOptions
 from cdc_platform.snapshot.reader import (
     RangeStats,
@@ -100,19 +109,24 @@ from cdc_platform.snapshot.source import (
 from cdc_platform.snapshot.tasks import plan_tasks, raise_task_errors, run_tasks
 from cdc_platform.wire import (
     MessageSigner,
-    snapshot_meta_subject,
     watermark_subject,
 )
 
 log = logging.getLogger(__name__)
 
 _SNAPSHOT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+REPAIR_ID_PREFIX = "repair-"
 _T = TypeVar("_T")
 
 
 def new_snapshot_id() -> str:
     """Sortable and unique: ``20261122T113400Z-1a2b3c4d``."""
     return f"{datetime.now(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(4)}"
+
+
+def new_repair_id() -> str:
+    """A repair snapshot's id says what it is: ``repair-20261122T113400Z-1a2b3c4d``."""
+    return REPAIR_ID_PREFIX + new_snapshot_id()
 
 
 @dataclass(frozen=True)
@@ -146,6 +160,9 @@ class SnapshotResult:
     sample_ratio_with_dictionary: float | None = None
     sample_ratio_without_dictionary: float | None = None
     ranges: tuple[RangeStats, ...] = field(default=(), repr=False)
+    # a repair snapshot's buckets (its meta is on init.repair.{table}); None: a full snapshot
+    bits: int | None = None
+    buckets: tuple[int, ...] | None = None
 
     @property
     def compression_ratio(self) -> float:
@@ -156,20 +173,30 @@ class SnapshotResult:
 async def snapshot_table(spark: Any, settings: PlatformSettings, table: str, *,
                          snapshot_id: str | None = None,
                          options: SnapshotOptions | None = None,
-                         fault: TaskFault | None = None) -> SnapshotResult:
+                         fault: TaskFault | None = None,
+                         buckets: tuple[int, Sequence[int]] | None = None) -> SnapshotResult:
     """Snapshot one published table (wire name) into the INIT stream; see the module doc.
 
     ``spark``: a SparkSession, a zero-argument callable returning one (called only when the
     table is larger than ``options.small_table_bytes``), or None (always in this process).
+    ``buckets``: ``(bits, bucket numbers)`` for a repair snapshot of those buckets only
+    (:class:`SnapshotRequestRefused` when they are not buckets at ``bits``).
     ``fault`` is for tests only (a task attempt that fails on purpose). A snapshot that had
     to give way to DDL (:class:`TableLockWaitError`) is taken again under a new id.
     """
     options = options or SnapshotOptions()
-    snapshot_id = snapshot_id or new_snapshot_id()
+    selection = None
+    if buckets is not None:
+        try:
+            selection = BucketSelection.of(*buckets)
+        except (ValueError, TypeError) as exc:
+            raise SnapshotRequestRefused(f"repair snapshot of {table}: {exc}") from None
+    snapshot_id = snapshot_id or (new_snapshot_id() if selection is None else new_repair_id())
     if not _SNAPSHOT_ID.fullmatch(snapshot_id):
         raise SnapshotError(f"snapshot id {snapshot_id!r} must match [A-Za-z0-9_-]{{1,64}}")
     return await taken_again_after_ddl(
-        lambda attempt_id: _snapshot_once(spark, settings, table, attempt_id, options, fault),
+        lambda attempt_id: _snapshot_once(spark, settings, table, attempt_id, options, fault,
+                                          selection),
         snapshot_id, options.lock_retries, f"snapshot of {table}")
 
 
@@ -193,7 +220,8 @@ async def taken_again_after_ddl(take: Callable[[str], Awaitable[_T]], first_id: 
 
 
 async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, snapshot_id: str,
-                         options: SnapshotOptions, fault: TaskFault | None) -> SnapshotResult:
+                         options: SnapshotOptions, fault: TaskFault | None,
+                         selection: BucketSelection | None) -> SnapshotResult:
     started = time.monotonic()
     pg = settings.postgres
     cdc_stream = settings.topology.cdc.name
@@ -211,8 +239,10 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
             js = client.jetstream()
             wire_table = described.schema.wire_name
             signer = settings.bridge.signer()
-            # 2. dictionary
-            trained, dictionary_key = await _dictionary(
+            # 2. dictionary; none for a repair: training samples the whole table and stores
+            # a new KV entry, for a few chunks (a dictionary matters for small messages,
+            # hardly for chunks near max_payload)
+            trained, dictionary_key = (None, None) if selection else await _dictionary(
                 control, js, described, settings.encoding, settings.topology.dictionaries,
                 signer, snapshot_id, client.max_payload, options)
             # 3. watermark; 4. guard
@@ -224,9 +254,10 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
                                       client.max_payload, trained,
                                       signed=signer is not None)
                 spark, ranges = plan_tasks(spark, described, options)
+                in_sql = selection.sql_predicate(described.schema) if selection else None
                 spec = TaskSpec(
                     conninfo=conninfo, nats=settings.nats, snapshot_name=snapshot_name,
-                    select=copy_select(described.schema), layout=layout,
+                    select=copy_select(described.schema, where=in_sql), layout=layout,
                     columns=described.schema.columns, type_rows=described.type_rows,
                     stream=settings.topology.init.name,
                     large_bucket=settings.topology.large.bucket,
@@ -234,6 +265,7 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
                     publish_timeout=options.publish_timeout, fault=fault,
                     lock_timeout_ms=options.lock_timeout_ms,
                     signing_seed=settings.bridge.signing_seed(),
+                    filter_buckets=selection if in_sql is None else None,
                     qualified_table=sql.Identifier(
                         described.schema.schema, described.schema.table).as_string(control))
                 log.info("snapshot %s of %s: lsn %s, %d blocks in %d ranges", snapshot_id,
@@ -270,13 +302,16 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
                 stats=stats, partitions=len(ranges), encoding=settings.encoding,
                 dictionary_id=trained.dictionary_id if trained else None,
                 dictionary_bucket=settings.topology.dictionaries.bucket,
-                dictionary_key=dictionary_key, duration=duration)
+                dictionary_key=dictionary_key, duration=duration, buckets=selection)
             meta_seq = await publish_meta(js, meta, settings.encoding.format, signer)
         finally:
             await client.close()
 
-    log.info("snapshot %s of %s: %d rows in %d chunks, %.1fs (Spark %.1fs), cutover lsn %s, "
-             "marker seq %s", snapshot_id, wire_table, meta["row_count"], meta["batch_count"],
+    log.info("snapshot %s of %s%s: %d rows in %d chunks, %.1fs (Spark %.1fs), cutover lsn %s, "
+             "marker seq %s", snapshot_id, wire_table,
+             f" ({len(selection.buckets)} of {1 << selection.bits} buckets, "
+             f"{'selected by SQL' if in_sql is not None else 'filtered in the tasks'})"
+             if selection else "", meta["row_count"], meta["batch_count"],
              duration, spark_seconds, lsn, cdc_start_seq)
     return SnapshotResult(
         snapshot_id=snapshot_id, table=wire_table, lsn=lsn, watermark_lsn=watermark_lsn,
@@ -288,11 +323,13 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
         dictionary_id=meta["dictionary_id"], dictionary_key=dictionary_key,
         schema_fingerprint=described.schema.fingerprint,
         chunk_subject_prefix=meta["chunk_subject_prefix"],
-        meta_subject=snapshot_meta_subject(wire_table), meta_seq=meta_seq,
+        meta_subject=meta_subject(meta), meta_seq=meta_seq,
         duration_seconds=duration, spark_seconds=spark_seconds, timestamp=meta["timestamp"],
         sample_ratio_with_dictionary=trained.sample_ratio_with if trained else None,
         sample_ratio_without_dictionary=trained.sample_ratio_without if trained else None,
-        ranges=tuple(stats))
+        ranges=tuple(stats),
+        bits=selection.bits if selection else None,
+        buckets=selection.buckets if selection else None)
 
 
 async def _dictionary(control: psycopg.Connection, js: JetStreamContext,
@@ -322,12 +359,13 @@ async def _dictionary(control: psycopg.Connection, js: JetStreamContext,
 
 def run_snapshot(spark: Any, settings: PlatformSettings, table: str, *,
                  snapshot_id: str | None = None, options: SnapshotOptions | None = None,
-                 fault: TaskFault | None = None) -> SnapshotResult:
+                 fault: TaskFault | None = None,
+                 buckets: tuple[int, Sequence[int]] | None = None) -> SnapshotResult:
     """Blocking :func:`snapshot_table` for callers without an event loop (Dagster, CLI)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(snapshot_table(spark, settings, table, snapshot_id=snapshot_id,
-                                          options=options, fault=fault))
+                                          options=options, fault=fault, buckets=buckets))
     raise SnapshotError("run_snapshot() called inside an event loop: "
                         "await snapshot_table(...) instead")

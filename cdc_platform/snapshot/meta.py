@@ -1,4 +1,5 @@
-"""A snapshot's meta message on ``init.meta.{table}`` (docs/wire-contract.md "Snapshots"):
+"""A snapshot's meta message on ``init.meta.{table}`` (docs/wire-contract.md "Snapshots"), a
+repair snapshot's on ``init.repair.{table}`` (docs/verification.md Part 2, item 4):
 everything a consumer needs to load the chunks and to know exactly where the CDC stream takes over.
 Built from the finished tasks' figures, published once every chunk is acknowledged; read back as a
 consumer reads it (:func:`latest_meta`, :func:`cutover_start_seq`), by the mirror and by the
@@ -15,17 +16,20 @@ from nats.js import JetStreamContext
 
 from cdc_platform.postgres.catalog import TableSchema
 from cdc_platform.settings import EncodingSettings
+from cdc_platform.snapshot.buckets import BucketSelection
 from cdc_platform.snapshot.reader import RangeStats
 from cdc_platform.wire import (
     CONTENT_ENCODING_ZSTD,
     CONTENT_TYPES,
     HEADER_CONTENT_TYPE,
     HEADER_MSG_ID,
+    RepairMetaPayload,
     SnapshotMetaPayload,
     cutover_rule_text,
     encoder,
     in_field_order,
     meta_msg_id,
+    repair_meta_subject,
     snapshot_chunk_prefix,
     snapshot_meta_subject,
     watermark_subject,
@@ -40,9 +44,11 @@ def snapshot_meta(*, snapshot_id: str, lsn: str, watermark_lsn: str, cdc_stream:
                   cdc_start_seq: int | None, schema: TableSchema, stats: Sequence[RangeStats],
                   partitions: int, encoding: EncodingSettings, dictionary_id: int | None,
                   dictionary_bucket: str | None, dictionary_key: str | None,
-                  duration: float, timestamp: int | None = None) -> SnapshotMetaPayload:
+                  duration: float, timestamp: int | None = None,
+                  buckets: BucketSelection | None = None) -> SnapshotMetaPayload:
     """The meta payload, in the contract's field order (a field the type does not name, or
-    one it misses, fails here, not in a consumer)."""
+    one it misses, fails here, not in a consumer); with ``buckets``, a repair snapshot's
+    (a :class:`RepairMetaPayload`)."""
     wire_table = schema.wire_name
     chunk_prefix = snapshot_chunk_prefix(wire_table, snapshot_id)
     marker_subject = watermark_subject(snapshot_id)
@@ -72,14 +78,26 @@ def snapshot_meta(*, snapshot_id: str, lsn: str, watermark_lsn: str, cdc_stream:
         "duration_seconds": round(duration, 3),
         "chunk_subject_prefix": chunk_prefix,
     }
+    if buckets is not None:
+        fields.update(bits=buckets.bits, buckets=list(buckets.buckets))
+        return cast(RepairMetaPayload, in_field_order(RepairMetaPayload, fields))
     return cast(SnapshotMetaPayload, in_field_order(SnapshotMetaPayload, fields))
+
+
+def meta_subject(meta: SnapshotMetaPayload) -> str:
+    """Where ``meta`` goes: ``init.repair.{table}`` for a repair snapshot's (never
+    ``init.meta.{table}``, whose last message every consumer takes for a full snapshot),
+    else ``init.meta.{table}``."""
+    if "buckets" in meta:
+        return repair_meta_subject(meta["table"])
+    return snapshot_meta_subject(meta["table"])
 
 
 async def publish_meta(js: JetStreamContext, meta: SnapshotMetaPayload, fmt: Format,
                        signer: MessageSigner | None = None) -> int:
-    """Store ``meta`` on ``init.meta.{table}`` (deduplicated by snapshot id), signed by
-    ``signer`` when there is one; its sequence."""
-    subject, payload = snapshot_meta_subject(meta["table"]), encoder(fmt)(meta)
+    """Store ``meta`` on its subject (:func:`meta_subject`; deduplicated by snapshot id),
+    signed by ``signer`` when there is one; its sequence."""
+    subject, payload = meta_subject(meta), encoder(fmt)(meta)
     headers = {HEADER_MSG_ID: meta_msg_id(meta["snapshot_id"]),
                HEADER_CONTENT_TYPE: CONTENT_TYPES[fmt]}
     if signer is not None:

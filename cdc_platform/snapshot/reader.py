@@ -50,6 +50,7 @@ from cdc_platform.protocol.values import TypeRegistry
 from cdc_platform.publishing import JetStreamPublisher, OutgoingMessage
 from cdc_platform.publishing.claim_check import ClaimChecks
 from cdc_platform.settings import NatsSettings
+from cdc_platform.snapshot.buckets import BucketFilter, BucketSelection
 from cdc_platform.snapshot.chunks import Chunk, Chunker, ChunkLayout
 from cdc_platform.snapshot.plan import BlockRange
 from cdc_platform.wire import HEADER_MSG_ID, MessageSigner
@@ -99,6 +100,9 @@ class TaskSpec:
     lock_timeout_ms: int = 5_000
     qualified_table: str = ""  # for the LOCK that waits at most lock_timeout_ms
     signing_seed: str | None = field(default=None, repr=False)  # chunks signed with it
+    # a repair snapshot whose key PostgreSQL cannot hash: the buckets whose rows the task
+    # keeps (when it can, ``select`` selects them already)
+    filter_buckets: BucketSelection | None = None
 
     def copy_command(self, block_range: BlockRange) -> str:
         return self.select.replace("{range}", block_range.predicate().as_string(None))
@@ -277,8 +281,10 @@ async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 
         js = client.jetstream()
         layout = replace(spec.layout, max_payload=min(spec.layout.max_payload,
                                                       client.max_payload))
-        chunker = Chunker(layout, converters_for(spec.type_rows, spec.columns),
-                          block_range.index)
+        converters = converters_for(spec.type_rows, spec.columns)
+        chunker = Chunker(layout, converters, block_range.index)
+        keep = (BucketFilter(layout, converters, spec.filter_buckets).keep
+                if spec.filter_buckets is not None else None)
         publisher = JetStreamPublisher(
             client, stream=spec.stream, max_in_flight_messages=spec.publish_window,
             max_in_flight_bytes=spec.publish_window * client.max_payload,
@@ -294,7 +300,7 @@ async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 
                                qualified_table=spec.qualified_table,
                                lock_timeout_ms=spec.lock_timeout_ms) as conn:
             async for block in copy_blocks(conn.pgconn, spec.copy_command(block_range)):
-                for chunk in chunker.add(block):
+                for chunk in chunker.add(block if keep is None else keep(block)):
                     await chunks.send(chunk, fault)
             for chunk in chunker.finish():
                 await chunks.send(chunk, fault)

@@ -15,7 +15,10 @@ repair: required, the buckets to read). Replies are JSON objects: ``request_id``
 (accepted), ``snapshot_id``, ``lsn``, ``cdc_stream``, ``cdc_start_seq``, ``meta_subject``,
 ``meta_seq``, ``reused`` (done); a verification's ``done``: ``verification_id``, ``lsn``,
 ``digest_subject``, ``digest_seq``, ``bits``, ``row_count``. Verifications are never reused
-(each is a new digest at a new point) and ``repair`` is not served yet.
+(each is a new digest at a new point). A repair asks for at most a quarter of the table's
+buckets (more: refused, "request a full snapshot"); the repair requests of one table in one
+pass share one run, of the union of their buckets at the finest bits, whose ``done`` names its
+meta on ``init.repair.{table}`` (``meta_subject``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from cdc_platform.errors import ProvisioningError
 from cdc_platform.jetstream.connection import fetch_available
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.naming import parse_wire_name
+from cdc_platform.snapshot.buckets import BucketSelection
 from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX, SignatureVerifier
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,9 @@ _SUBJECT = re.compile(r"[A-Za-z0-9_$=/-]+(\.[A-Za-z0-9_$=/-]+)*")
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 PURPOSES = ("snapshot", "verify", "repair")
 MAX_REQUEST_BITS = 20  # the finest buckets a request may name (a repair bisecting)
+# A repair of more than this share of a table's buckets reads nearly as much as a full
+# snapshot, and moves several times what a mirror would bootstrap from instead: refused.
+MAX_REPAIR_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -241,6 +248,23 @@ def verification_done_fields(result: Any) -> dict[str, Any]:
 VerificationKey = tuple[str, int | None, tuple[int, ...] | None]
 
 
+def repair_run_key(table: str, seq: int) -> str:
+    """The run key of the repair run that a table's repair request at stream ``seq`` (the
+    last of its pass) starts."""
+    return f"repair-request-{table}-{seq}"
+
+
+def repair_request_refusal(request: SnapshotRequest) -> str | None:
+    """Why a well-formed ``purpose: repair`` request is not served (None: it is)."""
+    if request.bits is None or request.buckets is None:
+        return "purpose repair needs bits and buckets"
+    share = len(request.buckets) / (1 << request.bits)
+    if share > MAX_REPAIR_SHARE:
+        return (f"{len(request.buckets)} of {1 << request.bits} buckets is more than a "
+                f"quarter of the table: request a full snapshot")
+    return None
+
+
 @dataclass
 class HeldRun:
     """A table's snapshot run that requests asked for, held back until ``not_before``: the
@@ -262,12 +286,23 @@ class HeldRun:
 @dataclass
 class Pacing:
     """The minimum interval between a table's snapshot runs started by requests
-    (docs/wire-contract.md "Floods"; 0: none). ``last_started``: table -> when its newest
-    request-started run was created; ``held``: the runs held back (updated in place)."""
+    (docs/wire-contract.md "Floods"; 0: none), and between its repair runs.
+    ``last_started``: table -> when its newest request-started run was created; ``held``:
+    the runs held back (updated in place); ``repairs_started``: table -> when its newest
+    repair run was created."""
 
     min_interval: float = 0.0
     last_started: Mapping[str, float] = field(default_factory=dict)
     held: dict[str, HeldRun] = field(default_factory=dict)
+    repairs_started: Mapping[str, float] = field(default_factory=dict)
+
+    def repair_retry_after(self, table: str, now: float) -> float | None:
+        """Seconds until a repair run of ``table`` may start (None: now). Each reads the
+        whole table: a consumer asking again and again must not keep it scanning."""
+        started = self.repairs_started.get(table)
+        if started is None or now - started >= self.min_interval:
+            return None
+        return started + self.min_interval - now
 
     def hold(self, table: str, seq: int, now: float) -> HeldRun | None:
         """The held run a request of ``table`` that needs a new run joins (None: one may
@@ -291,6 +326,9 @@ class HandledRequests:
     # the verification runs to start: (table, bits, buckets) -> (seq of its last request,
     # requesters)
     verifications: dict[VerificationKey, tuple[int, list]] = field(default_factory=dict)
+    # the repair runs to start: table -> (seq of its last repair request, requesters, the
+    # union of their buckets)
+    repairs: dict[str, tuple[int, list, BucketSelection]] = field(default_factory=dict)
 
 
 async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *,
@@ -313,7 +351,11 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     answers those with ``done`` or ``failed``. With ``verifier`` (the platform signs its
     snapshots), a meta it refuses is never handed out. Requests with ``purpose: verify``
     go to :class:`_VerifyRequests` (``verifying``: the verification runs in flight;
-    ``verify_pacing``: their own minimum interval and held runs)."""
+    ``verify_pacing``: their own minimum interval and held runs). Requests with ``purpose:
+    repair`` of one table share one run (``repairs``), of the union of their buckets at the
+    finest bits; one asking for more than a quarter of the buckets is refused, and so are all
+    of a table's when together they do, and any while the table's last repair run started
+    less than ``pacing.min_interval`` ago (with ``retry_after``)."""
     js = client.jetstream()
     pacing = pacing or Pacing()
     now = time.time()
@@ -325,12 +367,12 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     joined: dict[str, int] = {}
     held_back: dict[str, int] = {}
     verifications = _VerifyRequests(verifying or {}, verify_pacing or Pacing())
+    repairs: dict[str, tuple[int, list, list[tuple[int, tuple[int, ...]]]]] = {}
     for request in requests:
         reason = request.refused or (
             None if request.table in published
             else f"{request.table!r} is not a table of publication {publication}") or (
-            None if request.purpose in ("snapshot", "verify")
-            else f"purpose {request.purpose} is not served by this platform version")
+            repair_request_refusal(request) if request.purpose == "repair" else None)
         if reason is not None:
             refusals.append(f"refused snapshot request for {request.table[:200]!r} "
                             f"(stream seq {request.seq}): {reason}")
@@ -344,6 +386,25 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
                 accepted.append(request)
             else:
                 replies.append((request.reply_to, reply))
+            continue
+        if request.purpose == "repair":
+            assert request.bits is not None and request.buckets is not None  # (refused else)
+            wait = pacing.repair_retry_after(request.table, now)
+            if wait is not None:
+                reason = (f"a repair of {request.table!r} started less than "
+                          f"{pacing.min_interval:.0f}s ago: ask again in {wait:.0f}s")
+                refusals.append(f"refused repair request for {request.table[:200]!r} "
+                                f"(stream seq {request.seq}): {reason}")
+                replies.append((request.reply_to, Reply(
+                    "refused", request.table, request.request_id,
+                    {"reason": reason, "retry_after": round(wait, 1)})))
+                continue
+            _, requesters, asked = repairs.get(request.table, (0, [], []))
+            if request.requester is not None:
+                requesters.append(request.requester)
+            asked.append((request.bits, request.buckets))
+            repairs[request.table] = (request.seq, requesters, asked)
+            accepted.append(request)
             continue
         max_age = max(pacing.min_interval, reuse_seconds if request.max_age_seconds is None
                       else request.max_age_seconds)
@@ -380,15 +441,35 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
         # repeated requests for one table coalesce into one run
         runs[request.table] = (request.seq, requesters)
         accepted.append(request)
+    repair_runs = {table: (seq, requesters, BucketSelection.union(asked))
+                   for table, (seq, requesters, asked) in repairs.items()}
+    for table, (_, _, selection) in list(repair_runs.items()):
+        if selection.share > MAX_REPAIR_SHARE:  # each asked for a quarter at most: together
+            del repair_runs[table]
+            reason = (f"the repairs asked of {table!r} at once add up to "
+                      f"{len(selection.buckets)} of {1 << selection.bits} buckets, more "
+                      "than a quarter of the table: request a full snapshot")
+            refusals.append(f"refused repair requests for {table[:200]!r}: {reason}")
+            replies += [(request.reply_to, Reply("refused", table, request.request_id,
+                                                 {"reason": reason}))
+                        for request in accepted
+                        if request.purpose == "repair" and request.table == table]
+    accepted = [request for request in accepted
+                if request.purpose != "repair" or request.table in repair_runs]
     # the run key names the table's last request: known once all are read
     replies += [(request.reply_to, Reply("accepted", request.table, request.request_id, {
         "run_key": verification_run_key(request.table, verifications.runs[
             request.table, request.bits, request.buckets][0]) if request.purpose == "verify"
+        else repair_run_key(request.table, repairs[request.table][0])
+        if request.purpose == "repair"
         else request_run_key(request.table, runs[request.table][0])}))
         for request in accepted]
     notes += [f"snapshot run for {table!r} (request seq {seq}, {len(requesters)} "
               "awaiting a reply)" for table, (seq, requesters) in runs.items()]
     notes += verifications.notes()
+    notes += [f"repair run for {table!r}: {len(selection.buckets)} of {1 << selection.bits} "
+              f"buckets (request seq {seq}, {len(requesters)} awaiting a reply)"
+              for table, (seq, requesters, selection) in repair_runs.items()]
     notes += [f"{count} request(s) for {table!r} joined its run already in flight "
               f"({in_flight[table].run_key})" for table, count in joined.items()]
     notes += [f"{count} request(s) for {table!r} joined its run held back until "
@@ -398,7 +479,8 @@ async def answer_requests(client: NatsClient, requests: list[SnapshotRequest], *
     if refusals:
         notes[:0] = summarize(refusals)
     await send_replies(reply_client or client, replies)
-    return HandledRequests(max(r.seq for r in requests), runs, notes, verifications.runs)
+    return HandledRequests(max(r.seq for r in requests), runs, notes, verifications.runs,
+                           repair_runs)
 
 
 def _utc_time(timestamp: float) -> str:

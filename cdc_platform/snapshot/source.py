@@ -63,16 +63,20 @@ def describe_table(conn: psycopg.Connection, publication: str, table: str) -> So
     return SourceTable(schema, tuple(type_rows), size // block_size, block_size, reltuples)
 
 
-def copy_select(schema: TableSchema, *, sample: sql.Composable | None = None) -> str:
+def copy_select(schema: TableSchema, *, sample: sql.Composable | None = None,
+                where: sql.Composable | None = None) -> str:
     """``COPY (SELECT <published columns>[, ctid] FROM t ...) TO STDOUT``. Tasks fill in
-    ``{range}``; a sample gets its own clause instead."""
+    ``{range}``, and-ed with ``where`` when given (a repair snapshot's buckets); a sample gets
+    its own clause instead."""
     fields: list[sql.Composable] = [sql.Identifier(c.name) for c in schema.columns]
     if not schema.primary_key:
         fields.append(sql.SQL("ctid"))
     target = sql.Identifier(schema.schema, schema.table)
     if sample is None:
-        query = sql.SQL("COPY (SELECT {} FROM {} WHERE {{range}}) TO STDOUT").format(
-            sql.SQL(", ").join(fields), target)
+        condition = sql.SQL("{range}") if where is None else sql.SQL(
+            "{{range}} AND ({})").format(where)
+        query = sql.SQL("COPY (SELECT {} FROM {} WHERE {}) TO STDOUT").format(
+            sql.SQL(", ").join(fields), target, condition)
     else:
         query = sql.SQL("COPY (SELECT {} FROM {} {}) TO STDOUT").format(
             sql.SQL(", ").join(fields), target, sample)

@@ -178,6 +178,45 @@ class VerificationDigestPayload(TypedDict):
     msg_id: str
 
 
+class MirrorVerification(TypedDict):
+    """A mirror's last verification of a table (docs/verification.md Part 2, item 3)."""
+
+    verification_id: str
+    lsn: str | None
+    status: str  # "equal" | "differ" | "not_comparable" | "repaired"
+    buckets_differing: int  # how many of the digest's buckets differed
+    rows_repaired: int
+    at: str | None  # when, ISO 8601 UTC
+
+
+class MirrorTableState(TypedDict):
+    """One table of a :class:`MirrorStateValue`, as the mirror's file holds it."""
+
+    status: str  # "bootstrapping" | "streaming" | "stale"
+    snapshot_id: str | None
+    cutover_lsn: str | None
+    applied_lsn: str | None  # the last applied commit LSN (null: nothing applied yet)
+    last_verification: MirrorVerification | None
+
+
+class MirrorStateValue(TypedDict):
+    """KV ``mirrors``, key = mirror id (``{team}.{name}`` or ``{name}``): a mirror's state,
+    JSON, published on ``mirror.state.{mirror id}`` every CDC_MIRROR_STATE_INTERVAL and after
+    each verification; gone after the bucket's TTL once the mirror stops."""
+
+    mirror_id: str
+    host: str
+    pid: int
+    version: str
+    started_at: str  # ISO 8601 UTC
+    updated_at: str
+    consistent_lsn: str | None  # every streaming table equals the source there
+    stream_last_lsn: str | None  # the commit LSN of CDC's last message
+    lag_bytes: int | None  # stream_last_lsn - consistent_lsn
+    lag_seconds: float  # behind the source's commit time (the status line's)
+    tables: dict[str, MirrorTableState]
+
+
 class SnapshotChunk(TypedDict):
     """``init.snap.{table}.{snapshot_id}.{chunk}``: up to CDC_CHUNK_ROWS rows."""
 
@@ -222,6 +261,14 @@ class SnapshotMetaPayload(TypedDict):
     chunk_subject_prefix: str
 
 
+class RepairMetaPayload(SnapshotMetaPayload):
+    """``init.repair.{table}``: the meta of a repair snapshot, which holds the rows of some
+    buckets only (docs/verification.md Part 2, item 4): a snapshot meta and the buckets."""
+
+    bits: int
+    buckets: list[int]  # sorted: the rows whose key hash's top ``bits`` bits are one of these
+
+
 class SnapshotReply(TypedDict):
     """The reply to a snapshot request with ``reply_to`` (status ``done``)."""
 
@@ -263,7 +310,9 @@ CHANGE_EVENT_FIELDS = fields(ChangeEvent)
 SCHEMA_EVENT_FIELDS = fields(SchemaEvent)
 SNAPSHOT_CHUNK_FIELDS = fields(SnapshotChunk)
 SNAPSHOT_META_FIELDS = fields(SnapshotMetaPayload)
+REPAIR_META_FIELDS = fields(RepairMetaPayload)
 VERIFICATION_DIGEST_FIELDS = fields(VerificationDigestPayload)
+MIRROR_STATE_FIELDS = fields(MirrorStateValue)
 TABLE_SCHEMA_FIELDS = fields(TableSchemaValue)
 COLUMN_FIELDS = tuple(field.name for field in dataclass_fields(Column))
 

@@ -25,6 +25,10 @@ INIT_META_PREFIX = "init.meta"
 # The meta of a repair snapshot (some buckets of a table): never where full snapshots' are.
 INIT_REPAIR_PREFIX = "init.repair"
 SNAPSHOT_REQUEST_PREFIX = "snapshot.request"
+# A mirror's state: READERS' import of PLATFORM's KV `mirrors` (key = the mirror id).
+MIRROR_STATE_PREFIX = "mirror.state"
+# A mirror id: a name, or a team's user's `{team}.{name}` (its rights: mirror.state.{team}.>).
+MIRROR_ID_PATTERN = r"[A-Za-z0-9_-]{1,64}(\.[A-Za-z0-9_-]{1,64})?"
 
 # Logical decoding message prefixes we emit with pg_logical_emit_message.
 HEARTBEAT_PREFIX = "cdc_platform.heartbeat"
@@ -82,6 +86,11 @@ def verify_digest_subject(table: str, verification_id: str) -> str:
 
 def snapshot_request_subject(table: str) -> str:
     return f"{SNAPSHOT_REQUEST_PREFIX}.{table}"
+
+
+def mirror_state_subject(mirror_id: str) -> str:
+    """``mirror.state.{mirror_id}``: stored as key ``mirror_id`` of KV ``mirrors``."""
+    return f"{MIRROR_STATE_PREFIX}.{mirror_id}"
 
 
 # -- message ids (the Nats-Msg-Id header) ----------------------------------------------------

@@ -15,7 +15,12 @@ import yaml
 
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.replication.slots import read_slot
-from cdc_platform_tests.fixtures.dagster import dagster_resources, request_sensor_tick
+from cdc_platform_tests.fixtures.dagster import (
+    dagster_resources,
+    latest_check_evaluation,
+    report_sensor_tick,
+    request_sensor_tick,
+)
 from cdc_platform_tests.fixtures.services import TEST_SECRETS, random_name, read_subjects
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,18 +51,22 @@ def test_definitions_load_with_everything(dagster_env):
     defs = build_definitions()
     keys = {key.to_user_string() for key in defs.resolve_all_asset_keys()}
     assert keys == {"jetstream_topology", "schemas", "init_snapshot", "cdc_stream",
-                    "table_verification"}
+                    "table_verification", "table_repair", "mirror_fleet"}
     snapshot = defs.resolve_assets_def("init_snapshot")
     assert snapshot.partitions_def.name == "published_tables"
     verification = defs.resolve_assets_def("table_verification")
     assert verification.partitions_def.name == "published_tables"
     assert verification.asset_deps[verification.key] == {dg.AssetKey("init_snapshot")}
     assert defs.resolve_job_def("verification_job").partitions_def.name == "published_tables"
+    repair = defs.resolve_assets_def("table_repair")
+    assert repair.asset_deps[repair.key] == {dg.AssetKey("init_snapshot")}
+    assert defs.resolve_job_def("repair_job").partitions_def.name == "published_tables"
     cdc_job = defs.resolve_job_def("cdc_job")
     assert cdc_job.tags["cdc_platform/slot"] == dagster_env["CDC_SLOT"]
     assert defs.resolve_job_def("snapshot_job").partitions_def.name == "published_tables"
     assert {s.name for s in defs.sensors} == {
-        "cdc_sensor", "snapshot_request_sensor", "publication_sync_sensor", "resync_sensor"}
+        "cdc_sensor", "snapshot_request_sensor", "publication_sync_sensor", "resync_sensor",
+        "mirror_fleet_sensor"}
     assert defs.resolve_schedule_def("snapshot_refresh_schedule").cron_schedule == "0 3 * * *"
     off = defs.resolve_schedule_def("verification_schedule")  # CDC_VERIFY_CRON unset
     assert off.default_status == dg.DefaultScheduleStatus.STOPPED
@@ -688,7 +697,7 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
     """purpose verify: accepted, a verification_job run (one for two requests asking the same
     bits; one asking other bits is held back: CDC_VERIFY_MIN_INTERVAL), which materializes
     table_verification through the real Definitions and answers done with the digest's
-    subject and seq; repair is still refused."""
+    subject and seq."""
     import json as jsonlib
 
     from cdc_platform.bridge.runner import CdcBridge
@@ -709,8 +718,7 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
     await nats_client.subscribe(inbox, cb=collect)
     for request_id, body in (("v1", {"purpose": "verify", "bits": 2}),
                              ("v2", {"purpose": "verify", "bits": 2}),
-                             ("v3", {"purpose": "verify"}),
-                             ("p1", {"purpose": "repair", "bits": 2, "buckets": [1]})):
+                             ("v3", {"purpose": "verify"})):
         await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
             {"reply_to": inbox, "request_id": request_id, **body}).encode())
     await nats_client.flush()
@@ -728,9 +736,8 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
         with dg.instance_for_test() as instance:
             instance.add_dynamic_partitions("published_tables", [table])
             result = await asyncio.to_thread(request_sensor_tick(defs, instance), None)
-            await wait_replies(4)
+            await wait_replies(3)
             by_id = {r["request_id"]: r for r in replies}
-            assert by_id["p1"]["status"] == "refused" and "repair" in by_id["p1"]["reason"]
             assert by_id["v1"]["status"] == by_id["v2"]["status"] == "accepted"
             [run] = result.run_requests
             assert run.job_name == "verification_job" and run.partition_key == table
@@ -749,7 +756,7 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
     finally:
         bridge.request_stop()
         await asyncio.wait_for(bridge_task, 60)
-    await wait_replies(6)
+    await wait_replies(5)
     done = [r for r in replies if r["status"] == "done"]
     assert sorted(r["request_id"] for r in done) == ["v1", "v2"]
     assert metadata["bits"] == done[0]["bits"] == 2 and metadata["row_count"] == 300
@@ -760,6 +767,122 @@ async def test_a_verify_request_is_answered_by_a_table_verification_run(
         f"cdc.cdc-platform.verify.{table}.{done[0]['verification_id']}")
     digest = msgpack.unpackb(stored.data)
     assert digest["lsn"] == done[0]["lsn"] == metadata["lsn"] and sum(digest["counts"]) == 300
+
+
+async def test_repair_requests_are_answered_by_one_table_repair_run(
+        dagster_env, cdc_database, pg_admin, nats_client):
+    """purpose repair: two requests of one table (at 4 and 5 bits) share one repair_job run
+    of the union of their buckets at 5 bits; one asking for more than a quarter of the
+    buckets is refused, and so are two of another table that together do; the run
+    materializes table_repair through the real Definitions and answers done naming its meta
+    on init.repair.{table}, which holds exactly the rows of those buckets, loaded as a
+    consumer loads them; init.meta.{table} gets nothing; a repair asked again within the
+    minimum interval is refused with retry_after."""
+    import json as jsonlib
+
+    from nats.js.errors import NotFoundError
+
+    from cdc_platform.bridge.runner import CdcBridge
+    from cdc_platform.consumer.snapshots import repair_meta_at
+    from cdc_platform.definitions import build_definitions
+    from cdc_platform.defs.snapshots.assets import REPLIES_TAG
+    from cdc_platform.defs.verification.repairs import REPAIR_BUCKETS_TAG
+    from cdc_platform.mirror.snapshots import read_chunks
+    from cdc_platform.settings import load_settings
+    from cdc_platform.wire.digest import RowDigester, bucket_of
+
+    table, other = random_name("repair_asked"), random_name("repair_many")
+    for name in (table, other):
+        pg_admin.execute(f"CREATE TABLE {name} (id int PRIMARY KEY, v text)")
+        pg_admin.execute(f"INSERT INTO {name} SELECT i, 'v' || i FROM generate_series(1, 600) i")
+    cdc_database.add_tables(pg_admin, table, other)
+    inbox = f"_INBOX.replies.{random_name('r')}"
+    replies: list[dict] = []
+
+    async def collect(message):
+        replies.append(jsonlib.loads(message.data))
+
+    await nats_client.subscribe(inbox, cb=collect)
+    # u1 and u2: a quarter and an eighth of the other table; each may be asked, not both
+    for name, request_id, body in ((table, "r1", {"bits": 4, "buckets": [2, 1]}),
+                                   (table, "r2", {"bits": 5, "buckets": [7]}),
+                                   (table, "all", {"bits": 2, "buckets": [0, 1]}),
+                                   (other, "u1", {"bits": 2, "buckets": [0]}),
+                                   (other, "u2", {"bits": 3, "buckets": [2]})):
+        await nats_client.publish(f"snapshot.request.{name}", jsonlib.dumps(
+            {"reply_to": inbox, "request_id": request_id, "purpose": "repair",
+             **body}).encode())
+    await nats_client.flush()
+
+    async def wait_replies(count):
+        deadline = time.monotonic() + 30
+        while len(replies) < count:
+            assert time.monotonic() < deadline, replies
+            await asyncio.sleep(0.1)
+
+    defs = build_definitions()
+    bridge = CdcBridge(load_settings())  # the repair's watermark marker, as a snapshot's
+    bridge_task = asyncio.create_task(bridge.run())
+    try:
+        with dg.instance_for_test() as instance:
+            instance.add_dynamic_partitions("published_tables", [table, other])
+            result = await asyncio.to_thread(request_sensor_tick(defs, instance), None)
+            await wait_replies(5)
+            by_id = {r["request_id"]: r for r in replies}
+            assert by_id["all"]["status"] == "refused"
+            assert by_id["all"]["reason"] == (
+                "2 of 4 buckets is more than a quarter of the table: request a full snapshot")
+            assert by_id["u1"]["status"] == by_id["u2"]["status"] == "refused"
+            assert "add up to 3 of 8 buckets" in by_id["u2"]["reason"]
+            assert by_id["r1"]["status"] == by_id["r2"]["status"] == "accepted"
+            [run] = result.run_requests
+            assert run.job_name == "repair_job" and run.partition_key == table
+            assert by_id["r1"]["run_key"] == by_id["r2"]["run_key"] == run.run_key
+            assert run.tags[REPAIR_BUCKETS_TAG] == "5:2-5,7"  # 1 and 2 at 4 bits, 7 at 5
+            assert jsonlib.loads(run.tags[REPLIES_TAG]) == [["r1", inbox], ["r2", inbox]]
+
+            job = defs.resolve_job_def("repair_job")
+            outcome = await asyncio.to_thread(
+                job.execute_in_process, instance=instance, partition_key=table,
+                tags=run.tags)
+            assert outcome.success
+            [event] = outcome.get_asset_materialization_events()
+            metadata = {k: v.value for k, v in
+                        event.step_materialization_data.materialization.metadata.items()}
+            await wait_replies(7)
+
+            # the table was repaired just now: a repair run starts CDC_SNAPSHOT_MIN_INTERVAL
+            # (60 s) after the last at the soonest
+            await nats_client.publish(f"snapshot.request.{table}", jsonlib.dumps(
+                {"reply_to": inbox, "request_id": "r3", "purpose": "repair", "bits": 4,
+                 "buckets": [9]}).encode())
+            await nats_client.flush()
+            again = await asyncio.to_thread(request_sensor_tick(defs, instance),
+                                            result.cursor)
+            await wait_replies(8)
+            assert again.run_requests == []
+            assert (replies[7]["request_id"], replies[7]["status"]) == ("r3", "refused")
+            assert "started less than 60s ago" in replies[7]["reason"]
+            assert 0 < replies[7]["retry_after"] <= 60
+    finally:
+        bridge.request_stop()
+        await asyncio.wait_for(bridge_task, 60)
+    done = [r for r in replies if r["status"] == "done"]
+    assert sorted(r["request_id"] for r in done) == ["r1", "r2"]
+    assert done[0]["meta_subject"] == f"init.repair.{table}"
+    assert done[0]["snapshot_id"].startswith("repair-")
+    assert metadata["snapshot_id"] == done[0]["snapshot_id"]
+    assert metadata["meta_seq"] == done[0]["meta_seq"] and metadata["buckets"] == "5:2-5,7"
+    js = nats_client.jetstream()
+    meta = await repair_meta_at(js, "INIT", done[0])
+    assert (meta.bits, meta.buckets, meta.lsn) == (5, (2, 3, 4, 5, 7), parse_lsn(done[0]["lsn"]))
+    digester = RowDigester(["id", "v"], ["id"])
+    expected = sorted(i for i in range(1, 601)
+                      if bucket_of(digester.key_hash({"id": i}), 5) in meta.buckets)
+    loaded = [row["id"] async for chunk in read_chunks(js, meta) for row in chunk.rows]
+    assert sorted(loaded) == expected and metadata["row_count"] == len(expected) > 0
+    with pytest.raises(NotFoundError):
+        await js.get_last_msg("INIT", f"init.meta.{table}")
 
 
 async def test_a_flood_of_verify_requests_starts_one_verification_a_table_per_interval(
@@ -825,3 +948,162 @@ async def test_a_flood_of_verify_requests_starts_one_verification_a_table_per_in
         (released,) = due.run_requests
         assert released.run_key == replies["b1"]["run_key"] and BITS_TAG not in released.tags
         assert jsonlib.loads(released.tags[REPLIES_TAG]) == [["b1", inbox], ["b2", inbox]]
+
+
+def _mirror_state(mirror_id: str, lag_seconds: float, verifications: dict) -> bytes:
+    """A mirror's state value as `cdc-platform mirror` publishes it (wire MirrorStateValue),
+    following the tables of ``verifications`` (table -> its last verification or None)."""
+    import json as jsonlib
+
+    from cdc_platform.wire import MirrorStateValue, in_field_order
+
+    return jsonlib.dumps(in_field_order(MirrorStateValue, {
+        "mirror_id": mirror_id, "host": "edge", "pid": 1, "version": "0",
+        "started_at": "2026-11-26T05:00:00Z", "updated_at": "2026-11-26T05:00:30Z",
+        "consistent_lsn": "0/2", "stream_last_lsn": "0/2", "lag_bytes": 0,
+        "lag_seconds": lag_seconds, "tables": {
+            table: {"status": "streaming", "snapshot_id": "s", "cutover_lsn": "0/1",
+                    "applied_lsn": "0/2", "last_verification": verification}
+            for table, verification in verifications.items()}})).encode()
+
+
+@pytest.fixture
+async def state_bucket(dagster_env, nats_client, monkeypatch):
+    """A KV `mirrors` of the test's own (CDC_MIRROR_STATE_BUCKET), as provisioning makes it:
+    ``put(mirror_id, value)``, ``delete(mirror_id)``."""
+    from cdc_platform.jetstream.provision import (
+        mirror_state_bucket_config,
+        reader_written_bucket_stream,
+    )
+    from cdc_platform.settings import NatsTopology
+
+    bucket = random_name("mirrors")
+    monkeypatch.setenv("CDC_MIRROR_STATE_BUCKET", bucket)
+    js = nats_client.jetstream()
+    await js.add_stream(reader_written_bucket_stream(mirror_state_bucket_config(
+        NatsTopology())))
+    kv = await js.key_value(bucket)
+    yield kv
+    await js.delete_stream(f"KV_{bucket}")
+
+
+async def test_mirror_fleet_sensor_shows_lagging_gone_and_unreadable_mirrors_red(
+        dagster_env, state_bucket):
+    """Through the real Definitions on a real instance: each tick records an observation of
+    `mirror_fleet` (every mirror's lag and tables) and the evaluation of `mirrors_fresh`:
+    green while every mirror is within CDC_MIRROR_LAG_CRITICAL, red (ERROR) when one falls
+    behind, when one that reported is gone, when a value is not a state."""
+    from cdc_platform.definitions import build_definitions
+
+    defs = build_definitions()
+    verification = {"verification_id": "verify-1", "lsn": "0/2", "status": "equal",
+                    "buckets_differing": 0, "rows_repaired": 0, "at": None}
+    await state_bucket.put("team_a.edge1", _mirror_state("team_a.edge1", 2.5,
+                                                         {"users": verification}))
+    await state_bucket.put("edge2", _mirror_state("edge2", 0.0, {"users": None}))
+    with dg.instance_for_test() as instance:
+        cursor = None
+
+        async def tick():
+            nonlocal cursor
+            cursor = (await asyncio.to_thread(report_sensor_tick, defs, instance,
+                                              "mirror_fleet_sensor", cursor)).cursor
+            return latest_check_evaluation(instance, "mirror_fleet", "mirrors_fresh")
+
+        def observations() -> int:
+            return len(instance.fetch_observations(dg.AssetKey("mirror_fleet"),
+                                                   limit=20).records)
+
+        fresh = await tick()
+        assert fresh.passed, fresh.description
+        (record,) = instance.fetch_observations(dg.AssetKey("mirror_fleet"), limit=1).records
+        observed = record.asset_observation.metadata
+        assert observed["mirrors"].value == 2
+        assert observed["max_lag_seconds"].value == 2.5
+        fleet = observed["fleet"].value
+        assert fleet["team_a.edge1"]["tables"]["users"]["last_verification"][
+            "status"] == "equal"
+        assert fleet["edge2"]["lag_seconds"] == 0.0
+
+        await state_bucket.put("edge2", _mirror_state("edge2", 0.5, {"users": None}))
+        assert (await tick()).passed and observations() == 1  # nothing new to show
+
+        await state_bucket.put("edge2", _mirror_state("edge2", 301.0, {"users": None}))
+        fresh = await tick()
+        assert not fresh.passed and fresh.severity == dg.AssetCheckSeverity.ERROR
+        assert fresh.metadata["lagging"].value == {"edge2": 301.0}
+
+        await state_bucket.put("edge2", _mirror_state("edge2", 1.0, {"users": None}))
+        assert (await tick()).passed
+        await state_bucket.delete("team_a.edge1")  # (as its TTL does once it stops)
+        fresh = await tick()
+        assert not fresh.passed and fresh.metadata["gone"].value == ["team_a.edge1"]
+        fresh = await tick()  # and stays so (until CDC_MIRROR_GONE_KEEP)
+        assert not fresh.passed and fresh.metadata["gone"].value == ["team_a.edge1"]
+
+        await state_bucket.put("team_a.edge1", b"not a state")
+        fresh = await tick()
+        assert not fresh.passed and fresh.metadata["gone"].value == []
+        assert fresh.metadata["unreadable"].value == {"team_a.edge1": "not JSON"}
+        assert observations() == 5  # (not the repeated "gone": it showed nothing new)
+
+
+async def test_mirrors_equal_source_turns_red_when_a_mirror_differs_and_green_once_repaired(
+        dagster_env, state_bucket):
+    """The check of each `table_verification` partition, run by mirror_fleet_sensor (a run
+    of mirrors_equal_source_job, the check alone selected) when the mirrors' verdict on the
+    table's latest verification (its materialization's `verification_id`) changes: met
+    `equal` or `repaired` by every mirror following it passes; `differ` fails (ERROR) with
+    the buckets; a mirror that has not met it yet warns. Each new verdict is run once."""
+    from cdc_platform.definitions import build_definitions
+
+    table = random_name("verified")
+    defs = build_definitions()
+
+    def verified(status: str, verification_id: str = "verify-2", differing: int = 0,
+                 repaired: int = 0) -> dict:
+        return {"verification_id": verification_id, "lsn": "0/2", "status": status,
+                "buckets_differing": differing, "rows_repaired": repaired, "at": None}
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("published_tables", [table])
+        # what a verification_job run records (defs/verification/assets.py)
+        instance.report_runless_asset_event(dg.AssetMaterialization(
+            asset_key="table_verification", partition=table,
+            metadata={"verification_id": "verify-2", "lsn": "0/2"}))
+        launched: set[str] = set()
+
+        async def tick():
+            before = len(launched)
+            await asyncio.to_thread(report_sensor_tick, defs, instance,
+                                    "mirror_fleet_sensor", None, launched)
+            return len(launched) - before, latest_check_evaluation(
+                instance, "table_verification", "mirrors_equal_source", partition=table)
+
+        await state_bucket.put("edge1", _mirror_state("edge1", 1.0, {table: verified("equal")}))
+        await state_bucket.put("edge2", _mirror_state("edge2", 1.0, {
+            table: verified("differ", differing=3)}))
+        runs, check = await tick()
+        assert runs == 1
+        assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
+        assert check.metadata["buckets_differing"].value == 3
+        assert check.metadata["mirrors"].value == {"edge1": "equal", "edge2": "differ"}
+        assert (await tick())[0] == 0  # the same verdict: no second run
+
+        await state_bucket.put("edge2", _mirror_state("edge2", 1.0, {
+            table: verified("repaired", differing=3, repaired=25)}))
+        runs, check = await tick()
+        assert runs == 1 and check.passed and check.metadata["rows_repaired"].value == 25
+
+        await state_bucket.put("edge3", _mirror_state("edge3", 1.0, {
+            table: verified("equal", verification_id="verify-1")}))
+        runs, check = await tick()
+        assert not check.passed and check.severity == dg.AssetCheckSeverity.WARN
+        assert check.metadata["pending"].value == ["edge3"]
+        # a table no partition names (KV's table names come from readers) gets no run
+        await state_bucket.put("edge4", _mirror_state("edge4", 1.0, {
+            "not_a_partition": verified("differ")}))
+        assert (await tick())[0] == 0
+        # and no verification run materialized the table meanwhile
+        assert len(instance.fetch_materializations(dg.AssetKey("table_verification"),
+                                                   limit=10).records) == 1

@@ -12,6 +12,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from cdc_platform.postgres.key_hash import bucket_predicate, key_hash_sql, sql_key_kinds
 from cdc_platform.replication.connection import SESSION_OPTIONS
 from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
 from cdc_platform.snapshot.source import copy_select, describe_table, table_converters
@@ -72,35 +73,6 @@ def test_the_snapshot_readers_values_of_the_edge_rows_hash_as_the_vectors_say(
         row["row_hash"] for row in EDGES["rows"]]
 
 
-def _u32(expression: sql.Composable) -> sql.Composable:
-    return sql.SQL("int4send(({})::int4)").format(expression)
-
-
-def key_bytes_sql(columns: list[tuple[str, str]]) -> sql.Composable:
-    """The canonical key bytes (docs/verification.md) as an SQL expression, for key columns of
-    integer, text-like (text, varchar, uuid, numeric: their ``::text`` is their wire value),
-    bytea and bool types; ``columns``: (name, kind) with kind ``int``, ``text``, ``bytea`` or
-    ``bool``."""
-    parts: list[sql.Composable] = []
-    for name, kind in sorted(columns, key=lambda column: column[0].encode()):
-        encoded_name = name.encode()
-        parts.append(sql.SQL("{}::bytea").format(sql.Literal(
-            len(encoded_name).to_bytes(4, "big") + encoded_name)))
-        column = sql.Identifier(name)
-        if kind == "bytea":
-            value, tag = column, "B"
-        elif kind == "bool":
-            value = sql.SQL("convert_to(CASE WHEN {} THEN '1' ELSE '0' END, 'UTF8')").format(
-                column)
-            tag = "I"
-        else:
-            value = sql.SQL("convert_to({}::text, 'UTF8')").format(column)
-            tag = "I" if kind == "int" else "S"
-        parts.append(sql.SQL("{}::bytea || {} || {}").format(
-            sql.Literal(tag.encode()), _u32(sql.SQL("length({})").format(value)), value))
-    return sql.SQL(" || ").join(parts)
-
-
 def test_a_key_hashed_in_sql_equals_the_digests_key_hash_and_selects_its_bucket(
         session, pg_admin, cdc_database):
     table = random_name("digest_keys")
@@ -112,9 +84,11 @@ def test_a_key_hashed_in_sql_equals_the_digests_key_hash_and_selects_its_bucket(
         "md5(n::text)::uuid, (n::numeric / 8)::numeric(12, 4), decode(md5(n::text), 'hex'), "
         "n % 2 = 0, 'row ' || n FROM generate_series(-150, 150) n")
     cdc_database.add_tables(pg_admin, table)
-    kinds = [("k_int", "int"), ("k_text", "text"), ("k_uuid", "text"), ("k_num", "text"),
-             ("k_bytea", "bytea"), ("k_bool", "bool")]
-    key_hash = sql.SQL("substr(sha256({}), 1, 8)").format(key_bytes_sql(kinds))
+    described = describe_table(session, cdc_database.publication, table)
+    kinds = sql_key_kinds(described.schema.columns, described.schema.primary_key)
+    assert kinds == [("k_int", "int"), ("k_text", "text"), ("k_uuid", "text"),
+                     ("k_num", "text"), ("k_bytea", "bytea"), ("k_bool", "bool")]
+    key_hash = key_hash_sql(kinds)
 
     rows = _typed_rows(session, cdc_database.publication, table)
     digester = RowDigester([*(name for name, _ in kinds), "note"], [name for name, _ in kinds])
@@ -124,11 +98,19 @@ def test_a_key_hashed_in_sql_equals_the_digests_key_hash_and_selects_its_bucket(
     assert len(hashed_in_sql) == len(by_note) == 301
     assert {note: int(hashed, 16) for note, hashed in hashed_in_sql} == by_note
 
-    bits = 3  # the top bits of the first two bytes: any bits up to 16
-    for bucket in range(1 << bits):
-        selected = session.execute(sql.SQL(
-            "SELECT note FROM {} WHERE (get_byte({}, 0) << 8 | get_byte({}, 1)) >> {} = {}"
-        ).format(sql.Identifier(table), key_hash, key_hash, sql.Literal(16 - bits),
-                 sql.Literal(bucket))).fetchall()
+    for bits in (0, 5, 12, 20):  # the buckets of every 7th row: those rows and their peers
+        buckets = sorted({bucket_of(hashed, bits) for hashed in list(by_note.values())[::7]})
+        selected = session.execute(sql.SQL("SELECT note FROM {} WHERE {}").format(
+            sql.Identifier(table), bucket_predicate(kinds, bits, buckets))).fetchall()
         assert sorted(note for (note,) in selected) == sorted(
-            note for note, hashed in by_note.items() if bucket_of(hashed, bits) == bucket)
+            note for note, hashed in by_note.items() if bucket_of(hashed, bits) in buckets)
+    quarter = range(3 << 18, 1 << 20)  # the last quarter at 20 bits: one run of buckets
+    selected = session.execute(sql.SQL("SELECT note FROM {} WHERE {}").format(
+        sql.Identifier(table), bucket_predicate(kinds, 20, quarter))).fetchall()
+    assert sorted(note for (note,) in selected) == sorted(
+        note for note, hashed in by_note.items() if bucket_of(hashed, 2) == 3)
+    for bucket in range(8):  # each bucket alone: every row in exactly one
+        selected = session.execute(sql.SQL("SELECT note FROM {} WHERE {}").format(
+            sql.Identifier(table), bucket_predicate(kinds, 3, [bucket]))).fetchall()
+        assert sorted(note for (note,) in selected) == sorted(
+            note for note, hashed in by_note.items() if bucket_of(hashed, 3) == bucket)

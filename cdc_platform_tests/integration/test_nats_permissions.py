@@ -51,7 +51,7 @@ from cdc_platform_tests.fixtures.services import (
 )
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "nats-server.conf"
-USERS = ("bridge", "provisioner", "sensor", "consumer", "replier", "readers_admin")
+USERS = ("bridge", "provisioner", "sensor", "fleet", "consumer", "replier", "readers_admin")
 
 
 MAKE_CERTS = CONFIG.parent / "make-certs.sh"
@@ -322,7 +322,8 @@ async def test_a_team_reaches_its_own_durable_and_inbox_and_no_other(cdc_databas
         def team_mirror(team: str) -> Mirror:
             return Mirror(_as(settings, deployment, team), [table], tmp_path / f"{team}.db",
                           durable=team, options=MirrorSettings(
-                              status_interval_seconds=1.0, inbox_prefix=f"_INBOX_{team}"),
+                              status_interval_seconds=1.0, inbox_prefix=f"_INBOX_{team}",
+                              mirror_id=f"{team}.edge"),
                           report=lambda line: None)
 
         async with running_bridge(bridge), snapshot_responder(
@@ -330,6 +331,13 @@ async def test_a_team_reaches_its_own_durable_and_inbox_and_no_other(cdc_databas
             await _schema_mirrored(deployment, table)
             for team in ("team_a", "team_b"):
                 await team_mirror(team).run(until_caught_up=True)
+            # each reported its state, under its team's name, through READERS' import
+            fleet, _ = await deployment.connect("fleet")
+            for team in ("team_a", "team_b"):
+                state = json.loads((await fleet.jetstream().get_last_msg(
+                    "KV_mirrors", f"$KV.mirrors.{team}.edge")).data)
+                assert state["mirror_id"] == f"{team}.edge" and table in state["tables"]
+            await fleet.close()
             pg_admin.execute(f"UPDATE {table} SET v = 'changed' WHERE id <= 5")
             pg_admin.execute(f"INSERT INTO {table} VALUES (1000, repeat('x', 1500000))")
             await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
@@ -370,6 +378,63 @@ async def test_a_team_reaches_its_own_durable_and_inbox_and_no_other(cdc_databas
             await team_mirror("team_a").run(until_caught_up=True)
     assert mirror_rows(tmp_path / "team_a.db", table, ["id", "v"]) == source_rows(
         cdc_database.server.superuser_conninfo(), table, ["id", "v"])
+
+
+async def test_a_reader_reports_its_own_mirror_state_and_reads_nobodys(tmp_path):
+    """A mirror's state goes through READERS' import `mirror.state.>` into PLATFORM's KV
+    `mirrors`, where only `fleet` reads it: a team writes under its own name only, reads no
+    state (nor the publishes of others), and reaches no other bucket or stream through it;
+    a rollup header cannot purge the others' states; `fleet` reads and writes nothing else."""
+    async with _deployment(tmp_path, ("team_a", "team_b")) as deployment:
+        fleet, _ = await deployment.connect("fleet")
+        states = fleet.jetstream(timeout=2.0)
+
+        async def state(key: str) -> bytes | None:
+            with contextlib.suppress(Exception):
+                return (await states.get_last_msg("KV_mirrors", f"$KV.mirrors.{key}",
+                                                  direct=True)).data
+            return None
+
+        for user, key in (("consumer", "edge1"), ("team_a", "team_a.edge1"),
+                          ("team_b", "team_b.edge1")):
+            writer, _ = await deployment.connect(user, "_INBOX" if user == "consumer"
+                                                 else f"_INBOX_{user}")
+            ack = await writer.jetstream().publish(f"mirror.state.{key}", b'{"by": "%s"}'
+                                                   % user.encode())
+            assert ack.stream == "KV_mirrors"
+            await writer.close()
+            assert await state(key) == b'{"by": "%s"}' % user.encode()
+
+        intruder, errors = await deployment.connect("team_b", "_INBOX_team_b")
+        js = intruder.jetstream(timeout=0.5)  # (a refused publish waits for no ack)
+        for subject in ("mirror.state.team_a.edge1", "mirror.state.edge1",
+                        "$KV.mirrors.team_b.x", "$KV.schemas.users", "cdc.users.insert",
+                        "init.meta.users"):
+            assert await _refused(lambda subject=subject: js.publish(subject, b"{}")), subject
+        # its own key with a rollup header: refused by the bucket, nothing purged
+        assert await _refused(lambda: js.publish("mirror.state.team_b.edge1", b"{}",
+                                                 headers={"Nats-Rollup": "all"}))
+        assert await state("team_a.edge1") == b'{"by": "team_a"}'
+        # no reader reads the bucket, nor what others publish into it
+        assert await _refused(lambda: js.get_last_msg("KV_mirrors",
+                                                      "$KV.mirrors.team_a.edge1"))
+        errors.clear()
+        await intruder.subscribe("mirror.state.>")
+        await intruder.flush()
+        await wait_for(lambda: errors, timeout=5, what="refusing mirror.state.>")
+        await intruder.close()
+
+        # fleet: reads the keys and values, writes nowhere, not even into its bucket
+        keys = (await states.stream_info("KV_mirrors", subjects_filter=">")).state.subjects
+        assert set(keys or {}) == {"$KV.mirrors.edge1", "$KV.mirrors.team_a.edge1",
+                                   "$KV.mirrors.team_b.edge1"}
+        refusing = fleet.jetstream(timeout=0.5)
+        for subject in ("$KV.mirrors.edge1", "cdc.users.insert", "$KV.schemas.users"):
+            assert await _refused(lambda subject=subject: refusing.publish(subject, b"{}"))
+        assert await _refused(lambda: refusing.purge_stream("KV_mirrors"))
+        assert await _refused(lambda: refusing.stream_info("CDC"))
+        assert await state("edge1") == b'{"by": "consumer"}'
+        await fleet.close()
 
 
 async def test_a_reader_reaches_no_platform_consumer_lists_none_and_is_bounded(deployment):

@@ -24,13 +24,14 @@ def _isolated_topology(suffix: str, **cdc) -> NatsTopology:
         schemas={"bucket": f"schemas_{suffix}"},
         dictionaries={"bucket": f"dictionaries_{suffix}"},
         large={"bucket": f"large_{suffix}"},
+        mirrors={"bucket": f"mirrors_{suffix}"},
     )
 
 
 async def _delete(js, topology):
     for name in (topology.cdc.name, topology.init.name, topology.requests.name,
                  f"KV_{topology.schemas.bucket}", f"KV_{topology.dictionaries.bucket}",
-                 f"OBJ_{topology.large.bucket}"):
+                 f"OBJ_{topology.large.bucket}", f"KV_{topology.mirrors.bucket}"):
         await js.delete_stream(name)
 
 
@@ -42,8 +43,8 @@ async def test_creates_then_verifies(nats_client):
     try:
         assert sorted(first.created) == ["CDC_fresh", "INIT_fresh", "REQ_fresh",
                                          f"consumer:REQ_fresh/{REQUESTS_DURABLE}",
-                                         "kv:dictionaries_fresh", "kv:schemas_fresh",
-                                         "obj:large_fresh"]
+                                         "kv:dictionaries_fresh", "kv:mirrors_fresh",
+                                         "kv:schemas_fresh", "obj:large_fresh"]
         assert sorted(second.unchanged) == sorted(first.created)
         cdc = (await js.stream_info("CDC_fresh")).config
         assert cdc.subjects == ["fresh.cdc.>"]
@@ -55,6 +56,14 @@ async def test_creates_then_verifies(nats_client):
         assert (await dictionaries.status()).history == 1  # an id never names other bytes
         large = (await js.stream_info("OBJ_large_fresh")).config
         assert large.max_age == 7 * 86400  # claim checks live as long as CDC events
+        mirrors = (await js.stream_info("KV_mirrors_fresh")).config
+        assert (mirrors.max_msgs_per_subject, mirrors.max_age, mirrors.max_msg_size,
+                mirrors.max_bytes) == (1, 120, 64 * 1024, 64 * 1024**2)
+        # readers write it: no header of theirs may purge the bucket or outlive its TTL
+        assert not mirrors.allow_rollup_hdrs and not mirrors.allow_msg_ttl
+        state = await js.key_value("mirrors_fresh")
+        await state.put("team_a.edge", b"{}")
+        assert (await state.get("team_a.edge")).value == b"{}"
     finally:
         await _delete(js, topology)
 

@@ -53,6 +53,8 @@ def _payload_type(subject: str) -> type:
         return payloads.SnapshotChunk
     if subject.startswith("init.meta."):
         return payloads.SnapshotMetaPayload
+    if subject.startswith("init.repair."):
+        return payloads.RepairMetaPayload
     return payloads.TableSchemaValue
 
 
@@ -82,7 +84,8 @@ def test_every_golden_payload_has_the_fields_of_its_type(fmt):
     # the files cover every operation, the transaction mark, and every payload type
     assert seen["ChangeEvent"] >= {"INSERT", "UPDATE", "DELETE", "TRUNCATE", "tx_tables"}
     assert set(seen) == {"ChangeEvent", "SchemaEvent", "WatermarkMarker", "SnapshotChunk",
-                         "SnapshotMetaPayload", "TableSchemaValue", "VerificationDigestPayload"}
+                         "SnapshotMetaPayload", "RepairMetaPayload", "TableSchemaValue",
+                         "VerificationDigestPayload"}
 
 
 def test_a_payload_with_a_missing_or_unknown_field_is_refused():

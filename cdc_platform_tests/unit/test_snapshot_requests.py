@@ -3,9 +3,17 @@ answer a request, and a flood of refusals kept to a few log lines."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from cdc_platform.snapshot.requests import RunInFlight, parse_request, summarize
+from cdc_platform.snapshot.requests import (
+    Pacing,
+    RunInFlight,
+    parse_request,
+    repair_request_refusal,
+    summarize,
+)
 
 
 @pytest.mark.parametrize(("subject", "data", "reason"), [
@@ -87,3 +95,31 @@ def test_a_repair_request_keeps_its_buckets_sorted_once():
     verify = parse_request("snapshot.request.users", b'{"purpose": "verify"}', 2)
     assert (verify.refused, verify.purpose, verify.bits, verify.buckets) == (
         None, "verify", None, None)
+
+
+@pytest.mark.parametrize(("bits", "buckets", "refused"), [
+    (4, [0, 1, 2, 3], False),  # a quarter: served
+    (4, [0, 1, 2, 3, 4], True),
+    (2, [3], False),
+    (1, [0], True),  # half the table
+    (0, [0], True),  # all of it
+    (10, list(range(256)), False),  # (a body holds ~700 buckets of 14 bits: 4 KB)
+    (10, list(range(257)), True),
+])
+def test_a_repair_of_more_than_a_quarter_of_the_buckets_is_refused(bits, buckets, refused):
+    request = parse_request("snapshot.request.users", json.dumps(
+        {"purpose": "repair", "bits": bits, "buckets": buckets}).encode(), 1)
+    assert request.refused is None
+    reason = repair_request_refusal(request)
+    assert (reason is not None) is refused
+    if refused:
+        assert reason.endswith("more than a quarter of the table: request a full snapshot")
+
+
+def test_a_tables_repairs_start_the_minimum_interval_apart():
+    pacing = Pacing(60.0, repairs_started={"users": 1000.0})
+    assert pacing.repair_retry_after("users", 1010.0) == 50.0
+    assert pacing.repair_retry_after("users", 1060.0) is None
+    assert pacing.repair_retry_after("orders", 1010.0) is None
+    assert Pacing(0.0, repairs_started={"users": 1000.0}).repair_retry_after(
+        "users", 1000.0) is None

@@ -15,7 +15,10 @@ least ``CDC_SNAPSHOT_MIN_INTERVAL`` apart: a request that needs a new run sooner
 the sensor holds back in its cursor until then (``max_age_seconds: 0`` cannot make it
 snapshot a table back to back). Requests with ``purpose: verify`` become `table_verification`
 runs (``verification_job``), one per table, bits and buckets, joining such a run while it is
-queued; their runs answer the requesters as snapshot runs do.
+queued; their runs answer the requesters as snapshot runs do. Requests with ``purpose:
+repair`` become one `table_repair` run (``repair_job``) per table and tick, of the union of
+their buckets, at least ``CDC_SNAPSHOT_MIN_INTERVAL`` apart (sooner: refused with
+``retry_after``).
 """
 
 import asyncio
@@ -32,10 +35,12 @@ from cdc_platform.defs.resources import NatsRepliesResource, NatsResource, Postg
 from cdc_platform.defs.snapshots.assets import REPLIES_TAG
 from cdc_platform.defs.snapshots.partitions import PUBLISHED_TABLES, published_tables_partitions
 from cdc_platform.defs.verification.assets import BITS_TAG, BUCKETS_TAG
+from cdc_platform.defs.verification.repairs import REPAIR_BUCKETS_TAG
 from cdc_platform.jetstream.provision import REQUESTS_DURABLE
 from cdc_platform.naming import wire_name
 from cdc_platform.postgres.catalog import published_relation_ids, published_tables
 from cdc_platform.settings import NatsTopology, OrchestrationSettings, load_settings
+from cdc_platform.snapshot.buckets import BucketSelection
 from cdc_platform.snapshot.requests import (
     MAX_REPLIES_PER_RUN,
     HandledRequests,
@@ -45,6 +50,7 @@ from cdc_platform.snapshot.requests import (
     VerificationKey,
     answer_requests,
     fetch_requests,
+    repair_run_key,
     request_run_key,
     verification_run_key,
 )
@@ -143,6 +149,19 @@ def _request_runs_since(instance: dg.DagsterInstance, seq_tag: str,
     return created
 
 
+def _runs_of_job_since(instance: dg.DagsterInstance, job_name: str,
+                       since: float) -> dict[str, float]:
+    """Table -> when its newest run of ``job_name`` was created, of those created after
+    ``since``."""
+    created: dict[str, float] = {}
+    for record in instance.get_run_records(dg.RunsFilter(
+            job_name=job_name, created_after=datetime.fromtimestamp(since, UTC))):
+        table = record.dagster_run.tags.get(PARTITION_TAG)
+        if table is not None:
+            created[table] = max(created.get(table, 0.0), record.create_timestamp.timestamp())
+    return created
+
+
 @dataclass
 class _Cursor:
     """The sensor's cursor: the highest stream sequence handled (its RunRequests recorded),
@@ -172,12 +191,14 @@ class _Cursor:
             for table, held in self.held_verifications.items()}})
 
 
-def build_snapshot_request_sensor(snapshot_job, verification_job) -> dg.SensorDefinition:
-    @dg.sensor(jobs=[snapshot_job, verification_job], minimum_interval_seconds=2,
+def build_snapshot_request_sensor(snapshot_job, verification_job,
+                                  repair_job) -> dg.SensorDefinition:
+    @dg.sensor(jobs=[snapshot_job, verification_job, repair_job], minimum_interval_seconds=2,
                default_status=dg.DefaultSensorStatus.RUNNING,
                description="`snapshot.request.{table}` messages -> `init_snapshot` runs "
-               "(`table_verification` runs for purpose verify), with replies (accepted, "
-               "refused, done, failed) to requests that ask for them.")
+               "(`table_verification` runs for purpose verify, `table_repair` runs for "
+               "purpose repair), with replies (accepted, refused, done, failed) to requests "
+               "that ask for them.")
     def snapshot_request_sensor(context: dg.SensorEvaluationContext, nats: NatsResource,
                                 nats_replies: NatsRepliesResource,
                                 postgres: PostgresResource):
@@ -185,6 +206,9 @@ def build_snapshot_request_sensor(snapshot_job, verification_job) -> dg.SensorDe
         settings = load_settings(OrchestrationSettings)
         pacing = _pacing(context.instance, REQUEST_SEQ_TAG,
                          settings.snapshot_min_interval_seconds, cursor.held)
+        pacing.repairs_started = _runs_of_job_since(
+            context.instance, repair_job.name, time.time() - pacing.min_interval
+        ) if pacing.min_interval else {}
         verify_pacing = _pacing(context.instance, VERIFY_REQUEST_SEQ_TAG,
                                 settings.verify_min_interval_seconds,
                                 cursor.held_verifications)
@@ -196,6 +220,7 @@ def build_snapshot_request_sensor(snapshot_job, verification_job) -> dg.SensorDe
             _verifications_in_flight(context.instance, verification_job.name), verify_pacing))
         runs = dict(outcome.runs) if outcome else {}
         verifications = dict(outcome.verifications) if outcome else {}
+        repairs = outcome.repairs if outcome else {}
         notes = list(outcome.notes) if outcome else []
         now = time.time()
         for table in [table for table, held in pacing.held.items() if held.not_before <= now]:
@@ -217,10 +242,11 @@ def build_snapshot_request_sensor(snapshot_job, verification_job) -> dg.SensorDe
                          pacing.held, verify_pacing.held)
         for note in notes:
             context.log.info(note)
-        if not runs and not verifications:  # say why in the tick itself, not only in its logs
+        if not runs and not verifications and not repairs:  # say why in the tick itself
             return dg.SensorResult(cursor=cursor.dump(), skip_reason="; ".join(notes)[:1000])
         known = set(context.instance.get_dynamic_partitions(PUBLISHED_TABLES))
-        new_partitions = sorted((set(runs) | {key[0] for key in verifications}) - known)
+        new_partitions = sorted(
+            (set(runs) | {key[0] for key in verifications} | set(repairs)) - known)
         return dg.SensorResult(
             run_requests=[dg.RunRequest(
                 run_key=request_run_key(table, seq), partition_key=table,
@@ -229,7 +255,9 @@ def build_snapshot_request_sensor(snapshot_job, verification_job) -> dg.SensorDe
                       REPLIES_TAG: json.dumps(requesters[:MAX_REPLIES_PER_RUN])})
                 for table, (seq, requesters) in runs.items()] + [
                 _verification_run(verification_job.name, key, seq, requesters)
-                for key, (seq, requesters) in verifications.items()],
+                for key, (seq, requesters) in verifications.items()] + [
+                _repair_run(repair_job.name, table, seq, requesters, selection)
+                for table, (seq, requesters, selection) in repairs.items()],
             cursor=cursor.dump(),
             dynamic_partitions_requests=[
                 published_tables_partitions.build_add_request(new_partitions)]
@@ -250,6 +278,16 @@ def _verification_run(job_name: str, key: VerificationKey, seq: int,
         tags[BUCKETS_TAG] = json.dumps(list(buckets))
     return dg.RunRequest(run_key=verification_run_key(table, seq), partition_key=table,
                          job_name=job_name, tags=tags)
+
+
+def _repair_run(job_name: str, table: str, seq: int, requesters: list,
+                selection: BucketSelection) -> dg.RunRequest:
+    """A repair run for a table's repair requests of this tick (not tagged with
+    REQUEST_SEQ_TAG: only snapshot runs count for the snapshot pacing)."""
+    return dg.RunRequest(run_key=repair_run_key(table, seq), partition_key=table,
+                         job_name=job_name, tags={
+                             REPLIES_TAG: json.dumps(requesters[:MAX_REPLIES_PER_RUN]),
+                             REPAIR_BUCKETS_TAG: selection.to_text()})
 
 
 async def _handle_requests(nats: NatsResource, nats_replies: NatsRepliesResource,
