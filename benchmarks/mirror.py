@@ -19,6 +19,10 @@ Starts its own PostgreSQL and nats-server in a temp dir, a ``--rows``-row table,
 
 3. read ceiling: the same messages read again by the mirror's pull reader alone (nothing
    applied): how fast this machine's nats-server and client deliver them, the bound on apply.
+4. digests (``--digest both``, the default): the apply phase runs on two copies of the
+   bootstrapped file, without the digests' upkeep and with it (docs/verification.md item 7:
+   <= 10 % slower); then ``mirror verify``'s recompute of the table's digest from the file
+   against a plain ``SELECT *`` of the same table through ``sqlite3`` (target >= 0.5x).
 
 Targets (issue 12): bootstrap >= 0.7 x baseline, apply >= 50K events/s, RSS <= 200 MB.
 
@@ -60,6 +64,7 @@ from cdc_platform.mirror.columns import TableShape, quote, to_sqlite
 from cdc_platform.mirror.follower import Mirror
 from cdc_platform.mirror.snapshots import read_chunks
 from cdc_platform.mirror.store import MirrorStore
+from cdc_platform.mirror.verify import verify_file
 from cdc_platform.postgres.admin import provision_database
 from cdc_platform.settings import (
     BridgeSettings,
@@ -105,6 +110,8 @@ async def main() -> None:
                         help="changes per source transaction in the apply phase")
     parser.add_argument("--mode", choices=["per-change", "batched"], default="per-change",
                         help="the bridge's message mode for the apply phase")
+    parser.add_argument("--digest", choices=["on", "off", "both"], default="both",
+                        help="apply with the digests' upkeep, without, or both (same run)")
     parser.add_argument("--save-replay", type=Path,
                         help="keep the bootstrapped database and the apply phase's messages "
                              "in this directory, for benchmarks/mirror_replay.py")
@@ -238,26 +245,17 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
         with sqlite3.connect(db) as source, sqlite3.connect(
                 args.save_replay / "mirror.db") as copy:
             source.backup(copy)
-    mirror = Mirror(settings, [TABLE], db, options=MirrorSettings(status_interval_seconds=1000),
-                    report=lambda line: None)
-    profiler = None
-    if args.profile:
-        import cProfile
-
-        profiler = cProfile.Profile()
-        profiler.enable()
-    started = time.perf_counter()
-    cpu_started = time.process_time()
-    await mirror.run(until_caught_up=True)
-    cpu_seconds = time.process_time() - cpu_started  # (this process: the mirror alone now)
-    whole_seconds = time.perf_counter() - started
-    apply_seconds = mirror.last_commit_at - mirror.first_event_at  # first event -> last commit
-    if profiler is not None:
-        import pstats
-
-        profiler.disable()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-    apply_rate = mirror.applied_events / apply_seconds
+    upkeep = {"on": [True], "off": [False], "both": [False, True]}[args.digest]
+    copies = {}
+    for digests in upkeep:  # (each on its own copy of the bootstrapped file)
+        copies[digests] = work / f"apply-digests-{'on' if digests else 'off'}.db"
+        with sqlite3.connect(db) as source, sqlite3.connect(copies[digests]) as copy:
+            source.backup(copy)
+    rates = {}
+    for digests in upkeep:
+        mirror, apply_rate, apply_seconds, whole_seconds, cpu_seconds = await _apply(
+            args, settings, copies[digests], digests)
+        rates[digests] = apply_rate
     kept: list | None = [] if args.save_replay else None
     read_rate, read_cpu = await _read_ceiling(client, kept)
     if args.save_replay:
@@ -287,6 +285,58 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
     print(f"read ceiling: the mirror's pull reader alone, reading the same messages and "
           f"dropping them: {read_rate:,.0f} msgs/s, {read_cpu:.1f} µs CPU per message; the "
           f"mirror applies at {apply_rate / read_rate:.2f} of it")
+    if len(rates) == 2:
+        print(f"digests: apply without upkeep {rates[False]:,.0f} events/s, with "
+              f"{rates[True]:,.0f} events/s: {100 * (1 - rates[True] / rates[False]):.1f} % "
+              "slower (target <= 10 %)")
+    if True in copies:
+        _verify_figure(copies[True])
+
+
+async def _apply(args, settings: PlatformSettings, db: Path, digests: bool):
+    """The apply phase on ``db``: (the mirror, events/s, seconds from the first event to
+    the last commit, seconds in all, CPU seconds)."""
+    mirror = Mirror(settings, [TABLE], db, options=MirrorSettings(
+        status_interval_seconds=1000, digests=digests), report=lambda line: None)
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    started = time.perf_counter()
+    cpu_started = time.process_time()
+    await mirror.run(until_caught_up=True)
+    cpu_seconds = time.process_time() - cpu_started  # (this process: the mirror alone now)
+    whole_seconds = time.perf_counter() - started
+    apply_seconds = mirror.last_commit_at - mirror.first_event_at  # first event -> last commit
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        print(f"apply with digests {'on' if digests else 'off'}:")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    apply_rate = mirror.applied_events / apply_seconds
+    print(f"apply, digests {'on' if digests else 'off'}: {apply_rate:,.0f} events/s",
+          flush=True)
+    return mirror, apply_rate, apply_seconds, whole_seconds, cpu_seconds
+
+
+def _verify_figure(db: Path) -> None:
+    """``mirror verify``'s scan of the table against ``SELECT *`` of it, best of 3 each."""
+    scans, verifies = [], []
+    for _ in range(3):
+        with sqlite3.connect(db) as conn:
+            started = time.perf_counter()
+            count = sum(1 for _ in conn.execute(f"SELECT * FROM {quote(TABLE)}"))
+            scans.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        checks = verify_file(db, [TABLE])
+        verifies.append(time.perf_counter() - started)
+        assert not checks[0].differing and checks[0].why is None, checks[0].line()
+    scan_rate, verify_rate = count / min(scans), count / min(verifies)
+    print(f"mirror verify: {verify_rate:,.0f} rows/s ({count:,} rows), SELECT * "
+          f"{scan_rate:,.0f} rows/s, ratio {verify_rate / scan_rate:.2f} (target >= 0.5)")
 
 
 async def _read_ceiling(client, kept: list | None = None) -> tuple[float, float]:

@@ -142,11 +142,22 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
         for line in status_lines(args.sqlite):
             print(line)
         return 0
+    if args.action == "verify":
+        from cdc_platform.mirror.verify import verify_file
+
+        checks = verify_file(args.sqlite, [table.strip() for table in (args.tables or "")
+                                           .split(",") if table.strip()])
+        for check in checks:
+            print(check.line())
+        return 1 if any(check.differing for check in checks) else 0
     if not args.tables:
-        raise CdcError("mirror: --tables is required (except for `mirror status`)")
+        raise CdcError("mirror: --tables is required (except for `mirror status` and "
+                       "`mirror verify`)")
     settings = load_settings()
     tables = [table.strip() for table in args.tables.split(",") if table.strip()]
     keys = {"trusted_keys": ",".join(args.trusted_key)} if args.trusted_key else {}
+    if args.verify_scan is not None:
+        keys["verify_scan"] = args.verify_scan
     if args.mirror_id is not None:
         keys["mirror_id"] = args.mirror_id
     if args.inbox_prefix is not None:
@@ -287,11 +298,14 @@ def build_parser() -> argparse.ArgumentParser:
         "snapshot.request.{table}), then follow the CDC stream, one whole PostgreSQL "
         "transaction per SQLite commit. Stop and start it at will: it resumes exactly. "
         "NATS settings come from CDC_NATS_*; see docs/mirror.md.")
-    mirror.add_argument("action", nargs="?", choices=["status"],
+    mirror.add_argument("action", nargs="?", choices=["status", "verify"],
                         help="status: print what the file holds (each table, the consistent "
-                        "LSN) and exit")
+                        "LSN) and exit; verify: recompute each table's digest from its rows, "
+                        "compare it with the one the mirror kept, and exit 0 (all equal), 1 "
+                        "(some differ) or 2 (error)")
     mirror.add_argument("--tables",
-                        help="comma-separated wire table names (users,sales/orders)")
+                        help="comma-separated wire table names (users,sales/orders); with "
+                        "verify: the tables to compare (default: all)")
     mirror.add_argument("--sqlite", required=True, help="the SQLite file (created if missing)")
     mirror.add_argument("--durable", help="a durable JetStream consumer name, so the server "
                         "shows this mirror's progress (positions stay in the SQLite file)")
@@ -308,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="apply only messages signed by this key (repeat it for several, "
                         "while keys are rotated; replaces CDC_MIRROR_TRUSTED_KEYS); see "
                         "docs/wire-contract.md \"Signatures\"")
+    mirror.add_argument("--verify-scan", choices=["at_marker", "never"],
+                        help="at a source verification's marker, recompute the table's digest "
+                        "from its rows (at_marker, the default: also finds rows changed behind "
+                        "the mirror's back) or compare the digest kept as changes applied "
+                        "(never: costs nothing); CDC_MIRROR_VERIFY_SCAN")
     mirror.set_defaults(handler=_cmd_mirror, runs_until_stopped=True)
 
     verify = commands.add_parser(

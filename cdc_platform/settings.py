@@ -621,6 +621,17 @@ class MirrorSettings(_Settings):
     fetch_batch: int = Field(256, ge=1, le=10_000, validation_alias=_env("CDC_MIRROR_FETCH_BATCH"))
     # public nkeys, comma-separated: only messages signed by one of them are applied
     trusted_keys: PublicKeys = Field("", validation_alias=_env("CDC_MIRROR_TRUSTED_KEYS"))
+    # keep each table's digest current as changes apply (docs/verification.md "Mirror
+    # upkeep"); off: none kept (``mirror verify`` says so), for comparing the apply rate
+    digests: bool = Field(True, validation_alias=_env("CDC_MIRROR_DIGESTS"))
+    # at a verify marker, recompute the table's digest from its rows on a second connection
+    # (finds rows changed behind the mirror's back); never: compare the kept digest only
+    verify_scan: Literal["at_marker", "never"] = Field(
+        "at_marker", validation_alias=_env("CDC_MIRROR_VERIFY_SCAN"))
+    # digest deltas a verification logs between its marker and its digest message at most
+    # (past it: that verification is not comparable)
+    verify_log_rows: int = Field(1_000_000, ge=1,
+                                 validation_alias=_env("CDC_MIRROR_VERIFY_LOG_ROWS"))
 
     def verifier(self) -> SignatureVerifier | None:
         """What checks each message before it is applied (None: no key is trusted)."""

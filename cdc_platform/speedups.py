@@ -40,8 +40,9 @@ PURE_PYTHON = os.environ.get("CDC_PLATFORM_PURE_PYTHON", "").strip().lower() in 
     "1", "true", "yes")
 
 TWINNED = ("bridge.events", "jetstream.frames", "jetstream.pull", "mirror.snapshots",
-           "mirror.store", "protocol.changes", "protocol.pgoutput", "protocol.values",
-           "publishing.framing", "publishing.publisher", "snapshot.chunks", "wire.encoding")
+           "mirror.store", "mirror.stored_values", "protocol.changes", "protocol.pgoutput",
+           "protocol.values", "publishing.framing", "publishing.publisher", "snapshot.chunks",
+           "wire.digest", "wire.encoding")
 
 
 

@@ -86,8 +86,11 @@ class ChangeWriter:
     ``Statements`` on that connection, or None (the pure path only)."""
 
     def __init__(self, db: sqlite3.Connection, statements: Statements | None,
-                 shapes: dict[str, TableShape]) -> None:
+                 shapes: dict[str, TableShape], *,
+                 truncate: Callable[[str], None] | None = None) -> None:
         self._db = db
+        # empties a table (the digests' keeper: every bucket to zero at once)
+        self._truncate = truncate or self._delete_all
         self.statements = statements
         self._shapes = shapes
         # (kind, table, column names of the row) -> _Prepared; kind is "INSERT", "UPDATE" or
@@ -181,9 +184,12 @@ class ChangeWriter:
             rowid = self._find_row(shape, identity, event)
             self._db.execute(f"DELETE FROM {quote(table)} WHERE rowid = ?", (rowid,))
         elif operation == "TRUNCATE":
-            self._db.execute(f"DELETE FROM {quote(table)}")
+            self._truncate(table)
         else:
             raise MirrorError(f"{table}: unknown operation {operation!r} in {event.get('msg_id')}")
+
+    def _delete_all(self, table: str) -> None:
+        self._db.execute(f"DELETE FROM {quote(table)}")
 
     def insert_rows(self, table: str, rows: Sequence[Mapping[str, Any]]) -> None:
         if not rows:

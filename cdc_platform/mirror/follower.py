@@ -59,22 +59,28 @@ from cdc_platform.mirror.consistency import (
 )
 from cdc_platform.mirror.errors import DivergenceError, MirrorError
 from cdc_platform.mirror.fleet import MirrorStateReporter, default_mirror_id
+from cdc_platform.mirror.meetings import Meetings, OnVerification
 from cdc_platform.mirror.positions import TableState
-from cdc_platform.mirror.snapshots import BootstrapProgress, read_chunks
+from cdc_platform.mirror.snapshots import BootstrapProgress, decode_chunk, read_chunks
 from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.mirror.transactions import StreamGap, TransactionCollector
+from cdc_platform.mirror.verifications import VerificationResult
 from cdc_platform.naming import parse_wire_name
 from cdc_platform.settings import MirrorSettings, PlatformSettings
 from cdc_platform.wire import (
     CDC_PREFIX,
     CHANGE_OPERATIONS,
+    CONTROL_TOKEN,
     HEADER_CLAIM_CHECK,
     SCHEMA_OPERATION,
+    VERIFY_SUBJECT_PREFIX,
+    WATERMARK_SUBJECT_PREFIX,
     SignatureVerifier,
     commit_ts_epoch,
     decode_any,
     decode_payload,
     payload_format,
+    verify_digest_subject,
 )
 
 log = logging.getLogger(__name__)
@@ -96,6 +102,7 @@ _KV_CATCH_UP_SECONDS = 30.0
 # Snapshots in a row whose chunks cannot be used before a person is needed (each is asked
 # for past the last one's cutover LSN, so a new one is taken each time).
 _UNUSABLE_SNAPSHOTS = 3
+_CONTROL_PREFIX = f"{CDC_PREFIX}.{CONTROL_TOKEN}."  # markers, digest messages
 
 
 class _Restart(Exception):
@@ -107,7 +114,8 @@ class Mirror:
 
     def __init__(self, settings: PlatformSettings, tables: Iterable[str],
                  sqlite_path: str | Path, *, durable: str | None = None,
-                 options: MirrorSettings | None = None, report: Report | None = None) -> None:
+                 options: MirrorSettings | None = None, report: Report | None = None,
+                 on_verification: OnVerification | None = None) -> None:
         self.settings = settings
         self.tables = list(dict.fromkeys(tables))
         if not self.tables:
@@ -122,6 +130,10 @@ class Mirror:
         self.durable = durable
         self.options = options or MirrorSettings()
         self.report = report or (lambda line: log.info("%s", line))
+        # told each source verification met (docs/verification.md "Meeting a verification")
+        self.on_verification = on_verification
+        self.meetings: Meetings | None = None
+        self.verified: dict[str, VerificationResult] = {}  # table -> its last verification
         self.position = 0  # the `CDC` sequence every followed table is mirrored up to
         self.applied_events = 0
         self.applied_transactions = 0
@@ -154,7 +166,11 @@ class Mirror:
         streams and nothing is pending). Raises :class:`MirrorError` on what needs a human:
         a table that is not published, a corrupt database, a schema it cannot map."""
         stop = stop or asyncio.Event()
-        store = MirrorStore(self.path)  # a corrupt file is an error before anything else
+        # a corrupt file is an error before anything else
+        store = MirrorStore(self.path, digests=self.options.digests)
+        store.most_logged = self.options.verify_log_rows
+        self.meetings = Meetings(store, scan=self.options.verify_scan == "at_marker",
+                                 report=self.report, on_verification=self._verified)
         try:
             nc = await connect_nats(self.settings.nats, name="cdc-platform-mirror",
                                     reconnect_forever=True,
@@ -278,27 +294,55 @@ class Mirror:
         progress = BootstrapProgress(table, meta.row_count, meta.batch_count, time.monotonic())
         last_report = time.monotonic()
         from_json = meta.format == "json"
-        columns = None if from_json else tuple(c.name for c in shape.columns)
+        names = tuple(c.name for c in shape.columns)
+        columns = None if from_json else names
         with contextlib.ExitStack() as stack:
             # msgpack chunks straight into SQLite where the compiled loader takes them (on
             # its own connection: only while the follower has no transaction open)
             compiled = stack.enter_context(store.chunk_loader(shadow, columns)) \
                 if columns else None
 
+            loaded: list[bytes] = []  # chunks the compiled loader wrote, to digest
+
             def load(data: bytes, seen: set[int]) -> tuple[int, int] | None:
                 assert compiled is not None
-                return None if store.in_transaction else compiled(data, seen)
+                if store.in_transaction:
+                    return None
+                taken = compiled(data, seen)
+                if taken is not None and store.keeps_digests:
+                    loaded.append(data)
+                return taken
+
+            def hashes(data: bytes) -> tuple[int, list[bytes]]:
+                chunk = decode_chunk(data, columns)
+                return rows_hashes(chunk.rows, as_tuples=chunk.as_tuples)
+
+            def rows_hashes(rows: list[Any], *, as_tuples: bool) -> tuple[int, list[bytes]]:
+                return store.loaded_hashes(shadow, rows if as_tuples else [
+                    tuple(row.get(name) for name in names) for row in rows])
             async for chunk in read_chunks(js, meta, stream=self.settings.topology.init.name,
                                            progress=progress.update, columns=columns,
                                            load=load if compiled is not None else None,
                                            verifier=self.verifier):
-                if chunk.loaded is None:
+                while loaded:  # (its own connection: the store's triggers did not see it)
+                    # hashed on a worker thread: the other tables' changes go on meanwhile
+                    hashed = await asyncio.to_thread(hashes, loaded.pop())
                     await _between_transactions(store)
-                    if chunk.as_tuples and columns is not None:
-                        store.load_tuples(shadow, columns, chunk.rows, has_nan=chunk.has_nan)
+                    store.digest_loaded(hashed)
+                if chunk.loaded is None:
+                    as_tuples = chunk.as_tuples and columns is not None
+                    rows = (chunk.rows if as_tuples or not from_json
+                            else [shape.from_json(r) or {} for r in chunk.rows])
+                    # hashed on a worker thread, not row by row in the store's triggers
+                    chunk_hashes = (await asyncio.to_thread(rows_hashes, rows,
+                                                            as_tuples=as_tuples)
+                                    if store.keeps_digests else None)
+                    await _between_transactions(store)
+                    if as_tuples and columns is not None:
+                        store.load_tuples(shadow, columns, rows, has_nan=chunk.has_nan,
+                                          hashes=chunk_hashes)
                     else:
-                        store.load_rows(shadow, [shape.from_json(r) or {} for r in chunk.rows]
-                                        if from_json else chunk.rows)
+                        store.load_rows(shadow, rows, hashes=chunk_hashes)
                 if time.monotonic() - last_report >= self.options.status_interval_seconds:
                     last_report = time.monotonic()
                     self.report(progress.line())
@@ -482,7 +526,9 @@ class Mirror:
                     await asyncio.sleep(1.0)
                     raise _Restart from None
                 for message in await follow.authentic(messages) if verifying else messages:
-                    if message.has_header(HEADER_CLAIM_CHECK):  # in the object store
+                    if message.subject.startswith(_CONTROL_PREFIX):  # a marker, a digest
+                        await follow.control(message)
+                    elif message.has_header(HEADER_CLAIM_CHECK):  # in the object store
                         try:
                             await follow.claim_checked(message)
                         except (NatsError, TimeoutError) as exc:
@@ -541,6 +587,10 @@ class Mirror:
     async def _subscribe(self, nc: NatsClient, js: JetStreamContext, stream: str,
                          followed: Sequence[str], start: int) -> PullReader:
         subjects = [f"{CDC_PREFIX}.{table}.>" for table in followed]
+        # verify markers (every marker: few) and the followed tables' digest messages, in
+        # stream order with the changes (one consumer, several filters)
+        subjects += [f"{WATERMARK_SUBJECT_PREFIX}.*",
+                     *(f"{verify_digest_subject(table, '*')}" for table in followed)]
         config = ConsumerConfig(
             durable_name=self.durable, filter_subjects=subjects,
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start,
@@ -571,6 +621,12 @@ class Mirror:
         self.pending_events = pending
         return pending
 
+    def _verified(self, table: str, result: VerificationResult) -> None:
+        self.verified[table] = result
+        self.fleet.report_now()  # (the fleet's state shows it at once)
+        if self.on_verification is not None:
+            self.on_verification(table, result)
+
     async def stream_last_lsn(self, js: JetStreamContext) -> int | None:
         """The commit LSN of `CDC`'s last message: how far the source is."""
         stream = self.settings.topology.cdc.name
@@ -592,7 +648,10 @@ class Mirror:
                 f"behind, {behind:.1f}s behind the source commit time; position "
                 f"{self.position}"
                 + (f"; {self.refused_messages:,} unsigned or badly signed messages refused"
-                   if self.refused_messages else ""))
+                   if self.refused_messages else "")
+                + ("; last verifications: " + ", ".join(
+                    f"{table} {result.status}" for table, result in sorted(
+                        self.verified.items())) if self.verified else ""))
 
 
 class _Following:
@@ -748,8 +807,38 @@ class _Following:
                 self.group_transactions += 1
                 self.group_commit_lsn = done.commit_lsn
                 self.group_commit_ts = event.get("commit_ts")
-                if self.store.open_events >= _GROUP_EVENTS:
+                # (while a verification logs deltas, each transaction is its own commit: a
+                # log row names its transaction's commit LSN)
+                if self.store.open_events >= _GROUP_EVENTS or self.store.logging:
                     self.commit()
+
+    async def control(self, message: PulledMessage) -> None:
+        """A watermark marker or a digest message (docs/verification.md "Meeting a
+        verification"): a verification of a followed table is met here, in stream order,
+        after what was applied before it is committed. One that is not what it says is
+        said and skipped: it stops nothing."""
+        meetings = self.mirror.meetings
+        assert meetings is not None
+        try:
+            payload = decode_any(message.data)
+            if message.subject.startswith(f"{WATERMARK_SUBJECT_PREFIX}."):
+                marker = meetings.verify_marker(payload, self.local)
+                if marker is None:
+                    return
+                self.commit()
+                vid, table, marker_lsn = marker
+                meetings.marker(vid, table, marker_lsn,
+                                streaming=self.local.get(table) == table,
+                                inside_transaction=self.collector.pending is not None)
+                return
+            table, _, vid = message.subject[len(VERIFY_SUBJECT_PREFIX) + 1:].rpartition(".")
+            if table not in self._followed:
+                raise ValueError(f"a digest message of {table!r:.80}, not followed")
+            self.commit()
+            await meetings.digest(payload, table, vid)
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
+            log.error("refused message %s on %s: %s: %s", message.stream_seq, message.subject,
+                      type(exc).__name__, exc)
 
     def _before(self, tables: list[str], commit_lsn: int) -> bool:
         """Whether no event of the transaction ``commit_lsn`` applies to ``tables``: it
@@ -770,7 +859,8 @@ class _Following:
             return
         try:
             self._record_consistent_lsn()
-            applied = self.store.commit(self.group_seq, self.local_followed)
+            applied = self.store.commit(self.group_seq, self.local_followed,
+                                        self.group_commit_lsn)
         except DivergenceError as exc:  # a batch flushed at commit did not fit
             self.open = False  # (the store rolled back)
             self.abandon()

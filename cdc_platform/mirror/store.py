@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cdc_platform.lsn import parse_lsn_cached
-from cdc_platform.mirror import positions
+from cdc_platform.mirror import positions, verifications
 from cdc_platform.mirror.apply import (
     CHANGE_ERRORS,
     ChangeWriter,
@@ -29,12 +29,14 @@ from cdc_platform.mirror.apply import (
     does_not_fit,
     from_the_change,
 )
-from cdc_platform.mirror.columns import TableShape, insert_statement, quote
+from cdc_platform.mirror.columns import TableShape, insert_statement, quote, to_sqlite
+from cdc_platform.mirror.digests import Deltas, DigestKeeper
 from cdc_platform.mirror.errors import DivergenceError, MirrorError
 from cdc_platform.mirror.positions import TableState, lsn_or_zero
 from cdc_platform.mirror.tables import SchemaChange, create_lookup, drop_lookup, follow_shape
 from cdc_platform.speedups import compiled_twin
 from cdc_platform.wire import SCHEMA_OPERATION
+from cdc_platform.wire.digest import TableDigest
 
 # a table being bootstrapped is loaded and caught up under this prefix, then renamed (wire
 # names never hold a space, so no published table is named like this)
@@ -54,9 +56,10 @@ class Applied:
 
 
 class MirrorStore:
-    """One SQLite database holding mirrored tables and their positions."""
+    """One SQLite database holding mirrored tables and their positions, and (``digests``)
+    each table's digest kept current (mirror/digests.py)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, digests: bool = True) -> None:
         self.path = str(path)
         try:
             # (the twin's Statements run batches on this connection's own SQLite handle)
@@ -66,17 +69,27 @@ class MirrorStore:
             # rows and position travel together, so the mirror re-reads what it lost.
             self._db.execute("PRAGMA synchronous=NORMAL")
             positions.create_tables(self._db)
+            verifications.create_tables(self._db)
             # the shape each table was last given, as the stream (not today's KV) has it
             shapes = positions.load_shapes(self._db)
+            self._digests = DigestKeeper(self._db, enabled=digests)
         except (sqlite3.DatabaseError, MirrorError) as exc:
             raise MirrorError(f"{self.path} is not a usable mirror database ({exc}): move it "
                               "away and start the mirror again to rebuild it") from exc
         # (one dict, the writer's too: changed in place, never replaced)
         self._shapes: dict[str, TableShape] = shapes
-        self._writer = ChangeWriter(self._db, statements, self._shapes)
+        self._writer = ChangeWriter(self._db, statements, self._shapes,
+                                    truncate=self._digests.truncate)
         self._states: dict[str, TableState | None] = {}  # committed states, cached
         self._open: Applied | None = None  # the transaction begin() opened
         self._open_states: dict[str, TableState] = {}
+        with self._transaction():  # (a table whose digest is not kept yet: computed now)
+            for shape in shapes.values():
+                self._digests.follow(shape)
+        # table -> the verification whose deltas its applied transactions log
+        self._logging = {table: pending for table, pending
+                         in verifications.load_pending(self._db).items() if pending.why is None}
+        self.most_logged = 1_000_000  # deltas a verification logs at most
 
     def close(self) -> None:
         if self._writer.statements is not None:
@@ -129,32 +142,156 @@ class MirrorStore:
         before = self._shapes.get(shape.table)
         self._shapes[shape.table] = shape
         self._writer.forget({shape.table})
-        return follow_shape(self._db, before, shape, added_values)
+        self._digests.unfollow(shape.table)  # (its triggers name the columns an ALTER changes)
+        change = follow_shape(self._db, before, shape, added_values)
+        if change is not SchemaChange.NEEDS_BOOTSTRAP:
+            self._digests.follow(shape, created=change is SchemaChange.CREATED,
+                                 rehash=change is SchemaChange.ALTERED
+                                 and rehashes(before, shape, added_values))
+        return change
 
     def shape(self, table: str) -> TableShape:
         return self._writer.shape(table)
+
+    # -- digests --------------------------------------------------------------------------------
+    @property
+    def keeps_digests(self) -> bool:
+        return self._digests.enabled
+
+    def digest(self, table: str) -> TableDigest | None:
+        """A copy of ``table``'s digest as committed (None: not kept)."""
+        return self._digests.digest(table)
+
+    def meet_marker(self, verification_id: str, table: str, marker_lsn: int, *,
+                    why: str | None = None) -> verifications.Pending:
+        """A verify marker of ``table`` (between transactions, all before it committed): its
+        digest here, and its transactions' deltas logged from now on (docs/verification.md
+        "Meeting a verification"); ``why``: why it cannot be compared, if known already."""
+        state = self.state(table)
+        if why is None:
+            if state is None or state.status != "streaming":
+                why = "the table was not streaming at the marker"
+            elif state.cutover_lsn > marker_lsn or state.applied_commit_lsn >= marker_lsn:
+                why = "the mirror was past the marker (it met it again after a restart)"
+            elif self.digest(table) is None:
+                why = "the mirror keeps no digest of the table (CDC_MIRROR_DIGESTS=off)"
+        pending = verifications.Pending(verification_id, table, marker_lsn,
+                                        state.snapshot_id if state else None,
+                                        None if why else self.digest(table), why)
+        with self._transaction():
+            earlier = self._logging.pop(table, None)
+            if earlier is not None:
+                verifications.drop_pending(self._db, earlier)
+            verifications.save_pending(self._db, pending)
+        if why is None:
+            self._logging[table] = pending
+        return pending
+
+    def pending_verification(self, table: str) -> verifications.Pending | None:
+        """The verification of ``table`` met at its marker, still logging (its digest
+        message not yet met)."""
+        return self._logging.get(table) or verifications.load_pending(self._db).get(table)
+
+    @property
+    def logging(self) -> bool:
+        """Whether a verification logs deltas (the follower then commits each transaction
+        on its own: a log row names its transaction's commit LSN)."""
+        return bool(self._logging)
+
+    def finish_verification(self, pending: verifications.Pending | None,
+                            result: verifications.VerificationResult,
+                            reset: tuple[TableDigest, TableDigest] | None = None) -> None:
+        """Record ``result`` and drop ``pending`` and its log; ``reset``: (the digest kept
+        at the marker, the one recomputed from the rows there): the kept buckets moved by the
+        difference."""
+        with self._transaction():
+            if reset is not None:
+                self._digests.shift(result.table, *reset)
+            verifications.record(self._db, result)
+            if pending is not None:
+                verifications.drop_pending(self._db, pending)
+        if pending is not None and self._logging.get(pending.table) is pending:
+            del self._logging[pending.table]
+
+    def verification_recorded(self, verification_id: str, table: str) -> bool:
+        return verifications.recorded(self._db, verification_id, table)
+
+    def digest_at(self, pending: verifications.Pending, base: TableDigest,
+                  lsn: int) -> TableDigest:
+        """``base`` (``pending``'s table's digest at its marker) plus the logged deltas of
+        the transactions below ``lsn``."""
+        return verifications.digest_at(self._db, pending, base, lsn)
+
+    def log_digest_deltas(self, table: str, commit_lsn: int, deltas: Deltas) -> None:
+        """(in the open transaction) ``table``'s deltas of the transaction ``commit_lsn``."""
+        pending = self._logging.get(table)
+        if pending is None:
+            return
+        if pending.logged + len(deltas) > self.most_logged:
+            pending.why = (f"its log passed CDC_MIRROR_VERIFY_LOG_ROWS ({self.most_logged} "
+                           "deltas)")
+            pending.digest = None
+            verifications.save_pending(self._db, pending)
+            verifications.drop_log(self._db, pending)
+            del self._logging[table]
+            return
+        verifications.log_deltas(self._db, pending, commit_lsn, deltas)
+
+    def read_connection(self) -> sqlite3.Connection:
+        """A second connection to the file (a verification's scan, on another thread)."""
+        return sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+
+    def loaded_hashes(self, table: str, rows: Iterable[Sequence[Any]]
+                      ) -> tuple[int, list[bytes]]:
+        """The hashes of rows (wire values in the table's column order) the compiled
+        ``ChunkLoader`` wrote into ``table``, for :meth:`digest_loaded`. No database work:
+        a worker thread may run it while the follower goes on."""
+        if not self._digests.enabled:
+            return 0, []
+        return self._digests.hashes(table, ([to_sqlite(value) for value in row]
+                                            for row in rows))
+
+    def digest_loaded(self, hashes: tuple[int, list[bytes]]) -> None:
+        """:meth:`loaded_hashes` into the table's digest (a bootstrap interrupted between
+        the chunk and this begins again)."""
+        if hashes[1]:
+            with self._transaction():
+                self._digests.add(*hashes)
 
     # -- bootstrap ------------------------------------------------------------------------------
     def begin_bootstrap(self, shape: TableShape, snapshot_id: str, snapshot_lsn: int) -> None:
         """Empty the table (recreated in the snapshot's shape) and mark it bootstrapping."""
         with self._transaction():
+            self._digests.forget(shape.table)
             self._db.execute(f"DROP TABLE IF EXISTS {quote(shape.table)}")
             self._shapes.pop(shape.table, None)
             self.apply_shape(shape)
             self._put_state(TableState(shape.table, shape.fingerprint, "bootstrapping",
                                        snapshot_id, snapshot_lsn, 0, -1), stream_seq=0)
 
-    def load_rows(self, table: str, rows: Sequence[Mapping[str, Any]]) -> None:
-        """One snapshot chunk's rows, in one transaction."""
-        with self._transaction():
+    def load_rows(self, table: str, rows: Sequence[Mapping[str, Any]], *,
+                  hashes: tuple[int, list[bytes]] | None = None) -> None:
+        """One snapshot chunk's rows, in one transaction. ``hashes``: their
+        :meth:`loaded_hashes` (then added as they are, not worked out row by row here)."""
+        with self._transaction(), self._counted(table, hashes):
             self._writer.insert_rows(table, rows)
 
     def load_tuples(self, table: str, columns: tuple[str, ...], rows: list[tuple], *,
-                    has_nan: bool) -> None:
+                    has_nan: bool, hashes: tuple[int, list[bytes]] | None = None) -> None:
         """One snapshot chunk's rows as tuples in ``columns`` order, in one transaction.
-        Bound as they are unless a column needs converting or a value is NaN."""
-        with self._transaction():
+        Bound as they are unless a column needs converting or a value is NaN. ``hashes``:
+        as :meth:`load_rows`."""
+        with self._transaction(), self._counted(table, hashes):
             self._writer.insert_tuples(table, columns, rows, has_nan=has_nan)
+
+    @contextlib.contextmanager
+    def _counted(self, table: str, hashes: tuple[int, list[bytes]] | None) -> Iterator[None]:
+        if hashes is None or not self._digests.enabled:
+            yield
+            return
+        with self._digests.uncounted_inserts(table):
+            yield
+        self._digests.add(*hashes)
 
     @contextlib.contextmanager
     def chunk_loader(self, table: str, columns: tuple[str, ...]) -> Iterator[ChunkLoad | None]:
@@ -190,7 +327,7 @@ class MirrorStore:
             self._put_state(state, stream_seq=stream_seq)
 
     # -- changes --------------------------------------------------------------------------------
-    def apply_transaction(self, events: Iterable[Mapping[str, Any]], stream_seq: int,
+    def apply_transaction(self, events: Sequence[Mapping[str, Any]], stream_seq: int,
                           followed: Iterable[str] = ()) -> Applied:
         """Every event of one transaction (of the mirrored tables), in ordinal order, in one
         SQLite transaction with the new positions (see :meth:`begin`)."""
@@ -202,7 +339,8 @@ class MirrorStore:
         except BaseException:
             self.rollback()
             raise
-        return self.commit(stream_seq, followed)
+        return self.commit(stream_seq, followed, max(
+            (parse_lsn_cached(event["commit_lsn"]) for event in events), default=0))
 
     # One transaction applied as its events come (a huge one need not fit in memory):
     # begin(), apply() each new event, commit() once the transaction is whole.
@@ -275,9 +413,11 @@ class MirrorStore:
         """Events applied in the open transaction so far."""
         return self._open.events if self._open is not None else 0
 
-    def commit(self, stream_seq: int, followed: Iterable[str] = ()) -> Applied:
+    def commit(self, stream_seq: int, followed: Iterable[str] = (), commit_lsn: int = 0
+               ) -> Applied:
         """Commit the open transaction with the new positions: each table's high-water mark,
-        and ``stream_seq`` for the tables of ``followed`` (all were read up to it)."""
+        and ``stream_seq`` for the tables of ``followed`` (all were read up to it).
+        ``commit_lsn``: of its last transaction (the one, while verifications log)."""
         assert self._open is not None
         try:
             self._writer.flush()
@@ -287,6 +427,9 @@ class MirrorStore:
             names = list(followed)
             if names:
                 self._advance(names, stream_seq)
+            deltas = self._digests.fold()
+            for table in self._logging.keys() & deltas.keys():
+                self.log_digest_deltas(table, commit_lsn, deltas[table])
             self._db.execute("COMMIT")
         except BaseException:
             self.rollback()
@@ -310,6 +453,10 @@ class MirrorStore:
         committed = positions.load_shapes(self._db)
         self._shapes.clear()
         self._shapes.update(committed)
+        self._digests.reset(committed)
+        self._logging = verifications.load_pending(self._db)
+        self._logging = {table: pending for table, pending in self._logging.items()
+                         if pending.why is None}
 
     def _cached_state(self, table: str) -> TableState | None:
         if table not in self._states:
@@ -377,9 +524,12 @@ class MirrorStore:
                 if state is None or shape is None or state.status != "streaming":
                     raise MirrorError(f"{table}: no caught-up shadow to swap in")
                 renamed = dataclasses.replace(shape, table=table)
+                self._digests.forget(table)
+                self._digests.unfollow(shadow)
                 self._db.execute(f"DROP TABLE IF EXISTS {quote(table)}")
                 drop_lookup(self._db, shadow)
                 self._db.execute(f"ALTER TABLE {quote(shadow)} RENAME TO {quote(table)}")
+                self._digests.renamed(shadow, renamed)
                 self._shapes.pop(shadow, None)
                 self._shapes[table] = renamed
                 if not renamed.key_columns:
@@ -417,9 +567,26 @@ class _Transaction:
         if not self._outer:
             return
         if kind is None:
+            self._store._digests.fold()
             self._store._db.execute("COMMIT")
         else:
             self._store.rollback()
+
+
+def rehashes(before: TableShape | None, after: TableShape,
+             added_values: Mapping[str, Any] | None) -> bool:
+    """Whether following ``before`` -> ``after`` (an ALTER) changes rows' hashes: a column
+    dropped, renamed or dropped and added again (its values go or move), or one added with
+    a value (docs/verification.md "Names in the bytes"). Not known (no ``before``): yes."""
+    if before is None:
+        return True
+    now = {column.name: column.attnum for column in after.columns}
+    for column in before.columns:
+        attnum = now.get(column.name)
+        if attnum is None or column.attnum and attnum not in (0, column.attnum):
+            return True
+    return any((added_values or {}).get(name) is not None
+               for name in now.keys() - {column.name for column in before.columns})
 
 
 class LoadsChunks(Protocol):

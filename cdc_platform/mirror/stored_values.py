@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cdc_platform.mirror.columns import (
     NON_FINITE_FLOATS,
@@ -24,6 +24,7 @@ from cdc_platform.mirror.columns import (
     MirroredColumn,
     sqlite_type,
 )
+from cdc_platform.speedups import compiled_twin
 from cdc_platform.wire.digest import RowDigester, TableDigest
 
 _FLOAT_ARRAYS = frozenset({1021, 1022})
@@ -87,9 +88,10 @@ class StoredRowDigester:
 
     def hashes(self, stored: Sequence[Any]) -> tuple[int, int]:
         """``(key_hash, row_hash)`` of one stored row (a tuple in ``columns`` order)."""
-        return self._digester.hashes({
-            column.name: wire_value(value, column)
-            for column, value in zip(self.columns, stored, strict=True)})
+        if len(stored) != len(self.columns):
+            raise ValueError(f"{len(self.columns)} values expected, not {len(stored)}")
+        return self._digester.hashes_of_values([
+            wire_value(value, column) for column, value in zip(self.columns, stored)])
 
 
 def digest_stored_rows(digest: TableDigest, digester: StoredRowDigester,
@@ -100,3 +102,15 @@ def digest_stored_rows(digest: TableDigest, digester: StoredRowDigester,
         digest.add(*digester.hashes(stored))
         added += 1
     return added
+
+
+# The compiled twin (cdc_platform/speedups.py) stands in for these names; mypy checks it
+# against them through its stub.
+if TYPE_CHECKING:
+    from cdc_platform._speedups.mirror import stored_values as _twin
+else:
+    _twin = compiled_twin(__name__)
+if _twin is not None:
+    wire_value = _twin.wire_value
+    StoredRowDigester = _twin.StoredRowDigester  # type: ignore[misc]
+    digest_stored_rows = _twin.digest_stored_rows

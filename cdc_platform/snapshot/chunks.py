@@ -58,6 +58,7 @@ from cdc_platform.wire import (
     encoder,
     snapshot_chunk_subject,
 )
+from cdc_platform.wire.digest import RowDigester, TableDigest, digest_columns
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,17 @@ ROW_CALL = 5
 #: fields and packs the row maps (:meth:`Chunker.rows_of`).
 pack_rows: Callable[[list[str], int, int, tuple[bytes, ...], tuple[int, ...],
                      tuple[Converter, ...], Callable[[str], str]], list[bytes]] | None = None
+#: ``(digest, digester, fields, count, width, kinds, converters, unescape) -> rows``: ``count``
+#: rows of COPY text fields hashed straight into a table digest (the hashes of converting
+#: the fields, all rows or none). Compiled only: the pure code converts the columns and
+#: digests them (:meth:`Chunker.digest`).
+digest_fields: Callable[[TableDigest, RowDigester, list[str], int, int, tuple[int, ...],
+                         tuple[Converter, ...], Callable[[str], str]], int] | None = None
+#: ``(digest, digester, text, width, kinds, converters, unescape) -> rows``: a block's COPY
+#: text hashed into a table digest without a Python str per field (:meth:`Chunker.digest`
+#: of :meth:`Chunker.parse`'s fields); None hands a malformed block back. Compiled only.
+digest_block: Callable[[TableDigest, RowDigester, str, int, tuple[int, ...],
+                        tuple[Converter, ...], Callable[[str], str]], int | None] | None = None
 
 
 def _compiled_kinds(converters: Sequence[Converter]) -> tuple[int, ...] | None:
@@ -230,8 +242,8 @@ class Chunker:
         self._limit = self._raw_limit()
         # msgpack with the compiled twin: rows are packed straight from the COPY
         # fields (same bytes as packing the row maps), the chunk around them by hand.
-        self._compiled_kinds = _compiled_kinds(self._converters) if layout.format == "msgpack" \
-            else None
+        self._digest_kinds = _compiled_kinds(self._converters)
+        self._compiled_kinds = self._digest_kinds if layout.format == "msgpack" else None
         if self._compiled_kinds is not None:
             pack = msgpack.Packer(use_bin_type=True, datetime=False).pack
             self._packed_names = tuple(pack(name) for name in self._names)
@@ -278,7 +290,57 @@ class Chunker:
                 raw: dict[int, list[str]] | None = None,
                 ) -> tuple[list[dict[str, Any]], Sequence[str] | None]:
         """``count`` rows of flat ``fields`` -> typed row maps (and the ctids, for tables
-        without a primary key).
+        without a primary key): ``columns_of``'s columns zipped into rows."""
+        columns = self.columns_of(fields, escapes, raw)
+        if self._names:
+            names = self._names
+            data = [dict(zip(names, row, strict=True))
+                    for row in zip(*columns[:len(names)], strict=True)]
+        else:
+            data = [{} for _ in range(count)]
+        return data, (columns[-1] if self.layout.with_ctid else None)
+
+    def digest(self, digest: TableDigest, digester: RowDigester, fields: list[str], count: int,
+               escapes: bool = True, raw: dict[int, list[str]] | None = None) -> int:
+        """Add ``count`` rows of flat ``fields`` to ``digest`` (``digester`` made with the
+        layout's columns, in order): ``digest_columns`` of ``columns_of``'s values, hashed
+        straight from the fields by the compiled twin where it is built. With ``raw``, a
+        text no converter accepts is hashed as text (``columns_of``); the number added."""
+        if digest_fields is not None and self._digest_kinds is not None:
+            try:
+                return digest_fields(digest, digester, fields, count, self._width,
+                                     self._digest_kinds, self._converters, unescape)
+            except (ValueError, TypeError, ArithmeticError, ConversionError):
+                if raw is None:
+                    raise  # (nothing was added)
+        columns = self.columns_of(fields, escapes, raw)
+        return digest_columns(digest, digester, columns[:len(self._names)], count)
+
+    def digest_block(self, digest: TableDigest, digester: RowDigester,
+                     block: bytes | bytearray | str, raw: dict[int, list[str]] | None = None
+                     ) -> int:
+        """Add a block's rows (complete COPY text lines) to ``digest``: :meth:`digest` of
+        :meth:`parse`'s fields, the compiled twin reading the text itself where it is built;
+        the number added."""
+        text = block if isinstance(block, str) else block.decode()
+        if digest_block is not None and self._digest_kinds is not None:
+            try:
+                added = digest_block(digest, digester, text, self._width, self._digest_kinds,
+                                     self._converters, unescape)
+            except (ValueError, TypeError, ArithmeticError, ConversionError):
+                if raw is None:
+                    raise  # (nothing was added)
+                added = None
+            if added is not None:
+                return added
+        lines, fields, escapes = self.parse(text)
+        return self.digest(digest, digester, fields, len(lines), escapes, raw) if lines else 0
+
+    def columns_of(self, fields: list[str], escapes: bool = True,
+                   raw: dict[int, list[str]] | None = None) -> list[list[Any]]:
+        """The rows of flat ``fields`` -> their typed values column by column, in the
+        layout's column order (then the ctids, for tables without a primary key): what
+        ``wire.digest.digest_columns`` hashes without building row maps.
 
         Column by column, one converter call per value (``map`` when the column has neither
         escapes nor NULLs). Per field this is ``copy_text.parse_line``: NULL iff the field
@@ -303,13 +365,7 @@ class Chunker:
                 if raw is None:
                     raise
                 columns[index] = self._convert_leniently(index, column, convert, raw)
-        if self._names:
-            names = self._names
-            data = [dict(zip(names, row, strict=True))
-                    for row in zip(*columns[:len(names)], strict=True)]
-        else:
-            data = [{} for _ in range(count)]
-        return data, (columns[-1] if self.layout.with_ctid else None)
+        return columns
 
     def _convert_leniently(self, index: int, column: list[str], convert: Any,
                            raw: dict[int, list[str]]) -> list[Any]:
@@ -488,4 +544,5 @@ if TYPE_CHECKING:
 else:
     _twin = compiled_twin(__name__)
 if _twin is not None:
-    pack_rows = _twin.pack_rows
+    pack_rows, digest_fields, digest_block = (_twin.pack_rows, _twin.digest_fields,
+                                              _twin.digest_block)

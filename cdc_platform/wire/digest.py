@@ -26,7 +26,9 @@ import math
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from cdc_platform.speedups import compiled_twin
 
 ALGORITHM = "cdc-digest-1"  # a digest message's ``algorithm``: this module; a new one, a new name
 HASH_BITS = 64
@@ -186,12 +188,16 @@ class RowDigester:
     once, for the rows of a scan or a stream. A row must hold every column."""
 
     def __init__(self, columns: Iterable[str], key_columns: Sequence[str] = ()) -> None:
-        names = sorted(columns, key=_utf8)
+        given = tuple(columns)
+        names = sorted(given, key=_utf8)
+        if len(set(names)) != len(names):
+            raise ValueError(f"column names repeat: {names}")
         key = set(key_columns) or set(names)
         if not key <= set(names):
             raise ValueError(f"key columns {sorted(key - set(names))} are not columns")
         self.columns = tuple(names)
         self.key_columns = tuple(name for name in names if name in key)
+        self._given = given
         self._prefixed = tuple(_prefixes(name) for name in names)
         self._key_prefixed = tuple(column for column in self._prefixed if column[0] in key)
 
@@ -208,6 +214,13 @@ class RowDigester:
         """``(key_hash, row_hash)``: what a bucket digest adds or removes for the row."""
         return (_hash64(_joined(self._key_prefixed, row)),
                 _hash64(_joined(self._prefixed, row)))
+
+    def hashes_of_values(self, values: Sequence[Any]) -> tuple[int, int]:
+        """``hashes`` of the row whose values are ``values``, one per column in the order
+        the digester was made with (not the sorted ``columns``): no row map needed."""
+        if len(values) != len(self._given):
+            raise ValueError(f"{len(self._given)} values expected, not {len(values)}")
+        return self.hashes(dict(zip(self._given, values, strict=True)))
 
 
 @dataclass
@@ -271,6 +284,20 @@ def digest_rows(digest: TableDigest, digester: RowDigester,
     return added
 
 
+def digest_columns(digest: TableDigest, digester: RowDigester,
+                   columns: Sequence[Sequence[Any]], count: int) -> int:
+    """Add ``count`` rows given column by column to ``digest`` (``columns[i]``: the values of
+    the i-th column in the order ``digester`` was made with, as ``Chunker.rows_of`` converts
+    them before it builds row maps); the number added."""
+    if len(columns) != len(digester._given):
+        raise ValueError(f"{len(digester._given)} columns expected, not {len(columns)}")
+    if any(len(column) != count for column in columns):
+        raise ValueError(f"every column must hold {count} values")
+    for index in range(count):
+        digest.add(*digester.hashes_of_values([column[index] for column in columns]))
+    return count
+
+
 def table_digest(rows: Iterable[Mapping[str, Any]], digester: RowDigester,
                  bits: int) -> TableDigest:
     """The digest of ``rows`` (every row of a table, or of a bucket) at ``bits`` bits."""
@@ -300,3 +327,15 @@ def bucket_digests(bits: int, totals: bytes, counts: Sequence[int],
     unpacked = struct.unpack(f">{len(covered)}Q", totals)
     return {bucket: (total, int(count))
             for bucket, total, count in zip(covered, unpacked, counts, strict=True)}
+
+
+# The compiled twin (cdc_platform/speedups.py) stands in for these names; mypy checks it
+# against them through its stub.
+if TYPE_CHECKING:
+    from cdc_platform._speedups.wire import digest as _twin
+else:
+    _twin = compiled_twin(__name__)
+if _twin is not None:
+    RowDigester = _twin.RowDigester  # type: ignore[misc]
+    digest_rows = _twin.digest_rows
+    digest_columns = _twin.digest_columns

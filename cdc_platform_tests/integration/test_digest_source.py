@@ -16,7 +16,13 @@ from cdc_platform.postgres.key_hash import bucket_predicate, key_hash_sql, sql_k
 from cdc_platform.replication.connection import SESSION_OPTIONS
 from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
 from cdc_platform.snapshot.source import copy_select, describe_table, table_converters
-from cdc_platform.wire.digest import RowDigester, bucket_of
+from cdc_platform.wire.digest import (
+    RowDigester,
+    TableDigest,
+    bucket_of,
+    digest_columns,
+    digest_rows,
+)
 from cdc_platform_tests.digest_vectors import PATH
 from cdc_platform_tests.fixtures.services import random_name
 
@@ -35,9 +41,8 @@ def session(postgres_server):
         yield connection
 
 
-def _typed_rows(session: psycopg.Connection, publication: str, table: str
-                ) -> list[dict[str, Any]]:
-    """The table's rows as the snapshot reader's tasks make them (COPY text -> converters)."""
+def _read(session: psycopg.Connection, publication: str, table: str) -> tuple[Chunker, bytes]:
+    """A Chunker as the snapshot reader's tasks make one, and the table's COPY text."""
     described = describe_table(session, publication, table)
     names = tuple(column.name for column in described.schema.columns)
     layout = ChunkLayout(table=described.schema.wire_name, snapshot_id="digest", lsn="0/0",
@@ -46,7 +51,14 @@ def _typed_rows(session: psycopg.Connection, publication: str, table: str
     command = copy_select(described.schema, sample=sql.SQL("ORDER BY 1"))
     with session.cursor().copy(command) as copy:
         text = b"".join(bytes(block) for block in copy)
-    return Chunker(layout, table_converters(described), partition=0).rows(text)
+    return Chunker(layout, table_converters(described), partition=0), text
+
+
+def _typed_rows(session: psycopg.Connection, publication: str, table: str
+                ) -> list[dict[str, Any]]:
+    """The table's rows as the snapshot reader's tasks make them (COPY text -> converters)."""
+    chunker, text = _read(session, publication, table)
+    return chunker.rows(text)
 
 
 def test_the_snapshot_readers_values_of_the_edge_rows_hash_as_the_vectors_say(
@@ -71,6 +83,18 @@ def test_the_snapshot_readers_values_of_the_edge_rows_hash_as_the_vectors_say(
         row["row_bytes"] for row in EDGES["rows"]]
     assert [f"{digester.row_hash(row):016x}" for row in rows] == [
         row["row_hash"] for row in EDGES["rows"]]
+    # the same digest without row maps (the source's bulk paths): from the converted
+    # columns, from the COPY fields and from the COPY block (hashed straight from the text
+    # by the compiled twin)
+    chunker, text = _read(session, cdc_database.publication, table)
+    lines, fields, escapes = chunker.parse(text)
+    by_columns, by_fields, by_block, by_rows = (TableDigest(2) for _ in range(4))
+    assert digest_columns(by_columns, digester, chunker.columns_of(fields, escapes),
+                          len(lines)) == len(EDGES["rows"])
+    assert chunker.digest(by_fields, digester, fields, len(lines), escapes) == len(lines)
+    assert chunker.digest_block(by_block, digester, text) == len(lines)
+    digest_rows(by_rows, digester, rows)
+    assert by_columns == by_rows == by_fields == by_block
 
 
 def test_a_key_hashed_in_sql_equals_the_digests_key_hash_and_selects_its_bucket(

@@ -302,3 +302,12 @@ def test_a_rows_hashes_in_one_call_and_rows_digested_in_bulk_agree_with_each_has
     digest = TableDigest(3)
     assert digest_rows(digest, digester, iter(rows)) == len(rows)
     assert digest == table_digest(rows, digester, 3)
+
+
+def test_a_digester_refuses_repeated_column_names_and_hashes_values_in_the_given_order():
+    with pytest.raises(ValueError, match="repeat"):
+        RowDigester(["a", "b", "a"])
+    digester = RowDigester(["b", "a"], ["a"])
+    assert digester.hashes_of_values(["x", 1]) == digester.hashes({"a": 1, "b": "x"})
+    with pytest.raises(ValueError, match="2 values expected, not 1"):
+        digester.hashes_of_values([1])

@@ -599,8 +599,67 @@ def _chunkers(columns, **overrides):
     settings_.update(overrides)
     layout = ChunkLayout(**settings_)
     compiled, python = Chunker(layout, converters, 3), Chunker(layout, converters, 3)
-    python._compiled_kinds = None  # the pure-Python path
+    python._compiled_kinds = python._digest_kinds = None  # the pure-Python path
     return compiled, python
+
+
+def _digested(chunker, text: bytes, key, raw, whole_block=False):
+    """(the digest of the block's rows, or the exception type; what ``raw`` got), by
+    ``Chunker.digest`` of the parsed fields or by ``Chunker.digest_block``."""
+    from cdc_platform.wire.digest import RowDigester, TableDigest
+
+    digest = TableDigest(3)
+    digester = RowDigester([name for name, _ in SNAPSHOT_COLUMNS], key)
+    if whole_block:
+        outcome = _outcome(chunker.digest_block, digest, digester, text, raw)
+    else:
+        lines, fields, escapes = chunker.parse(text)
+        outcome = _outcome(chunker.digest, digest, digester, fields, len(lines), escapes, raw)
+    return (outcome[1] or (outcome[0], digest.totals, digest.counts)), raw
+
+
+@compiled
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(*(st.one_of(copy_fields[oid], st.just("\\N"),
+                                      st.sampled_from(["12a", "-0", "007", "1_0", " 1"]))
+                            for _, oid in SNAPSHOT_COLUMNS)), min_size=1, max_size=25),
+       st.sampled_from([[], ["id"], ["name", "qty"]]))
+def test_snapshot_fields_digest_as_their_converted_columns(rows, key):
+    """``Chunker.digest`` hashing COPY fields in C gives the digest of the converted columns
+    (or the converter's error, having added nothing); with ``raw``, what the converters
+    refuse is hashed as text, as the pure path does."""
+    text = "".join("\t".join(row) + "\n" for row in rows).encode()
+    compiled, python = _chunkers(SNAPSHOT_COLUMNS)
+    assert compiled._digest_kinds is not None
+    expected = _digested(python, text, key, None)
+    lenient = _digested(python, text, key, {})
+    for whole_block in (False, True):
+        found = _digested(compiled, text, key, None, whole_block)
+        assert found == expected or (isinstance(found[0], type)
+                                     and isinstance(expected[0], type))
+        assert _digested(compiled, text, key, {}, whole_block) == lenient
+    assert _digested(python, text, key, {}, whole_block=True) == lenient
+
+
+@compiled
+def test_a_malformed_block_digests_with_the_pure_errors():
+    """What the compiled block digest does not take (a line of another width, no final
+    newline) it hands back: the pure parse's error, nothing added."""
+    from cdc_platform.errors import ConversionError
+    from cdc_platform.wire.digest import RowDigester, TableDigest
+
+    names = [name for name, _ in SNAPSHOT_COLUMNS]
+    good = "\t".join(["1"] * len(names)) + "\n"
+    for text, error in ((good + "1\t2\n", "COPY row has 2 fields, expected 11"),
+                        (good[:-1], "does not end at a row boundary"),
+                        (good + "\t".join(["1"] * 12) + "\n", "COPY row has 12 fields")):
+        for chunker in _chunkers(SNAPSHOT_COLUMNS):
+            digest = TableDigest(0)
+            with pytest.raises(ConversionError, match=error):
+                chunker.digest_block(digest, RowDigester(names), text.encode())
+            assert digest.counts == [0]
+    compiled_chunker, _ = _chunkers(SNAPSHOT_COLUMNS)
+    assert compiled_chunker.digest_block(TableDigest(0), RowDigester(names), b"") == 0
 
 
 def _chunk_everything(chunker, text: bytes):

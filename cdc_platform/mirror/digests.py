@@ -1,0 +1,358 @@
+"""Each mirrored table's digest (docs/verification.md, Part 1), kept current as the store
+writes rows, in the same SQLite transaction as the rows and positions.
+
+How: on the store's connection, TEMP triggers on each kept table call ``cdc_row_hashes``
+with the row's stored values (the old row of an UPDATE or DELETE, the new row of an INSERT or
+UPDATE) and record ``(key hash, row hash)`` in a TEMP table; :meth:`DigestKeeper.fold` (just
+before each COMMIT) adds them to the table's buckets and writes the buckets it touched. So
+every write of the store's connection is counted, whichever path makes it (the pure
+``executemany``, the compiled ``Statements`` on the same handle, a row-by-row retry), the
+hashes are those of what the file holds (as ``mirror verify`` recomputes them), and a
+``ROLLBACK TO`` a savepoint takes back its rows' hashes with them. Temp triggers live on this
+connection only: another writer of the file (the compiled ``ChunkLoader``, a person with
+``sqlite3``) is not counted, which is what ``mirror verify`` finds. Chunks the ``ChunkLoader``
+wrote are added by :meth:`DigestKeeper.add_stored`.
+
+A schema change drops the table's triggers (they name its columns) and installs new ones;
+one that changes rows' hashes (a column dropped, renamed, or added with a value) recomputes
+the table's buckets from its rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import struct
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from cdc_platform.mirror.columns import TableShape, quote
+from cdc_platform.mirror.stored_values import StoredRowDigester, digest_stored_rows
+from cdc_platform.wire.digest import HASH_BITS, MAX_BUCKET_BITS, TableDigest
+
+DIGESTS_TABLE = "_cdc_mirror_digests"  # (wire_table, bucket, total, count): non-empty buckets
+KEPT_TABLE = "_cdc_mirror_digest_tables"  # the tables whose digests are kept current
+BITS = MAX_BUCKET_BITS  # a mirror keeps 16,384 buckets and folds to what a source sends
+
+_CHANGES = "_cdc_digest_changes"  # TEMP: (table id, sign, hashes) of the open transaction
+_HASH_FUNCTION = "cdc_row_hashes"
+_TRUNCATED = 0  # a _CHANGES sign: every bucket of the table to zero
+_MASK = (1 << HASH_BITS) - 1
+_SHIFT = HASH_BITS - BITS
+_pair = struct.Struct(">QQ")
+_KINDS = ("insert", "update", "delete")
+
+# a bucket's change in one transaction: (total added mod 2^64, rows added)
+Deltas = dict[int, tuple[int, int]]
+
+
+def signed(total: int) -> int:
+    """A bucket total (unsigned 64 bits) as SQLite's INTEGER holds it."""
+    return total - (1 << HASH_BITS) if total >> (HASH_BITS - 1) else total
+
+
+def create_tables(db: sqlite3.Connection) -> None:
+    db.execute(f"CREATE TABLE IF NOT EXISTS {DIGESTS_TABLE} (wire_table TEXT NOT NULL,"
+               " bucket INTEGER NOT NULL, total INTEGER NOT NULL, count INTEGER NOT NULL,"
+               " PRIMARY KEY (wire_table, bucket)) WITHOUT ROWID")
+    db.execute(f"CREATE TABLE IF NOT EXISTS {KEPT_TABLE} (wire_table TEXT PRIMARY KEY,"
+               " bits INTEGER NOT NULL)")
+
+
+def read_digest(db: sqlite3.Connection, table: str) -> TableDigest | None:
+    """``table``'s stored digest, or None when it is not kept."""
+    if db.execute(f"SELECT 1 FROM {KEPT_TABLE} WHERE wire_table = ?", (table,)).fetchone() is None:
+        return None
+    digest = TableDigest(BITS)
+    for bucket, total, count in db.execute(
+            f"SELECT bucket, total, count FROM {DIGESTS_TABLE} WHERE wire_table = ?", (table,)):
+        digest.totals[bucket], digest.counts[bucket] = total & _MASK, count
+    return digest
+
+
+def scan_digest(db: sqlite3.Connection, shape: TableShape) -> TableDigest:
+    """``shape.table``'s digest recomputed from its rows."""
+    digest = TableDigest(BITS)
+    digester = StoredRowDigester(shape.columns, shape.key_columns)
+    names = ", ".join(quote(column.name) for column in shape.columns)
+    rows = db.execute(f"SELECT {names} FROM {quote(shape.table)}")
+    digest_stored_rows(digest, digester, rows)
+    return digest
+
+
+class DigestKeeper:
+    """The digests of the tables the store writes, on its connection ``db`` (see the module
+    docstring); ``enabled`` False: none kept, and none left in the file to go stale."""
+
+    def __init__(self, db: sqlite3.Connection, *, enabled: bool = True) -> None:
+        self._db = db
+        self.enabled = enabled
+        # the triggers' function (it holds no reference back: the connection holds it, and a
+        # cycle through the connection would keep its file open until a GC pass)
+        self._hasher = _RowHasher()
+        self._digesters = self._hasher.digesters  # table id -> its digester
+        self._ids: dict[str, int] = {}  # table -> the id its triggers pass
+        # every id given (one per shape a table was followed in) -> its table: the changes of
+        # the open transaction made before a schema change are still its table's
+        self._tables: dict[int, str] = {}
+        self._next_id = 1
+        self._digests: dict[str, TableDigest] = {}  # as committed (and folded), cached
+        create_tables(db)
+        if not enabled:
+            db.execute(f"DELETE FROM {DIGESTS_TABLE}")
+            db.execute(f"DELETE FROM {KEPT_TABLE}")
+            return
+        db.execute("PRAGMA temp_store=MEMORY")
+        db.execute(f"CREATE TEMP TABLE IF NOT EXISTS {_CHANGES} (tid INTEGER NOT NULL,"
+                   " sign INTEGER NOT NULL, hashes BLOB)")
+        db.create_function(_HASH_FUNCTION, -1, self._hasher)
+        # a trigger passes the table id and every column: at most this many columns
+        self._most_columns = db.getlimit(sqlite3.SQLITE_LIMIT_FUNCTION_ARG) - 1
+
+    # -- following tables ------------------------------------------------------------------
+    def follow(self, shape: TableShape, *, created: bool = False, rehash: bool = False) -> None:
+        """Keep ``shape.table``'s digest from now on (its triggers for this shape).
+        ``created``: the table is new (empty); ``rehash``: its rows' hashes changed, or its
+        digest is not kept yet: recompute it from the rows."""
+        if not self.enabled:
+            return
+        table = shape.table
+        self.unfollow(table)
+        physical = [row[1] for row in self._db.execute(f"PRAGMA table_info({quote(table)})")]
+        by_name = {column.name: column for column in shape.columns}
+        if len(shape.columns) > self._most_columns or sorted(physical) != sorted(by_name):
+            self.forget(table)  # (too wide for a trigger's call, or not in this shape)
+            return
+        if created:
+            self._set(table, TableDigest(BITS))
+        elif rehash or table not in self._kept():
+            self._set(table, scan_digest(self._db, shape))
+        table_id = self._next_id
+        self._next_id += 1
+        self._ids[table], self._tables[table_id] = table_id, table
+        # (in the file's column order, which may differ from the source's: the same values)
+        self._digesters[table_id] = StoredRowDigester([by_name[name] for name in physical],
+                                                      shape.key_columns)
+
+        for kind in _KINDS:
+            self._create_trigger(table, table_id, kind)
+
+    def unfollow(self, table: str) -> None:
+        """Drop ``table``'s triggers (before an ALTER: they name its columns)."""
+        if not self.enabled:
+            return
+        for kind in _KINDS:
+            self._db.execute(f"DROP TRIGGER IF EXISTS temp.{quote(_trigger(table, kind))}")
+        table_id = self._ids.pop(table, None)
+        if table_id is not None:
+            self._digesters.pop(table_id, None)
+
+    def forget(self, table: str) -> None:
+        """``table``'s digest is no longer kept (the table is dropped, or cannot be)."""
+        if not self.enabled:
+            return
+        self.unfollow(table)
+        self._drop_changes(table)
+        self._db.execute(f"DELETE FROM {DIGESTS_TABLE} WHERE wire_table = ?", (table,))
+        self._db.execute(f"DELETE FROM {KEPT_TABLE} WHERE wire_table = ?", (table,))
+        self._digests.pop(table, None)
+
+    def renamed(self, before: str, shape: TableShape) -> None:
+        """``before`` (a shadow, unfollowed) is now ``shape.table``: its digest goes with it."""
+        if not self.enabled:
+            return
+        self.fold()
+        table = shape.table
+        self._db.execute(f"DELETE FROM {DIGESTS_TABLE} WHERE wire_table = ?", (table,))
+        self._db.execute(f"DELETE FROM {KEPT_TABLE} WHERE wire_table = ?", (table,))
+        for bookkeeping in (DIGESTS_TABLE, KEPT_TABLE):
+            self._db.execute(f"UPDATE {bookkeeping} SET wire_table = ? WHERE wire_table = ?",
+                             (table, before))
+        self._digests.pop(before, None)
+        self._digests.pop(table, None)
+        self.follow(shape)
+
+    def truncate(self, table: str) -> None:
+        """``DELETE FROM table`` with every bucket to zero, without hashing each row."""
+        table_id = self._ids.get(table)
+        if table_id is None:
+            self._db.execute(f"DELETE FROM {quote(table)}")
+            return
+        # without its DELETE trigger (the temp schema rolls back with the transaction too)
+        self._db.execute(f"DROP TRIGGER temp.{quote(_trigger(table, 'delete'))}")
+        self._db.execute(f"DELETE FROM {quote(table)}")
+        self._db.execute(f"INSERT INTO {_CHANGES} VALUES (?, {_TRUNCATED}, NULL)", (table_id,))
+        self._hasher.called = True
+        self._create_trigger(table, table_id, "delete")
+
+    def hashes(self, table: str, rows: Iterable[Sequence[Any]]) -> tuple[int, list[bytes]]:
+        """(``table``'s id, the packed hashes of ``rows`` as stored, in the table's column
+        order), for :meth:`add`; no database work (a worker thread may run it)."""
+        table_id = self._ids.get(table)
+        if table_id is None:
+            return 0, []
+        hashes = self._digesters[table_id].hashes
+        return table_id, [_pair.pack(*hashes(row)) for row in rows]
+
+    @contextlib.contextmanager
+    def uncounted_inserts(self, table: str) -> Iterator[None]:
+        """(in the open transaction) INSERTs into ``table`` not hashed by its trigger: the
+        caller adds their :meth:`hashes` (worked out on a worker thread)."""
+        table_id = self._ids.get(table)
+        if table_id is None:
+            yield
+            return
+        self._db.execute(f"DROP TRIGGER temp.{quote(_trigger(table, 'insert'))}")
+        yield
+        self._create_trigger(table, table_id, "insert")
+
+    def add(self, table_id: int, hashes: list[bytes]) -> None:
+        """Rows another connection wrote (the compiled ``ChunkLoader``), hashed by
+        :meth:`hashes`: added to their table's digest in the open transaction (nothing when
+        the table is no longer followed under that id)."""
+        if table_id not in self._digesters:
+            return
+        self._db.executemany(f"INSERT INTO {_CHANGES} VALUES (?, 1, ?)",
+                             ((table_id, pair) for pair in hashes))
+        self._hasher.called = True
+
+    # -- the transaction -------------------------------------------------------------------
+    def fold(self) -> dict[str, Deltas]:
+        """Add the open transaction's row changes to the digests and write the buckets they
+        touched (call before COMMIT); each table's bucket deltas."""
+        if not self._hasher.called:
+            return {}
+        self._hasher.called = False
+        changes = self._db.execute(
+            f"SELECT tid, sign, hashes FROM {_CHANGES} ORDER BY rowid").fetchall()
+        if not changes:
+            return {}
+        self._db.execute(f"DELETE FROM {_CHANGES}")
+        before: dict[str, dict[int, tuple[int, int]]] = {}
+        for table_id, sign, hashes in changes:
+            table = self._tables[table_id]
+            digest = self._digest(table)
+            touched = before.setdefault(table, {})
+            totals, counts = digest.totals, digest.counts
+            if sign == _TRUNCATED:
+                for bucket in range(len(counts)):
+                    if counts[bucket] or totals[bucket]:
+                        touched.setdefault(bucket, (totals[bucket], counts[bucket]))
+                        totals[bucket], counts[bucket] = 0, 0
+                continue
+            key_hash, row_hash = _pair.unpack(hashes)
+            bucket = key_hash >> _SHIFT
+            if bucket not in touched:
+                touched[bucket] = (totals[bucket], counts[bucket])
+            totals[bucket] = (totals[bucket] + sign * row_hash) & _MASK
+            counts[bucket] += sign
+        deltas: dict[str, Deltas] = {}
+        for table, buckets in before.items():
+            digest = self._digests[table]
+            self._write(table, digest, buckets)
+            deltas[table] = {bucket: ((digest.totals[bucket] - total) & _MASK,
+                                      digest.counts[bucket] - count)
+                             for bucket, (total, count) in buckets.items()}
+        return deltas
+
+    def reset(self, shapes: Mapping[str, TableShape]) -> None:
+        """After a rollback: the committed digests, and triggers for the committed
+        ``shapes`` (the temp schema went back with the transaction)."""
+        if not self.enabled:
+            return
+        self._digests.clear()
+        self._hasher.called = False
+        for table in list(self._ids):
+            self.unfollow(table)
+        for shape in shapes.values():
+            if shape.table in self._kept():
+                self.follow(shape)
+
+    def shift(self, table: str, subtract: TableDigest, add: TableDigest) -> None:
+        """``table``'s buckets moved by ``add - subtract`` (reset from a scan of its rows:
+        the digest kept at a point, and the one recomputed there)."""
+        digest = self._digest(table)
+        moved = [bucket for bucket in range(len(digest.counts))
+                 if subtract.totals[bucket] != add.totals[bucket]
+                 or subtract.counts[bucket] != add.counts[bucket]]
+        for bucket in moved:
+            digest.totals[bucket] = (digest.totals[bucket] - subtract.totals[bucket]
+                                     + add.totals[bucket]) & _MASK
+            digest.counts[bucket] += add.counts[bucket] - subtract.counts[bucket]
+        self._write(table, digest, moved)
+
+    def digest(self, table: str) -> TableDigest | None:
+        """A copy of ``table``'s digest as of the last fold (None: not kept)."""
+        if not self.enabled or table not in self._ids:
+            return None
+        digest = self._digest(table)
+        return TableDigest(digest.bits, list(digest.totals), list(digest.counts))
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _create_trigger(self, table: str, table_id: int, kind: str) -> None:
+        """The trigger recording the hashes of the rows a ``kind`` statement changes."""
+        names = self._digesters[table_id].names
+
+        def hashes(sign: int, row: str) -> str:
+            values = ", ".join(f"{row}.{quote(name)}" for name in names)
+            return f"({table_id}, {sign}, {_HASH_FUNCTION}({table_id}, {values}))"
+        rows = {"insert": hashes(1, "new"), "delete": hashes(-1, "old"),
+                "update": f"{hashes(-1, 'old')}, {hashes(1, 'new')}"}[kind]
+        self._db.execute(
+            f"CREATE TEMP TRIGGER {quote(_trigger(table, kind))} AFTER {kind.upper()} ON "
+            f"main.{quote(table)} BEGIN INSERT INTO {_CHANGES} VALUES {rows}; END")
+
+    def _digest(self, table: str) -> TableDigest:
+        digest = self._digests.get(table)
+        if digest is None:
+            digest = self._digests[table] = read_digest(self._db, table) or TableDigest(BITS)
+        return digest
+
+    def _kept(self) -> set[str]:
+        return {row[0] for row in self._db.execute(f"SELECT wire_table FROM {KEPT_TABLE}")}
+
+    def _drop_changes(self, table: str) -> None:
+        """Forget the open transaction's changes of ``table`` (its digest is set anew)."""
+        ids = [table_id for table_id, name in self._tables.items() if name == table]
+        if ids:
+            self._db.execute(f"DELETE FROM {_CHANGES} WHERE tid IN "
+                             f"({', '.join('?' * len(ids))})", ids)
+
+    def _set(self, table: str, digest: TableDigest) -> None:
+        """``table``'s digest is ``digest`` (from its rows, or empty) from now on."""
+        self._drop_changes(table)
+        self._db.execute(f"DELETE FROM {DIGESTS_TABLE} WHERE wire_table = ?", (table,))
+        self._db.execute(f"INSERT OR REPLACE INTO {KEPT_TABLE} VALUES (?, ?)", (table, BITS))
+        self._db.executemany(
+            f"INSERT INTO {DIGESTS_TABLE} VALUES (?, ?, ?, ?)",
+            ((table, bucket, signed(total), count) for bucket, (total, count)
+             in enumerate(zip(digest.totals, digest.counts, strict=True)) if total or count))
+        self._digests[table] = digest
+
+    def _write(self, table: str, digest: TableDigest, buckets: Iterable[int]) -> None:
+        emptied, kept = [], []
+        for bucket in buckets:
+            total, count = digest.totals[bucket], digest.counts[bucket]
+            if total or count:
+                kept.append((table, bucket, signed(total), count))
+            else:
+                emptied.append((table, bucket))
+        self._db.executemany(f"DELETE FROM {DIGESTS_TABLE} WHERE wire_table = ? AND bucket = ?",
+                             emptied)
+        self._db.executemany(f"INSERT OR REPLACE INTO {DIGESTS_TABLE} VALUES (?, ?, ?, ?)", kept)
+
+
+class _RowHasher:
+    """``cdc_row_hashes(table id, stored values...)``: the row's key and row hashes, packed."""
+
+    def __init__(self) -> None:
+        self.digesters: dict[int, StoredRowDigester] = {}
+        self.called = False  # since the last fold
+
+    def __call__(self, table_id: int, *stored: Any) -> bytes:
+        self.called = True
+        return _pair.pack(*self.digesters[table_id].hashes(stored))
+
+
+def _trigger(table: str, kind: str) -> str:
+    return f"cdc_digest {kind} {table}"

@@ -1,0 +1,396 @@
+"""The digests the store keeps as it writes (mirror/digests.py) on real SQLite files: after
+any stream of changes, schema changes and snapshot loads, by the pure path or the compiled
+statements, the kept digest equals the one recomputed from the file's rows, and the file
+holds it across a reopen."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sqlite3
+
+import msgpack
+import pytest
+
+from cdc_platform.cli import main
+from cdc_platform.mirror.columns import TableShape
+from cdc_platform.mirror.digests import DIGESTS_TABLE, KEPT_TABLE, read_digest, scan_digest
+from cdc_platform.mirror.errors import DivergenceError
+from cdc_platform.mirror.meetings import Meetings
+from cdc_platform.mirror.store import MirrorStore
+from cdc_platform.mirror.verifications import parse_digest
+from cdc_platform.wire.digest import (
+    ALGORITHM,
+    RowDigester,
+    TableDigest,
+    bucket_of,
+    digest_rows,
+    pack_totals,
+)
+from cdc_platform_tests.fixtures.mirror_events import event, schema_event
+
+# (name, type oid, data_type); the key first
+_COLUMNS = [("id", 20, "bigint"), ("name", 25, "text"), ("score", 701, "double precision"),
+            ("raw", 17, "bytea"), ("tags", 1007, "integer[]"), ("flag", 16, "boolean"),
+            ("doc", 3802, "jsonb")]
+
+
+def _schema(columns, *, key=("id",), fingerprint="f1", missing=None):
+    """``columns``: (name, type oid, data_type, attnum)."""
+    return {"table": "t", "fingerprint": fingerprint, "primary_key": list(key),
+            "columns": [{"name": name, "type_oid": oid, "data_type": data_type,
+                         "attnum": attnum} | ({"missing_value": missing[name]}
+                                              if missing and name in missing else {})
+                        for name, oid, data_type, attnum in columns]}
+
+
+def _value(rng: random.Random, oid: int):
+    if rng.random() < 0.15:
+        return None
+    return {20: lambda: rng.randrange(-5, 10**12),
+            25: lambda: rng.choice(["", "a", "é\U0001f600", "NaN", "x" * rng.randrange(50)]),
+            701: lambda: rng.choice([0.0, -0.0, float("nan"), float("inf"), rng.random()]),
+            17: lambda: rng.randbytes(rng.randrange(4)),
+            1007: lambda: rng.choice([[], [1, None], [[1, 2], [3, 4]]]),
+            16: lambda: rng.random() < 0.5,
+            3802: lambda: rng.choice(["null", '{"a": 1}', "[]"])}[oid]()
+
+
+def _open(path, *, pure: bool) -> MirrorStore:
+    store = MirrorStore(path)
+    if pure and store._writer.statements is not None:
+        store._writer.statements.close()
+        store._writer.statements = None
+    return store
+
+
+def _assert_kept(store: MirrorStore, table: str = "t") -> TableDigest:
+    kept = store.digest(table)
+    assert kept is not None
+    scanned = scan_digest(store._db, store.shape(table))
+    assert kept.differing(scanned) == []
+    assert read_digest(store._db, table) == kept  # what the file says, too
+    return kept
+
+
+class _Stream:
+    """Random transactions over the table ``t`` of a store, as the bridge would send them:
+    the rows it holds follow along so that every change names a row the mirror holds."""
+
+    def __init__(self, store: MirrorStore, rng: random.Random) -> None:
+        self.store, self.rng = store, rng
+        self.columns = [(name, oid, data_type, attnum)
+                        for attnum, (name, oid, data_type) in enumerate(_COLUMNS, 1)]
+        self.next_attnum = len(self.columns) + 1
+        self.keys: set[int] = set()
+        self.lsn = 0x200
+        self.fingerprint = 1
+
+    def row(self, key: int) -> dict:
+        return {"id": key} | {name: _value(self.rng, oid)
+                              for name, oid, _, _ in self.columns[1:]}
+
+    def new_key(self) -> int:
+        key = self.rng.randrange(1, 10**9)
+        while key in self.keys:
+            key += 1
+        self.keys.add(key)
+        return key
+
+    def change(self, lsn: str, ordinal: int) -> dict:
+        rng, keys = self.rng, sorted(self.keys)
+        kind = rng.random()
+        if not keys or kind < 0.35:
+            return event("INSERT", lsn, ordinal, data=self.row(self.new_key()), table="t")
+        key = rng.choice(keys)
+        if kind < 0.55:
+            return event("UPDATE", lsn, ordinal, data=self.row(key), table="t")
+        if kind < 0.65:  # the key moves
+            self.keys.discard(key)
+            return event("UPDATE", lsn, ordinal, data=self.row(self.new_key()),
+                         old={"id": key}, table="t")
+        if kind < 0.8:  # unchanged TOAST values: those columns are not in ``data``
+            kept = rng.sample([name for name, *_ in self.columns[1:]], 2)
+            data = {name: value for name, value in self.row(key).items() if name not in kept}
+            return event("UPDATE", lsn, ordinal, data=data, table="t", unchanged_toast=kept)
+        self.keys.discard(key)
+        return event("DELETE", lsn, ordinal, data={"id": key}, old={"id": key}, table="t")
+
+    def schema_change(self, lsn: str, ordinal: int = 0) -> dict:
+        rng = self.rng
+        how = rng.choice(["add", "add_default", "drop", "rename"])
+        others = self.columns[1:]
+        missing = None
+        if how.startswith("add") or len(others) < 2:
+            name = f"c{self.next_attnum}"
+            self.columns.append((name, 25, "text", self.next_attnum))
+            self.next_attnum += 1
+            missing = {name: "dflt"} if how == "add_default" else None
+        elif how == "drop":
+            self.columns.remove(rng.choice(others))
+        else:
+            index = self.columns.index(rng.choice(others))
+            name, oid, data_type, attnum = self.columns[index]
+            self.columns[index] = (f"{name}_r", oid, data_type, attnum)
+        self.fingerprint += 1
+        return schema_event(lsn, ordinal, _schema(
+            self.columns, fingerprint=f"f{self.fingerprint}", missing=missing))
+
+    def transaction(self, seq: int) -> None:
+        self.lsn += 0x10
+        lsn = f"0/{self.lsn:X}"
+        if self.rng.random() < 0.05:
+            events = [event("TRUNCATE", lsn, 0, table="t")]
+            self.keys.clear()
+        elif self.rng.random() < 0.1:
+            events = [self.schema_change(lsn)]
+        elif self.rng.random() < 0.1:  # changes before and after a schema change, in one
+            before = [self.change(lsn, ordinal) for ordinal in range(3)]
+            events = [*before, self.schema_change(lsn, 3),
+                      *(self.change(lsn, ordinal) for ordinal in range(3, 6))]
+        else:
+            events = [self.change(lsn, ordinal) for ordinal in range(self.rng.randrange(1, 30))]
+        applied = self.store.apply_transaction(events, stream_seq=seq)
+        assert applied.stale == {}
+
+
+@pytest.mark.parametrize("pure", [False, True])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_kept_digest_equals_a_recompute_after_a_random_stream(tmp_path, pure, seed):
+    rng = random.Random(seed)
+    store = _open(tmp_path / "m.db", pure=pure)
+    stream = _Stream(store, rng)
+    shape = TableShape.from_schema(_schema(stream.columns))
+    store.begin_bootstrap(shape, "snap1", 0x100)
+    names = tuple(column.name for column in shape.columns)
+    loaded = [stream.row(stream.new_key()) for _ in range(60)]
+    for row in loaded[40:]:  # (what the compiled loader takes: no arrays, no NaN)
+        row.update(tags=None, score=rng.choice([None, -0.0, 2.5]))
+    store.load_rows("t", loaded[:20])
+    tuples = [tuple(row.values()) for row in loaded[20:40]]
+    # (hashed beforehand, as the follower does on a worker thread: not by the trigger)
+    store.load_tuples("t", names, tuples[:10], has_nan=True,
+                      hashes=store.loaded_hashes("t", tuples[:10]))
+    store.load_tuples("t", names, tuples[10:], has_nan=True)
+    with store.chunk_loader("t", names) as load:
+        chunk = msgpack.packb({"chunk": 3, "data": loaded[40:]})
+        if load is not None:  # (compiled) on its own connection: the follower adds them
+            assert load(chunk, set()) == (3, 20)
+            store.digest_loaded(store.loaded_hashes(
+                "t", [tuple(row.values()) for row in loaded[40:]]))
+        else:
+            store.load_rows("t", loaded[40:])
+    store.finish_bootstrap("t", stream_seq=1)
+    assert _assert_kept(store).counts != TableDigest(14).counts
+    for seq in range(2, 80):
+        stream.transaction(seq)
+        _assert_kept(store)
+    kept = _assert_kept(store)
+    store.close()
+    again = _open(tmp_path / "m.db", pure=pure)
+    assert again.digest("t") == kept  # as the file has it, no recompute
+    again.close()
+
+
+def test_a_keyless_table_and_a_rolled_back_transaction(tmp_path):
+    """Without a key every column is the key; a transaction that does not fit is rolled back
+    with its rows' hashes, and what follows is counted again."""
+    store = MirrorStore(tmp_path / "m.db")
+    columns = [("a", 23, "integer", 1), ("b", 25, "text", 2)]
+    store.begin_bootstrap(TableShape.from_schema(_schema(columns, key=())), "s", 0x100)
+    store.load_rows("t", [{"a": 1, "b": "x"}, {"a": 1, "b": "x"}, {"a": 2, "b": None}])
+    store.finish_bootstrap("t", stream_seq=1)
+    store.apply_transaction([event("UPDATE", "0/200", 0, data={"a": 1, "b": "y"},
+                                   old={"a": 1, "b": "x"}, table="t")], stream_seq=2)
+    before = _assert_kept(store)
+    with pytest.raises(DivergenceError, match="does not hold"):
+        store.apply_transaction([
+            event("INSERT", "0/300", 0, data={"a": 9, "b": "z"}, table="t"),
+            event("DELETE", "0/300", 1, data={"a": 7, "b": "gone"},
+                  old={"a": 7, "b": "gone"}, table="t")], stream_seq=3)
+    assert _assert_kept(store) == before
+    store.apply_transaction([event("INSERT", "0/400", 0, data={"a": 9, "b": "z"}, table="t")],
+                            stream_seq=4)
+    assert _assert_kept(store) != before
+    store.close()
+
+
+def test_digests_off_keeps_none_and_on_again_computes_them(tmp_path):
+    store = MirrorStore(tmp_path / "m.db")
+    store.begin_bootstrap(TableShape.from_schema(_schema([("id", 20, "bigint", 1)])), "s",
+                          0x100)
+    store.load_rows("t", [{"id": 1}, {"id": 2}])
+    store.finish_bootstrap("t", stream_seq=1)
+    store.close()
+    off = MirrorStore(tmp_path / "m.db", digests=False)
+    off.apply_transaction([event("INSERT", "0/200", 0, data={"id": 3}, table="t")], 2)
+    assert off.digest("t") is None
+    assert off._db.execute(f"SELECT count(*) FROM {DIGESTS_TABLE}").fetchone() == (0,)
+    assert off._db.execute(f"SELECT count(*) FROM {KEPT_TABLE}").fetchone() == (0,)
+    off.close()
+    on = MirrorStore(tmp_path / "m.db")
+    assert sum(_assert_kept(on).counts) == 3
+    on.close()
+
+
+def _key_bucket(key: int) -> int:
+    return bucket_of(RowDigester(["id"]).key_hash({"id": key}), 14)
+
+
+def test_mirror_verify_finds_the_buckets_of_rows_changed_behind_the_mirrors_back(
+        tmp_path, capsys):
+    path = tmp_path / "m.db"
+    store = MirrorStore(path)
+    store.begin_bootstrap(TableShape.from_schema(_schema(
+        [("id", 20, "bigint", 1), ("name", 25, "text", 2)])), "s", 0x100)
+    store.load_rows("t", [{"id": key, "name": f"n{key}"} for key in range(1, 201)])
+    store.finish_bootstrap("t", stream_seq=1)
+    store.close()
+    assert main(["mirror", "verify", "--sqlite", str(path)]) == 0
+    assert capsys.readouterr().out == "t: equal (200 rows); last source verification: none\n"
+    with sqlite3.connect(path) as db:  # another writer: no digest triggers here
+        db.execute("DELETE FROM t WHERE id = 7")
+        db.execute("UPDATE t SET name = 'changed' WHERE id = 50")
+        db.execute("INSERT INTO t VALUES (1000, 'added')")
+    db.close()
+    assert main(["mirror", "verify", "--sqlite", str(path), "--tables", "t"]) == 1
+    out = capsys.readouterr().out
+    damaged = sorted({_key_bucket(key) for key in (7, 50, 1000)})
+    assert f"t: {len(damaged)} of 16384 buckets differ: " in out
+    assert [int(part.split(" (")[0]) for part in out.split("differ: ")[1].split("; ")[0]
+            .split("), ")] == damaged
+    assert "(kept 1 rows, file 0)" in out  # the deleted row's bucket (a bucket of its own)
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "no such file"), (b"not a database at all" * 100, "is not a mirror database"),
+    (b"", "is not a mirror database")])
+def test_mirror_verify_of_what_is_not_a_mirror_is_one_clear_error(tmp_path, capsys, content,
+                                                                   says):
+    path = tmp_path / "m.db"
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["mirror", "verify", "--sqlite", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert says in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+def test_mirror_verify_says_when_digests_are_not_kept(tmp_path, capsys):
+    path = tmp_path / "m.db"
+    store = MirrorStore(path, digests=False)
+    store.begin_bootstrap(TableShape.from_schema(_schema([("id", 20, "bigint", 1)])), "s",
+                          0x100)
+    store.finish_bootstrap("t", stream_seq=1)
+    store.close()
+    assert main(["mirror", "verify", "--sqlite", str(path)]) == 0
+    assert "not compared: its digest is not kept" in capsys.readouterr().out
+    assert main(["mirror", "verify", "--sqlite", str(path), "--tables", "nope"]) == 2
+    assert "not mirrored in this file: nope" in capsys.readouterr().err
+
+
+def _digest_message(vid: str, lsn: int, rows: list[dict], bits: int, fingerprint: str,
+                    **changed) -> dict:
+    digest = TableDigest(14)
+    digest_rows(digest, RowDigester(["id", "name"], ["id"]), rows)
+    folded = digest.folded(bits)
+    return {"type": "digest", "verification_id": vid, "table": "t",
+            "lsn": f"0/{lsn:X}", "marker_subject": f"cdc.cdc-platform.watermark.{vid}",
+            "schema_fingerprint": fingerprint, "algorithm": ALGORITHM, "bits": bits,
+            "row_count": len(rows), "totals": pack_totals(folded.totals),
+            "counts": folded.counts, "buckets": None, "duration_seconds": 0.1,
+            "msg_id": f"verify:{vid}:digest"} | changed
+
+
+@pytest.mark.parametrize("scan", [True, False])
+async def test_meeting_a_verification_compares_the_digest_at_its_lsn(tmp_path, scan):
+    """Marker at 0/300, digest lsn 0/500: the transaction at 0/400 is in the source's digest,
+    the one at 0/600 not. A row deleted from the file behind the mirror's back before the
+    marker: found (changed outside, and differing from the source) only by the scan."""
+    store = MirrorStore(tmp_path / "m.db")
+    store.begin_bootstrap(TableShape.from_schema(_schema(
+        [("id", 20, "bigint", 1), ("name", 25, "text", 2)])), "s", 0x100)
+    source = {key: {"id": key, "name": f"n{key}"} for key in range(1, 60)}
+    store.load_rows("t", list(source.values()))
+    store.finish_bootstrap("t", stream_seq=1)
+    results = []
+    meetings = Meetings(store, scan=scan, report=lambda line: None,
+                        on_verification=lambda table, result: results.append(result))
+    store.apply_transaction([event("INSERT", "0/200", 0, data={"id": 100, "name": "a"},
+                                   table="t")], 2)
+    source[100] = {"id": 100, "name": "a"}
+    with sqlite3.connect(tmp_path / "m.db") as other:  # another writer: not counted
+        other.execute("DELETE FROM t WHERE id = 5")
+    other.close()
+    meetings.marker("verify-a", "t", 0x300, streaming=True, inside_transaction=False)
+    store.apply_transaction([
+        event("UPDATE", "0/400", 0, data={"id": 7, "name": "changed"}, table="t"),
+        event("DELETE", "0/400", 1, data={"id": 9}, old={"id": 9}, table="t")], 3)
+    source[7] = {"id": 7, "name": "changed"}
+    del source[9]
+    store.apply_transaction([event("INSERT", "0/600", 0, data={"id": 200, "name": "late"},
+                                   table="t")], 4)
+    assert store.logging
+    message = _digest_message("verify-a", 0x500, list(source.values()), 4,
+                              store.state("t").fingerprint)
+    result = await meetings.digest(message, "t", "verify-a")
+    assert results == [result] and not store.logging
+    if scan:
+        assert result.status == "differ"
+        assert result.buckets_differing == {_key_bucket(5) >> 10: (
+            message["counts"][_key_bucket(5) >> 10] - 1,
+            message["counts"][_key_bucket(5) >> 10])}
+        assert result.changed_outside == [_key_bucket(5)]
+        assert _assert_kept(store)  # the kept digest reset from the rows
+    else:
+        assert (result.status, result.changed_outside) == ("equal", [])
+    assert store.verification_recorded("verify-a", "t")
+    assert await meetings.digest(message, "t", "verify-a") is None  # met once
+    unmet = await meetings.digest({**message, "verification_id": "verify-b"}, "t", "verify-b")
+    assert (unmet.status, unmet.why) == ("not_comparable", "the marker was not seen")
+    store.close()
+
+
+@pytest.mark.parametrize("changed, why", [
+    ({"totals": b"\x00" * 7}, "need"), ({"counts": [1, -1]}, "types"),
+    ({"table": "other"}, "not its subject's"), ({"verification_id": "x"}, "not its subject's"),
+    ({"bits": "4"}, "types"), ({"type": "watermark"}, "not a digest message"),
+    ({"lsn": "nope"}, "LSN"), ({"buckets": [0, 0]}, "distinct")])
+def test_a_digest_message_that_is_not_one_is_refused_saying_why(changed, why):
+    message = _digest_message("verify-a", 0x500, [{"id": 1, "name": "a"}], 1, "f") | changed
+    with pytest.raises((ValueError, TypeError), match=why):
+        parse_digest(message, "t", "verify-a")
+
+
+async def test_a_verification_whose_log_passes_its_limit_is_not_comparable(tmp_path):
+    store = MirrorStore(tmp_path / "m.db")
+    store.begin_bootstrap(TableShape.from_schema(_schema(
+        [("id", 20, "bigint", 1), ("name", 25, "text", 2)])), "s", 0x100)
+    store.finish_bootstrap("t", stream_seq=1)
+    store.most_logged = 3
+    meetings = Meetings(store, scan=False, report=lambda line: None)
+    meetings.marker("verify-a", "t", 0x300, streaming=True, inside_transaction=False)
+    store.apply_transaction([event("INSERT", "0/400", ordinal, data={"id": key, "name": "x"},
+                                   table="t") for ordinal, key in enumerate(range(1, 9))], 2)
+    assert not store.logging  # (stopped logging: nothing more to keep)
+    message = _digest_message("verify-a", 0x500, [], 0, store.state("t").fingerprint)
+    result = await meetings.digest(message, "t", "verify-a")
+    assert result.status == "not_comparable" and "CDC_MIRROR_VERIFY_LOG_ROWS" in result.why
+    with contextlib.closing(sqlite3.connect(tmp_path / "m.db")) as db:
+        assert db.execute("SELECT count(*) FROM _cdc_mirror_digest_log").fetchone() == (0,)
+    store.close()
+
+
+def test_a_table_whose_columns_the_file_orders_otherwise_keeps_its_digest(tmp_path):
+    """SQLite appends an added column where the source's shape may list it elsewhere: the
+    same values, the same digest."""
+    store = MirrorStore(tmp_path / "m.db")
+    columns = [("id", 20, "bigint", 1), ("name", 25, "text", 2)]
+    store.begin_bootstrap(TableShape.from_schema(_schema(columns)), "s", 0x100)
+    store.load_rows("t", [{"id": 1, "name": "a"}])
+    store.finish_bootstrap("t", stream_seq=1)
+    wider = _schema([columns[0], ("extra", 23, "integer", 3), columns[1]], fingerprint="f2",
+                    missing={"extra": 4})
+    store.apply_transaction([schema_event("0/200", 0, wider), event(
+        "INSERT", "0/200", 0, data={"id": 2, "name": "b", "extra": 5}, table="t")], 2)
+    assert sum(_assert_kept(store).counts) == 2
+    store.close()
