@@ -3,7 +3,7 @@
 (docs/verification.md Part 2, item 7, the source figure).
 
     .venv/bin/python benchmarks/verify.py [--rows 1000000] [--cores 2] [--runs 3] [--profile]
-                                          [--phases throughput,bridge] [--backlog 200000]
+                                          [--phases throughput,bridge] [--backlog 50000]
                                           [--mode per-change] [--verify-nice N]
 
 Starts its own PostgreSQL and nats-server (temp dir), the 9-column table of ``snapshot.py``
@@ -195,8 +195,9 @@ def kind_label(run: dict) -> str:
 def print_bridge_run(run: dict, backlog: int) -> None:
     cores = run["cores"]
     line = (f"  {kind_label(run):44s} {run['rate']:>9,.0f} ev/s | cores bridge "
-            f"{cores['bridge']:.2f} walsender {cores['walsender']:.2f} nats {cores['nats-server']:.2f} verification "
-            f"(this process) {cores['verify']:.2f}, machine busy {run['machine']:.2f}")
+            f"{cores['bridge']:.2f} walsender {cores['walsender']:.2f} nats "
+            f"{cores['nats-server']:.2f} verification (this process) {cores['verify']:.2f}, "
+            f"machine busy {run['machine']:.2f}")
     if run["parallelism"]:
         result: VerificationResult = run["verification"]
         # the tasks ended when the verification began waiting for the bridge
@@ -258,8 +259,10 @@ def main() -> None:
     parser.add_argument("--cores", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--phases", default="throughput,bridge")
-    parser.add_argument("--backlog", type=int, default=200_000,
+    parser.add_argument("--phases", default="throughput,bridge",
+                        help="comma-separated: throughput (verify_table's rows/s), bridge")
+    # small enough that a compiled verification of 1M rows (~3 s) covers the catch-up
+    parser.add_argument("--backlog", type=int, default=50_000,
                         help="changes the bridge catches up on in the bridge phase")
     parser.add_argument("--mode", default="per-change", help="the bridge's message mode")
     parser.add_argument("--verify-nice", type=int, default=0,
