@@ -1,7 +1,7 @@
 """The work of one verification task: read a block range under the exported snapshot, as a
 snapshot task does (:mod:`cdc_platform.snapshot.reader`: same session, same ``COPY``, same
-converters), and digest the rows instead of publishing them: :meth:`Chunker.digest` hashes
-the COPY fields straight into the digest where the compiled twin is built, else the
+converters), and digest the rows instead of publishing them: :meth:`Chunker.digest_block`
+hashes the COPY text straight into the digest where the compiled twin is built, else the
 converted columns.
 A task returns its buckets' (total, count) pairs to the driver, never rows."""
 
@@ -80,10 +80,9 @@ async def digest_range(spec: DigestSpec, block_range: BlockRange) -> dict[str, A
                                qualified_table=spec.qualified_table,
                                lock_timeout_ms=spec.lock_timeout_ms) as conn:
             async for block in copy_blocks(conn.pgconn, spec.copy_command(block_range)):
-                lines, fields, escapes = chunker.parse(block)
-                # hashed from the COPY fields, no row maps; a value no converter takes
-                # stays text, as in a snapshot chunk
-                rows += chunker.digest(digest, digester, fields, len(lines), escapes, {})
+                # hashed from the COPY text, no row maps; a value no converter takes stays
+                # text, as in a snapshot chunk
+                rows += chunker.digest_block(digest, digester, block, {})
     except ConversionError as exc:
         error, error_kind = str(exc), type(exc).__name__
     return {"partition": block_range.index, "rows": rows,
