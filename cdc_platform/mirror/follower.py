@@ -168,6 +168,10 @@ class Mirror:
         # tables that may miss changes a lost slot took (a resync marker), until verified:
         # their changes are made to fit meanwhile (docs/verification.md "Item 6")
         self.resyncing: set[str] = set()
+        # resyncing table -> the first verification whose marker came after the resync
+        # marker: only it (or its repair) can end the resyncing (an earlier one's point may be
+        # before the lost changes). Not kept in the file: after a restart, the next one.
+        self._resync_verifications: dict[str, str] = {}
         # what a repair started from the follow loop needs (set by run())
         self._session: tuple[NatsClient, JetStreamContext, MirrorStore, asyncio.Event] | None \
             = None
@@ -506,15 +510,14 @@ class Mirror:
         if self._session is None or follow.local.get(table) != table:
             return
         nc, js, store, stop = self._session
-        if result.status == "equal" and table in self.resyncing:
-            self._resynced(store, table)
+        if result.status == "equal":
+            self._resynced(store, table, result.verification_id)
         if result.status != "differ" or table in self.repairs:
             return
         why = why_not_repaired(result, store.shape(table))
         if why is not None:
             follow.bootstrap_again(table, why, result.lsn)
-            if table in self.resyncing:
-                self._resynced(store, table)
+            self._resynced(store, table, result.verification_id)
             return
         repair = self.repairs[table] = Repair(table, result.verification_id, result.lsn,
                                               result.bits,
@@ -600,18 +603,30 @@ class Mirror:
             return
         store.set_resyncing(tables, marker["lost_after"])
         self.resyncing.update(tables)
+        for table in tables:
+            self._resync_verifications.pop(table, None)
         self.report(f"{', '.join(tables)}: the bridge lost its slot (changes after "
                     f"{marker['lost_after']} may be missing); following tolerantly until "
                     "verified")
 
-    def _resynced(self, store: MirrorStore, table: str) -> None:
-        self.resyncing.discard(table)
-        store.set_resyncing([table], None)
+    def verify_marker_met(self, table: str, verification_id: str) -> None:
+        """A verify marker of ``table``: the first after a resync marker is the verification
+        that ends the table's resyncing."""
+        if table in self.resyncing:
+            self._resync_verifications.setdefault(table, verification_id)
+
+    def _resynced(self, store: MirrorStore, table: str, verification_id: str) -> None:
+        """``table`` is whole again if ``verification_id`` came after its resync marker."""
+        if table in self.resyncing and \
+                self._resync_verifications.get(table) == verification_id:
+            self.resyncing.discard(table)
+            del self._resync_verifications[table]
+            store.set_resyncing([table], None)
 
     def repaired(self, repair: Repair, deleted: int, inserted: int, lsn: int | None) -> None:
         """``repair``'s buckets were replaced (recorded with the rows, in one transaction)."""
-        if repair.table in self.resyncing and self._session is not None:
-            self._resynced(self._session[2], repair.table)
+        if self._session is not None:
+            self._resynced(self._session[2], repair.table, repair.verification_id)
         self.repairs.pop(repair.table, None)
         self._repair_tasks.pop(repair.table, None)
         self.rows_repaired += inserted
@@ -1043,6 +1058,7 @@ class _Following:
                     return
                 self.commit()
                 vid, table, marker_lsn = marker
+                self.mirror.verify_marker_met(table, vid)
                 meetings.marker(vid, table, marker_lsn,
                                 streaming=self.local.get(table) == table,
                                 inside_transaction=self.collector.pending is not None)
