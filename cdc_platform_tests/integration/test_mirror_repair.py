@@ -161,6 +161,47 @@ async def test_a_mirror_repairs_exactly_the_buckets_a_verification_finds_differi
     assert not any("bootstrapping again" in line for line in lines), "\n".join(lines)
 
 
+async def test_more_than_a_quarter_of_the_buckets_differing_bootstraps_the_table_again(
+        cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path):
+    table = random_name("rebuilt")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 300) g")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    db = tmp_path / "mirror.db"
+    results: list[VerificationResult] = []
+    lines: list[str] = []
+    coarse = 2  # 4 buckets: two of them differing is more than a quarter
+    damaged = [next(key for key in range(1, 301)
+                    if bucket_of(RowDigester(["id"]).key_hash({"id": key}), coarse) == bucket)
+               for bucket in (0, 1)]
+    async with running_bridge(settings), snapshot_responder(settings):
+        await bridge_ready(pg_admin, cdc_database, settings, [table])
+        mirror = Mirror(settings, [table], db, options=FAST, report=lines.append,
+                        on_verification=lambda _, result: results.append(result))
+        stop = asyncio.Event()
+        running = asyncio.create_task(mirror.run(stop))
+        await mirror_caught_up(mirror, running, nats_client)
+        with contextlib.closing(sqlite3.connect(db, timeout=30)) as local, local:
+            local.executemany(f'DELETE FROM "{table}" WHERE id = ?', [(k,) for k in damaged])
+        verified = await verify_table(None, settings, table, bits=coarse)
+        _, first, _ = await digest_message(nats_client, verified)
+        await wait_for(lambda: mirror.bootstraps == 2, timeout=60, what="a bootstrap again")
+        await mirror_caught_up(mirror, running, nats_client)
+        verified = await verify_table(None, settings, table, bits=coarse)
+        _, second, _ = await digest_message(nats_client, verified)
+        await wait_for(lambda: any(r.verification_id == second["verification_id"]
+                                   for r in results), timeout=60, what="the second one met")
+        stop.set()
+        await asyncio.wait_for(running, 30)
+    statuses = {r.verification_id: r.status for r in results}
+    assert (statuses[first["verification_id"]], statuses[second["verification_id"]]) == (
+        "differ", "equal"), "\n".join(lines[-20:])
+    assert mirror.rows_repaired == 0
+    assert any("2 of 4 buckets differ (more than 25%); bootstrapping again" in line
+               for line in lines), "\n".join(lines)
+
+
 @pytest.mark.every_major
 async def test_after_a_lost_slot_a_mirror_is_made_equal_by_verification_and_repair(
         server_dir, provisioned_nats, nats_client, tmp_path):
