@@ -202,6 +202,51 @@ async def test_more_than_a_quarter_of_the_buckets_differing_bootstraps_the_table
                for line in lines), "\n".join(lines)
 
 
+async def test_a_repair_that_cannot_be_had_gives_way_to_a_full_bootstrap(
+        cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path):
+    table = random_name("unrepaired")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 300) g")
+    cdc_database.add_tables(pg_admin, table)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    db = tmp_path / "mirror.db"
+    results: list[VerificationResult] = []
+    lines: list[str] = []
+
+    async def damaged_and_verified(key: int) -> str:
+        with contextlib.closing(sqlite3.connect(db, timeout=30)) as local, local:
+            local.execute(f'DELETE FROM "{table}" WHERE id = ?', (key,))
+        verified = await verify_table(None, settings, table, bits=BITS)
+        _, digest, _ = await digest_message(nats_client, verified)
+        return digest["verification_id"]
+
+    # the platform serves a table's repairs an hour apart: the second is refused for longer
+    # than the mirror waits
+    async with running_bridge(settings), snapshot_responder(settings, repair_interval=3600):
+        await bridge_ready(pg_admin, cdc_database, settings, [table])
+        mirror = Mirror(settings, [table], db, options=MirrorSettings(
+            status_interval_seconds=1.0, snapshot_wait_seconds=30.0), report=lines.append,
+            on_verification=lambda _, result: results.append(result))
+        stop = asyncio.Event()
+        running = asyncio.create_task(mirror.run(stop))
+        await mirror_caught_up(mirror, running, nats_client)
+        await damaged_and_verified(7)
+        await wait_for(lambda: mirror.rows_repaired, timeout=60, what="the first repair")
+        second = await damaged_and_verified(8)
+        await wait_for(lambda: mirror.bootstraps == 2, timeout=60, what="a bootstrap again")
+        await mirror_caught_up(mirror, running, nats_client)
+        stop.set()
+        await asyncio.wait_for(running, 30)
+    assert {r.verification_id: r.status for r in results}[second] == "differ"
+    assert sum(line.endswith("too soon); bootstrapping again") for line in lines) == 1, \
+        "\n".join(lines)
+    assert {key: v for key, (_, v) in _local_rows(db, table).items()} == dict(
+        pg_admin.execute(f"SELECT id, v FROM {table}").fetchall())
+    with contextlib.closing(sqlite3.connect(db)) as local:
+        assert local.execute("SELECT count(*) FROM sqlite_master WHERE name LIKE "
+                             "'_cdc_repair %'").fetchone() == (0,)
+
+
 @pytest.mark.every_major
 async def test_after_a_lost_slot_a_mirror_is_made_equal_by_verification_and_repair(
         server_dir, provisioned_nats, nats_client, tmp_path):
