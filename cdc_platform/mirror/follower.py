@@ -1114,6 +1114,7 @@ class _Following:
         for name, reason in applied.stale.items():
             table = self._tables.get(name, name)
             self.stale[table] = reason
+            mirror.bootstrapping.add(table)  # (at once: its rows are not the source's now)
             mirror.report(f"{table}: {reason}; bootstrapping again")
 
     def _points(self, tables: Sequence[str]) -> tuple[dict[str, int], bool]:
@@ -1205,6 +1206,7 @@ class _Following:
             table = self._tables.get(name, name)  # (a shadow's name: its table's)
             self.store.mark_stale(self.local.get(table, table), reason, at_lsn)
             self.stale[table] = reason
+            self.mirror.bootstrapping.add(table)  # (at once: its rows are not the source's now)
             self.mirror.report(f"{table}: {reason}; bootstrapping again")
 
 
