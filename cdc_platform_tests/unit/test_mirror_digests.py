@@ -13,8 +13,15 @@ import msgpack
 import pytest
 
 from cdc_platform.cli import main
+from cdc_platform.mirror import digests
 from cdc_platform.mirror.columns import TableShape
-from cdc_platform.mirror.digests import DIGESTS_TABLE, KEPT_TABLE, read_digest, scan_digest
+from cdc_platform.mirror.digests import (
+    DIGESTS_TABLE,
+    JOURNAL_TABLE,
+    KEPT_TABLE,
+    read_digest,
+    scan_digest,
+)
 from cdc_platform.mirror.errors import DivergenceError
 from cdc_platform.mirror.meetings import Meetings
 from cdc_platform.mirror.store import MirrorStore
@@ -394,3 +401,45 @@ def test_a_table_whose_columns_the_file_orders_otherwise_keeps_its_digest(tmp_pa
         "INSERT", "0/200", 0, data={"id": 2, "name": "b", "extra": 5}, table="t")], 2)
     assert sum(_assert_kept(store).counts) == 2
     store.close()
+
+
+def test_a_commits_buckets_are_journaled_and_written_back_once_the_journal_fills(
+        tmp_path, monkeypatch):
+    """A commit appends the buckets it touched to the table's journal (one row) instead of
+    rewriting them in the buckets table; a full journal is written back. The file's digest
+    (buckets and journal read together) is the kept one throughout, also after a reopen."""
+    monkeypatch.setattr(digests, "JOURNAL_ENTRIES", 20)
+    store = MirrorStore(tmp_path / "m.db")
+    store.begin_bootstrap(TableShape.from_schema(_schema([("id", 20, "bigint", 1)])), "s",
+                          0x100)
+    store.load_rows("t", [{"id": key} for key in range(5)])
+    store.finish_bootstrap("t", stream_seq=1)
+    db = store._db
+
+    def journaled() -> int:
+        return db.execute(f"SELECT count(*) FROM {JOURNAL_TABLE}").fetchone()[0]
+    buckets = db.execute(f"SELECT * FROM {DIGESTS_TABLE} ORDER BY bucket").fetchall()
+    lsn = 0x200
+    for key in (100, 105):  # (the loaded chunk made 5 entries) 10, then 15
+        lsn += 0x10
+        store.apply_transaction([event("INSERT", f"0/{lsn:X}", ordinal,
+                                       data={"id": key + ordinal}, table="t")
+                                 for ordinal in range(5)], lsn)
+        _assert_kept(store)
+    assert journaled() == 3
+    assert db.execute(f"SELECT * FROM {DIGESTS_TABLE} ORDER BY bucket").fetchall() == buckets
+    store.apply_transaction([event("DELETE", "0/400", ordinal, data={"id": key},
+                                   old={"id": key}, table="t")
+                             for ordinal, key in enumerate(range(100, 108))], 3)
+    assert journaled() == 0  # (23 entries: every bucket written back)
+    kept = _assert_kept(store)
+    assert sorted(db.execute(f"SELECT bucket, count FROM {DIGESTS_TABLE}")) == [
+        (bucket, count) for bucket, count in enumerate(kept.counts) if count]
+    store.apply_transaction([event("INSERT", "0/500", 0, data={"id": 999}, table="t")], 4)
+    assert journaled() == 1
+    kept = _assert_kept(store)
+    store.close()
+    again = MirrorStore(tmp_path / "m.db")
+    assert again.digest("t") == kept
+    assert sum(kept.counts) == 8
+    again.close()
