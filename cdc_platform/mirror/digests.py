@@ -31,6 +31,7 @@ import struct
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from cdc_platform.mirror.apply import Statements
 from cdc_platform.mirror.columns import TableShape, quote
 from cdc_platform.mirror.stored_values import StoredRowDigester, digest_stored_rows
 from cdc_platform.wire.digest import HASH_BITS, MAX_BUCKET_BITS, TableDigest
@@ -48,6 +49,9 @@ JOURNAL_ENTRIES = 4 << BITS
 
 _CHANGES = "_cdc_digest_changes"  # TEMP: (table id, sign, hashes) of the open transaction
 _HASH_FUNCTION = "cdc_row_hashes"
+# a table's ids are given in increasing order, and its changes under one id all precede those
+# under the next: by id, then as made, is each table's order of its changes
+_SUMS = f"SELECT tid, sign, hashes FROM {_CHANGES} ORDER BY tid, rowid"
 _TRUNCATED = 0  # a _CHANGES sign: every bucket of the table to zero
 _MASK = (1 << HASH_BITS) - 1
 _SHIFT = HASH_BITS - BITS
@@ -110,10 +114,13 @@ def scan_digest(db: sqlite3.Connection, shape: TableShape) -> TableDigest:
 
 class DigestKeeper:
     """The digests of the tables the store writes, on its connection ``db`` (see the module
-    docstring); ``enabled`` False: none kept, and none left in the file to go stale."""
+    docstring); ``enabled`` False: none kept, and none left in the file to go stale.
+    ``statements``: the compiled ``Statements`` on ``db``'s handle, if any."""
 
-    def __init__(self, db: sqlite3.Connection, *, enabled: bool = True) -> None:
+    def __init__(self, db: sqlite3.Connection, *, enabled: bool = True,
+                 statements: Statements | None = None) -> None:
         self._db = db
+        self._statements = statements
         self.enabled = enabled
         # the triggers' function (it holds no reference back: the connection holds it, and a
         # cycle through the connection would keep its file open until a GC pass)
@@ -134,7 +141,10 @@ class DigestKeeper:
         db.execute("PRAGMA temp_store=MEMORY")
         db.execute(f"CREATE TEMP TABLE IF NOT EXISTS {_CHANGES} (tid INTEGER NOT NULL,"
                    " sign INTEGER NOT NULL, hashes BLOB)")
-        db.create_function(_HASH_FUNCTION, -1, self._hasher)
+        # (the compiled Statements' C function on the same handle hashes most rows without
+        # making Python values of them)
+        if statements is None or not statements.hash_rows(_HASH_FUNCTION, self._hasher):
+            db.create_function(_HASH_FUNCTION, -1, self._hasher)
         # a trigger passes the table id and every column: at most this many columns
         self._most_columns = db.getlimit(sqlite3.SQLITE_LIMIT_FUNCTION_ARG) - 1
 
@@ -251,37 +261,55 @@ class DigestKeeper:
         if not self._hasher.called:
             return {}
         self._hasher.called = False
-        changes = self._db.execute(
-            f"SELECT tid, sign, hashes FROM {_CHANGES} ORDER BY rowid").fetchall()
-        if not changes:
+        sums = self._sums()
+        if not sums:
             return {}
         self._db.execute(f"DELETE FROM {_CHANGES}")
-        before: dict[str, dict[int, tuple[int, int]]] = {}
-        for table_id, sign, hashes in changes:
+        deltas: dict[str, Deltas] = {}
+        for table_id, (truncated, buckets) in sums.items():  # (a table's ids in their order)
             table = self._tables[table_id]
             digest = self._digest(table)
-            touched = before.setdefault(table, {})
             totals, counts = digest.totals, digest.counts
-            if sign == _TRUNCATED:
+            table_deltas = deltas.setdefault(table, {})
+            if truncated:
                 for bucket in range(len(counts)):
                     if counts[bucket] or totals[bucket]:
-                        touched.setdefault(bucket, (totals[bucket], counts[bucket]))
+                        total, rows = table_deltas.get(bucket, (0, 0))
+                        table_deltas[bucket] = ((total - totals[bucket]) & _MASK,
+                                                rows - counts[bucket])
                         totals[bucket], counts[bucket] = 0, 0
+            accumulate = bool(table_deltas)
+            if not accumulate:  # (most often: the deltas are the sums)
+                table_deltas.update(buckets)
+            for bucket, (added, count) in buckets.items():
+                totals[bucket] = (totals[bucket] + added) & _MASK
+                counts[bucket] += count
+                if accumulate:
+                    total, rows = table_deltas.get(bucket, (0, 0))
+                    table_deltas[bucket] = ((total + added) & _MASK, rows + count)
+        for table, table_deltas in deltas.items():
+            self._write(table, self._digests[table], table_deltas)
+        return deltas
+
+    def _sums(self) -> dict[int, tuple[bool, Deltas]]:
+        """The open transaction's changes summed by table id (in the order the ids were
+        given) and bucket: {table id: (truncated, {bucket: (row hashes added mod 2^64, rows
+        added)})}, ``truncated``: every bucket went to zero, before the changes summed."""
+        if self._statements is not None:
+            summed = self._statements.sum_hashes(_SUMS, BITS)
+            if summed is not None:
+                return summed
+        sums: dict[int, tuple[bool, Deltas]] = {}
+        for table_id, sign, hashes in self._db.execute(_SUMS):
+            if sign == _TRUNCATED:
+                sums[table_id] = (True, {})
                 continue
+            buckets = sums.setdefault(table_id, (False, {}))[1]
             key_hash, row_hash = _pair.unpack(hashes)
             bucket = key_hash >> _SHIFT
-            if bucket not in touched:
-                touched[bucket] = (totals[bucket], counts[bucket])
-            totals[bucket] = (totals[bucket] + sign * row_hash) & _MASK
-            counts[bucket] += sign
-        deltas: dict[str, Deltas] = {}
-        for table, buckets in before.items():
-            digest = self._digests[table]
-            self._write(table, digest, buckets)
-            deltas[table] = {bucket: ((digest.totals[bucket] - total) & _MASK,
-                                      digest.counts[bucket] - count)
-                             for bucket, (total, count) in buckets.items()}
-        return deltas
+            total, count = buckets.get(bucket, (0, 0))
+            buckets[bucket] = ((total + sign * row_hash) & _MASK, count + sign)
+        return sums
 
     def reset(self, shapes: Mapping[str, TableShape]) -> None:
         """After a rollback: the committed digests, and triggers for the committed

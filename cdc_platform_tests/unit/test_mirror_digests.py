@@ -443,3 +443,49 @@ def test_a_commits_buckets_are_journaled_and_written_back_once_the_journal_fills
     assert again.digest("t") == kept
     assert sum(kept.counts) == 8
     again.close()
+
+
+def test_the_compiled_trigger_function_hashes_as_the_python_one(tmp_path, monkeypatch):
+    """The store's compiled ``Statements`` register the triggers' function in C: the same
+    packed hashes as the Python function for every kind of stored value, the Python function
+    called only for text that ``wire_value`` turns back (a float's ``NaN``, an xid8's digits,
+    an array's JSON)."""
+    store = MirrorStore(tmp_path / "m.db")
+    if store._writer.statements is None:
+        store.close()
+        pytest.skip("the store's compiled twin is not in use")
+    columns = [("id", 20, "bigint", 1), ("t", 25, "text", 2), ("f", 701, "double precision", 3),
+               ("b", 17, "bytea", 4), ("x", 5069, "xid8", 5), ("a", 1007, "integer[]", 6),
+               ("n", 1700, "numeric", 7), ("flag", 16, "boolean", 8)]
+    store.begin_bootstrap(TableShape.from_schema(_schema(columns)), "s", 0x100)
+    plain = [{"id": -(2**63), "t": "", "f": -0.0, "b": b"", "x": 0, "a": None, "n": "1.50",
+              "flag": True},
+             {"id": 2**63 - 1, "t": "é\U0001f600\x00z", "f": float("inf"), "b": b"\x00\xff",
+              "x": 2**63 - 1, "a": None, "n": "NaN", "flag": False},
+             {"id": 0, "t": None, "f": None, "b": None, "x": None, "a": None, "n": None,
+              "flag": None},
+             {"id": 7, "t": "NaN", "f": 1e-320, "b": b"x" * 3000, "x": 5, "a": None,
+              "n": "-0", "flag": None}]
+    turned_back = [{"id": 8, "t": "a", "f": float("nan"), "b": None, "x": 1, "a": None,
+                    "n": None, "flag": None},
+                   {"id": 9, "t": "a", "f": 2.5, "b": None, "x": 2**64 - 1, "a": None,
+                    "n": None, "flag": None},
+                   {"id": 10, "t": "a", "f": 2.5, "b": None, "x": 1, "a": [[1, None], [3, 4]],
+                    "n": None, "flag": None}]
+    store.load_rows("t", plain + turned_back)
+    store.finish_bootstrap("t", stream_seq=1)
+    hasher, table_id = store._digests._hasher, store._digests._ids["t"]
+    names = ", ".join(f'"{name}"' for name, *_ in columns)
+    python_calls = []
+    python_call = type(hasher).__call__
+    monkeypatch.setattr(type(hasher), "__call__",
+                        lambda self, *stored: python_calls.append(stored[0]) or python_call(
+                            self, *stored))
+    by_sql = store._db.execute(f"SELECT id, cdc_row_hashes({table_id}, {names}) FROM t "
+                               "ORDER BY id").fetchall()
+    by_python = [(row[0], python_call(hasher, table_id, *row)) for row in store._db.execute(
+        f"SELECT {names} FROM t ORDER BY id")]
+    assert by_sql == by_python
+    assert len(python_calls) == len(turned_back)  # (the others hashed in C)
+    _assert_kept(store)
+    store.close()
