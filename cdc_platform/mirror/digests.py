@@ -49,9 +49,7 @@ JOURNAL_ENTRIES = 4 << BITS
 
 _CHANGES = "_cdc_digest_changes"  # TEMP: (table id, sign, hashes) of the open transaction
 _HASH_FUNCTION = "cdc_row_hashes"
-# a table's ids are given in increasing order, and its changes under one id all precede those
-# under the next: by id, then as made, is each table's order of its changes
-_SUMS = f"SELECT tid, sign, hashes FROM {_CHANGES} ORDER BY tid, rowid"
+_SUMS = f"SELECT tid, sign, hashes FROM {_CHANGES} ORDER BY rowid"  # (as made)
 _TRUNCATED = 0  # a _CHANGES sign: every bucket of the table to zero
 _MASK = (1 << HASH_BITS) - 1
 _SHIFT = HASH_BITS - BITS
@@ -266,7 +264,7 @@ class DigestKeeper:
             return {}
         self._db.execute(f"DELETE FROM {_CHANGES}")
         deltas: dict[str, Deltas] = {}
-        for table_id, (truncated, buckets) in sums.items():  # (a table's ids in their order)
+        for table_id, (truncated, buckets) in sums.items():
             table = self._tables[table_id]
             digest = self._digest(table)
             totals, counts = digest.totals, digest.counts
@@ -292,8 +290,8 @@ class DigestKeeper:
         return deltas
 
     def _sums(self) -> dict[int, tuple[bool, Deltas]]:
-        """The open transaction's changes summed by table id (in the order the ids were
-        given) and bucket: {table id: (truncated, {bucket: (row hashes added mod 2^64, rows
+        """The open transaction's changes summed by table id (in the order first seen: a
+        table's changes under one id all precede those under its next) and bucket: {table id: (truncated, {bucket: (row hashes added mod 2^64, rows
         added)})}, ``truncated``: every bucket went to zero, before the changes summed."""
         if self._statements is not None:
             summed = self._statements.sum_hashes(_SUMS, BITS)

@@ -489,3 +489,42 @@ def test_the_compiled_trigger_function_hashes_as_the_python_one(tmp_path, monkey
     assert len(python_calls) == len(turned_back)  # (the others hashed in C)
     _assert_kept(store)
     store.close()
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_a_transaction_truncating_and_changing_shape_between_changes_folds_its_deltas(
+        tmp_path, pure):
+    """Changes, a TRUNCATE, changes, a schema change (the table's triggers under a new id),
+    changes, in one transaction: the kept digest is the recomputed one, and the deltas the
+    fold gives (those a verification logs) are exactly the buckets' moves."""
+    store = _open(tmp_path / "m.db", pure=pure)
+    columns = [("id", 20, "bigint", 1), ("name", 25, "text", 2)]
+    store.begin_bootstrap(TableShape.from_schema(_schema(columns)), "s", 0x100)
+    store.load_rows("t", [{"id": key, "name": f"n{key}"} for key in range(50)])
+    store.finish_bootstrap("t", stream_seq=1)
+    before = store.digest("t")
+    wider = _schema([*columns, ("extra", 23, "integer", 3)], fingerprint="f2")
+    events = [event("INSERT", "0/200", 0, data={"id": 100, "name": "a"}, table="t"),
+              event("DELETE", "0/200", 1, data={"id": 3}, old={"id": 3}, table="t"),
+              event("TRUNCATE", "0/200", 2, table="t"),
+              *(event("INSERT", "0/200", ordinal, data={"id": ordinal, "name": "b"}, table="t")
+                for ordinal in range(3, 8)),
+              schema_event("0/200", 8, wider),
+              *(event("INSERT", "0/200", ordinal, data={"id": ordinal, "name": "c", "extra": 1},
+                      table="t") for ordinal in range(8, 12)),
+              event("UPDATE", "0/200", 12, data={"id": 4, "name": "d", "extra": 2}, table="t")]
+    store.begin()
+    for change in events:
+        store.apply(change)
+    store._writer.flush()
+    deltas = store._digests.fold()["t"]
+    store.commit(2)
+    after = _assert_kept(store)
+    assert before is not None and sum(after.counts) == 9
+    moved = {bucket: ((after.totals[bucket] - before.totals[bucket]) % 2**64,
+                      after.counts[bucket] - before.counts[bucket])
+             for bucket in range(len(after.counts))
+             if (after.totals[bucket], after.counts[bucket])
+             != (before.totals[bucket], before.counts[bucket])}
+    assert {bucket: delta for bucket, delta in deltas.items() if delta != (0, 0)} == moved
+    store.close()

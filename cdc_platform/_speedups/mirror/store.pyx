@@ -628,33 +628,34 @@ cdef class Statements:
 
     def sum_hashes(self, str sql not None, int bits):
         """Run ``sql`` (rows of table id, sign, packed (key hash, row hash): the digests'
-        changes, by table id, then in the order made) and sum them by table and bucket at
-        ``bits``: {table id: (truncated, {bucket: (row hashes added mod 2^64, rows
+        changes, in the order made) and sum them by table and bucket at ``bits``: {table id
+        (in the order first seen): (truncated, {bucket: (row hashes added mod 2^64, rows
         added)})}; ``truncated``: a sign 0 row (every bucket to zero) came, and the sums are
-        of the rows after the last one. None: closed, or SQLite refused ``sql``."""
+        of the table's rows after the last one. None: closed, or SQLite refused ``sql``."""
         cdef _Prepared prepared
-        cdef _BucketSums sums
+        cdef _BucketSums sums = None
         cdef long long table_id, sign
+        cdef long long last_id = -1
         cdef const unsigned char* packed
         cdef unsigned long long key_hash, row_hash
-        cdef int index
+        cdef int index, code
         if self.db == NULL or not 0 <= bits <= 16:
             return None
         prepared = self._prepare(sql, 0)
         if prepared is None:
             return None
         found = {}
-        sums = _BucketSums(bits)
-        table_id = -1
         try:
             while True:
                 code = api.step(prepared.statement)
                 if code != SQLITE_ROW:
                     break
-                if api.column_int64(prepared.statement, 0) != table_id:
-                    if table_id >= 0:
-                        found[table_id] = sums.take()
-                    table_id = api.column_int64(prepared.statement, 0)
+                table_id = api.column_int64(prepared.statement, 0)
+                if table_id != last_id or sums is None:
+                    sums = found.get(table_id)
+                    if sums is None:
+                        sums = found[table_id] = _BucketSums(bits)
+                    last_id = table_id
                 sign = api.column_int64(prepared.statement, 1)
                 if sign == 0:
                     sums.truncate()
@@ -669,11 +670,9 @@ cdef class Statements:
                 sums.add(key_hash, row_hash, sign)
             if code != SQLITE_DONE:
                 raise sqlite3.OperationalError(api.errmsg(self.db).decode(errors="replace"))
-            if table_id >= 0:
-                found[table_id] = sums.take()
         finally:
             api.reset(prepared.statement)
-        return found
+        return {table_id: (<_BucketSums>summed).take() for table_id, summed in found.items()}
 
     cdef int _step(self, void* statement) except -2:
         """Run the bound statement once: the rows it changed, or -1 (refused, reset). An
