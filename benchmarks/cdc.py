@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -63,8 +64,7 @@ ROLE, PASSWORD, PUBLICATION = "bench_reader", "bench-password", "bench_pub"
 def start_servers(base: Path) -> tuple[LocalPostgres, LocalNatsServer]:
     pg = start_logical_postgres(base / "pg")
     with psycopg.connect(pg.superuser_conninfo(), autocommit=True) as conn:
-        conn.execute(f"CREATE TABLE {TABLE} (id int8 PRIMARY KEY, name text, qty int4, "
-                     "price numeric(12,2), at timestamptz)")
+        create_events_table(conn)
         provision_database(conn, publication=PUBLICATION, role=ROLE, tables=[TABLE],
                            role_password=PASSWORD)
     nats = LocalNatsServer(base / "nats")
@@ -77,6 +77,11 @@ def start_servers(base: Path) -> tuple[LocalPostgres, LocalNatsServer]:
 
     asyncio.run(setup())
     return pg, nats
+
+
+def create_events_table(conn: psycopg.Connection) -> None:
+    conn.execute(f"CREATE TABLE {TABLE} (id int8 PRIMARY KEY, name text, qty int4, "
+                 "price numeric(12,2), at timestamptz)")
 
 
 def insert_rows(conn: psycopg.Connection, first_id: int, count: int) -> None:
@@ -97,12 +102,13 @@ def slot_state(conn: psycopg.Connection, slot: str) -> tuple[bool, int]:
 
 
 def bridge_env(pg: LocalPostgres, nats: LocalNatsServer, slot: str, mode: str,
-               seed: Path | None = None) -> dict:
+               seed: Path | None = None, **settings: str) -> dict:
+    """The bridge's environment; ``settings`` add ``CDC_*`` variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CDC_", "PG_", "NATS_"))}
     env.update({"CDC_PG_HOST": pg.host, "CDC_PG_PORT": str(pg.port), "CDC_PG_USER": ROLE,
                 "CDC_PG_PASSWORD": PASSWORD, "CDC_PG_SSLMODE": "disable",
                 "CDC_PUBLICATION": PUBLICATION, "CDC_SLOT": slot, "CDC_NATS_URL": nats.url,
-                "CDC_HTTP_PORT": "0", "CDC_MESSAGE_MODE": mode})
+                "CDC_HTTP_PORT": "0", "CDC_MESSAGE_MODE": mode, **settings})
     if seed is not None:
         env["CDC_SIGNING_KEY_SEED"] = str(seed)
     return env
@@ -140,14 +146,21 @@ NATS_PID: int | None = None
 
 
 def run_bridge_catch_up(admin: psycopg.Connection, pg, nats, mode: str, slot: str,
-                        end_lsn: int, events: int, log: Path,
-                        seed: Path | None) -> tuple[float, float]:
+                        end_lsn: int, events: int, log: Path, seed: Path | None, *,
+                        env: dict[str, str] | None = None,
+                        also_using: dict[str, int | None] | None = None,
+                        after_catch_up: Callable[[], None] | None = None,
+                        ) -> tuple[float, float, dict[str, float]]:
+    """(events/s, peak RSS MB, cores used by each process) of the bridge reaching
+    ``end_lsn``; ``env`` adds ``CDC_*`` settings, ``also_using`` more processes whose cores
+    to report, ``after_catch_up`` runs while the bridge still runs, once it caught up."""
     command = [str(Path(sys.executable).parent / "cdc-platform"), "bridge"]
     if PROFILE_DIR is not None:
         command = [str(Path(sys.executable).parent / "py-spy"), "record", "--format", "raw",
                    "-r", "200", "-o", str(PROFILE_DIR / f"{slot}.txt"), "--", *command]
     with open(log, "ab") as out:
-        process = subprocess.Popen(command, env=bridge_env(pg, nats, slot, mode, seed),
+        process = subprocess.Popen(command,
+                                   env=bridge_env(pg, nats, slot, mode, seed, **(env or {})),
                                    stdout=out, stderr=subprocess.STDOUT)
     try:
         while not slot_state(admin, slot)[0]:
@@ -157,7 +170,7 @@ def run_bridge_catch_up(admin: psycopg.Connection, pg, nats, mode: str, slot: st
         started = time.perf_counter()
         # Who uses the two cores: the bridge, its walsender, nats-server.
         pids = {"bridge": process.pid, "walsender": slot_pid(admin, slot),
-                "nats-server": NATS_PID}
+                "nats-server": NATS_PID, **(also_using or {})}
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         while slot_state(admin, slot)[1] < end_lsn:
             time.sleep(0.005)
@@ -165,6 +178,8 @@ def run_bridge_catch_up(admin: psycopg.Connection, pg, nats, mode: str, slot: st
         cores = {name: (cpu_seconds(pid) - cpu_before[name]) / elapsed
                  for name, pid in pids.items()}
         rss = peak_rss_mb(process.pid) if PROFILE_DIR is None else float("nan")
+        if after_catch_up is not None:
+            after_catch_up()
     finally:
         process.send_signal(2)  # SIGINT: py-spy writes its profile, the bridge stops cleanly
         process.wait(60)

@@ -1,6 +1,8 @@
 """The work of one verification task: read a block range under the exported snapshot, as a
 snapshot task does (:mod:`cdc_platform.snapshot.reader`: same session, same ``COPY``, same
-converters through :meth:`Chunker.rows`), and digest the rows instead of publishing them.
+converters), and digest the rows instead of publishing them: :meth:`Chunker.digest_block`
+hashes the COPY text straight into the digest where the compiled twin is built, else the
+converted columns.
 A task returns its buckets' (total, count) pairs to the driver, never rows."""
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
 from cdc_platform.snapshot.plan import BlockRange
 from cdc_platform.snapshot.reader import converters_for, copy_blocks, imported_snapshot
 from cdc_platform.snapshot.source import SourceTable, copy_select
-from cdc_platform.wire.digest import HASH_BITS, RowDigester, TableDigest, digest_rows, pack_totals
+from cdc_platform.wire.digest import HASH_BITS, RowDigester, TableDigest, pack_totals
 
 _MASK = (1 << HASH_BITS) - 1
 
@@ -78,8 +80,9 @@ async def digest_range(spec: DigestSpec, block_range: BlockRange) -> dict[str, A
                                qualified_table=spec.qualified_table,
                                lock_timeout_ms=spec.lock_timeout_ms) as conn:
             async for block in copy_blocks(conn.pgconn, spec.copy_command(block_range)):
-                # a value no converter takes stays text, as in a snapshot chunk
-                rows += digest_rows(digest, digester, chunker.rows(block))
+                # hashed from the COPY text, no row maps; a value no converter takes stays
+                # text, as in a snapshot chunk
+                rows += chunker.digest_block(digest, digester, block, {})
     except ConversionError as exc:
         error, error_kind = str(exc), type(exc).__name__
     return {"partition": block_range.index, "rows": rows,

@@ -65,7 +65,7 @@ cdef class RowDigester:
                         unsigned long long* row_hash) except -1
     cdef int _write(self, _Out* out, PyObject** given, Py_ssize_t* which,
                     Py_ssize_t count) except -1
-    cdef int _gather(self, object row, PyObject** given) except -1
+    cdef int _gather(self, object row, PyObject** given, bint keys_only) except -1
     cdef int _hash_row(self, object row, unsigned long long* key_hash,
                        unsigned long long* row_hash) except -1
 

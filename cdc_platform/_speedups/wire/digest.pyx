@@ -257,13 +257,16 @@ cdef class RowDigester:
             _close(&out)
         return 0
 
-    cdef int _gather(self, object row, PyObject** given) except -1:
-        """``given[i]`` = a new reference to ``row[name]`` of the i-th given column (KeyError
-        for a missing one, as the pure code)."""
-        cdef Py_ssize_t index
+    cdef int _gather(self, object row, PyObject** given, bint keys_only) except -1:
+        """``given[i]`` = a new reference to ``row[name]`` of the i-th given column, or of the
+        key columns only (the others left NULL: a key hash reads no other column, as the
+        pure code); KeyError for a missing one, as the pure code."""
+        cdef Py_ssize_t index, wanted
         cdef PyObject* found
         cdef bint is_dict = type(row) is dict
-        for index in range(self._width):
+        for wanted in range(self._key_width if keys_only else self._width):
+            index = (self._given_of_sorted[self._key_sorted[wanted]] if keys_only
+                     else wanted)
             name = <object>PySequence_Fast_GET_ITEM(self._given, index)
             if is_dict:
                 found = PyDict_GetItemWithError(row, name)
@@ -287,7 +290,7 @@ cdef class RowDigester:
                 raise MemoryError()
         memset(given, 0, self._width * sizeof(PyObject*))
         try:
-            self._gather(row, given)
+            self._gather(row, given, row_hash == NULL)
             self.hash_given(given, key_hash, row_hash)
         finally:
             for index in range(self._width):
@@ -308,7 +311,7 @@ cdef class RowDigester:
         memset(given, 0, self._width * sizeof(PyObject*))
         _open(&out)
         try:
-            self._gather(row, given)
+            self._gather(row, given, False)
             self._write(&out, given, NULL, self._width)
             return PyBytes_FromStringAndSize(out.data, out.size)
         finally:
