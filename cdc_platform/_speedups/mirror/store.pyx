@@ -895,13 +895,17 @@ cdef int _write_values(_Out* out, RowDigester digester, void** values, Py_ssize_
             _put_integer(out, api.value_int64(value))
         elif kind == SQLITE_FLOAT:
             _put_float(out, api.value_double(value))
-        elif kind == SQLITE_TEXT:
-            data = <const char*>api.value_text(value)
-            _put_sized(out, 83, data, api.value_bytes(value))  # 'S'
-        else:
-            data = <const char*>api.value_blob(value)
-            _put_sized(out, 66, data, api.value_bytes(value))  # 'B'
+        else:  # (an empty TEXT or BLOB may come as NULL)
+            data = <const char*>(api.value_text(value) if kind == SQLITE_TEXT
+                                 else api.value_blob(value))
+            if data == NULL:
+                data = _EMPTY
+            _put_sized(out, 83 if kind == SQLITE_TEXT else 66,  # 'S', 'B'
+                       data, api.value_bytes(value))
     return 0
+
+
+cdef const char* _EMPTY = ""
 
 
 cdef int _put_integer(_Out* out, long long number) except -1:
