@@ -69,13 +69,20 @@ class _Prepared:
 class Statements(Protocol):
     """Prepared INSERT and keyed UPDATE runs on a connection's own SQLite handle, bound
     without sqlite3's per-row work (compiled only: the store's twin's ``connect`` gives them).
-    Each returns the rows written, or -1 to leave the batch to the pure path."""
+    Each returns the rows written, or -1 to leave the batch to the pure path. ``hash_rows``
+    and ``sum_hashes``: the digests' trigger function and the sums of what it recorded, in C
+    on that handle (mirror/digests.py)."""
 
     def run_rows(self, sql: str, rows: Iterable[Mapping[str, Any]], names: tuple[str, ...],
                  whole_row: bool = True) -> int: ...
 
     def run_updates(self, sql: str, events: list[Mapping[str, Any]], set_names: tuple[str, ...],
                     key_names: tuple[str, ...], whole_row: bool = True) -> int: ...
+
+    def hash_rows(self, name: str, hasher: Callable[..., bytes]) -> bool: ...
+
+    def sum_hashes(self, sql: str, bits: int
+                   ) -> dict[int, tuple[bool, dict[int, tuple[int, int]]]] | None: ...
 
     def close(self) -> None: ...
 

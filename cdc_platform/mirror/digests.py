@@ -11,7 +11,12 @@ hashes are those of what the file holds (as ``mirror verify`` recomputes them), 
 ``ROLLBACK TO`` a savepoint takes back its rows' hashes with them. Temp triggers live on this
 connection only: another writer of the file (the compiled ``ChunkLoader``, a person with
 ``sqlite3``) is not counted, which is what ``mirror verify`` finds. Chunks the ``ChunkLoader``
-wrote are added by :meth:`DigestKeeper.add_stored`.
+wrote are added by :meth:`DigestKeeper.add`.
+
+The buckets a commit touched are appended to the table's journal (one row: they are scattered
+over the whole buckets table, whose pages each commit would otherwise rewrite) and written
+back into the buckets table once the journal holds ``JOURNAL_ENTRIES``; :func:`read_digest`
+reads both.
 
 A schema change drops the table's triggers (they name its columns) and installs new ones;
 one that changes rows' hashes (a column dropped, renamed, or added with a value) recomputes
@@ -23,23 +28,33 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from cdc_platform.mirror.apply import Statements
 from cdc_platform.mirror.columns import TableShape, quote
 from cdc_platform.mirror.stored_values import StoredRowDigester, digest_stored_rows
 from cdc_platform.wire.digest import HASH_BITS, MAX_BUCKET_BITS, TableDigest
 
 DIGESTS_TABLE = "_cdc_mirror_digests"  # (wire_table, bucket, total, count): non-empty buckets
 KEPT_TABLE = "_cdc_mirror_digest_tables"  # the tables whose digests are kept current
+# (wire_table, buckets): per commit and table, the buckets it touched as they became (packed
+# _ENTRY records, the later row winning), until they are written back into DIGESTS_TABLE
+JOURNAL_TABLE = "_cdc_mirror_digest_journal"
 BITS = MAX_BUCKET_BITS  # a mirror keeps 16,384 buckets and folds to what a source sends
+# A commit's buckets are scattered over the whole DIGESTS_TABLE (100 changes touched ~60 of its
+# pages, each written to the WAL: half the upkeep's cost); appended to the journal they are one
+# row. A table's journal is written back once it holds this many entries.
+JOURNAL_ENTRIES = 4 << BITS
 
 _CHANGES = "_cdc_digest_changes"  # TEMP: (table id, sign, hashes) of the open transaction
 _HASH_FUNCTION = "cdc_row_hashes"
+_SUMS = f"SELECT tid, sign, hashes FROM {_CHANGES} ORDER BY rowid"  # (as made)
 _TRUNCATED = 0  # a _CHANGES sign: every bucket of the table to zero
 _MASK = (1 << HASH_BITS) - 1
 _SHIFT = HASH_BITS - BITS
 _pair = struct.Struct(">QQ")
+_ENTRY = struct.Struct(">HQq")  # a journal entry: bucket, total, count
 _KINDS = ("insert", "update", "delete")
 
 # a bucket's change in one transaction: (total added mod 2^64, rows added)
@@ -57,17 +72,32 @@ def create_tables(db: sqlite3.Connection) -> None:
                " PRIMARY KEY (wire_table, bucket)) WITHOUT ROWID")
     db.execute(f"CREATE TABLE IF NOT EXISTS {KEPT_TABLE} (wire_table TEXT PRIMARY KEY,"
                " bits INTEGER NOT NULL)")
+    db.execute(f"CREATE TABLE IF NOT EXISTS {JOURNAL_TABLE} (wire_table TEXT NOT NULL,"
+               " buckets BLOB NOT NULL)")
 
 
 def read_digest(db: sqlite3.Connection, table: str) -> TableDigest | None:
     """``table``'s stored digest, or None when it is not kept."""
+    return _read(db, table)[0]
+
+
+def _read(db: sqlite3.Connection, table: str) -> tuple[TableDigest | None, int]:
+    """(``table``'s stored digest or None, the entries of its journal)."""
     if db.execute(f"SELECT 1 FROM {KEPT_TABLE} WHERE wire_table = ?", (table,)).fetchone() is None:
-        return None
+        return None, 0
     digest = TableDigest(BITS)
+    totals, counts = digest.totals, digest.counts
     for bucket, total, count in db.execute(
             f"SELECT bucket, total, count FROM {DIGESTS_TABLE} WHERE wire_table = ?", (table,)):
-        digest.totals[bucket], digest.counts[bucket] = total & _MASK, count
-    return digest
+        totals[bucket], counts[bucket] = total & _MASK, count
+    entries = 0
+    if db.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (JOURNAL_TABLE,)).fetchone():
+        for (packed,) in db.execute(f"SELECT buckets FROM {JOURNAL_TABLE} WHERE wire_table = ?"
+                                    " ORDER BY rowid", (table,)):
+            for bucket, total, count in _ENTRY.iter_unpack(packed):
+                totals[bucket], counts[bucket] = total, count
+                entries += 1
+    return digest, entries
 
 
 def scan_digest(db: sqlite3.Connection, shape: TableShape) -> TableDigest:
@@ -82,10 +112,13 @@ def scan_digest(db: sqlite3.Connection, shape: TableShape) -> TableDigest:
 
 class DigestKeeper:
     """The digests of the tables the store writes, on its connection ``db`` (see the module
-    docstring); ``enabled`` False: none kept, and none left in the file to go stale."""
+    docstring); ``enabled`` False: none kept, and none left in the file to go stale.
+    ``statements``: the compiled ``Statements`` on ``db``'s handle, if any."""
 
-    def __init__(self, db: sqlite3.Connection, *, enabled: bool = True) -> None:
+    def __init__(self, db: sqlite3.Connection, *, enabled: bool = True,
+                 statements: Statements | None = None) -> None:
         self._db = db
+        self._statements = statements
         self.enabled = enabled
         # the triggers' function (it holds no reference back: the connection holds it, and a
         # cycle through the connection would keep its file open until a GC pass)
@@ -97,15 +130,19 @@ class DigestKeeper:
         self._tables: dict[int, str] = {}
         self._next_id = 1
         self._digests: dict[str, TableDigest] = {}  # as committed (and folded), cached
+        self._journaled: dict[str, int] = {}  # a cached digest's table -> its journal entries
         create_tables(db)
         if not enabled:
-            db.execute(f"DELETE FROM {DIGESTS_TABLE}")
-            db.execute(f"DELETE FROM {KEPT_TABLE}")
+            for bookkeeping in (DIGESTS_TABLE, KEPT_TABLE, JOURNAL_TABLE):
+                db.execute(f"DELETE FROM {bookkeeping}")
             return
         db.execute("PRAGMA temp_store=MEMORY")
         db.execute(f"CREATE TEMP TABLE IF NOT EXISTS {_CHANGES} (tid INTEGER NOT NULL,"
                    " sign INTEGER NOT NULL, hashes BLOB)")
-        db.create_function(_HASH_FUNCTION, -1, self._hasher)
+        # (the compiled Statements' C function on the same handle hashes most rows without
+        # making Python values of them)
+        if statements is None or not statements.hash_rows(_HASH_FUNCTION, self._hasher):
+            db.create_function(_HASH_FUNCTION, -1, self._hasher)
         # a trigger passes the table id and every column: at most this many columns
         self._most_columns = db.getlimit(sqlite3.SQLITE_LIMIT_FUNCTION_ARG) - 1
 
@@ -153,8 +190,8 @@ class DigestKeeper:
             return
         self.unfollow(table)
         self._drop_changes(table)
-        self._db.execute(f"DELETE FROM {DIGESTS_TABLE} WHERE wire_table = ?", (table,))
-        self._db.execute(f"DELETE FROM {KEPT_TABLE} WHERE wire_table = ?", (table,))
+        for bookkeeping in (DIGESTS_TABLE, KEPT_TABLE, JOURNAL_TABLE):
+            self._db.execute(f"DELETE FROM {bookkeeping} WHERE wire_table = ?", (table,))
         self._digests.pop(table, None)
 
     def renamed(self, before: str, shape: TableShape) -> None:
@@ -163,9 +200,8 @@ class DigestKeeper:
             return
         self.fold()
         table = shape.table
-        self._db.execute(f"DELETE FROM {DIGESTS_TABLE} WHERE wire_table = ?", (table,))
-        self._db.execute(f"DELETE FROM {KEPT_TABLE} WHERE wire_table = ?", (table,))
-        for bookkeeping in (DIGESTS_TABLE, KEPT_TABLE):
+        for bookkeeping in (DIGESTS_TABLE, KEPT_TABLE, JOURNAL_TABLE):
+            self._db.execute(f"DELETE FROM {bookkeeping} WHERE wire_table = ?", (table,))
             self._db.execute(f"UPDATE {bookkeeping} SET wire_table = ? WHERE wire_table = ?",
                              (table, before))
         self._digests.pop(before, None)
@@ -223,37 +259,55 @@ class DigestKeeper:
         if not self._hasher.called:
             return {}
         self._hasher.called = False
-        changes = self._db.execute(
-            f"SELECT tid, sign, hashes FROM {_CHANGES} ORDER BY rowid").fetchall()
-        if not changes:
+        sums = self._sums()
+        if not sums:
             return {}
         self._db.execute(f"DELETE FROM {_CHANGES}")
-        before: dict[str, dict[int, tuple[int, int]]] = {}
-        for table_id, sign, hashes in changes:
+        deltas: dict[str, Deltas] = {}
+        for table_id, (truncated, buckets) in sums.items():
             table = self._tables[table_id]
             digest = self._digest(table)
-            touched = before.setdefault(table, {})
             totals, counts = digest.totals, digest.counts
-            if sign == _TRUNCATED:
+            table_deltas = deltas.setdefault(table, {})
+            if truncated:
                 for bucket in range(len(counts)):
                     if counts[bucket] or totals[bucket]:
-                        touched.setdefault(bucket, (totals[bucket], counts[bucket]))
+                        total, rows = table_deltas.get(bucket, (0, 0))
+                        table_deltas[bucket] = ((total - totals[bucket]) & _MASK,
+                                                rows - counts[bucket])
                         totals[bucket], counts[bucket] = 0, 0
+            accumulate = bool(table_deltas)
+            if not accumulate:  # (most often: the deltas are the sums)
+                table_deltas.update(buckets)
+            for bucket, (added, count) in buckets.items():
+                totals[bucket] = (totals[bucket] + added) & _MASK
+                counts[bucket] += count
+                if accumulate:
+                    total, rows = table_deltas.get(bucket, (0, 0))
+                    table_deltas[bucket] = ((total + added) & _MASK, rows + count)
+        for table, table_deltas in deltas.items():
+            self._write(table, self._digests[table], table_deltas)
+        return deltas
+
+    def _sums(self) -> dict[int, tuple[bool, Deltas]]:
+        """The open transaction's changes summed by table id (in the order first seen: a
+        table's changes under one id all precede those under its next) and bucket: {table id: (truncated, {bucket: (row hashes added mod 2^64, rows
+        added)})}, ``truncated``: every bucket went to zero, before the changes summed."""
+        if self._statements is not None:
+            summed = self._statements.sum_hashes(_SUMS, BITS)
+            if summed is not None:
+                return summed
+        sums: dict[int, tuple[bool, Deltas]] = {}
+        for table_id, sign, hashes in self._db.execute(_SUMS):
+            if sign == _TRUNCATED:
+                sums[table_id] = (True, {})
                 continue
+            buckets = sums.setdefault(table_id, (False, {}))[1]
             key_hash, row_hash = _pair.unpack(hashes)
             bucket = key_hash >> _SHIFT
-            if bucket not in touched:
-                touched[bucket] = (totals[bucket], counts[bucket])
-            totals[bucket] = (totals[bucket] + sign * row_hash) & _MASK
-            counts[bucket] += sign
-        deltas: dict[str, Deltas] = {}
-        for table, buckets in before.items():
-            digest = self._digests[table]
-            self._write(table, digest, buckets)
-            deltas[table] = {bucket: ((digest.totals[bucket] - total) & _MASK,
-                                      digest.counts[bucket] - count)
-                             for bucket, (total, count) in buckets.items()}
-        return deltas
+            total, count = buckets.get(bucket, (0, 0))
+            buckets[bucket] = ((total + sign * row_hash) & _MASK, count + sign)
+        return sums
 
     def reset(self, shapes: Mapping[str, TableShape]) -> None:
         """After a rollback: the committed digests, and triggers for the committed
@@ -261,6 +315,7 @@ class DigestKeeper:
         if not self.enabled:
             return
         self._digests.clear()
+        self._journaled.clear()
         self._hasher.called = False
         for table in list(self._ids):
             self.unfollow(table)
@@ -305,7 +360,8 @@ class DigestKeeper:
     def _digest(self, table: str) -> TableDigest:
         digest = self._digests.get(table)
         if digest is None:
-            digest = self._digests[table] = read_digest(self._db, table) or TableDigest(BITS)
+            stored, self._journaled[table] = _read(self._db, table)
+            digest = self._digests[table] = stored or TableDigest(BITS)
         return digest
 
     def _kept(self) -> set[str]:
@@ -321,25 +377,31 @@ class DigestKeeper:
     def _set(self, table: str, digest: TableDigest) -> None:
         """``table``'s digest is ``digest`` (from its rows, or empty) from now on."""
         self._drop_changes(table)
-        self._db.execute(f"DELETE FROM {DIGESTS_TABLE} WHERE wire_table = ?", (table,))
         self._db.execute(f"INSERT OR REPLACE INTO {KEPT_TABLE} VALUES (?, ?)", (table, BITS))
+        self._store(table, digest)
+        self._digests[table] = digest
+
+    def _store(self, table: str, digest: TableDigest) -> None:
+        """Every bucket of ``table`` written into DIGESTS_TABLE, its journal emptied."""
+        for bookkeeping in (DIGESTS_TABLE, JOURNAL_TABLE):
+            self._db.execute(f"DELETE FROM {bookkeeping} WHERE wire_table = ?", (table,))
         self._db.executemany(
             f"INSERT INTO {DIGESTS_TABLE} VALUES (?, ?, ?, ?)",
             ((table, bucket, signed(total), count) for bucket, (total, count)
              in enumerate(zip(digest.totals, digest.counts, strict=True)) if total or count))
-        self._digests[table] = digest
+        self._journaled[table] = 0
 
-    def _write(self, table: str, digest: TableDigest, buckets: Iterable[int]) -> None:
-        emptied, kept = [], []
-        for bucket in buckets:
-            total, count = digest.totals[bucket], digest.counts[bucket]
-            if total or count:
-                kept.append((table, bucket, signed(total), count))
-            else:
-                emptied.append((table, bucket))
-        self._db.executemany(f"DELETE FROM {DIGESTS_TABLE} WHERE wire_table = ? AND bucket = ?",
-                             emptied)
-        self._db.executemany(f"INSERT OR REPLACE INTO {DIGESTS_TABLE} VALUES (?, ?, ?, ?)", kept)
+    def _write(self, table: str, digest: TableDigest, buckets: Collection[int]) -> None:
+        """``buckets`` of ``table`` (whose digest is cached) as they are now: into its
+        journal, or, when that is full, every bucket back into DIGESTS_TABLE."""
+        entries = self._journaled.get(table, 0) + len(buckets)
+        if entries > JOURNAL_ENTRIES:
+            self._store(table, digest)
+            return
+        totals, counts = digest.totals, digest.counts
+        self._db.execute(f"INSERT INTO {JOURNAL_TABLE} VALUES (?, ?)", (table, b"".join(
+            [_ENTRY.pack(bucket, totals[bucket], counts[bucket]) for bucket in buckets])))
+        self._journaled[table] = entries
 
 
 class _RowHasher:

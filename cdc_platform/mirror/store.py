@@ -73,7 +73,7 @@ class MirrorStore:
             repair.create_tables(self._db)
             # the shape each table was last given, as the stream (not today's KV) has it
             shapes = positions.load_shapes(self._db)
-            self._digests = DigestKeeper(self._db, enabled=digests)
+            self._digests = DigestKeeper(self._db, enabled=digests, statements=statements)
         except (sqlite3.DatabaseError, MirrorError) as exc:
             raise MirrorError(f"{self.path} is not a usable mirror database ({exc}): move it "
                               "away and start the mirror again to rebuild it") from exc

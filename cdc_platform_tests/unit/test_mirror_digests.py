@@ -13,8 +13,15 @@ import msgpack
 import pytest
 
 from cdc_platform.cli import main
+from cdc_platform.mirror import digests
 from cdc_platform.mirror.columns import TableShape
-from cdc_platform.mirror.digests import DIGESTS_TABLE, KEPT_TABLE, read_digest, scan_digest
+from cdc_platform.mirror.digests import (
+    DIGESTS_TABLE,
+    JOURNAL_TABLE,
+    KEPT_TABLE,
+    read_digest,
+    scan_digest,
+)
 from cdc_platform.mirror.errors import DivergenceError
 from cdc_platform.mirror.meetings import Meetings
 from cdc_platform.mirror.store import MirrorStore
@@ -393,4 +400,131 @@ def test_a_table_whose_columns_the_file_orders_otherwise_keeps_its_digest(tmp_pa
     store.apply_transaction([schema_event("0/200", 0, wider), event(
         "INSERT", "0/200", 0, data={"id": 2, "name": "b", "extra": 5}, table="t")], 2)
     assert sum(_assert_kept(store).counts) == 2
+    store.close()
+
+
+def test_a_commits_buckets_are_journaled_and_written_back_once_the_journal_fills(
+        tmp_path, monkeypatch):
+    """A commit appends the buckets it touched to the table's journal (one row) instead of
+    rewriting them in the buckets table; a full journal is written back. The file's digest
+    (buckets and journal read together) is the kept one throughout, also after a reopen."""
+    monkeypatch.setattr(digests, "JOURNAL_ENTRIES", 20)
+    store = MirrorStore(tmp_path / "m.db")
+    store.begin_bootstrap(TableShape.from_schema(_schema([("id", 20, "bigint", 1)])), "s",
+                          0x100)
+    store.load_rows("t", [{"id": key} for key in range(5)])
+    store.finish_bootstrap("t", stream_seq=1)
+    db = store._db
+
+    def journaled() -> int:
+        return db.execute(f"SELECT count(*) FROM {JOURNAL_TABLE}").fetchone()[0]
+    buckets = db.execute(f"SELECT * FROM {DIGESTS_TABLE} ORDER BY bucket").fetchall()
+    lsn = 0x200
+    for key in (100, 105):  # (the loaded chunk made 5 entries) 10, then 15
+        lsn += 0x10
+        store.apply_transaction([event("INSERT", f"0/{lsn:X}", ordinal,
+                                       data={"id": key + ordinal}, table="t")
+                                 for ordinal in range(5)], lsn)
+        _assert_kept(store)
+    assert journaled() == 3
+    assert db.execute(f"SELECT * FROM {DIGESTS_TABLE} ORDER BY bucket").fetchall() == buckets
+    store.apply_transaction([event("DELETE", "0/400", ordinal, data={"id": key},
+                                   old={"id": key}, table="t")
+                             for ordinal, key in enumerate(range(100, 108))], 3)
+    assert journaled() == 0  # (23 entries: every bucket written back)
+    kept = _assert_kept(store)
+    assert sorted(db.execute(f"SELECT bucket, count FROM {DIGESTS_TABLE}")) == [
+        (bucket, count) for bucket, count in enumerate(kept.counts) if count]
+    store.apply_transaction([event("INSERT", "0/500", 0, data={"id": 999}, table="t")], 4)
+    assert journaled() == 1
+    kept = _assert_kept(store)
+    store.close()
+    again = MirrorStore(tmp_path / "m.db")
+    assert again.digest("t") == kept
+    assert sum(kept.counts) == 8
+    again.close()
+
+
+def test_the_compiled_trigger_function_hashes_as_the_python_one(tmp_path, monkeypatch):
+    """The store's compiled ``Statements`` register the triggers' function in C: the same
+    packed hashes as the Python function for every kind of stored value, the Python function
+    called only for text that ``wire_value`` turns back (a float's ``NaN``, an xid8's digits,
+    an array's JSON)."""
+    store = MirrorStore(tmp_path / "m.db")
+    if store._writer.statements is None:
+        store.close()
+        pytest.skip("the store's compiled twin is not in use")
+    columns = [("id", 20, "bigint", 1), ("t", 25, "text", 2), ("f", 701, "double precision", 3),
+               ("b", 17, "bytea", 4), ("x", 5069, "xid8", 5), ("a", 1007, "integer[]", 6),
+               ("n", 1700, "numeric", 7), ("flag", 16, "boolean", 8)]
+    store.begin_bootstrap(TableShape.from_schema(_schema(columns)), "s", 0x100)
+    plain = [{"id": -(2**63), "t": "", "f": -0.0, "b": b"", "x": 0, "a": None, "n": "1.50",
+              "flag": True},
+             {"id": 2**63 - 1, "t": "é\U0001f600\x00z", "f": float("inf"), "b": b"\x00\xff",
+              "x": 2**63 - 1, "a": None, "n": "NaN", "flag": False},
+             {"id": 0, "t": None, "f": None, "b": None, "x": None, "a": None, "n": None,
+              "flag": None},
+             {"id": 7, "t": "NaN", "f": 1e-320, "b": b"x" * 3000, "x": 5, "a": None,
+              "n": "-0", "flag": None}]
+    turned_back = [{"id": 8, "t": "a", "f": float("nan"), "b": None, "x": 1, "a": None,
+                    "n": None, "flag": None},
+                   {"id": 9, "t": "a", "f": 2.5, "b": None, "x": 2**64 - 1, "a": None,
+                    "n": None, "flag": None},
+                   {"id": 10, "t": "a", "f": 2.5, "b": None, "x": 1, "a": [[1, None], [3, 4]],
+                    "n": None, "flag": None}]
+    store.load_rows("t", plain + turned_back)
+    store.finish_bootstrap("t", stream_seq=1)
+    hasher, table_id = store._digests._hasher, store._digests._ids["t"]
+    names = ", ".join(f'"{name}"' for name, *_ in columns)
+    python_calls = []
+    python_call = type(hasher).__call__
+    monkeypatch.setattr(type(hasher), "__call__",
+                        lambda self, *stored: python_calls.append(stored[0]) or python_call(
+                            self, *stored))
+    by_sql = store._db.execute(f"SELECT id, cdc_row_hashes({table_id}, {names}) FROM t "
+                               "ORDER BY id").fetchall()
+    by_python = [(row[0], python_call(hasher, table_id, *row)) for row in store._db.execute(
+        f"SELECT {names} FROM t ORDER BY id")]
+    assert by_sql == by_python
+    assert len(python_calls) == len(turned_back)  # (the others hashed in C)
+    _assert_kept(store)
+    store.close()
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_a_transaction_truncating_and_changing_shape_between_changes_folds_its_deltas(
+        tmp_path, pure):
+    """Changes, a TRUNCATE, changes, a schema change (the table's triggers under a new id),
+    changes, in one transaction: the kept digest is the recomputed one, and the deltas the
+    fold gives (those a verification logs) are exactly the buckets' moves."""
+    store = _open(tmp_path / "m.db", pure=pure)
+    columns = [("id", 20, "bigint", 1), ("name", 25, "text", 2)]
+    store.begin_bootstrap(TableShape.from_schema(_schema(columns)), "s", 0x100)
+    store.load_rows("t", [{"id": key, "name": f"n{key}"} for key in range(50)])
+    store.finish_bootstrap("t", stream_seq=1)
+    before = store.digest("t")
+    wider = _schema([*columns, ("extra", 23, "integer", 3)], fingerprint="f2")
+    events = [event("INSERT", "0/200", 0, data={"id": 100, "name": "a"}, table="t"),
+              event("DELETE", "0/200", 1, data={"id": 3}, old={"id": 3}, table="t"),
+              event("TRUNCATE", "0/200", 2, table="t"),
+              *(event("INSERT", "0/200", ordinal, data={"id": ordinal, "name": "b"}, table="t")
+                for ordinal in range(3, 8)),
+              schema_event("0/200", 8, wider),
+              *(event("INSERT", "0/200", ordinal, data={"id": ordinal, "name": "c", "extra": 1},
+                      table="t") for ordinal in range(8, 12)),
+              event("UPDATE", "0/200", 12, data={"id": 4, "name": "d", "extra": 2}, table="t")]
+    store.begin()
+    for change in events:
+        store.apply(change)
+    store._writer.flush()
+    deltas = store._digests.fold()["t"]
+    store.commit(2)
+    after = _assert_kept(store)
+    assert before is not None and sum(after.counts) == 9
+    moved = {bucket: ((after.totals[bucket] - before.totals[bucket]) % 2**64,
+                      after.counts[bucket] - before.counts[bucket])
+             for bucket in range(len(after.counts))
+             if (after.totals[bucket], after.counts[bucket])
+             != (before.totals[bucket], before.counts[bucket])}
+    assert {bucket: delta for bucket, delta in deltas.items() if delta != (0, 0)} == moved
     store.close()

@@ -31,19 +31,23 @@ import sqlite3
 import threading
 
 cimport cython
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_GetItemWithError, PyDict_Size
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.object cimport PyObject
-from cpython.long cimport PyLong_AsLongLongAndOverflow
-from cpython.unicode cimport PyUnicode_AsUTF8AndSize
+from cpython.ref cimport Py_INCREF, Py_XDECREF
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_FromUnsignedLongLong
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.math cimport isnan
+from libc.string cimport memset
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from posix.dlfcn cimport RTLD_NOW, dlopen, dlsym
 
 cdef extern from "<dlfcn.h>":
     void* RTLD_DEFAULT  # (Python.h defines _GNU_SOURCE)
 
+from cdc_platform._speedups.mirror.stored_values cimport KEEP, StoredRowDigester
 from cdc_platform._speedups.msgpack_reader cimport (
     KIND_BIN,
     KIND_BOOL,
@@ -57,6 +61,16 @@ from cdc_platform._speedups.msgpack_reader cimport (
     Reader,
     float_value,
     valid_utf8,
+)
+from cdc_platform._speedups.wire.digest cimport (
+    RowDigester,
+    _close,
+    _hash64,
+    _open,
+    _Out,
+    _put,
+    _put_float,
+    _put_sized,
 )
 
 # The stable SQLite C API (sqlite.org/c3ref), declared here rather than from sqlite3.h.
@@ -76,6 +90,19 @@ ctypedef const char* (*db_filename_f)(void*, const char*) noexcept nogil
 ctypedef int (*auto_extension_f)(void (*)() noexcept nogil) noexcept nogil
 ctypedef void (*set_rowid_f)(void*, long long) noexcept nogil
 ctypedef long long (*rowid_f)(void*) noexcept nogil
+ctypedef void (*function_f)(void*, int, void**) noexcept
+ctypedef int (*create_function_f)(void*, const char*, int, int, void*, function_f, function_f,
+                                  void (*)(void*) noexcept, destructor) noexcept nogil
+ctypedef int (*value_int_f)(void*) noexcept nogil
+ctypedef long long (*value_int64_f)(void*) noexcept nogil
+ctypedef double (*value_double_f)(void*) noexcept nogil
+ctypedef const void* (*value_pointer_f)(void*) noexcept nogil
+ctypedef void* (*user_data_f)(void*) noexcept nogil
+ctypedef void (*result_blob_f)(void*, const void*, int, destructor) noexcept nogil
+ctypedef void (*result_error_f)(void*, const char*, int) noexcept nogil
+ctypedef long long (*column_int64_f)(void*, int) noexcept nogil
+ctypedef const void* (*column_blob_f)(void*, int) noexcept nogil
+ctypedef int (*column_int_f)(void*, int) noexcept nogil
 
 cdef struct SqliteApi:
     open_v2_f open_v2
@@ -101,11 +128,31 @@ cdef struct SqliteApi:
     auto_extension_f cancel_auto_extension
     set_rowid_f set_last_insert_rowid
     rowid_f last_insert_rowid
+    create_function_f create_function_v2
+    value_int_f value_type
+    value_int64_f value_int64
+    value_double_f value_double
+    value_pointer_f value_text
+    value_pointer_f value_blob
+    value_int_f value_bytes
+    user_data_f user_data
+    result_blob_f result_blob
+    result_error_f result_error
+    column_int64_f column_int64
+    column_blob_f column_blob
+    column_int_f column_bytes
 
 DEF SQLITE_OK = 0
+DEF SQLITE_ROW = 100
 DEF SQLITE_DONE = 101
 DEF SQLITE_OPEN_READWRITE = 0x02
 DEF INT_MAX = 2147483647
+DEF SQLITE_UTF8 = 1
+DEF SQLITE_INTEGER = 1
+DEF SQLITE_FLOAT = 2
+DEF SQLITE_TEXT = 3
+DEF SQLITE_BLOB = 4
+DEF SQLITE_NULL = 5
 
 cdef SqliteApi api
 
@@ -153,6 +200,20 @@ cdef int _find_sqlite() except -1:
                                                           b"sqlite3_cancel_auto_extension")
     api.set_last_insert_rowid = <set_rowid_f>_symbol(library, b"sqlite3_set_last_insert_rowid")
     api.last_insert_rowid = <rowid_f>_symbol(library, b"sqlite3_last_insert_rowid")
+    api.create_function_v2 = <create_function_f>_symbol(library,
+                                                         b"sqlite3_create_function_v2")
+    api.value_type = <value_int_f>_symbol(library, b"sqlite3_value_type")
+    api.value_int64 = <value_int64_f>_symbol(library, b"sqlite3_value_int64")
+    api.value_double = <value_double_f>_symbol(library, b"sqlite3_value_double")
+    api.value_text = <value_pointer_f>_symbol(library, b"sqlite3_value_text")
+    api.value_blob = <value_pointer_f>_symbol(library, b"sqlite3_value_blob")
+    api.value_bytes = <value_int_f>_symbol(library, b"sqlite3_value_bytes")
+    api.user_data = <user_data_f>_symbol(library, b"sqlite3_user_data")
+    api.result_blob = <result_blob_f>_symbol(library, b"sqlite3_result_blob")
+    api.result_error = <result_error_f>_symbol(library, b"sqlite3_result_error")
+    api.column_int64 = <column_int64_f>_symbol(library, b"sqlite3_column_int64")
+    api.column_blob = <column_blob_f>_symbol(library, b"sqlite3_column_blob")
+    api.column_bytes = <column_int_f>_symbol(library, b"sqlite3_column_bytes")
     return 0
 
 
@@ -551,6 +612,68 @@ cdef class Statements:
         return changes
 
 
+    def hash_rows(self, str name not None, hasher not None):
+        """Register the SQL function ``name(table id, stored values...)`` on the handle: the
+        row's packed (key hash, row hash), what ``hasher`` (the digests' ``_RowHasher``)
+        gives, worked out here from SQLite's values without Python objects when
+        ``hasher.digesters[table id]`` is the compiled ``StoredRowDigester`` and no text
+        needs turning back (``wire_value``), else by calling ``hasher``; either way
+        ``hasher.called`` is set. False: SQLite refused it (the caller registers
+        ``hasher`` itself)."""
+        if self.db == NULL:
+            raise ValueError("the statements are closed")
+        Py_INCREF(hasher)  # (released by SQLite's destructor call: at close, or on failure)
+        return api.create_function_v2(self.db, name.encode(), -1, SQLITE_UTF8, <void*>hasher,
+                                      _row_hashes, NULL, NULL, _release) == SQLITE_OK
+
+    def sum_hashes(self, str sql not None, int bits):
+        """Run ``sql`` (rows of table id, sign, packed (key hash, row hash): the digests'
+        changes, in the order made) and sum them by table and bucket at ``bits``: {table id
+        (in the order first seen): (truncated, {bucket: (row hashes added mod 2^64, rows
+        added)})}; ``truncated``: a sign 0 row (every bucket to zero) came, and the sums are
+        of the table's rows after the last one. None: closed, or SQLite refused ``sql``."""
+        cdef _Prepared prepared
+        cdef _BucketSums sums = None
+        cdef long long table_id, sign
+        cdef long long last_id = -1
+        cdef const unsigned char* packed
+        cdef unsigned long long key_hash, row_hash
+        cdef int index, code
+        if self.db == NULL or not 0 <= bits <= 16:
+            return None
+        prepared = self._prepare(sql, 0)
+        if prepared is None:
+            return None
+        found = {}
+        try:
+            while True:
+                code = api.step(prepared.statement)
+                if code != SQLITE_ROW:
+                    break
+                table_id = api.column_int64(prepared.statement, 0)
+                if table_id != last_id or sums is None:
+                    sums = found.get(table_id)
+                    if sums is None:
+                        sums = found[table_id] = _BucketSums(bits)
+                    last_id = table_id
+                sign = api.column_int64(prepared.statement, 1)
+                if sign == 0:
+                    sums.truncate()
+                    continue
+                packed = <const unsigned char*>api.column_blob(prepared.statement, 2)
+                if api.column_bytes(prepared.statement, 2) != 16 or (sign != 1 and sign != -1):
+                    raise ValueError(f"not a digest change: table id {table_id}, sign {sign}")
+                key_hash = row_hash = 0
+                for index in range(8):
+                    key_hash = key_hash << 8 | packed[index]
+                    row_hash = row_hash << 8 | packed[8 + index]
+                sums.add(key_hash, row_hash, sign)
+            if code != SQLITE_DONE:
+                raise sqlite3.OperationalError(api.errmsg(self.db).decode(errors="replace"))
+        finally:
+            api.reset(prepared.statement)
+        return {table_id: (<_BucketSums>summed).take() for table_id, summed in found.items()}
+
     cdef int _step(self, void* statement) except -2:
         """Run the bound statement once: the rows it changed, or -1 (refused, reset). An
         error after which SQLite rolled back the whole transaction (a full disk, an I/O
@@ -565,6 +688,73 @@ cdef class Statements:
         changed = api.changes(self.db)
         api.reset(statement)
         return changed
+
+
+cdef class _BucketSums:
+    """One table's row hashes summed by bucket (the changes of one transaction)."""
+
+    cdef int shift
+    cdef unsigned long long* totals
+    cdef long long* counts
+    cdef int* touched  # the buckets summed into, in the order first touched
+    cdef int touched_count
+    cdef unsigned char* seen
+    cdef bint truncated
+
+    def __cinit__(self, int bits):
+        cdef Py_ssize_t size = 1 << bits
+        self.shift = 64 - bits
+        self.totals = <unsigned long long*>PyMem_Malloc(size * sizeof(unsigned long long))
+        self.counts = <long long*>PyMem_Malloc(size * sizeof(long long))
+        self.touched = <int*>PyMem_Malloc(size * sizeof(int))
+        self.seen = <unsigned char*>PyMem_Malloc(size)
+        if (self.totals == NULL or self.counts == NULL or self.touched == NULL
+                or self.seen == NULL):
+            raise MemoryError()
+        memset(self.seen, 0, size)
+        self.touched_count = 0
+        self.truncated = False
+
+    def __dealloc__(self):
+        PyMem_Free(self.totals)
+        PyMem_Free(self.counts)
+        PyMem_Free(self.touched)
+        PyMem_Free(self.seen)
+
+    cdef void add(self, unsigned long long key_hash, unsigned long long row_hash,
+                  long long sign) noexcept:
+        cdef int bucket = <int>(key_hash >> self.shift) if self.shift < 64 else 0
+        if not self.seen[bucket]:
+            self.seen[bucket] = 1
+            self.totals[bucket] = 0
+            self.counts[bucket] = 0
+            self.touched[self.touched_count] = bucket
+            self.touched_count += 1
+        self.totals[bucket] += row_hash if sign > 0 else -row_hash  # (modulo 2^64)
+        self.counts[bucket] += sign
+
+    cdef void truncate(self) noexcept:
+        self._clear()
+        self.truncated = True
+
+    cdef void _clear(self) noexcept:
+        cdef int index
+        for index in range(self.touched_count):
+            self.seen[self.touched[index]] = 0
+        self.touched_count = 0
+
+    cdef object take(self):
+        """(truncated, {bucket: (total, count)}), and nothing summed any more."""
+        cdef int index, bucket
+        buckets = {}
+        for index in range(self.touched_count):
+            bucket = self.touched[index]
+            buckets[bucket] = (PyLong_FromUnsignedLongLong(self.totals[bucket]),
+                               self.counts[bucket])
+        taken = (self.truncated, buckets)
+        self._clear()
+        self.truncated = False
+        return taken
 
 
 cdef int _refused(void* statement) noexcept:
@@ -620,3 +810,134 @@ cdef bint _bind_value(void* statement, int index, object value) except -1:
         return size <= INT_MAX and api.bind_blob(statement, index, PyBytes_AS_STRING(value),
                                                  <int>size, NULL) == SQLITE_OK
     return False
+
+
+# -- the digests' trigger function (mirror/digests.py) ------------------------------------------
+cdef void _release(void* hasher) noexcept with gil:
+    Py_XDECREF(<PyObject*>hasher)
+
+
+cdef void _row_hashes(void* context, int argc, void** argv) noexcept with gil:
+    cdef unsigned char packed[16]
+    try:
+        if _hash_row(<object>api.user_data(context), argc, argv, packed):
+            api.result_blob(context, packed, 16, <destructor>-1)  # (SQLITE_TRANSIENT)
+        else:
+            result = (<object>api.user_data(context))(*[_python_value(argv[index])
+                                                         for index in range(argc)])
+            api.result_blob(context, PyBytes_AS_STRING(result), <int>PyBytes_GET_SIZE(result),
+                            <destructor>-1)
+    except BaseException as exc:  # (the statement fails with it, as with a Python function)
+        message = f"{type(exc).__name__}: {exc}".encode(errors="replace")
+        api.result_error(context, message, <int>len(message))
+
+
+cdef bint _hash_row(object hasher, int argc, void** argv, unsigned char* packed) except -1:
+    """The row's packed hashes into ``packed``; False: the Python ``hasher`` must do it."""
+    cdef StoredRowDigester stored
+    cdef RowDigester digester
+    cdef Py_ssize_t index
+    cdef unsigned long long key_hash, row_hash
+    cdef _Out out
+    hasher.called = True
+    if argc < 1:
+        return False
+    found = hasher.digesters.get(api.value_int64(argv[0]))
+    if type(found) is not StoredRowDigester:
+        return False
+    stored = found
+    if argc - 1 != stored._width:
+        return False
+    for index in range(stored._width):
+        if api.value_type(argv[1 + index]) == SQLITE_TEXT and (
+                stored._kinds[index] != KEEP or not valid_utf8(
+                    <const uint8_t*>api.value_text(argv[1 + index]),
+                    api.value_bytes(argv[1 + index]))):
+            return False  # (wire_value turns it back, or Python's sqlite3 refuses it)
+    digester = stored._digester
+    _open(&out)
+    try:
+        if not digester._key_is_row:
+            _write_values(&out, digester, argv + 1, digester._key_sorted, digester._key_width)
+            key_hash = _hash64(out.data, out.size)
+            out.size = 0
+        _write_values(&out, digester, argv + 1, NULL, digester._width)
+        row_hash = _hash64(out.data, out.size)
+        if digester._key_is_row:
+            key_hash = row_hash
+    finally:
+        _close(&out)
+    for index in range(8):
+        packed[index] = <unsigned char>(key_hash >> (56 - 8 * index))
+        packed[8 + index] = <unsigned char>(row_hash >> (56 - 8 * index))
+    return True
+
+
+cdef int _write_values(_Out* out, RowDigester digester, void** values, Py_ssize_t* which,
+                       Py_ssize_t count) except -1:
+    """The canonical bytes (wire/digest.py) of the sorted columns ``which[0..count)`` (NULL:
+    every column) of the stored ``values`` (in the digester's given order): an INTEGER is
+    an int, a REAL a float, a TEXT (of a column whose text is its wire value) a str, a BLOB
+    bytes, a NULL absent."""
+    cdef Py_ssize_t index, column
+    cdef void* value
+    cdef int kind
+    cdef const char* data
+    for index in range(count):
+        column = which[index] if which != NULL else index
+        value = values[digester._given_of_sorted[column]]
+        kind = api.value_type(value)
+        if kind == SQLITE_NULL:
+            continue
+        prefix = <bytes>digester._prefixes[column]
+        _put(out, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix))
+        if kind == SQLITE_INTEGER:
+            _put_integer(out, api.value_int64(value))
+        elif kind == SQLITE_FLOAT:
+            _put_float(out, api.value_double(value))
+        else:  # (an empty TEXT or BLOB may come as NULL)
+            data = <const char*>(api.value_text(value) if kind == SQLITE_TEXT
+                                 else api.value_blob(value))
+            if data == NULL:
+                data = _EMPTY
+            _put_sized(out, 83 if kind == SQLITE_TEXT else 66,  # 'S', 'B'
+                       data, api.value_bytes(value))
+    return 0
+
+
+cdef const char* _EMPTY = ""
+
+
+cdef int _put_integer(_Out* out, long long number) except -1:
+    """'I', u32 length, the decimal digits."""
+    cdef unsigned long long magnitude = (<unsigned long long>(-(number + 1)) + 1 if number < 0
+                                         else <unsigned long long>number)
+    cdef char digits[24]
+    cdef int start = 24
+    while True:
+        start -= 1
+        digits[start] = 48 + <char>(magnitude % 10)
+        magnitude //= 10
+        if magnitude == 0:
+            break
+    if number < 0:
+        start -= 1
+        digits[start] = 45  # '-'
+    return _put_sized(out, 73, digits + start, 24 - start)
+
+
+cdef object _python_value(void* value):
+    """The Python value Python's sqlite3 hands a function for ``value``."""
+    cdef int kind = api.value_type(value)
+    cdef const char* data
+    if kind == SQLITE_INTEGER:
+        return api.value_int64(value)
+    if kind == SQLITE_FLOAT:
+        return api.value_double(value)
+    if kind == SQLITE_TEXT:
+        data = <const char*>api.value_text(value)
+        return PyUnicode_DecodeUTF8(data, api.value_bytes(value), NULL)
+    if kind == SQLITE_BLOB:
+        data = <const char*>api.value_blob(value)
+        return PyBytes_FromStringAndSize(data, api.value_bytes(value))
+    return None

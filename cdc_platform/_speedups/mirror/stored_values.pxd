@@ -1,7 +1,17 @@
 """What a compiled store (``_speedups/mirror/store.pyx``) may use of the stored-values twin:
-the hashes of a stored row read back by key, at C level."""
+the hashes of a stored row at C level, and what each column's stored text may need."""
 
 from cdc_platform._speedups.wire.digest cimport RowDigester
+
+
+# what a column's stored text may need (the pure ``wire_value``'s branches)
+cdef enum Kind:
+    KEEP = 0
+    REAL = 1
+    WIDE_INTEGER = 2
+    ARRAY = 3
+    FLOAT_ARRAY = 4
+    BYTEA_ARRAY = 5
 
 
 cdef class StoredRowDigester:

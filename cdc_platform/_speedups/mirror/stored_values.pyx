@@ -31,16 +31,6 @@ cdef extern from "Python.h":
 _FLOAT_ARRAYS = frozenset({1021, 1022})
 _BYTEA_ARRAY = 1001
 
-# what a column's stored text may need (the pure ``wire_value``'s branches)
-cdef enum Kind:
-    KEEP = 0
-    REAL = 1
-    WIDE_INTEGER = 2
-    ARRAY = 3
-    FLOAT_ARRAY = 4
-    BYTEA_ARRAY = 5
-
-
 cdef Kind _kind_of(column) except *:
     oid = column.type_oid
     if oid in _REAL_OIDS:
