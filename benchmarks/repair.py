@@ -28,8 +28,11 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # snapshot.py's servers
 
-from cdc_platform.dev.servers import LocalNatsServer, LocalPostgres, start_logical_postgres
+from snapshot import purge_init, start_servers
+
+from cdc_platform.dev.servers import LocalNatsServer, LocalPostgres
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import provision
 from cdc_platform.postgres.admin import provision_database
@@ -46,16 +49,6 @@ from cdc_platform.wire.digest import bucket_bits
 ROLE, PASSWORD, PUBLICATION = "bench_reader", "bench-password", "bench_pub"
 # table -> its key: selected in SQL (bigint) or filtered in the tasks (timestamptz)
 TABLES = {"bench_by_id": "id", "bench_by_time": "created_at"}
-
-
-def start_servers(base: Path) -> tuple[LocalPostgres, LocalNatsServer]:
-    pg = start_logical_postgres(base / "pg", unsafe_no_fsync=True)
-    with psycopg.connect(pg.superuser_conninfo(), autocommit=True) as conn:
-        conn.execute("ALTER SYSTEM SET shared_buffers = '512MB'")  # the tables stay cached
-    pg.restart()
-    nats = LocalNatsServer(base / "nats")
-    nats.start()
-    return pg, nats
 
 
 def create_tables(pg: LocalPostgres, rows: int) -> None:
@@ -81,15 +74,6 @@ async def provision_nats(nats: LocalNatsServer) -> None:
     client = await connect_nats(NatsSettings(url=nats.url))
     try:
         await provision(client.jetstream(), NatsTopology())
-    finally:
-        await client.close()
-
-
-async def purge_init(nats: LocalNatsServer) -> None:
-    """A run leaves its chunks in INIT: start every run from an empty stream."""
-    client = await connect_nats(NatsSettings(url=nats.url))
-    try:
-        await client.jetstream().purge_stream("INIT")
     finally:
         await client.close()
 
