@@ -93,6 +93,7 @@ from cdc_platform.wire import (
 )
 
 log = logging.getLogger(__name__)
+_LIST_KEYS_SECONDS = 5.0  # listing the published tables for an error message, at most
 
 Report = Callable[[str], None]
 _OPERATIONS = frozenset({*CHANGE_OPERATIONS, SCHEMA_OPERATION})
@@ -243,12 +244,16 @@ class Mirror:
                 missing.append(table)
         if missing:
             try:
-                known = sorted(await kv.keys())
+                # bounded: nats-py's keys() (an ordered consumer waiting for its last key) can
+                # wait for good while the bucket changes; the error must come either way
+                known = ", ".join(sorted(await asyncio.wait_for(kv.keys(), _LIST_KEYS_SECONDS)))
+            except TimeoutError:
+                known = "(not listed: the bucket did not answer in time)"
             except Exception:  # noqa: BLE001 - nats.js.errors.NoKeysError: none at all
-                known = []
+                known = "none"
             raise MirrorError(
                 f"not published: {', '.join(missing)} (no schema in KV {bucket!r}); add the "
-                f"table(s) to the publication. Published tables: {', '.join(known) or 'none'}")
+                f"table(s) to the publication. Published tables: {known}")
 
     # -- bootstrap ---------------------------------------------------------------------------
     def _start_loaders(self, nc: NatsClient, js: JetStreamContext, store: MirrorStore,
