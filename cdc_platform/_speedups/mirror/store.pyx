@@ -70,6 +70,7 @@ from cdc_platform._speedups.wire.digest cimport (
     _Out,
     _put,
     _put_float,
+    _put_int64,
     _put_sized,
 )
 
@@ -892,7 +893,7 @@ cdef int _write_values(_Out* out, RowDigester digester, void** values, Py_ssize_
         prefix = <bytes>digester._prefixes[column]
         _put(out, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix))
         if kind == SQLITE_INTEGER:
-            _put_integer(out, api.value_int64(value))
+            _put_int64(out, api.value_int64(value))
         elif kind == SQLITE_FLOAT:
             _put_float(out, api.value_double(value))
         else:  # (an empty TEXT or BLOB may come as NULL)
@@ -906,24 +907,6 @@ cdef int _write_values(_Out* out, RowDigester digester, void** values, Py_ssize_
 
 
 cdef const char* _EMPTY = ""
-
-
-cdef int _put_integer(_Out* out, long long number) except -1:
-    """'I', u32 length, the decimal digits."""
-    cdef unsigned long long magnitude = (<unsigned long long>(-(number + 1)) + 1 if number < 0
-                                         else <unsigned long long>number)
-    cdef char digits[24]
-    cdef int start = 24
-    while True:
-        start -= 1
-        digits[start] = 48 + <char>(magnitude % 10)
-        magnitude //= 10
-        if magnitude == 0:
-            break
-    if number < 0:
-        start -= 1
-        digits[start] = 45  # '-'
-    return _put_sized(out, 73, digits + start, 24 - start)
 
 
 cdef object _python_value(void* value):

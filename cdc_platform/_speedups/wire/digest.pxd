@@ -45,6 +45,7 @@ cdef inline void _u32_at(char* at, unsigned long long value) noexcept:
 
 
 cdef int _put_sized(_Out* out, char tag, const char* data, Py_ssize_t size) except -1
+cdef int _put_int64(_Out* out, long long number) except -1
 cdef int _put_float(_Out* out, double value) except -1
 cdef int _put_value(_Out* out, object value) except -1
 cdef unsigned long long _hash64(const char* data, Py_ssize_t size) noexcept

@@ -76,13 +76,18 @@ cdef int _put_sized(_Out* out, char tag, const char* data, Py_ssize_t size) exce
 cdef int _put_int(_Out* out, object value) except -1:
     cdef int overflow
     cdef long long number = PyLong_AsLongLongAndOverflow(value, &overflow)
-    cdef unsigned long long magnitude
-    cdef char digits[24]
-    cdef int start = 24
     if overflow:
         text = str(value).encode("ascii")  # ValueError past int's digit limit, as pure
         return _put_sized(out, 73, PyBytes_AS_STRING(text), PyBytes_GET_SIZE(text))
-    magnitude = <unsigned long long>(-(number + 1)) + 1 if number < 0 else <unsigned long long>number
+    return _put_int64(out, number)
+
+
+cdef int _put_int64(_Out* out, long long number) except -1:
+    """'I', u32 length, the decimal digits of ``number``."""
+    cdef unsigned long long magnitude = (<unsigned long long>(-(number + 1)) + 1 if number < 0
+                                         else <unsigned long long>number)
+    cdef char digits[24]
+    cdef int start = 24
     while True:
         start -= 1
         digits[start] = 48 + <char>(magnitude % 10)
