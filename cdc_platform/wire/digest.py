@@ -212,8 +212,7 @@ class RowDigester:
 
     def hashes(self, row: Mapping[str, Any]) -> tuple[int, int]:
         """``(key_hash, row_hash)``: what a bucket digest adds or removes for the row."""
-        return (_hash64(_joined(self._key_prefixed, row)),
-                _hash64(_joined(self._prefixed, row)))
+        return self.key_hash(row), self.row_hash(row)
 
     def hashes_of_values(self, values: Sequence[Any]) -> tuple[int, int]:
         """``hashes`` of the row whose values are ``values``, one per column in the order
