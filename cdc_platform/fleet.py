@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 
-_REMOVED = ("DEL", "PURGE")  # KV-Operation of a deleted or purged key
+from cdc_platform.jetstream.kv import kv_values
+
 # a mirror's verification passed when it says so
 PASSING = ("equal", "repaired")
 
@@ -117,21 +117,12 @@ def parse_state(mirror_id: str, data: bytes) -> MirrorState:
 
 
 async def read_fleet(js: JetStreamContext, bucket: str) -> Fleet:
-    """Every mirror's state in KV ``bucket``: its keys from the stream's info (no consumer
-    needed, so a user that may only read the bucket can), each value by a direct get."""
-    stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
-    info = await js.stream_info(stream, subjects_filter=f"{prefix}>")
+    """Every mirror's state in KV ``bucket`` (by :func:`kv_values`: no consumer needed,
+    so a user that may only read the bucket can)."""
     fleet = Fleet()
-    for subject in sorted(info.state.subjects or {}):
-        mirror_id = subject[len(prefix):]
+    for mirror_id, value in (await kv_values(js, bucket)).items():
         try:
-            message = await js.get_last_msg(stream, subject, direct=True)
-        except NotFoundError:  # (expired meanwhile)
-            continue
-        if (message.headers or {}).get("KV-Operation") in _REMOVED:
-            continue
-        try:
-            fleet.states[mirror_id] = parse_state(mirror_id, message.data or b"")
+            fleet.states[mirror_id] = parse_state(mirror_id, value)
         except NotAState as exc:
             fleet.unreadable[mirror_id] = str(exc)
     return fleet

@@ -57,3 +57,22 @@ async def kv_value(js: JetStreamContext, bucket: str, key: str,
         return (await (kv or await js.key_value(bucket)).get(key)).value or b""
     except KeyNotFoundError:  # (deleted or purged too)
         return None
+
+
+
+async def kv_values(js: JetStreamContext, bucket: str) -> dict[str, bytes]:
+    """Each live key of ``bucket`` with its value. The keys come from the stream's info and
+    each value from a get: a few bounded requests, where nats-py's ``kv.keys()`` runs an
+    ordered consumer that can wait for good on a bucket being written (and needs the right to
+    make one)."""
+    kv = await js.key_value(bucket)
+    prefix = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    values = {}
+    for subject in sorted(info.state.subjects or {}):
+        key = subject[len(prefix):]
+        try:
+            values[key] = (await kv.get(key)).value or b""
+        except KeyNotFoundError:  # deleted, purged or expired (meanwhile)
+            continue
+    return values

@@ -142,6 +142,7 @@ class MirrorStateReporter:
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._failing = False
+        self._stopping = False
         self.started_at = time.time()
         self.published = 0
 
@@ -158,13 +159,20 @@ class MirrorStateReporter:
         """Publish every ``interval_seconds`` and on :meth:`report_now`, until cancelled."""
         self._wake, self._loop = asyncio.Event(), asyncio.get_running_loop()
         try:
-            while True:
+            # (not `while True`: Python 3.11's wait_for can swallow a cancellation that comes
+            # as its future completes, such as a publish's reply; stop() ends the loop then)
+            while not self._stopping:
                 self._wake.clear()
                 await self.publish_once(js)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.interval_seconds)
         finally:
             self._wake = self._loop = None
+
+    def stop(self) -> None:
+        """End :meth:`run` at its next turn (cancel it too, to end it at once)."""
+        self._stopping = True
+        self.report_now()
 
     async def publish_once(self, js: JetStreamContext) -> None:
         try:

@@ -48,6 +48,7 @@ from cdc_platform.consumer.snapshots import (
 )
 from cdc_platform.errors import CdcError
 from cdc_platform.jetstream.connection import close_nats, connect_nats
+from cdc_platform.jetstream.kv import kv_values
 from cdc_platform.jetstream.pull import PulledMessage, PullReader
 from cdc_platform.lsn import format_lsn, parse_lsn_cached
 from cdc_platform.mirror.columns import TableShape
@@ -93,7 +94,6 @@ from cdc_platform.wire import (
 )
 
 log = logging.getLogger(__name__)
-_LIST_KEYS_SECONDS = 5.0  # listing the published tables for an error message, at most
 
 Report = Callable[[str], None]
 _OPERATIONS = frozenset({*CHANGE_OPERATIONS, SCHEMA_OPERATION})
@@ -216,6 +216,7 @@ class Mirror:
                     except _Restart:
                         continue
             finally:
+                self.fleet.stop()
                 reporting.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reporting
@@ -244,13 +245,9 @@ class Mirror:
                 missing.append(table)
         if missing:
             try:
-                # bounded: nats-py's keys() (an ordered consumer waiting for its last key) can
-                # wait for good while the bucket changes; the error must come either way
-                known = ", ".join(sorted(await asyncio.wait_for(kv.keys(), _LIST_KEYS_SECONDS)))
-            except TimeoutError:
-                known = "(not listed: the bucket did not answer in time)"
-            except Exception:  # noqa: BLE001 - nats.js.errors.NoKeysError: none at all
-                known = "none"
+                known = ", ".join(await kv_values(js, bucket)) or "none"
+            except (NatsError, TimeoutError) as exc:  # (only a hint: the error comes either way)
+                known = f"(not listed: {type(exc).__name__})"
             raise MirrorError(
                 f"not published: {', '.join(missing)} (no schema in KV {bucket!r}); add the "
                 f"table(s) to the publication. Published tables: {known}")

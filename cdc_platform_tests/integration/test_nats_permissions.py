@@ -24,6 +24,7 @@ from pydantic import SecretStr
 
 from cdc_platform.dev.servers import free_port
 from cdc_platform.errors import ProvisioningError
+from cdc_platform.fleet import read_fleet
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.jetstream.provision import REQUESTS_DURABLE as DURABLE
 from cdc_platform.jetstream.provision import provision, provision_readers
@@ -428,6 +429,9 @@ async def test_a_reader_reports_its_own_mirror_state_and_reads_nobodys(tmp_path)
         keys = (await states.stream_info("KV_mirrors", subjects_filter=">")).state.subjects
         assert set(keys or {}) == {"$KV.mirrors.edge1", "$KV.mirrors.team_a.edge1",
                                    "$KV.mirrors.team_b.edge1"}
+        # as mirror_fleet_sensor reads them (none of these values is a mirror's state)
+        assert set((await read_fleet(states, "mirrors")).unreadable) == {
+            "edge1", "team_a.edge1", "team_b.edge1"}
         refusing = fleet.jetstream(timeout=0.5)
         for subject in ("$KV.mirrors.edge1", "cdc.users.insert", "$KV.schemas.users"):
             assert await _refused(lambda subject=subject: refusing.publish(subject, b"{}"))
