@@ -435,7 +435,7 @@ class RequestStreamSettings(StreamLimits):
         return value
 
 
-# A snapshot request body is at most 4 KB (snapshot.requests.MAX_BODY_BYTES) plus headers.
+# A snapshot request body is at most 4 KB (wire.REQUEST_BODY_MAX_BYTES) plus headers.
 _MIN_REQUEST_MESSAGE_BYTES = 4096 + 1024
 
 

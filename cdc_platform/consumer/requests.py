@@ -26,7 +26,7 @@ from nats.js.errors import APIError
 from cdc_platform.consumer.snapshots import repair_stored_since, snapshot_stored_since
 from cdc_platform.errors import CdcError
 from cdc_platform.lsn import format_lsn
-from cdc_platform.wire import SignatureVerifier, snapshot_request_subject
+from cdc_platform.wire import REQUEST_BODY_MAX_BYTES, SignatureVerifier, snapshot_request_subject
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +105,16 @@ class SnapshotRequester:
             subscription = await self.nc.subscribe(inbox, cb=replies.put)
             request_id = secrets.token_hex(8)
             try:
-                body = {"request_id": request_id, "reply_to": inbox, "purpose": "repair",
-                        "bits": bits, "buckets": list(buckets)}
+                body = json.dumps({"request_id": request_id, "reply_to": inbox,
+                                   "purpose": "repair", "bits": bits,
+                                   "buckets": list(buckets)}).encode()
+                if len(body) > REQUEST_BODY_MAX_BYTES:  # (nats-server refuses it past 8 KB)
+                    raise SnapshotRequestFailed(
+                        f"{table}: {len(buckets)} buckets do not fit in a repair request "
+                        f"({len(body):,} bytes, over the {REQUEST_BODY_MAX_BYTES:,}-byte "
+                        "limit)")
                 asked_after = (await self.js.stream_info(self.init_stream)).state.last_seq
-                if not await self._publish(table, json.dumps(body).encode(), started, stop):
+                if not await self._publish(table, body, started, stop):
                     return None
                 self.report(f"{table}: requested a repair of {len(buckets)} of "
                             f"{1 << bits} buckets (request {request_id})")

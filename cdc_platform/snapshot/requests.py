@@ -40,11 +40,10 @@ from cdc_platform.jetstream.connection import fetch_available
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.naming import parse_wire_name
 from cdc_platform.snapshot.buckets import BucketSelection
-from cdc_platform.wire import SNAPSHOT_REQUEST_PREFIX, SignatureVerifier
+from cdc_platform.wire import REQUEST_BODY_MAX_BYTES, SNAPSHOT_REQUEST_PREFIX, SignatureVerifier
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 4096
 # a run's tag holds at most this many reply subjects (a tag value is kept short); more
 # requesters of one table get "accepted" and find the result in init.meta.{table}
 MAX_REPLIES_PER_RUN = 20
@@ -95,8 +94,9 @@ def parse_request(subject: str, data: bytes, seq: int) -> SnapshotRequest:
         return SnapshotRequest(table, seq)
     # A body over the limit is still read for its reply fields (the stream stores at most
     # its max_msg_size, 8 KB by default): the refusal names the limit to whoever asked.
-    too_large = (f"request body is {len(data):,} bytes, over the {MAX_BODY_BYTES:,}-byte limit"
-                 if len(data) > MAX_BODY_BYTES else None)
+    too_large = (f"request body is {len(data):,} bytes, over the "
+                 f"{REQUEST_BODY_MAX_BYTES:,}-byte limit"
+                 if len(data) > REQUEST_BODY_MAX_BYTES else None)
     try:
         body = json.loads(data)
     except (ValueError, UnicodeDecodeError):

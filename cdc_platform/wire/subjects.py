@@ -25,6 +25,8 @@ INIT_META_PREFIX = "init.meta"
 # The meta of a repair snapshot (some buckets of a table): never where full snapshots' are.
 INIT_REPAIR_PREFIX = "init.repair"
 SNAPSHOT_REQUEST_PREFIX = "snapshot.request"
+# A request body's size at most (larger: refused; a repair's buckets must fit in it).
+REQUEST_BODY_MAX_BYTES = 4096
 # A mirror's state: READERS' import of PLATFORM's KV `mirrors` (key = the mirror id).
 MIRROR_STATE_PREFIX = "mirror.state"
 # A mirror id: a name, or a team's user's `{team}.{name}` (its rights: mirror.state.{team}.>).
