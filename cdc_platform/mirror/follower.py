@@ -574,6 +574,7 @@ class Mirror:
         await _between_transactions(store)
         self._give_up_repair(store, table)
         store.mark_stale(table, f"its repair failed ({why})", repair.lsn)
+        self.bootstrapping.add(table)  # (at once: its rows are not the source's now)
         # (bootstrapped from a snapshot past the verification: whole again, as for too many)
         self._resynced(store, table, repair.verification_id)
         self.report(f"{table}: its repair failed ({why}); bootstrapping again")

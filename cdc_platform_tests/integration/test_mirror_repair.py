@@ -216,9 +216,15 @@ async def test_buckets_too_many_for_a_repair_request_bootstrap_the_table_again(
     db = tmp_path / "mirror.db"
     results: list[VerificationResult] = []
     lines: list[str] = []
+    bootstrapping_when_failed: list[bool] = []
+
+    def report(line: str) -> None:
+        lines.append(line)
+        if line.startswith(f"{table}: its repair failed"):
+            bootstrapping_when_failed.append(table in mirror.bootstrapping)
     async with running_bridge(settings), snapshot_responder(settings):
         await bridge_ready(pg_admin, cdc_database, settings, [table])
-        mirror = Mirror(settings, [table], db, options=FAST, report=lines.append,
+        mirror = Mirror(settings, [table], db, options=FAST, report=report,
                         on_verification=lambda _, result: results.append(result))
         stop = asyncio.Event()
         running = asyncio.create_task(mirror.run(stop))
@@ -245,6 +251,7 @@ async def test_buckets_too_many_for_a_repair_request_bootstrap_the_table_again(
     assert any("buckets do not fit in a repair request" in line
                and line.endswith("bootstrapping again") for line in lines), "\n".join(lines)
     assert mirror.resyncing == set()
+    assert bootstrapping_when_failed == [True]  # (never said whole in between)
     assert {key: v for key, (_, v) in _local_rows(db, table).items()} == dict(
         pg_admin.execute(f"SELECT id, v FROM {table}").fetchall())
 
