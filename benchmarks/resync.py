@@ -4,7 +4,7 @@ full re-bootstrap of the same table in the same run (docs/verification.md Part 2
 the INIT bytes the mirror reads and the seconds until it holds the source's rows again.
 
     .venv/bin/python benchmarks/resync.py [--rows 200000] [--fractions 0.1,1,10]
-                                          [--bits default,14]
+                                          [--bits default,14] [--writes 20]
 
 Starts its own PostgreSQL (``max_slot_wal_keep_size`` 1 MB, as integration/test_slot_resync.py)
 and nats-server (temp dir), ``snapshot.py``'s 9-column table with ``--rows`` rows, a bridge
@@ -27,11 +27,16 @@ each fraction (% of the rows) and each verification ``--bits`` (``default``: wha
    body (``wire.REQUEST_BODY_MAX_BYTES``: ~600 buckets at 14 bits);
 5. measured: INIT chunk bytes the mirror read (``Mirror.init_bytes``) and seconds from the
    marker's store time to the mirror holding the source's rows (repair replaced, or the
-   bootstrap swapped in; the phases in between from its log); then asserted: a second
+   bootstrap swapped in), in phases: the bridge's new slot, the verification until the
+   mirror met it, the (repair) snapshot run, the mirror asking and loading (the rest until
+   its "loaded" line), the replacement or swap; meanwhile ``--writes`` one-row UPDATEs a
+   second (a repair is replaced at the next commit; with ``--writes 0`` the source is idle and
+   it waits ``IDLE_SWAP_SECONDS``, ~3 s); then, the writes stopped, asserted: a second
    verification is met ``equal`` and every row's key, status, note and qty equal the source's;
 6. the baseline: the mirror stops, the table is marked stale in its file (as the mirror does
    for a table it must bootstrap again) and the mirror starts again: INIT bytes and seconds
-   from its start to the table swapped in (a new snapshot is taken for it), rows asserted.
+   from its start to the table swapped in (a new snapshot is taken for it; the same writes
+   meanwhile), rows asserted.
 
 Not in the seconds: the sensors' ticks (``resync_sensor``, ``snapshot_request_sensor``: 30 s
 apart at most) and Dagster's run launches. The verification and the snapshots are the
@@ -48,7 +53,9 @@ import shutil
 import sqlite3
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -98,6 +105,7 @@ class Figure:
     phases: dict[str, float]
     full_bytes: int = 0
     full_seconds: float = 0.0
+    full_snapshot_seconds: float = 0.0  # of full_seconds, the platform's snapshot run
 
 
 @dataclass
@@ -179,6 +187,10 @@ async def assert_equal(running: RunningMirror, settings: PlatformSettings,
                        verify: bool) -> None:
     """The mirror's table is the source's: every row's compared columns and, with ``verify``,
     a verification met ``equal``."""
+    target = admin.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
+    await until(running, lambda: admin.execute(
+        "SELECT confirmed_flush_lsn >= %s FROM pg_replication_slots WHERE slot_name = %s",
+        (target, SLOT)).fetchone()[0], "the bridge to confirm every change")
     await caught_up(running, nats_client)
     if verify:
         result = await verification_met(running, settings, None)
@@ -224,6 +236,30 @@ class Changes:
         return changed
 
 
+@contextlib.contextmanager
+def writes(conninfo: str, keys: list[int], rate: float) -> Iterator[None]:
+    """One-row UPDATEs of random ``keys`` at ``rate`` a second (none at 0) in a thread, while
+    inside: the source is not idle (a repair is replaced at the next commit, not after
+    ``IDLE_SWAP_SECONDS`` with nothing to read)."""
+    if rate <= 0:
+        yield
+        return
+    stop = threading.Event()
+    pick = random.Random(26).choice
+
+    def write() -> None:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            while not stop.wait(1 / rate):
+                conn.execute(f"UPDATE {TABLE} SET qty = qty + 1 WHERE id = %s", (pick(keys),))
+    writer = threading.Thread(target=write, name="writes", daemon=True)
+    writer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        writer.join()
+
+
 async def marker_stored_at(nats_client) -> float:
     """When JetStream stored the last resync marker of the slot (epoch seconds)."""
     marker = await nats_client.jetstream().get_last_msg("CDC", resync_subject(SLOT))
@@ -245,11 +281,12 @@ async def resync(context: SimpleNamespace, percent: float, bits: int | None) -> 
         await wait_for(lambda: bridge.metrics.value(bridge.metrics.connected), timeout=WAIT,
                        what="the bridge streaming from its new slot")
         streaming_at = time.time()
-        bytes_before = running.mirror.init_bytes
-        found = await verification_met(running, settings, bits)
-        assert found.status == "differ", f"{found.line()}\n{running.tail()}"
-        await until(running, lambda: running.whole(TABLE), "the mirror resynchronised")
-        done_at = time.time()
+        bytes_before, snapshots_before = running.mirror.init_bytes, len(context.taken)
+        with writes(context.conninfo, context.changes.keys, context.rate):
+            found = await verification_met(running, settings, bits)
+            assert found.status == "differ", f"{found.line()}\n{running.tail()}"
+            await until(running, lambda: running.whole(TABLE), "the mirror resynchronised")
+            done_at = time.time()
         repaired = running.mirror.verified[TABLE].status == "repaired"
         again = next((line for at, line in running.lines
                       if at >= marker_at and line.endswith("; bootstrapping again")), None)
@@ -257,8 +294,9 @@ async def resync(context: SimpleNamespace, percent: float, bits: int | None) -> 
         loaded = running.line_at((": repair snapshot ", " loaded (") if repaired
                                  else ("; done (snapshot ",), marker_at)
         assert loaded is not None, running.tail()
+        snapshot = sum(result.duration_seconds for result in context.taken[snapshots_before:])
         phases = {"new slot": streaming_at - marker_at, "verification": found.at - streaming_at,
-                  "snapshot and load": loaded - found.at,
+                  "snapshot": snapshot, "load": loaded - found.at - snapshot,
                   "replace" if repaired else "swap": done_at - loaded}
         figure = Figure(percent, found.bits, changed, len(found.buckets_differing),
                         again and again.removeprefix(f"{TABLE}: ").removesuffix(
@@ -273,10 +311,14 @@ async def resync(context: SimpleNamespace, percent: float, bits: int | None) -> 
             store.mark_stale(TABLE, "benchmark: a full re-bootstrap", int(lsn))
         finally:
             store.close()
-        running = context.running = start_mirror(settings, context.db)
-        await until(running, lambda: running.mirror.bootstraps == 1 and running.whole(TABLE),
-                    "the full re-bootstrap")
-        figure.full_seconds = time.time() - running.started
+        snapshots_before = len(context.taken)
+        with writes(context.conninfo, context.changes.keys, context.rate):
+            running = context.running = start_mirror(settings, context.db)
+            await until(running, lambda: running.mirror.bootstraps == 1
+                        and running.whole(TABLE), "the full re-bootstrap")
+            figure.full_seconds = time.time() - running.started
+        figure.full_snapshot_seconds = sum(
+            result.duration_seconds for result in context.taken[snapshots_before:])
         figure.full_bytes = running.mirror.init_bytes
         await assert_equal(running, settings, admin, context.db, context.nats, verify=False)
     return figure
@@ -292,7 +334,7 @@ def print_figure(figure: Figure) -> None:
           f"    resync: {figure.resync_bytes / 1e6:8.2f} MB of INIT, "
           f"{figure.resync_seconds:6.2f} s from the marker ({phases})\n"
           f"    full re-bootstrap: {figure.full_bytes / 1e6:8.2f} MB, "
-          f"{figure.full_seconds:6.2f} s\n"
+          f"{figure.full_seconds:6.2f} s (snapshot {figure.full_snapshot_seconds:.2f})\n"
           f"    resync / full: bytes {figure.resync_bytes / figure.full_bytes:.4f}, "
           f"seconds {figure.resync_seconds / figure.full_seconds:.2f}", flush=True)
 
@@ -320,10 +362,12 @@ async def run(args: argparse.Namespace, pg: LocalPostgres, nats: LocalNatsServer
     admin = psycopg.connect(pg.superuser_conninfo(), autocommit=True)
     client = await connect_nats(settings.nats)
     context = SimpleNamespace(admin=admin, settings=settings, nats=client,
+                              conninfo=pg.superuser_conninfo(), rate=args.writes,
                               db=work / "mirror.db", changes=Changes(args.rows))
     figures = []
     try:
-        async with snapshot_responder(settings):
+        async with snapshot_responder(settings) as taken:
+            context.taken = taken  # the snapshots it took (SnapshotResult)
             async with running_bridge(settings):
                 await bridge_ready(admin, SimpleNamespace(slot=SLOT), settings, [TABLE])
                 context.running = start_mirror(settings, context.db)
@@ -357,6 +401,9 @@ def main() -> None:
     parser.add_argument("--bits", default="default,14",
                         help="the verification's bits, comma-separated: 'default' "
                              "(bucket_bits(rows), what resync_sensor asks) or a number")
+    parser.add_argument("--writes", type=float, default=20.0,
+                        help="one-row UPDATEs a second while the mirror resyncs and "
+                             "bootstraps again (0: the source idle)")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir")
     args = parser.parse_args()
     args.fractions = [float(f) for f in args.fractions.split(",")]
