@@ -6,8 +6,10 @@ this order, the steps of a snapshot (:mod:`cdc_platform.snapshot.job`) where the
 
 1. **Validate**: the table must be in the publication (``describe_table``); anything else
    raises :class:`SnapshotRequestRefused` before any marker, slot or task.
-2. **Verify marker**: ``emit_watermark`` with the verification id (``verify-...``): the
-   bridge publishes it as a watermark marker on ``cdc.cdc-platform.watermark.verify-...``.
+2. **Verify marker**: once the bridge's slot exists (else no slot decodes the marker: at most
+   ``CDC_VERIFY_WAIT``, then :class:`BridgeBehindError`), ``emit_watermark`` with the
+   verification id (``verify-...``): the bridge publishes it as a watermark marker on
+   ``cdc.cdc-platform.watermark.verify-...``.
 3. **Guard and export**: ACCESS SHARE on the table, then a temporary slot exporting a
    snapshot; its consistent point is the digest's ``lsn``: the digest holds exactly the
    transactions whose commit precedes it. The marker committed before the slot was created,
@@ -157,7 +159,8 @@ async def _verify_once(spark: Any, settings: PlatformSettings, table: str,
         wire_table = described.schema.wire_name
         client = await connect_nats(settings.nats, name=f"cdc-verify-{verification_id}")
         try:
-            # 2. the verify marker; 3. guard and export
+            # 2. the verify marker (in the stream of the bridge's slot); 3. guard and export
+            await wait_for_slot(control, pg.slot, settings.verify.wait_seconds)
             marker_lsn = emit_watermark(control, verification_id, wire_table)
             described = take_guard(control, pg.publication, table, described)
             async with exported_snapshot(pg, control) as (snapshot_name, lsn):
@@ -212,6 +215,22 @@ async def _verify_once(spark: Any, settings: PlatformSettings, table: str,
              wire_table, result.row_count, final_bits, lsn, digest_seq, duration,
              digest_seconds, result.rows_per_second, wait_seconds)
     return result
+
+
+async def wait_for_slot(control: psycopg.Connection, slot: str, wait_seconds: float) -> None:
+    """Until slot ``slot`` exists and is not lost, at most ``wait_seconds``;
+    :class:`BridgeBehindError` after that. A marker written while it does not (the bridge
+    not started yet, or replacing a lost slot) is in no slot's stream: the digest after it
+    would be published and every mirror would find it "not comparable"."""
+    deadline = time.monotonic() + wait_seconds
+    while (state := read_slot(control, slot)) is None or state.lost:
+        if time.monotonic() >= deadline:
+            raise BridgeBehindError(
+                f"the bridge is behind: slot {slot} "
+                f"{'does not exist' if state is None else 'is lost'} after {wait_seconds:g}s "
+                "(CDC_VERIFY_WAIT): a verify marker would be in no slot's stream; nothing is "
+                "read or published. Is the bridge running?")
+        await asyncio.sleep(_BRIDGE_POLL_SECONDS)
 
 
 async def wait_for_bridge(control: psycopg.Connection, slot: str, lsn: str,

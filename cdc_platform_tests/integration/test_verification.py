@@ -237,6 +237,24 @@ async def test_without_a_bridge_the_run_fails_as_behind_and_publishes_nothing(
             "CDC", f"cdc.cdc-platform.verify.{table}.{verification_id}")
 
 
+@pytest.mark.every_major
+async def test_a_run_started_before_the_bridge_has_its_slot_waits_for_it_to_mark(
+        cdc_database, pg_admin, provisioned_nats, nats_client):
+    # as while a bridge replaces a lost slot (resync_sensor verifies every table then): a
+    # marker written before the slot exists is decoded by no slot, never reaches CDC, and
+    # every mirror would meet the digest "not comparable"
+    table = _live_table(pg_admin, cdc_database, rows=10)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    verifying = asyncio.create_task(verify_table(None, settings, table))
+    await wait_for(lambda: pg_admin.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'cdc_platform_verify' "
+        "AND query LIKE '%pg_replication_slots%'").fetchone()[0],
+        what="the verification looking for the slot")
+    async with running_bridge(settings):
+        result = await asyncio.wait_for(verifying, 60)  # (the bridge stored what precedes lsn)
+    assert await stored_seq(nats_client, result.marker_subject) is not None
+
+
 async def test_the_cli_prints_the_verification_and_says_what_went_wrong_in_one_line(
         cdc_database, pg_admin, provisioned_nats, nats_client):
     table = _live_table(pg_admin, cdc_database, rows=50)
