@@ -99,6 +99,7 @@ class Figure:
     bits: int
     changed: int
     differing: int
+    differing_share: float  # of the source's rows, those in the differing buckets
     bootstrapped_again: str | None  # why the mirror bootstrapped the table again (None: repaired)
     resync_bytes: int
     resync_seconds: float
@@ -276,8 +277,7 @@ async def resync(context: SimpleNamespace, percent: float, bits: int | None) -> 
         await wait_for(lambda: bridge.metrics.status()["slot_resyncs"] == 1, timeout=WAIT,
                        what="the resync marker")
         marker_at = await marker_stored_at(context.nats)
-        # A verification marker emitted before the new slot exists is in no slot's WAL:
-        # the mirror would meet its digest "not comparable (the marker was not seen)".
+        # (verify_table waits for the new slot too: its marker must be in the slot's stream)
         await wait_for(lambda: bridge.metrics.value(bridge.metrics.connected), timeout=WAIT,
                        what="the bridge streaming from its new slot")
         streaming_at = time.time()
@@ -298,7 +298,9 @@ async def resync(context: SimpleNamespace, percent: float, bits: int | None) -> 
         phases = {"new slot": streaming_at - marker_at, "verification": found.at - streaming_at,
                   "snapshot": snapshot, "load": loaded - found.at - snapshot,
                   "replace" if repaired else "swap": done_at - loaded}
+        in_differing = sum(source for _, source in found.buckets_differing.values())
         figure = Figure(percent, found.bits, changed, len(found.buckets_differing),
+                        in_differing / len(context.changes.keys),
                         again and again.removeprefix(f"{TABLE}: ").removesuffix(
                             "; bootstrapping again"),
                         running.mirror.init_bytes - bytes_before, done_at - marker_at, phases)
@@ -327,7 +329,9 @@ async def resync(context: SimpleNamespace, percent: float, bits: int | None) -> 
 def print_figure(figure: Figure) -> None:
     share = figure.differing / (1 << figure.bits)
     path = (f"repaired {figure.differing:,} buckets" if figure.bootstrapped_again is None
-            else f"bootstrapped again: {figure.bootstrapped_again}")
+            else f"bootstrapped again: {figure.bootstrapped_again}; a repair of them would "
+            f"read ~{figure.differing_share * figure.full_bytes / 1e6:.2f} MB (their "
+            f"{figure.differing_share:.1%} of the rows)")
     phases = ", ".join(f"{name} {seconds:.2f}" for name, seconds in figure.phases.items())
     print(f"{figure.fraction:5g} % ({figure.changed:>6,} rows changed), {figure.bits:2d} bits: "
           f"{figure.differing:,} of {1 << figure.bits:,} buckets differ ({share:.1%}): {path}\n"
