@@ -207,14 +207,16 @@ class Mirror:
             js = nc.jetstream()
             self._session = (nc, js, store, stop)
             reporting = asyncio.create_task(self.fleet.run(js))
+            on_purpose = False  # stopped or caught up, not ended by an error
             try:
                 await self._check_published(js)
                 while not stop.is_set():
                     try:
                         if await self._follow(nc, js, store, stop, until_caught_up):
-                            return
+                            break
                     except _Restart:
                         continue
+                on_purpose = True
             finally:
                 self.fleet.stop()
                 reporting.cancel()
@@ -222,6 +224,8 @@ class Mirror:
                     await reporting
                 await self._stop_loaders()
                 await self._stop_repairs()
+                if on_purpose:  # the fleet shows it stopped, not gone (a crash: gone)
+                    await self.fleet.publish_stopped(js)
                 self._session = None
                 await close_nats(nc, 5.0)
         finally:

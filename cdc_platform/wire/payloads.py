@@ -192,7 +192,9 @@ class MirrorVerification(TypedDict):
 class MirrorTableState(TypedDict):
     """One table of a :class:`MirrorStateValue`, as the mirror's file holds it."""
 
-    status: str  # "bootstrapping" | "streaming" | "stale"
+    # "bootstrapping" | "streaming" | "stale" | "resyncing" (streaming, but not verified since
+    # the bridge lost its slot: it may lack changes)
+    status: str
     snapshot_id: str | None
     cutover_lsn: str | None
     applied_lsn: str | None  # the last applied commit LSN (null: nothing applied yet)
@@ -202,7 +204,9 @@ class MirrorTableState(TypedDict):
 class MirrorStateValue(TypedDict):
     """KV ``mirrors``, key = mirror id (``{team}.{name}`` or ``{name}``): a mirror's state,
     JSON, published on ``mirror.state.{mirror id}`` every CDC_MIRROR_STATE_INTERVAL and after
-    each verification; gone after the bucket's TTL once the mirror stops."""
+    each verification; gone after the bucket's TTL once the mirror stops. A mirror that stops
+    on purpose (caught up with ``--once``, SIGTERM, Ctrl-C) publishes a last value with
+    ``stopped_at``; one that crashes or is killed does not."""
 
     mirror_id: str
     host: str
@@ -215,6 +219,7 @@ class MirrorStateValue(TypedDict):
     lag_bytes: int | None  # stream_last_lsn - consistent_lsn
     lag_seconds: float  # behind the source's commit time (the status line's)
     tables: dict[str, MirrorTableState]
+    stopped_at: NotRequired[str]  # ISO 8601 UTC: its last value, it stopped on purpose
 
 
 class SnapshotChunk(TypedDict):
