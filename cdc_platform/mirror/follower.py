@@ -62,6 +62,7 @@ from cdc_platform.mirror.consistency import (
 )
 from cdc_platform.mirror.errors import DivergenceError, MirrorError
 from cdc_platform.mirror.fleet import MirrorStateReporter, default_mirror_id
+from cdc_platform.mirror.lock import holding
 from cdc_platform.mirror.meetings import Meetings, OnVerification
 from cdc_platform.mirror.positions import TableState
 from cdc_platform.mirror.repair import (
@@ -189,8 +190,12 @@ class Mirror:
                   until_caught_up: bool = False) -> None:
         """Mirror until ``stop`` is set (or, with ``until_caught_up``, until every table
         streams and nothing is pending). Raises :class:`MirrorError` on what needs a human:
-        a table that is not published, a corrupt database, a schema it cannot map."""
-        stop = stop or asyncio.Event()
+        a table that is not published, a corrupt database, a schema it cannot map;
+        :class:`MirrorRunning` at once when another mirror runs on the file."""
+        with holding(self.path):
+            await self._run(stop or asyncio.Event(), until_caught_up)
+
+    async def _run(self, stop: asyncio.Event, until_caught_up: bool) -> None:
         # a corrupt file is an error before anything else
         store = MirrorStore(self.path, digests=self.options.digests)
         store.most_logged = self.options.verify_log_rows
