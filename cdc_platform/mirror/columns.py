@@ -243,6 +243,17 @@ class TableShape:
             _stored_column(position, *column)
             for position, column in enumerate(data["columns"], start=1)))
 
+    def learning_base_types(self, other: TableShape) -> TableShape:
+        """This shape with the base types ``other`` (the same table's, a snapshot's) says for
+        the columns it kept none for (a shape kept before base types were: domains as
+        themselves)."""
+        bases = {column.name: column.base_type_oid for column in other.columns}
+        return dataclasses.replace(self, columns=tuple(
+            column if column.base_type_oid != column.type_oid else MirroredColumn(
+                dataclasses.replace(column.column, base_type_oid=bases.get(
+                    column.name, column.base_type_oid)), column.sqlite_type)
+            for column in self.columns))
+
     @functools.cached_property
     def key_columns(self) -> list[str]:
         return [c.name for c in self.columns if c.is_primary_key]
