@@ -246,12 +246,17 @@ class TableShape:
     def learning_base_types(self, other: TableShape) -> TableShape:
         """This shape with the base types ``other`` (the same table's, a snapshot's) says for
         the columns it kept none for (a shape kept before base types were: domains as
-        themselves)."""
+        themselves); this shape itself when there is nothing to learn."""
         bases = {column.name: column.base_type_oid for column in other.columns}
+        learned = {column.name: bases[column.name] for column in self.columns
+                   if column.base_type_oid == column.type_oid
+                   and bases.get(column.name, column.type_oid) != column.type_oid}
+        if not learned:
+            return self
         return dataclasses.replace(self, columns=tuple(
-            column if column.base_type_oid != column.type_oid else MirroredColumn(
-                dataclasses.replace(column.column, base_type_oid=bases.get(
-                    column.name, column.base_type_oid)), column.sqlite_type)
+            MirroredColumn(dataclasses.replace(column.column,
+                                               base_type_oid=learned[column.name]),
+                           column.sqlite_type) if column.name in learned else column
             for column in self.columns))
 
     @functools.cached_property

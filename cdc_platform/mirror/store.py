@@ -611,7 +611,7 @@ class MirrorStore:
         from it the table reads them as its base type's. The rows outside the buckets hash
         the same either way (else they would differ too), so their digests stand."""
         shape = kept.learning_base_types(snapshot)
-        if shape == kept:
+        if shape is kept:
             return kept
         self._shapes[kept.table] = shape
         self._writer.forget({kept.table})
