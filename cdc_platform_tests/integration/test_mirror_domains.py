@@ -33,7 +33,7 @@ pytestmark = pytest.mark.every_major  # domains, xid8 and float output are the s
 
 FAST = MirrorSettings(status_interval_seconds=1.0, snapshot_wait_seconds=120.0)
 
-# (id, f, x, b, ia, fa, ba): every value a domain's type id could not turn back
+# (id, f, x, b, ia, fa, ba): values a mirror reading by the domain's own type got wrong
 _ROWS = [
     r"""(1, 'NaN', '18446744073709551615', '\x00ff', '{1,NULL,3}', '{NaN,Infinity,-0}',
          '{"\\x00ff",NULL}')""",
