@@ -187,8 +187,13 @@ class MirrorStateReporter:
 
     async def publish_stopped(self, js: JetStreamContext) -> None:
         """Publish the last value, saying the mirror stopped on purpose (after :meth:`run`
-        ended: nothing publishes after it)."""
-        await self.publish_once(js, stopped_at=time.time())
+        ended: nothing publishes after it). Bounded: NATS away must not hold a stop up."""
+        try:
+            await asyncio.wait_for(self.publish_once(js, stopped_at=time.time()),
+                                   _PUBLISH_TIMEOUT_SECONDS)
+        except TimeoutError:
+            log.warning("mirror %s: its last state (stopped) was not published within %.0fs",
+                        self.mirror_id, _PUBLISH_TIMEOUT_SECONDS)
 
     async def publish_once(self, js: JetStreamContext, *, stopped_at: float | None = None
                            ) -> None:
