@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import sqlite3
 import subprocess
 
@@ -16,12 +17,12 @@ import pytest
 from cdc_platform.consumer.requests import digest_stored_since
 from cdc_platform.mirror.digests import read_digest
 from cdc_platform.mirror.follower import Mirror
-from cdc_platform.mirror.lock import MirrorRunning
+from cdc_platform.mirror.lock import MirrorRunning, holding, lock_path
 from cdc_platform.mirror.verifications import VerificationResult
 from cdc_platform.settings import MirrorSettings
 from cdc_platform.wire.digest import RowDigester, bucket_of
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_caught_up
-from cdc_platform_tests.fixtures.bridge import bridge_ready, running_bridge
+from cdc_platform_tests.fixtures.bridge import bridge_ready, running_bridge, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import (
     CLI,
@@ -91,6 +92,19 @@ async def test_with_no_mirror_running_the_command_runs_it_until_met(
         await Mirror(settings, [table], db, options=FAST,
                      report=lambda line: None).run(until_caught_up=True)
         assert (await _against_source(env, db)).returncode == 0  # bootstrapped: equal
+    # stopped while waiting (no platform answers now): exit 130, its mirror stopped with it
+    asking = subprocess.Popen([CLI, "mirror", "verify", "--against-source", "--sqlite", str(db)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        await wait_for(lambda: lock_path(db).read_text().strip() == str(asking.pid),
+                       timeout=30, what="the command running the file's mirror")
+        asking.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(asking.wait, 30) == 130
+    finally:
+        if asking.poll() is None:
+            asking.kill()
+    with holding(db):  # (free again)
+        pass
 
 
 async def test_the_running_mirror_meets_it_and_repairs_what_differs_and_a_refusal_is_an_error(
