@@ -80,7 +80,7 @@ class MirrorStore:
         # (one dict, the writer's too: changed in place, never replaced)
         self._shapes: dict[str, TableShape] = shapes
         self._writer = ChangeWriter(self._db, statements, self._shapes,
-                                    truncate=self._digests.truncate)
+                                    truncate=self._digests.truncate, marks=self._digests)
         self._states: dict[str, TableState | None] = {}  # committed states, cached
         self._open: Applied | None = None  # the transaction begin() opened
         self._open_states: dict[str, TableState] = {}
@@ -419,15 +419,14 @@ class MirrorStore:
     def _write_tolerantly(self, event: Mapping[str, Any]) -> None:
         """``event`` written as it is where it fits, else forced (in a savepoint: what the
         failed write did, its digest changes too, goes back first)."""
-        self._db.execute("SAVEPOINT cdc_tolerant")
-        try:
-            self._writer.write(event)
-        except CHANGE_ERRORS as exc:
-            if not isinstance(exc, DivergenceError) and not from_the_change(exc, self._db):
-                raise
-            self._db.execute("ROLLBACK TO cdc_tolerant")
-            self._writer.force(event)
-        self._db.execute("RELEASE cdc_tolerant")
+        with self._writer.savepoint("cdc_tolerant") as rollback:
+            try:
+                self._writer.write(event)
+            except CHANGE_ERRORS as exc:
+                if not isinstance(exc, DivergenceError) and not from_the_change(exc, self._db):
+                    raise
+                rollback()
+                self._writer.force(event)
 
     @property
     def open_events(self) -> int:
