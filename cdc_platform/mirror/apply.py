@@ -67,6 +67,17 @@ class _Prepared:
     compiled: tuple | None
 
 
+class BucketSums(Protocol):
+    """One table's row hashes of a transaction, summed by bucket (``RowHashes.take``)."""
+
+    @property
+    def truncated(self) -> bool: ...
+
+    def buckets(self) -> dict[int, tuple[int, int]]: ...
+
+    def apply(self, totals: list[int], counts: list[int]) -> bytes: ...
+
+
 class RowHashes(Protocol):
     """The hashes of the rows a connection writes into the tables it follows, taken from
     SQLite's preupdate hook (``Statements.hook_rows``; mirror/digests.py)."""
@@ -94,7 +105,7 @@ class RowHashes(Protocol):
 
     def resume(self) -> None: ...
 
-    def take(self, bits: int) -> dict[int, tuple[bool, dict[int, tuple[int, int]]]]: ...
+    def take(self, bits: int) -> dict[int, BucketSums]: ...
 
     def clear(self) -> None: ...
 

@@ -447,9 +447,9 @@ class MirrorStore:
             names = list(followed)
             if names:
                 self._advance(names, stream_seq)
-            deltas = self._digests.fold()
-            for table in self._logging.keys() & deltas.keys():
-                self.log_digest_deltas(table, commit_lsn, deltas[table])
+            deltas = self._digests.fold(self._logging.keys())
+            for table, table_deltas in deltas.items():
+                self.log_digest_deltas(table, commit_lsn, table_deltas)
             self._db.execute("COMMIT")
         except BaseException:
             self.rollback()

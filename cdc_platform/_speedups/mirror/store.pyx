@@ -36,7 +36,12 @@ from cpython.dict cimport PyDict_GetItemWithError, PyDict_Size
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
-from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_FromUnsignedLongLong
+from cpython.long cimport (
+    PyLong_AsLongLong,
+    PyLong_AsLongLongAndOverflow,
+    PyLong_AsUnsignedLongLong,
+    PyLong_FromUnsignedLongLong,
+)
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.math cimport isnan
@@ -724,17 +729,19 @@ cdef class Statements:
 cdef class _BucketSums:
     """One table's row hashes summed by bucket (the changes of one transaction)."""
 
+    cdef int bits
     cdef int shift
     cdef unsigned long long* totals
     cdef long long* counts
     cdef int* touched  # the buckets summed into, in the order first touched
     cdef int touched_count
     cdef unsigned char* seen
-    cdef bint truncated
+    cdef readonly bint truncated  # every bucket went to zero, before the changes summed
     cdef bint listed  # (in the order of a _RowHashes.take)
 
     def __cinit__(self, int bits):
         cdef Py_ssize_t size = 1 << bits
+        self.bits = bits
         self.shift = 64 - bits
         self.totals = <unsigned long long*>PyMem_Malloc(size * sizeof(unsigned long long))
         self.counts = <long long*>PyMem_Malloc(size * sizeof(long long))
@@ -775,6 +782,46 @@ cdef class _BucketSums:
         for index in range(self.touched_count):
             self.seen[self.touched[index]] = 0
         self.touched_count = 0
+
+    cdef void reset(self) noexcept:
+        self._clear()
+        self.truncated = False
+
+    def buckets(self):
+        """{bucket: (row hashes added mod 2^64, rows added)}."""
+        cdef int index, bucket
+        buckets = {}
+        for index in range(self.touched_count):
+            bucket = self.touched[index]
+            buckets[bucket] = (PyLong_FromUnsignedLongLong(self.totals[bucket]),
+                               self.counts[bucket])
+        return buckets
+
+    def apply(self, list totals not None, list counts not None):
+        """The sums added into a digest's ``totals`` (mod 2^64) and ``counts``; the buckets
+        summed, as they became, packed as the digests' journal entries (u16 bucket, u64
+        total, i64 count, big-endian: ``digests._ENTRY``)."""
+        cdef Py_ssize_t size = <Py_ssize_t>1 << self.bits
+        cdef int index, bucket, shift
+        cdef unsigned long long total
+        cdef long long count
+        cdef unsigned char* at
+        if len(totals) != size or len(counts) != size:
+            raise ValueError(f"a digest of {size} buckets expected")
+        packed = PyBytes_FromStringAndSize(NULL, 18 * self.touched_count)
+        at = <unsigned char*>PyBytes_AS_STRING(packed)
+        for index in range(self.touched_count):
+            bucket = self.touched[index]
+            total = PyLong_AsUnsignedLongLong(totals[bucket]) + self.totals[bucket]
+            count = PyLong_AsLongLong(counts[bucket]) + self.counts[bucket]
+            totals[bucket] = total
+            counts[bucket] = count
+            at[0], at[1] = <unsigned char>(bucket >> 8), <unsigned char>bucket
+            for shift in range(8):
+                at[2 + shift] = <unsigned char>(total >> (56 - 8 * shift))
+                at[10 + shift] = <unsigned char>(<unsigned long long>count >> (56 - 8 * shift))
+            at += 18
+        return packed
 
     cdef object take(self):
         """(truncated, {bucket: (total, count)}), and nothing summed any more."""
@@ -1098,8 +1145,9 @@ cdef class _RowHashes:
         return self.failed
 
     def take(self, int bits):
-        """The changes summed by table id (in the order first logged) and bucket at ``bits``,
-        as ``Statements.sum_hashes`` gives them; the log is emptied."""
+        """The changes summed by table id (in the order first logged) and bucket at
+        ``bits``: {table id: its sums (``truncated``, ``buckets()``, ``apply()``), until the
+        next take}; the log is emptied."""
         cdef Py_ssize_t index
         cdef _Change* change
         cdef long long last_id = -1
@@ -1115,13 +1163,13 @@ cdef class _RowHashes:
                     sums = self.sums[change.table_id] = _BucketSums(bits)
                 if not sums.listed:
                     sums.listed = True
+                    sums.reset()
                     order.append(change.table_id)
                 last_id = change.table_id
             if change.sign == _TRUNCATED:
                 sums.truncate()
             elif change.sign == _RESTARTED:
-                sums._clear()
-                sums.truncated = False
+                sums.reset()
             else:
                 sums.add(change.key_hash, change.row_hash, change.sign)
         self.count = 0
@@ -1131,7 +1179,7 @@ cdef class _RowHashes:
             sums = self.sums[table_id]
             sums.listed = False
             if sums.touched_count or sums.truncated:
-                found[table_id] = sums.take()
+                found[table_id] = sums
         return found
 
     def clear(self):
