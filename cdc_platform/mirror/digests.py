@@ -256,6 +256,21 @@ class DigestKeeper:
         self._hasher.called = True
         self._create_trigger(table, table_id, "delete")
 
+    @property
+    def hooked(self) -> bool:
+        """Whether rows are hashed from SQLite's preupdate hook (so can a ``ChunkLoader``'s
+        on its own connection: :meth:`hashing`)."""
+        return self._rows is not None
+
+    def hashing(self, table: str) -> tuple[int, StoredRowDigester, _RowHasher] | None:
+        """What hashes ``table``'s rows as another connection of this process stores them
+        (``ChunkLoader.hash_rows``): its id, digester, and the Python function for the rows
+        whose text ``wire_value`` turns back; None: not kept."""
+        table_id = self._ids.get(table)
+        if table_id is None:
+            return None
+        return table_id, self._digesters[table_id], self._hasher
+
     def hashes(self, table: str, rows: Iterable[Sequence[Any]]) -> tuple[int, list[bytes]]:
         """(``table``'s id, the packed hashes of ``rows`` as stored, in the table's column
         order), for :meth:`add`; no database work (a worker thread may run it)."""

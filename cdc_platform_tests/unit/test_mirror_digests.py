@@ -203,8 +203,9 @@ def test_the_kept_digest_equals_a_recompute_after_a_random_stream(tmp_path, pure
         chunk = msgpack.packb({"chunk": 3, "data": loaded[40:]})
         if load is not None:  # (compiled) on its own connection: the follower adds them
             assert load(chunk, set()) == (3, 20)
-            store.digest_loaded(store.loaded_hashes(
-                "t", [tuple(row.values()) for row in loaded[40:]]))
+            if not store.loads_digested:  # (else hashed as the loader stored them)
+                store.digest_loaded(store.loaded_hashes(
+                    "t", [tuple(row.values()) for row in loaded[40:]]))
         else:
             store.load_rows("t", loaded[40:])
     store.finish_bootstrap("t", stream_seq=1)
@@ -561,6 +562,37 @@ def test_the_compiled_row_hashes_are_the_python_ones(tmp_path, monkeypatch, reco
     for _, packed in by_python:
         by_python_digest.add(*digests._pair.unpack(packed))
     assert _assert_kept(store) == by_python_digest
+    store.close()
+
+
+def test_chunks_the_compiled_loader_stores_are_hashed_as_it_stores_them(tmp_path,
+                                                                         monkeypatch):
+    """With the preupdate hook, the compiled chunk loader hashes each row as its own
+    connection stores it, and a loaded chunk is in the table's digest when ``load`` returns
+    (not decoded again and hashed by the follower); the Python function only for the rows
+    whose text ``wire_value`` turns back."""
+    store = _hooked(MirrorStore(tmp_path / "m.db"), "hook")
+    columns = [("id", 20, "bigint", 1), ("name", 25, "text", 2),
+               ("f", 701, "double precision", 3), ("x", 5069, "xid8", 4), ("b", 17, "bytea", 5)]
+    shape = TableShape.from_schema(_schema(columns))
+    store.begin_bootstrap(shape, "s", 0x100)
+    rows = [{"id": key, "name": f"n{key}" if key % 3 else None, "f": key / 3, "x": key,
+             "b": bytes([key % 256])} for key in range(200)]
+    rows[7]["x"] = "not digits"  # (stored as text: wire_value looks at it)
+    hasher = store._digests._hasher
+    python_calls = []
+    python_call = type(hasher).__call__
+    monkeypatch.setattr(type(hasher), "__call__",
+                        lambda self, *stored: python_calls.append(stored[0]) or python_call(
+                            self, *stored))
+    with store.chunk_loader("t", tuple(name for name, *_ in columns)) as load:
+        assert load is not None and store.loads_digested
+        assert load(msgpack.packb({"chunk": 0, "data": rows[:150]}), set()) == (0, 150)
+        assert load(msgpack.packb({"chunk": 1, "data": rows[150:]}), set()) == (1, 50)
+        assert load(msgpack.packb({"chunk": 2, "data": rows[:1]}), set()) is None  # (a dup)
+    assert len(python_calls) == 1
+    store.finish_bootstrap("t", stream_seq=1)
+    assert sum(_assert_kept(store).counts) == 200
     store.close()
 
 

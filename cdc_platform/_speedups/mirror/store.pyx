@@ -248,6 +248,7 @@ cdef class ChunkLoader:
     cdef list names  # the columns, UTF-8, in order
     cdef Py_ssize_t width
     cdef bint loading  # (close() must not finalize a statement SQLite is running)
+    cdef _RowHashes rows  # the rows' hashes as they are stored (hash_rows), or None
 
     def __cinit__(self):
         self.db = NULL
@@ -289,6 +290,9 @@ cdef class ChunkLoader:
     def close(self):
         if self.loading:
             raise ValueError("the loader is loading a chunk")
+        if self.rows is not None:
+            self.rows._unhook()  # (while the handle is open)
+            self.rows = None
         if self.statement != NULL:
             api.finalize(self.statement)
             self.statement = NULL
@@ -304,11 +308,50 @@ cdef class ChunkLoader:
         self.loading = False  # (no load() runs: it holds a reference)
         self.close()
 
+    def hash_rows(self, str table not None, long long table_id, digester not None,
+                  hasher not None):
+        """Hash each row as it is stored, from SQLite's preupdate hook on the loader's
+        handle, as the store's ``Statements.hook_rows`` does (``digester``: the table's
+        ``StoredRowDigester`` under ``table_id``; ``hasher``: the digests' ``_RowHasher``):
+        :meth:`hashes` gives a loaded chunk's. False: this SQLite has no preupdate hook."""
+        cdef _RowHashes rows
+        if self.db == NULL:
+            raise ValueError("the loader is closed")
+        if api.preupdate_hook == NULL or api.preupdate_old == NULL or api.preupdate_new == NULL:
+            return False
+        rows = _RowHashes.__new__(_RowHashes)
+        rows.db = self.db
+        rows.hasher = hasher
+        rows.follow(table, table_id, digester)
+        rows.resume()
+        self.rows = rows
+        return True
+
+    def hashes(self):
+        """The packed (key hash, row hash) of each row the last chunk loaded, once (with
+        :meth:`hash_rows`; else empty)."""
+        cdef Py_ssize_t index
+        cdef int shift
+        cdef _Change* change
+        cdef unsigned char packed[16]
+        found = []
+        if self.rows is None:
+            return found
+        for index in range(self.rows.count):
+            change = &self.rows.changes[index]
+            for shift in range(8):
+                packed[shift] = <unsigned char>(change.key_hash >> (56 - 8 * shift))
+                packed[8 + shift] = <unsigned char>(change.row_hash >> (56 - 8 * shift))
+            found.append(PyBytes_FromStringAndSize(<char*>packed, 16))
+        self.rows.clear()
+        return found
+
     def load(self, bytes data not None, set seen not None):
         """One chunk, in one SQLite transaction: (its ``chunk`` number, rows inserted). None:
         nothing written, the pure path decides: a chunk this loader does not take, one SQLite
         refused (the pure path gives the error), one whose number is in ``seen`` (a chunk
-        stored twice, which the pure path skips)."""
+        stored twice, which the pure path skips), one a row of which could not be hashed
+        (:meth:`hash_rows`)."""
         if self.db == NULL:
             raise ValueError("the loader is closed")
         if self.loading:
@@ -320,6 +363,8 @@ cdef class ChunkLoader:
         if reader.end == 0 or data[0:1] in (b"{", b"[") or _adapters_in_use():
             return None  # JSON; values Python's sqlite3 would adapt
         self.loading = True
+        if self.rows is not None:
+            self.rows.clear()
         try:
             if not self._execute(b"BEGIN IMMEDIATE"):
                 return None
@@ -337,7 +382,7 @@ cdef class ChunkLoader:
                         return self._refuse()
             number = fields.get("chunk")
             if (reader.pos != reader.end or rows < 0 or type(number) is not int
-                    or number in seen):
+                    or number in seen or self.rows is not None and self.rows.failed is not None):
                 return self._refuse()
             if not self._execute(b"COMMIT"):
                 return self._refuse()
@@ -365,6 +410,9 @@ cdef class ChunkLoader:
         api.reset(self.statement)
         if not api.get_autocommit(self.db):
             self._execute(b"ROLLBACK")
+        if self.rows is not None:  # (nothing stored)
+            self.rows.count = 0
+            self.rows.failed = None
 
     cdef Py_ssize_t _insert_rows(self, Reader reader) except -2:
         """Every row of the ``data`` array that starts here; -1: one the loader does not take
@@ -380,8 +428,11 @@ cdef class ChunkLoader:
                     return -1
                 if not self._bind(reader, <int>(k + 1)):
                     return -1
-            with nogil:
+            if self.rows is not None:  # (the hook hashes with the GIL: held, not taken per row)
                 code = api.step(self.statement)
+            else:
+                with nogil:
+                    code = api.step(self.statement)
             if code != SQLITE_DONE:
                 return -1
             api.reset(self.statement)
@@ -1055,7 +1106,7 @@ cdef class _RowHashes:
     order written until :meth:`take` sums them (see ``Statements.hook_rows``)."""
 
     cdef void* db
-    cdef object connection  # (the handle lives as long as it does)
+    cdef object connection  # (the handle lives as long as it does; None: a ChunkLoader's)
     cdef object hasher  # the digests' _RowHasher: rows whose text wire_value turns back
     cdef dict followed  # table name (UTF-8) -> _Followed
     cdef _Followed last  # (the table of the last row: most rows follow one of their table)
@@ -1247,10 +1298,11 @@ cdef class _RowHashes:
         if not self.hooked:
             return
         self.hooked = False
-        try:
-            self.connection.total_changes  # (raises once the connection is closed)
-        except BaseException:
-            return
+        if self.connection is not None:  # (None: a ChunkLoader's handle, unhooked at close)
+            try:
+                self.connection.total_changes  # (raises once the connection is closed)
+            except BaseException:
+                return
         previous = api.preupdate_hook(self.db, NULL, NULL)
         if previous != NULL and previous != <void*>self:
             api.preupdate_hook(self.db, _preupdate, previous)
