@@ -603,6 +603,7 @@ class MirrorStore:
             self._db.executemany(f"DELETE FROM {quote(shadow)} WHERE rowid = ?", (
                 (rowid,) for rowid in repair.rowids_in_buckets(self._db, shape, bits, buckets,
                                                                inside=False)))
+            target = self._learn_base_types(target, shape)
             names = ", ".join(quote(column.name) for column in target.columns)
             inserted = self._db.execute(f"INSERT INTO {quote(table)} ({names}) SELECT {names} "
                                         f"FROM {quote(shadow)}").rowcount
@@ -622,6 +623,24 @@ class MirrorStore:
             self.record_consistent_lsn(consistent_lsn)
         self._writer.forget({table, shadow})
         return len(doomed), inserted
+
+    def _learn_base_types(self, kept: TableShape, snapshot: TableShape) -> TableShape:
+        """``kept`` with the base types of ``snapshot``'s columns (the same fingerprint's)
+        where it kept none, recorded with the table. A file shaped before base types were
+        kept reads a domain's values as its type's: its rows holding a NaN, an xid8 past
+        2^63 or an array differ from the source's, so a repair of their buckets comes, and
+        from it the table reads them as its base type's. The rows outside the buckets hash
+        the same either way (else they would differ too), so their digests stand."""
+        shape = kept.learning_base_types(snapshot)
+        if shape is kept:
+            return kept
+        self._shapes[kept.table] = shape
+        self._writer.forget({kept.table})
+        self._digests.follow(shape)  # (the rows the repair inserts hashed by the base types)
+        state = self.state(kept.table)
+        if state is not None:
+            self._put_state(state, stream_seq=state.stream_seq)
+        return shape
 
     def resyncing(self) -> set[str]:
         """The tables that may miss changes a lost slot took (mirror/repair.py)."""
