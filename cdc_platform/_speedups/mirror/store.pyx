@@ -788,7 +788,6 @@ cdef class _BucketSums:
     cdef int touched_count
     cdef unsigned char* seen
     cdef readonly bint truncated  # every bucket went to zero, before the changes summed
-    cdef bint listed  # (in the order of a _RowHashes.take)
 
     def __cinit__(self, int bits):
         cdef Py_ssize_t size = 1 << bits
@@ -804,7 +803,6 @@ cdef class _BucketSums:
         memset(self.seen, 0, size)
         self.touched_count = 0
         self.truncated = False
-        self.listed = False
 
     def __dealloc__(self):
         PyMem_Free(self.totals)
@@ -1110,7 +1108,7 @@ cdef class _RowHashes:
     cdef object hasher  # the digests' _RowHasher: rows whose text wire_value turns back
     cdef dict followed  # table name (UTF-8) -> _Followed
     cdef _Followed last  # (the table of the last row: most rows follow one of their table)
-    cdef dict sums  # table id -> _BucketSums (kept: one is ~340 KB to allocate)
+    cdef list spare  # a few _BucketSums a take gave, used again (one is ~340 KB to allocate)
     cdef _Change* changes
     cdef Py_ssize_t count
     cdef Py_ssize_t capacity
@@ -1120,7 +1118,7 @@ cdef class _RowHashes:
 
     def __cinit__(self):
         self.followed = {}
-        self.sums = {}
+        self.spare = []
         self.changes = NULL
         self.count = self.capacity = 0
         self.hooked = False
@@ -1147,9 +1145,7 @@ cdef class _RowHashes:
         self.last = None
 
     def unfollow(self, str table not None):
-        followed = self.followed.pop(table.encode(), None)
-        if followed is not None:
-            self.sums.pop((<_Followed>followed).table_id, None)
+        self.followed.pop(table.encode(), None)
         self.last = None
 
     def mark(self):
@@ -1205,17 +1201,15 @@ cdef class _RowHashes:
         cdef _BucketSums sums = None
         if not 0 <= bits <= 16:
             raise ValueError(f"bits {bits}")
-        order = []
+        spare = [sums for sums in self.spare if (<_BucketSums>sums).bits == bits]
+        by_table = {}
         for index in range(self.count):
             change = &self.changes[index]
             if change.table_id != last_id or sums is None:
-                sums = self.sums.get(change.table_id)
-                if sums is None or sums.shift != 64 - bits:
-                    sums = self.sums[change.table_id] = _BucketSums(bits)
-                if not sums.listed:
-                    sums.listed = True
+                sums = by_table.get(change.table_id)
+                if sums is None:
+                    sums = by_table[change.table_id] = spare.pop() if spare else _BucketSums(bits)
                     sums.reset()
-                    order.append(change.table_id)
                 last_id = change.table_id
             if change.sign == _TRUNCATED:
                 sums.truncate()
@@ -1225,13 +1219,9 @@ cdef class _RowHashes:
                 sums.add(change.key_hash, change.row_hash, change.sign)
         self.count = 0
         self.failed = None
-        found = {}
-        for table_id in order:
-            sums = self.sums[table_id]
-            sums.listed = False
-            if sums.touched_count or sums.truncated:
-                found[table_id] = sums
-        return found
+        self.spare = list(by_table.values())[:4]  # (the caller is done with them by the next)
+        return {table_id: summed for table_id, summed in by_table.items()
+                if (<_BucketSums>summed).touched_count or (<_BucketSums>summed).truncated}
 
     def clear(self):
         """Nothing logged (the transaction rolled back)."""
