@@ -1262,6 +1262,8 @@ cdef class _RowHashes:
                 <StoredRowDigester>followed.digester, followed.values, &key_hash, &row_hash):
             pair = self.hasher(followed.table_id, *[_python_value(followed.values[index])
                                                     for index in range(followed.width)])
+            if type(pair) is not bytes or PyBytes_GET_SIZE(pair) != 16:
+                raise TypeError(f"the row hasher gave {type(pair).__name__}, not 16 bytes")
             packed = <const unsigned char*>PyBytes_AS_STRING(pair)
             key_hash, row_hash = _big_endian(packed), _big_endian(packed + 8)
         self._log(followed.table_id, sign, key_hash, row_hash)
