@@ -355,7 +355,7 @@ class Mirror:
                 if store.in_transaction:
                     return None
                 taken = compiled(data, seen)
-                if taken is not None and store.keeps_digests:
+                if taken is not None and store.keeps_digests and not store.loads_digested:
                     loaded.append(data)
                 return taken
 
