@@ -59,6 +59,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import psycopg
 
@@ -107,6 +108,21 @@ class Figure:
     full_bytes: int = 0
     full_seconds: float = 0.0
     full_snapshot_seconds: float = 0.0  # of full_seconds, the platform's snapshot run
+
+
+@dataclass
+class Bench:
+    """What every resync of the run shares."""
+
+    admin: psycopg.Connection
+    settings: PlatformSettings
+    nats: Any  # a nats-py client
+    conninfo: str  # the writes' (a superuser's)
+    rate: float  # --writes
+    db: Path  # the mirror's file
+    changes: Changes
+    taken: list[Any]  # the snapshots the responder took (SnapshotResult)
+    running: RunningMirror | None = None
 
 
 @dataclass
@@ -268,21 +284,22 @@ async def marker_stored_at(nats_client) -> float:
     return marker.time.timestamp()
 
 
-async def resync(context: SimpleNamespace, percent: float, bits: int | None) -> Figure:
+async def resync(bench: Bench, percent: float, bits: int | None) -> Figure:
     """One lost slot, its resync and the same run's full re-bootstrap (module doc, 1-6)."""
-    admin, settings, running = context.admin, context.settings, context.running
-    changed = context.changes.make(admin, percent / 100)
+    admin, settings, running = bench.admin, bench.settings, bench.running
+    assert running is not None
+    changed = bench.changes.make(admin, percent / 100)
     lose_slot(admin, SLOT, FILLER)
     async with running_bridge(settings) as bridge:
         await wait_for(lambda: bridge.metrics.status()["slot_resyncs"] == 1, timeout=WAIT,
                        what="the resync marker")
-        marker_at = await marker_stored_at(context.nats)
+        marker_at = await marker_stored_at(bench.nats)
         # (verify_table waits for the new slot too: its marker must be in the slot's stream)
         await wait_for(lambda: bridge.metrics.value(bridge.metrics.connected), timeout=WAIT,
                        what="the bridge streaming from its new slot")
         streaming_at = time.time()
-        bytes_before, snapshots_before = running.mirror.init_bytes, len(context.taken)
-        with writes(context.conninfo, context.changes.keys, context.rate):
+        bytes_before, snapshots_before = running.mirror.init_bytes, len(bench.taken)
+        with writes(bench.conninfo, bench.changes.keys, bench.rate):
             found = await verification_met(running, settings, bits)
             assert found.status == "differ", f"{found.line()}\n{running.tail()}"
             await until(running, lambda: running.whole(TABLE), "the mirror resynchronised")
@@ -294,35 +311,35 @@ async def resync(context: SimpleNamespace, percent: float, bits: int | None) -> 
         loaded = running.line_at((": repair snapshot ", " loaded (") if repaired
                                  else ("; done (snapshot ",), marker_at)
         assert loaded is not None, running.tail()
-        snapshot = sum(result.duration_seconds for result in context.taken[snapshots_before:])
+        snapshot = sum(result.duration_seconds for result in bench.taken[snapshots_before:])
         phases = {"new slot": streaming_at - marker_at, "verification": found.at - streaming_at,
                   "snapshot": snapshot, "load": loaded - found.at - snapshot,
                   "replace" if repaired else "swap": done_at - loaded}
         in_differing = sum(source for _, source in found.buckets_differing.values())
         figure = Figure(percent, found.bits, changed, len(found.buckets_differing),
-                        in_differing / len(context.changes.keys),
+                        in_differing / len(bench.changes.keys),
                         again and again.removeprefix(f"{TABLE}: ").removesuffix(
                             "; bootstrapping again"),
                         running.mirror.init_bytes - bytes_before, done_at - marker_at, phases)
-        await assert_equal(running, settings, admin, context.db, context.nats, verify=True)
+        await assert_equal(running, settings, admin, bench.db, bench.nats, verify=True)
         # the baseline: the same mirror bootstraps the table again from a new snapshot
         await stop_mirror(running)
-        store = MirrorStore(context.db)
+        store = MirrorStore(bench.db)
         try:
             lsn = admin.execute("SELECT pg_current_wal_lsn() - '0/0'").fetchone()[0]
             store.mark_stale(TABLE, "benchmark: a full re-bootstrap", int(lsn))
         finally:
             store.close()
-        snapshots_before = len(context.taken)
-        with writes(context.conninfo, context.changes.keys, context.rate):
-            running = context.running = start_mirror(settings, context.db)
+        snapshots_before = len(bench.taken)
+        with writes(bench.conninfo, bench.changes.keys, bench.rate):
+            running = bench.running = start_mirror(settings, bench.db)
             await until(running, lambda: running.mirror.bootstraps == 1
                         and running.whole(TABLE), "the full re-bootstrap")
             figure.full_seconds = time.time() - running.started
         figure.full_snapshot_seconds = sum(
-            result.duration_seconds for result in context.taken[snapshots_before:])
+            result.duration_seconds for result in bench.taken[snapshots_before:])
         figure.full_bytes = running.mirror.init_bytes
-        await assert_equal(running, settings, admin, context.db, context.nats, verify=False)
+        await assert_equal(running, settings, admin, bench.db, bench.nats, verify=False)
     return figure
 
 
@@ -365,25 +382,23 @@ async def run(args: argparse.Namespace, pg: LocalPostgres, nats: LocalNatsServer
                               status_interval_seconds=0.5))
     admin = psycopg.connect(pg.superuser_conninfo(), autocommit=True)
     client = await connect_nats(settings.nats)
-    context = SimpleNamespace(admin=admin, settings=settings, nats=client,
-                              conninfo=pg.superuser_conninfo(), rate=args.writes,
-                              db=work / "mirror.db", changes=Changes(args.rows))
     figures = []
     try:
         async with snapshot_responder(settings) as taken:
-            context.taken = taken  # the snapshots it took (SnapshotResult)
+            bench = Bench(admin, settings, client, pg.superuser_conninfo(), args.writes,
+                            work / "mirror.db", Changes(args.rows), taken)
             async with running_bridge(settings):
                 await bridge_ready(admin, SimpleNamespace(slot=SLOT), settings, [TABLE])
-                context.running = start_mirror(settings, context.db)
-                await caught_up(context.running, client)
-            print(f"bootstrapped: {context.running.mirror.init_bytes / 1e6:.1f} MB of INIT",
+                running = bench.running = start_mirror(settings, bench.db)
+                await caught_up(running, client)
+            print(f"bootstrapped: {running.mirror.init_bytes / 1e6:.1f} MB of INIT",
                   flush=True)
             for fraction in args.fractions:
                 for bits in args.bits:
-                    figure = await resync(context, fraction, bits)
+                    figure = await resync(bench, fraction, bits)
                     print_figure(figure)
                     figures.append(figure)
-            await stop_mirror(context.running)
+            await stop_mirror(bench.running)
     finally:
         await client.close()
         admin.close()
