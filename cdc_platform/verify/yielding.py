@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ import psycopg
 
 log = logging.getLogger(__name__)
 
-CHECK_SECONDS = 0.5  # a reading task reads the bridge's lag at most this often
+CHECK_SECONDS = 0.2  # a reading task reads the bridge's lag at most this often
 FIRST_PAUSE_SECONDS = 0.05  # a yield's first pause; each next one twice as long ...
 LONGEST_PAUSE_SECONDS = 1.0  # ... up to this: the bridge caught up is noticed within it
 
@@ -127,3 +128,13 @@ class BridgeGate:
 
 def _mib(size: int) -> str:
     return f"{size / 1024**2:.1f} MiB"
+
+
+def lower_own_priority(nice: int) -> int:
+    """Run the calling thread, and the threads and processes it starts from now on, at nice
+    value ``nice`` (on Linux a thread's own; call it before starting any), or leave it where
+    it is when that is higher already; the nice value it runs at."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice > current:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    return max(nice, current)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -27,7 +28,7 @@ from cdc_platform_tests.fixtures.bridge import (
     slot_confirmed,
     wait_for,
 )
-from cdc_platform_tests.fixtures.services import platform_settings, random_name
+from cdc_platform_tests.fixtures.services import CLI, bridge_env, platform_settings, random_name
 from cdc_platform_tests.fixtures.snapshots import LIVE_TABLE_COLUMNS
 from cdc_platform_tests.fixtures.verification import (
     buckets_of,
@@ -63,22 +64,35 @@ def _settings(cdc_database, provisioned_nats, max_yield: float):
                                  wait_seconds=30)})
 
 
+@pytest.mark.parametrize("on_spark", [False, pytest.param(True, marks=pytest.mark.spark)],
+                         ids=["in_process", "spark"])
 async def test_a_verification_waits_while_the_bridge_is_behind_and_not_longer(
-        cdc_database, pg_admin, provisioned_nats, nats_client):
+        cdc_database, pg_admin, provisioned_nats, nats_client, request, on_spark):
     table = _table(pg_admin, cdc_database)
     settings = _settings(cdc_database, provisioned_nats, max_yield=60)
+    spark = request.getfixturevalue("spark_session") if on_spark else None
+    options = SnapshotOptions(small_table_bytes=0) if on_spark else None
     async with held_slot(settings) as held:
         _ballast(pg_admin, table)
-        verifying = asyncio.create_task(verify_table(None, settings, table))
+        verifying = asyncio.create_task(verify_table(spark, settings, table, options=options))
+        if on_spark:  # Spark's tasks start seconds later: hold from when one reads the lag
+            await wait_for(lambda: pg_admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
+                "'cdc_platform_verify_lag'").fetchone()[0] > 0, what="a task yielding")
         await asyncio.sleep(HOLD_SECONDS)  # the bridge behind for this long
         held.release()
-        result = await asyncio.wait_for(verifying, 30)
-    # The tasks (reading 3,000 rows: milliseconds) waited for the bridge, and went on within
-    # a pause (at most a second) of its catching up. They started at most ``before`` after
-    # the verification did (its steps before and after them), so ended after the release.
-    before = result.duration_seconds - result.digest_seconds - result.wait_seconds
-    assert HOLD_SECONDS - before <= result.digest_seconds < HOLD_SECONDS + 3, result
-    assert result.yield_seconds > 0
+        result = await asyncio.wait_for(verifying, 60)
+    assert result.spark == on_spark
+    if on_spark:  # the first two tasks, at once, each from its first block to the release
+        assert result.yield_seconds >= HOLD_SECONDS, result
+    else:
+        # The tasks (reading 3,000 rows: milliseconds) waited for the bridge, and went on
+        # within a pause (at most a second) of its catching up. They started at most
+        # ``before`` after the verification did (its steps before and after them), so ended
+        # after the release.
+        before = result.duration_seconds - result.digest_seconds - result.wait_seconds
+        assert HOLD_SECONDS - before <= result.digest_seconds < HOLD_SECONDS + 3, result
+        assert result.yield_seconds > 0
     # what it computed is the table's digest all the same
     expected = table_digest_now(cdc_database.server.superuser_conninfo(),
                                 cdc_database.publication, table).folded(result.bits)
@@ -134,3 +148,38 @@ async def test_no_bridge_streaming_the_slot_or_none_behind_means_no_waiting(
                        what="the bridge to catch up")
         result = await verify_table(None, settings, table)
     assert result.yield_seconds == 0 and result.row_count == ROWS
+
+
+def _nice_values(pid: int) -> set[int]:
+    """The nice value of each thread of process ``pid`` (field 19 of its stat)."""
+    return {int(stat.read_text().rsplit(")", 1)[1].split()[16])
+            for stat in Path(f"/proc/{pid}/task").glob("*/stat")}
+
+
+async def test_the_cli_verifies_niced_and_yielding_as_its_settings_say(
+        cdc_database, pg_admin, provisioned_nats):
+    table = _table(pg_admin, cdc_database)
+    settings = _settings(cdc_database, provisioned_nats, max_yield=60)
+    env = {**bridge_env(cdc_database, provisioned_nats.url), "CDC_SLOT": cdc_database.slot,
+           "CDC_PUBLICATION": cdc_database.publication, "CDC_VERIFY_WAIT": "30",
+           "CDC_VERIFY_YIELD_LAG": "64KiB", "CDC_VERIFY_NICE": "7"}
+    async with held_slot(settings) as held:
+        _ballast(pg_admin, table)
+        process = await asyncio.create_subprocess_exec(
+            CLI, "verify", table, env=env, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        try:
+            # yielding: its tasks are reading the bridge's lag, the bridge being behind
+            await wait_for(lambda: pg_admin.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
+                "'cdc_platform_verify_lag'").fetchone()[0] > 0, what="the tasks yielding")
+            nice = _nice_values(process.pid)
+            held.release()
+            out, err = await asyncio.wait_for(process.communicate(), 60)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    assert process.returncode == 0, err.decode()
+    assert nice == {7}  # every thread, the tasks' included
+    assert "yielding" in err.decode() and f"of {table}: {ROWS:,} rows" in out.decode()
