@@ -79,7 +79,7 @@ async def digest_range(spec: DigestSpec, block_range: BlockRange) -> dict[str, A
                       block_range.index)
     digester = RowDigester(spec.layout.columns, spec.key_columns)
     digest = TableDigest(spec.bits)
-    gate = BridgeGate(spec.yield_policy, spec.conninfo,
+    gate = BridgeGate(spec.yield_policy, spec.conninfo, spec.qualified_table,
                       f"verification {spec.layout.snapshot_id} range {block_range.index}")
     rows = 0
     error = error_kind = None

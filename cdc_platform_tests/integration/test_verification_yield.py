@@ -120,6 +120,32 @@ async def test_a_verification_goes_on_once_it_has_yielded_its_most(
     assert "yielding" in caplog.text
 
 
+def _add_column(conninfo: str, table: str) -> None:
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("SET lock_timeout = '30s'")
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN extra int")
+
+
+async def test_a_verification_stops_yielding_while_ddl_waits_for_its_table(
+        cdc_database, pg_admin, provisioned_nats):
+    table = _table(pg_admin, cdc_database)
+    settings = _settings(cdc_database, provisioned_nats, max_yield=60)
+    one_task = SnapshotOptions(local_parallelism=1, ranges_per_core=1)
+    async with held_slot(settings) as held:
+        _ballast(pg_admin, table)
+        verifying = asyncio.create_task(verify_table(None, settings, table, options=one_task))
+        await wait_for(lambda: pg_admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
+            "'cdc_platform_verify_lag'").fetchone()[0] > 0, what="the task yielding")
+        # an ALTER queues behind the verification's lock (and every later query of the
+        # table behind it): the task reads on and lets it through, the bridge still behind
+        await asyncio.wait_for(asyncio.to_thread(
+            _add_column, cdc_database.server.superuser_conninfo(), table), 20)
+        held.release()
+        result = await asyncio.wait_for(verifying, 30)
+    assert result.row_count == ROWS and result.yield_seconds < 20
+
+
 async def test_no_bridge_streaming_the_slot_or_none_behind_means_no_waiting(
         cdc_database, pg_admin, provisioned_nats):
     table = _table(pg_admin, cdc_database)
