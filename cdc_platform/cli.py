@@ -142,19 +142,22 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
         for line in status_lines(args.sqlite):
             print(line)
         return 0
-    if args.action == "verify":
+    tables = [table.strip() for table in (args.tables or "").split(",") if table.strip()]
+    if (args.against_source or args.bits is not None) and args.action != "verify":
+        raise CdcError("mirror: --against-source and --bits are options of `mirror verify`")
+    if args.bits is not None and not args.against_source:
+        raise CdcError("mirror verify: --bits needs --against-source")
+    if args.action == "verify" and not args.against_source:
         from cdc_platform.mirror.verify import verify_file
 
-        checks = verify_file(args.sqlite, [table.strip() for table in (args.tables or "")
-                                           .split(",") if table.strip()])
+        checks = verify_file(args.sqlite, tables)
         for check in checks:
             print(check.line())
         return 1 if any(check.differing for check in checks) else 0
-    if not args.tables:
+    if not tables and args.action != "verify":
         raise CdcError("mirror: --tables is required (except for `mirror status` and "
                        "`mirror verify`)")
     settings = load_settings()
-    tables = [table.strip() for table in args.tables.split(",") if table.strip()]
     keys = {"trusted_keys": ",".join(args.trusted_key)} if args.trusted_key else {}
     if args.verify_scan is not None:
         keys["verify_scan"] = args.verify_scan
@@ -162,8 +165,35 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
         keys["mirror_id"] = args.mirror_id
     if args.inbox_prefix is not None:
         os.environ["CDC_MIRROR_INBOX_PREFIX"] = args.inbox_prefix
-    mirror = Mirror(settings, tables, args.sqlite, durable=args.durable,
-                    options=load_settings(MirrorSettings, **keys), report=print)
+    options = load_settings(MirrorSettings, **keys)
+    if args.action == "verify":
+        import contextlib
+
+        from cdc_platform.mirror.against_source import exit_code, verify_against_source
+
+        async def against_source() -> int:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            verifying = asyncio.ensure_future(verify_against_source(
+                settings, args.sqlite, tables, options=options, bits=args.bits,
+                report=lambda line: print(line, file=sys.stderr)))
+            with STOPS.listening(lambda: loop.call_soon_threadsafe(stop.set)):
+                stopped = asyncio.ensure_future(stop.wait())
+                await asyncio.wait([verifying, stopped], return_when=asyncio.FIRST_COMPLETED)
+                stopped.cancel()
+            if not verifying.done():  # (stopped: its mirror, if it runs one, stops too)
+                verifying.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await verifying
+                return 130
+            checks = verifying.result()
+            for check in checks:
+                print(check.line())
+            return exit_code(checks)
+
+        return asyncio.run(against_source())
+    mirror = Mirror(settings, tables, args.sqlite, durable=args.durable, options=options,
+                    report=print)
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -304,7 +334,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="status: print what the file holds (each table, the consistent "
                         "LSN) and exit; verify: recompute each table's digest from its rows, "
                         "compare it with the one the mirror kept, and exit 0 (all equal), 1 "
-                        "(some differ) or 2 (error)")
+                        "(some differ) or 2 (error); verify --against-source: see there")
+    mirror.add_argument("--against-source", action="store_true",
+                        help="with verify: ask the platform for a verification of each table "
+                        "(purpose verify) and print what the mirror found when it met it: "
+                        "equal, differ (the buckets), not_comparable or repaired. The mirror "
+                        "running on the file meets it; when none runs, this command runs it "
+                        "until then. Exit 0 (all equal or repaired), 1 (some differ or not "
+                        "comparable), 2 (error: refused, not met within "
+                        "CDC_MIRROR_SNAPSHOT_WAIT)")
+    mirror.add_argument("--bits", type=int, choices=range(15), metavar="0-14",
+                        help="with verify --against-source: the verification's buckets "
+                        "(2^bits; default: the platform's choice by row count)")
     mirror.add_argument("--tables",
                         help="comma-separated wire table names (users,sales/orders); with "
                         "verify: the tables to compare (default: all)")

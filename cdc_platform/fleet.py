@@ -1,8 +1,10 @@
 """The platform's view of the mirrors: their states in KV ``mirrors`` (docs/verification.md
 Part 2, item 5; written by ``cdc-platform mirror``, mirror/fleet.py) read and judged: which
 mirrors are there, which fall behind or are gone, and whether every mirror following a table
-met its latest verification equal. Dagster's ``mirror_fleet`` (defs/fleet/) is a thin layer
-over this.
+met its latest verification equal. A mirror that stopped on purpose (``--once``, SIGTERM)
+said so in its last state (``stopped_at``): it is ``stopped``, not gone, while remembered. A
+table resyncing after the bridge lost its slot is not equal until verified again. Dagster's
+``mirror_fleet`` (defs/fleet/) is a thin layer over this.
 
 The values were written by readers: each is checked for what is used of it, and a value that
 is not a mirror's state is reported as unreadable, never trusted.
@@ -22,6 +24,11 @@ from cdc_platform.jetstream.kv import kv_values
 
 # a mirror's verification passed when it says so
 PASSING = ("equal", "repaired")
+# a table's status while it may lack changes the bridge's lost slot took (not verified since)
+RESYNCING = "resyncing"
+# a mirror's outcome that fails nothing yet (WARN): it has not met the verification, or it is
+# resyncing
+WAITING = (*PASSING, "pending", RESYNCING)
 
 
 @dataclass(frozen=True)
@@ -43,11 +50,12 @@ class MirrorState:
     lag_bytes: int | None
     updated_at: str | None
     tables: dict[str, MirroredTable]
+    stopped_at: str | None = None  # it stopped on purpose then (its last state)
 
     def summary(self) -> dict[str, Any]:
         """For an observation's metadata: lag, each table's status and last verification."""
         return {"lag_seconds": self.lag_seconds, "lag_bytes": self.lag_bytes,
-                "updated_at": self.updated_at,
+                "updated_at": self.updated_at, "stopped_at": self.stopped_at,
                 "tables": {name: {"status": table.status, "applied_lsn": table.applied_lsn,
                                   "last_verification": None if table.verification_id is None
                                   else {"verification_id": table.verification_id,
@@ -113,7 +121,7 @@ def parse_state(mirror_id: str, data: bytes) -> MirrorState:
             rows_repaired=_count(verification.get("rows_repaired")))
     lag_bytes = value.get("lag_bytes")
     return MirrorState(mirror_id, float(lag), lag_bytes if isinstance(lag_bytes, int) else None,
-                       _text(value.get("updated_at")), parsed)
+                       _text(value.get("updated_at")), parsed, _text(value.get("stopped_at")))
 
 
 async def read_fleet(js: JetStreamContext, bucket: str) -> Fleet:
@@ -146,31 +154,51 @@ def seen_since(last_seen: Mapping[str, float], fleet: Fleet, now: float,
     return seen
 
 
-def freshness(fleet: Fleet, last_seen: Mapping[str, float], lag_critical_seconds: float
-              ) -> Judgement:
+def stopped_since(last_stopped: Mapping[str, str], fleet: Fleet,
+                  seen: Mapping[str, float]) -> dict[str, str]:
+    """Each mirror that stopped on purpose -> when: those whose state says so now, and those
+    ``last_stopped`` remembers whose state is gone since (the bucket's TTL) while ``seen``
+    (:func:`seen_since`) still remembers them. One that reports running again is not."""
+    stopped = {mirror_id: when for mirror_id, when in last_stopped.items()
+               if mirror_id in seen and mirror_id not in fleet.mirror_ids}
+    stopped.update((mirror_id, state.stopped_at) for mirror_id, state in fleet.states.items()
+                   if state.stopped_at is not None)
+    return stopped
+
+
+def freshness(fleet: Fleet, last_seen: Mapping[str, float], lag_critical_seconds: float,
+              stopped: Mapping[str, str] | None = None) -> Judgement:
     """``mirrors_fresh``: failed when a mirror is more than ``lag_critical_seconds`` behind
     the source, when one that was seen (``last_seen``) is gone, or when one's state is
-    unreadable."""
+    unreadable. A mirror that stopped on purpose (``stopped``: :func:`stopped_since`) is
+    neither gone nor judged by its lag (it follows nothing until started again)."""
+    stopped = stopped or {}
     lagging = {mirror_id: state.lag_seconds for mirror_id, state in fleet.states.items()
-               if state.lag_seconds > lag_critical_seconds}
-    gone = sorted(set(last_seen) - fleet.mirror_ids)
+               if state.lag_seconds > lag_critical_seconds and mirror_id not in stopped}
+    gone = sorted(set(last_seen) - fleet.mirror_ids - set(stopped))
     problems = [f"{len(lagging)} behind by more than {lag_critical_seconds:.0f}s"] * bool(
         lagging) + [f"{len(gone)} gone"] * bool(gone) + [
         f"{len(fleet.unreadable)} unreadable"] * bool(fleet.unreadable)
-    lags = [state.lag_seconds for state in fleet.states.values()]
+    lags = [state.lag_seconds for mirror_id, state in fleet.states.items()
+            if mirror_id not in stopped]
+    running = len(set(fleet.states) - set(stopped))
     return Judgement(
         passed=not problems,
-        description=("mirrors: " + ", ".join(problems)) if problems
-        else f"{len(fleet.states)} mirror(s) within {lag_critical_seconds:.0f}s of the source",
+        description=(("mirrors: " + ", ".join(problems)) if problems
+                     else f"{running} mirror(s) within {lag_critical_seconds:.0f}s of the "
+                     "source") + (f"; {len(stopped)} stopped" if stopped else ""),
         metadata={"mirrors": len(fleet.mirror_ids), "max_lag_seconds": max(lags, default=0.0),
-                  "lagging": lagging, "gone": gone, "unreadable": fleet.unreadable})
+                  "lagging": lagging, "gone": gone, "unreadable": fleet.unreadable,
+                  "stopped": dict(sorted(stopped.items()))})
 
 
 def equality(table: str, verification_id: str, states: Iterable[MirrorState]) -> Judgement | None:
     """``mirrors_equal_source`` of ``table`` for its latest verification: passed when every
     mirror following the table met it ``equal`` or ``repaired``; failed (ERROR) when one
-    found it differ or not comparable, (WARN) while some have not met it yet. None: no
-    mirror follows the table."""
+    found it differ or not comparable, (WARN) while some have not met it yet or are
+    resyncing (the bridge lost its slot since their last verification: whatever they met
+    before, they may lack changes until the next one finds them equal). None: no mirror
+    follows the table."""
     followers = [state for state in states if table in state.tables]
     if not followers:
         return None
@@ -180,23 +208,34 @@ def equality(table: str, verification_id: str, states: Iterable[MirrorState]) ->
         mirrored = state.tables[table]
         met = mirrored.verification_id == verification_id
         outcome[state.mirror_id] = (mirrored.verification_status or "?") if met else "pending"
+        if mirrored.status == RESYNCING and outcome[state.mirror_id] in (*PASSING, "pending"):
+            outcome[state.mirror_id] = RESYNCING
         if met:
             differing += mirrored.buckets_differing
             repaired += mirrored.rows_repaired
-    failing = sorted(m for m, status in outcome.items() if status not in (*PASSING, "pending"))
+    failing = sorted(m for m, status in outcome.items() if status not in WAITING)
     pending = sorted(m for m, status in outcome.items() if status == "pending")
+    resyncing = sorted(m for m, status in outcome.items() if status == RESYNCING)
     not_comparable = sorted(m for m, status in outcome.items() if status == "not_comparable")
     if failing:
         description = f"{len(failing)} of {len(followers)} mirror(s) not equal: " + ", ".join(
             f"{m} ({outcome[m]})" for m in failing[:20])
-    elif pending:
-        description = (f"{len(pending)} of {len(followers)} mirror(s) have not met "
-                       f"verification {verification_id} yet")
+    elif pending or resyncing:
+        waiting = []
+        if pending:
+            waiting.append(f"{len(pending)} of {len(followers)} mirror(s) have not met "
+                           f"verification {verification_id} yet")
+        if resyncing:
+            waiting.append(f"{len(resyncing)} of {len(followers)} mirror(s) resyncing after "
+                           "the bridge lost its slot (not verified since): "
+                           + ", ".join(resyncing[:20]))
+        description = "; ".join(waiting)
     else:
         description = f"{len(followers)} mirror(s) equal the source at {verification_id}"
     return Judgement(
-        passed=not failing and not pending, description=description,
+        passed=not failing and not pending and not resyncing, description=description,
         metadata={"verification_id": verification_id, "mirrors": outcome,
                   "buckets_differing": differing, "rows_repaired": repaired,
-                  "not_comparable": not_comparable, "pending": pending},
+                  "not_comparable": not_comparable, "pending": pending,
+                  "resyncing": resyncing},
         warning_only=not failing)

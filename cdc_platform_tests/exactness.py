@@ -338,11 +338,13 @@ def reporter(lines: list[str]):
 
 
 async def bridge_caught_up(pg_admin, slot: str, timeout: float = 120.0) -> None:
-    """Until the bridge has confirmed all the WAL written so far."""
+    """Until the bridge has confirmed all the WAL written so far (a slot not there, such as
+    between a lost slot's drop and the new one's creation, has not)."""
     target = pg_admin.execute("SELECT pg_current_wal_lsn()").fetchone()[0]
     await wait_for(lambda: pg_admin.execute(
-        "SELECT confirmed_flush_lsn >= %s FROM pg_replication_slots WHERE slot_name = %s",
-        (target, slot)).fetchone()[0], timeout=timeout, what="the bridge to confirm everything")
+        "SELECT coalesce((SELECT confirmed_flush_lsn >= %s FROM pg_replication_slots "
+        "WHERE slot_name = %s), false)", (target, slot)).fetchone()[0],
+        timeout=timeout, what="the bridge to confirm everything")
 
 
 async def mirror_caught_up(mirror: Mirror, task: asyncio.Task, nats_client,

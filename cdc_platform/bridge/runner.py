@@ -551,7 +551,7 @@ class CdcBridge:
                 continue
             previous = await self._announced_shape(table)
             change = resolve_shape(slot.relation, slot.change, current, await baseline(table),
-                                   truncates_of(slot, built.schema_events))
+                                   truncates_of(slot, built.schema_events), reader.types)
             schema, reason = change.schema, change.reason
             shapes.append(schema)
             if previous is not None and reason is None and (

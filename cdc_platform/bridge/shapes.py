@@ -29,6 +29,7 @@ from cdc_platform.bridge.events import SchemaEventSlot
 from cdc_platform.postgres.catalog import CatalogColumn, TableSchema
 from cdc_platform.protocol.changes import ChangeRecord
 from cdc_platform.protocol.pgoutput import Relation
+from cdc_platform.protocol.values import TypeRegistry
 from cdc_platform.wire import Column
 
 
@@ -67,14 +68,15 @@ class ShapeChange:
 
 def resolve_shape(relation: Relation, change: ChangeRecord, current: TableSchema | None,
                   announced: AnnouncedShape | None,
-                  truncated_later: Collection[int] = ()) -> ShapeChange:
+                  truncated_later: Collection[int] = (),
+                  types: TypeRegistry | None = None) -> ShapeChange:
     """``relation`` (preceding ``change``) as the schema to announce, given the catalog read
     since (``current``; None: the table is gone from the publication) and ``announced``;
     ``truncated_later``: the xids of the TRUNCATEs of the table that the bridge has read after
-    ``change``."""
+    ``change``; ``types``: what the bridge knows of the relation's types."""
     attnums, ambiguous = column_identities(relation, current, announced)
     storage, rewritten = _storage(change, current, announced, truncated_later)
-    schema = dataclasses.replace(schema_from_relation(relation, current, attnums),
+    schema = dataclasses.replace(schema_from_relation(relation, current, attnums, types),
                                  storage=storage)
     return ShapeChange(schema, rewritten or ambiguous, storage)
 
@@ -199,10 +201,13 @@ def _contradiction(attnums: Sequence[int], current: TableSchema | None,
 
 
 def schema_from_relation(relation: Relation, current: TableSchema | None,
-                         attnums: Sequence[int]) -> TableSchema:
+                         attnums: Sequence[int],
+                         types: TypeRegistry | None = None) -> TableSchema:
     """The Relation message's shape (authoritative for the columns at this point of the WAL)
     with what the catalog adds for each column it identifies: nullability, default, missing
-    value, primary key membership."""
+    value, primary key membership. A column's base type is the catalog's, or for a column it
+    does not identify what ``types`` resolves (without them: its type)."""
+    types = types or TypeRegistry()
     by_attnum = {c.attnum: c for c in current.columns} if current else {}
     columns = []
     for position, (column, attnum) in enumerate(zip(relation.columns, attnums, strict=True),
@@ -219,7 +224,9 @@ def schema_from_relation(relation: Relation, current: TableSchema | None,
             is_key=column.is_key,
             is_primary_key=known.is_primary_key if known else False,
             missing_value=known.missing_value if known else None,
-            attnum=attnum))
+            attnum=attnum,
+            base_type_oid=known.base_type_oid if known else types.base_type_oid(
+                column.type_oid)))
     return dataclasses.replace(
         TableSchema(relation.namespace, relation.name, relation.relation_id,
                     relation.replica_identity, tuple(columns)),

@@ -2,9 +2,10 @@
 request on ``snapshot.request.{table}`` and wait for its ``done`` reply, saying what happens
 meanwhile. A request that joined a run in flight, or one the stream let go in a flood, gets no
 ``done``: the snapshot is then found in `INIT` (:func:`snapshot_stored_since`). A repair
-snapshot of some buckets (``purpose: repair``, docs/verification.md Part 2, item 4) is asked for
-the same way (:meth:`SnapshotRequester.request_repair`). The sensor answering requests is
-``cdc_platform.snapshot.requests``."""
+snapshot of some buckets (``purpose: repair``, docs/verification.md Part 2, item 4) and a
+verification of a table (``purpose: verify``) are asked for the same way
+(:meth:`SnapshotRequester.request_repair`, :meth:`SnapshotRequester.request_verification`). The
+sensor answering requests is ``cdc_platform.snapshot.requests``."""
 
 from __future__ import annotations
 
@@ -20,13 +21,19 @@ from functools import partial
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NotFoundError
 
 from cdc_platform.consumer.snapshots import repair_stored_since, snapshot_stored_since
 from cdc_platform.errors import CdcError
 from cdc_platform.lsn import format_lsn
-from cdc_platform.wire import SignatureVerifier, snapshot_request_subject
+from cdc_platform.wire import (
+    SignatureVerifier,
+    decode_any,
+    snapshot_request_subject,
+    verify_digest_subject,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +133,51 @@ class SnapshotRequester:
                     await subscription.unsubscribe()
         return None
 
+    async def request_verification(self, table: str, bits: int | None, cdc_stream: str,
+                                   stop: asyncio.Event) -> dict[str, Any] | None:
+        """The ``done`` reply's fields of a verification of ``table`` (``bits``: None, the
+        platform's choice): ``verification_id``, ``lsn``, ``digest_subject``, ``digest_seq``,
+        ``bits``, ``row_count``. A digest message of the table stored in ``cdc_stream`` after
+        the request is taken as well (the reply may never come: more requesters than a run
+        replies to). None: ``stop`` was set first. Refused for now (``retry_after``): asked
+        again while within ``wait_seconds``; any other refusal or a failure is
+        :class:`SnapshotRequestFailed`."""
+        started = time.monotonic()
+        while not stop.is_set():
+            inbox = self.nc.new_inbox()
+            replies: asyncio.Queue = asyncio.Queue()
+            subscription = await self.nc.subscribe(inbox, cb=replies.put)
+            request_id = secrets.token_hex(8)
+            try:
+                body: dict[str, Any] = {"request_id": request_id, "reply_to": inbox,
+                                        "purpose": "verify"}
+                if bits is not None:
+                    body["bits"] = bits
+                asked_after = (await self.js.stream_info(cdc_stream)).state.last_seq
+                if not await self._publish(table, json.dumps(body).encode(), started, stop):
+                    return None
+                self.report(f"{table}: requested a verification (request {request_id})")
+                return await self._wait(table, request_id, inbox, replies, partial(
+                    digest_stored_since, self.js, table, asked_after, cdc_stream,
+                    verifier=self.verifier), started, stop, what="verification")
+            except AskAgainLater as exc:
+                if time.monotonic() - started + exc.retry_after > self.wait_seconds:
+                    raise
+                self.report(f"{exc}; asking again in {exc.retry_after:.0f}s")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), exc.retry_after)
+            finally:
+                with contextlib.suppress(Exception):
+                    await subscription.unsubscribe()
+        return None
+
     async def _wait(self, table: str, request_id: str, inbox: str, replies: asyncio.Queue,
                     stored_since: Callable[[], Awaitable[dict[str, Any] | None]],
-                    started: float, stop: asyncio.Event) -> dict[str, Any] | None:
+                    started: float, stop: asyncio.Event, *, what: str = "snapshot"
+                    ) -> dict[str, Any] | None:
         """The ``done`` reply to ``request_id`` on ``inbox``, or what ``stored_since`` finds
-        in `INIT` meanwhile (the reply may never come); None: ``stop`` was set first."""
+        meanwhile (the reply may never come); None: ``stop`` was set first. ``what`` is
+        asked for (``snapshot``, ``verification``): the messages say it."""
         last_report = last_look = time.monotonic()
         while not stop.is_set():
             try:
@@ -144,11 +191,11 @@ class SnapshotRequester:
                         return found
                 if now - started > self.wait_seconds:
                     raise SnapshotRequestFailed(
-                        f"{table}: no snapshot within {self.wait_seconds:.0f}s of the request: "
+                        f"{table}: no {what} within {self.wait_seconds:.0f}s of the request: "
                         "is the snapshot request sensor running (the Dagster daemon)?") from None
                 if now - last_report >= self.status_interval_seconds:
                     last_report = now
-                    self.report(f"{table}: waiting for the snapshot ({now - started:.0f}s)")
+                    self.report(f"{table}: waiting for the {what} ({now - started:.0f}s)")
                 continue
             try:
                 reply = json.loads(message.data)
@@ -159,15 +206,15 @@ class SnapshotRequester:
             if reply.get("request_id") != request_id:
                 continue
             if status == "accepted":
-                self.report(f"{table}: snapshot request accepted (run key {reply.get('run_key')})")
+                self.report(f"{table}: {what} request accepted (run key {reply.get('run_key')})")
             elif status == "refused":
-                refusal = f"{table}: snapshot request refused: {reply.get('reason')}"
+                refusal = f"{table}: {what} request refused: {reply.get('reason')}"
                 retry_after = reply.get("retry_after")
                 if isinstance(retry_after, (int, float)) and 0 < retry_after <= 3600:
                     raise AskAgainLater(refusal, float(retry_after))
                 raise SnapshotRequestFailed(refusal)
             elif status == "failed":
-                raise SnapshotRequestFailed(f"{table}: the snapshot failed: "
+                raise SnapshotRequestFailed(f"{table}: the {what} failed: "
                                             f"{reply.get('reason')}")
             elif status == "done":
                 return reply
@@ -195,3 +242,32 @@ class SnapshotRequester:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), LOOK_FOR_SNAPSHOT_SECONDS)
         return False
+
+
+async def digest_stored_since(js: JetStreamContext, table: str, asked_after_seq: int,
+                              cdc_stream: str = "CDC", *,
+                              verifier: SignatureVerifier | None = None
+                              ) -> dict[str, Any] | None:
+    """The ``done`` fields of the newest verification digest message of ``table`` if it was
+    stored in ``cdc_stream`` after the request was made (sequence above ``asked_after_seq``)
+    and ``verifier`` (if any) takes it: a verification the platform made since, which is what
+    a requester whose ``done`` got lost finds instead."""
+    try:
+        message = await js.get_last_msg(cdc_stream, verify_digest_subject(table, "*"))
+    except (NotFoundError, NatsError, TimeoutError):
+        return None
+    if message.seq is None or message.seq <= asked_after_seq:
+        return None
+    subject, data = message.subject or "", message.data or b""
+    if verifier is not None and verifier.refusal(subject, message.headers or {}, data):
+        return None
+    try:
+        payload = decode_any(data)
+    except ValueError:
+        return None
+    if not isinstance(payload, dict) or payload.get("type") != "digest" \
+            or payload.get("table") != table:
+        return None
+    return {"verification_id": payload.get("verification_id"), "lsn": payload.get("lsn"),
+            "digest_subject": subject, "digest_seq": message.seq,
+            "bits": payload.get("bits"), "row_count": payload.get("row_count")}

@@ -9,10 +9,11 @@ module writes what it is handed, inside the store's transaction.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import sqlite3
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -66,18 +67,64 @@ class _Prepared:
     compiled: tuple | None
 
 
+class BucketSums(Protocol):
+    """One table's row hashes of a transaction, summed by bucket (``RowHashes.take``)."""
+
+    @property
+    def truncated(self) -> bool: ...
+
+    def buckets(self) -> dict[int, tuple[int, int]]: ...
+
+    def apply(self, totals: list[int], counts: list[int]) -> bytes: ...
+
+
+class RowHashes(Protocol):
+    """The hashes of the rows a connection writes into the tables it follows, taken from
+    SQLite's preupdate hook (``Statements.hook_rows``; mirror/digests.py)."""
+
+    @property
+    def error(self) -> tuple[int, str] | None: ...
+
+    def __len__(self) -> int: ...
+
+    def follow(self, table: str, table_id: int, digester: Any) -> None: ...
+
+    def unfollow(self, table: str) -> None: ...
+
+    def mark(self) -> int: ...
+
+    def undo(self, mark: int) -> None: ...
+
+    def truncate(self, table_id: int) -> None: ...
+
+    def restart(self, table_id: int) -> None: ...
+
+    def add(self, table_id: int, hashes: list[bytes]) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def take(self, bits: int) -> dict[int, BucketSums]: ...
+
+    def clear(self) -> None: ...
+
+
 class Statements(Protocol):
     """Prepared INSERT and keyed UPDATE runs on a connection's own SQLite handle, bound
     without sqlite3's per-row work (compiled only: the store's twin's ``connect`` gives them).
-    Each returns the rows written, or -1 to leave the batch to the pure path. ``hash_rows``
-    and ``sum_hashes``: the digests' trigger function and the sums of what it recorded, in C
-    on that handle (mirror/digests.py)."""
+    Each returns the rows written, or -1 to leave the batch to the pure path. ``hook_rows``:
+    the digests' row hashes from SQLite's preupdate hook on that handle; ``hash_rows`` and
+    ``sum_hashes``: the digests' trigger function and the sums of what it recorded, in C on
+    that handle, where SQLite has no preupdate hook (mirror/digests.py)."""
 
     def run_rows(self, sql: str, rows: Iterable[Mapping[str, Any]], names: tuple[str, ...],
                  whole_row: bool = True) -> int: ...
 
     def run_updates(self, sql: str, events: list[Mapping[str, Any]], set_names: tuple[str, ...],
                     key_names: tuple[str, ...], whole_row: bool = True) -> int: ...
+
+    def hook_rows(self, hasher: Callable[..., bytes]) -> RowHashes | None: ...
 
     def hash_rows(self, name: str, hasher: Callable[..., bytes]) -> bool: ...
 
@@ -87,17 +134,29 @@ class Statements(Protocol):
     def close(self) -> None: ...
 
 
+class ChangeMarks(Protocol):
+    """What records the rows a connection writes (the digests' keeper): told of each
+    savepoint and each ``ROLLBACK TO`` one (SQLite's preupdate hook is not)."""
+
+    def mark(self) -> int: ...
+
+    def undo(self, mark: int) -> None: ...
+
+
 class ChangeWriter:
     """Writes changes and snapshot rows into the tables of ``shapes`` (table -> its shape,
     the store's own dict: kept up to date by the store) on ``db``; ``statements``: the twin's
-    ``Statements`` on that connection, or None (the pure path only)."""
+    ``Statements`` on that connection, or None (the pure path only). Every savepoint on
+    ``db`` is :meth:`savepoint`'s, which tells ``marks``."""
 
     def __init__(self, db: sqlite3.Connection, statements: Statements | None,
                  shapes: dict[str, TableShape], *,
-                 truncate: Callable[[str], None] | None = None) -> None:
+                 truncate: Callable[[str], None] | None = None,
+                 marks: ChangeMarks | None = None) -> None:
         self._db = db
         # empties a table (the digests' keeper: every bucket to zero at once)
         self._truncate = truncate or self._delete_all
+        self._marks = marks
         self.statements = statements
         self._shapes = shapes
         # (kind, table, column names of the row) -> _Prepared; kind is "INSERT", "UPDATE" or
@@ -220,6 +279,23 @@ class ChangeWriter:
     def _delete_all(self, table: str) -> None:
         self._db.execute(f"DELETE FROM {quote(table)}")
 
+    @contextlib.contextmanager
+    def savepoint(self, name: str) -> Iterator[Callable[[], None]]:
+        """``SAVEPOINT name`` ... ``RELEASE name`` (also when an error leaves); gives the
+        function that rolls back to it, taking back what ``marks`` recorded since."""
+        self._db.execute(f"SAVEPOINT {name}")
+        mark = self._marks.mark() if self._marks is not None else 0
+
+        def rollback() -> None:
+            self._db.execute(f"ROLLBACK TO {name}")
+            if self._marks is not None:
+                self._marks.undo(mark)
+        try:
+            yield rollback
+        finally:
+            if self._db.in_transaction:  # (not when SQLite ended it: a full disk, ...)
+                self._db.execute(f"RELEASE {name}")
+
     def insert_rows(self, table: str, rows: Sequence[Mapping[str, Any]]) -> None:
         if not rows:
             return
@@ -231,22 +307,20 @@ class ChangeWriter:
                 insert_statement(table, names), convert, None if converts else (names,))
         statement = prepared.statement
         try:
-            self._db.execute("SAVEPOINT cdc_insert")
-            try:
-                if prepared.compiled is not None and self.statements is not None:
-                    if self.statements.run_rows(statement, rows, *prepared.compiled) >= 0:
-                        return
-                    self._db.execute("ROLLBACK TO cdc_insert")  # (the pure path says what)
-                self._db.executemany(statement, map(prepared.values, rows))
-            except (KeyError, OverflowError):
-                # rows of other columns, or an integer beyond 64 bits: undo the rows before
-                # it, then row by row with every value converted
-                self._db.execute("ROLLBACK TO cdc_insert")
-                for row in rows:
-                    self._db.execute(insert_statement(table, tuple(row)),
-                                     [to_sqlite(value) for value in row.values()])
-            finally:
-                self._db.execute("RELEASE cdc_insert")
+            with self.savepoint("cdc_insert") as rollback:
+                try:
+                    if prepared.compiled is not None and self.statements is not None:
+                        if self.statements.run_rows(statement, rows, *prepared.compiled) >= 0:
+                            return
+                        rollback()  # (the pure path says what)
+                    self._db.executemany(statement, map(prepared.values, rows))
+                except (KeyError, OverflowError):
+                    # rows of other columns, or an integer beyond 64 bits: undo the rows
+                    # before it, then row by row with every value converted
+                    rollback()
+                    for row in rows:
+                        self._db.execute(insert_statement(table, tuple(row)),
+                                         [to_sqlite(value) for value in row.values()])
         except sqlite3.IntegrityError as exc:
             raise DivergenceError(f"{table}: an inserted row is already mirrored ({exc})") \
                 from exc
@@ -258,16 +332,14 @@ class ChangeWriter:
         convert_values, always = self._values_converter(table, columns)
         statement = insert_statement(table, columns)
         try:
-            self._db.execute("SAVEPOINT cdc_load")
-            try:
-                self._db.executemany(
-                    statement, map(convert_values, rows) if always or has_nan else rows)
-            except OverflowError:  # an integer beyond 64 bits: convert every value
-                self._db.execute("ROLLBACK TO cdc_load")
-                self._db.executemany(statement, ([to_sqlite(v) for v in row]
-                                                 for row in rows))
-            finally:
-                self._db.execute("RELEASE cdc_load")
+            with self.savepoint("cdc_load") as rollback:
+                try:
+                    self._db.executemany(
+                        statement, map(convert_values, rows) if always or has_nan else rows)
+                except OverflowError:  # an integer beyond 64 bits: convert every value
+                    rollback()
+                    self._db.executemany(statement, ([to_sqlite(v) for v in row]
+                                                     for row in rows))
         except sqlite3.IntegrityError as exc:
             raise DivergenceError(f"{table}: a loaded row is already mirrored ({exc})") \
                 from exc
@@ -276,30 +348,27 @@ class ChangeWriter:
         """Keyed UPDATE ``events`` of ``table`` (one column set), by the twin's Statements
         where they take them, else by the pure path."""
         statement = prepared.statement
-        self._db.execute("SAVEPOINT cdc_update")
-        try:
+        with self.savepoint("cdc_update") as rollback:
             if prepared.compiled is not None and self.statements is not None:
                 if self.statements.run_updates(statement, events,
                                                *prepared.compiled) == len(events):
                     return
-                self._db.execute("ROLLBACK TO cdc_update")  # (the pure path says what)
+                rollback()  # (the pure path says what)
             batched = [self._update_values(prepared, event) for event in events]
             try:
                 changed = self._execute_many_unique(statement, batched)
             except OverflowError:  # an integer beyond 64 bits: every value converted
-                self._db.execute("ROLLBACK TO cdc_update")
+                rollback()
                 batched = [tuple(map(to_sqlite, parameters)) for parameters in batched]
                 changed = self._execute_many_unique(statement, batched)
             if changed != len(batched):  # a row the mirror does not hold: find which
-                self._db.execute("ROLLBACK TO cdc_update")
+                rollback()
                 key = self.shape(table).key_columns
                 for parameters in batched:
                     if self._execute_unique(statement, parameters) != 1:
                         raise DivergenceError(
                             f"{table}: an UPDATE names a row the mirror does not hold: "
                             f"{dict(zip(key, parameters[-len(key):], strict=True))}")
-        finally:
-            self._db.execute("RELEASE cdc_update")
 
     def _prepare_update(self, batch_key: tuple[str, str, tuple[str, ...]]) -> _Prepared | None:
         """The statement of keyed UPDATEs of ``batch_key`` (SET every column of ``data``

@@ -23,6 +23,10 @@ arrays                                 TEXT         JSON text of the nested list
 domains, enums, extension types        (none)       the wire value as it is (no affinity,
                                                     so nothing is converted)
 =====================================  ===========  ===================================
+
+The declared type follows the column's own type (``type_oid``), so a domain's column has no
+affinity; what its values need (a NaN's text, an xid8's digits, an array's JSON, JSON's
+base64 and non-finite floats) follows its base type (``base_type_oid``).
 """
 
 from __future__ import annotations
@@ -49,6 +53,14 @@ _TEXT_OIDS = frozenset({
     18, 19, 25, 114, 142, 600, 601, 602, 603, 604, 628, 650, 718, 774, 790, 829, 869, 1042,
     1043, 1082, 1083, 1114, 1184, 1186, 1266, 1560, 1562, 1700, 2950, 3220, 3614, 3615, 3802,
     4072, 3904, 3906, 3908, 3910, 3912, 3926, 2205, 2206, 24, 27, 1033, 1790,
+})
+# The builtin array types (protocol/values.py knows them too): a domain over one has no
+# affinity, yet holds the JSON text of an array.
+BUILTIN_ARRAY_OIDS = frozenset({
+    1000, 1001, 1002, 1003, 1016, 1005, 1007, 1009, 1028, 1011, 1012, 199, 143, 1017, 1018,
+    1019, 1020, 1027, 629, 651, 1021, 1022, 719, 775, 791, 1040, 1041, 1014, 1015, 1182, 1183,
+    1115, 1185, 1187, 1270, 1561, 1563, 1231, 2951, 3221, 3643, 3645, 3807, 4073, 3905, 3907,
+    3909, 3911, 3913, 3927, 271, 2210, 2211, 1008, 1010, 1034, 2201,
 })
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
@@ -114,7 +126,7 @@ def insert_statement(table: str, names: Sequence[str]) -> str:
 
 
 # JSON payloads carry bytea as base64 and non-finite floats as strings (docs/wire-contract.md
-# "Payload encoding"): the columns whose values a JSON consumer must turn back, by type oid.
+# "Payload encoding"): the columns whose values a JSON consumer must turn back, by base type.
 _JSON_BYTES_OIDS = frozenset({17, 1001})  # bytea, bytea[]
 _JSON_FLOAT_OIDS = frozenset({700, 701, 1021, 1022})  # float4/8 and their arrays
 NON_FINITE_FLOATS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -142,34 +154,37 @@ class MirroredColumn:
     # made the mirror's digest of its rows (stored_values.wire_value) ~10% slower
     name: str = field(init=False)
     type_oid: int = field(init=False)
+    base_type_oid: int = field(init=False)  # what its values are: a domain's base type
     attnum: int = field(init=False)  # the source column's identity, kept by a RENAME (0: not known)
     is_primary_key: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        for name in ("name", "type_oid", "attnum", "is_primary_key"):
+        for name in ("name", "type_oid", "base_type_oid", "attnum", "is_primary_key"):
             object.__setattr__(self, name, getattr(self.column, name))
 
     @property
     def bound_as_is(self) -> bool:
         """Whether the column's wire values are bound to SQLite unconverted (str, int, bytes,
         bool, None): no float (NaN), no array (lists), no unknown type."""
-        return self.type_oid in _AS_IS_OIDS
+        return self.base_type_oid in _AS_IS_OIDS
 
     @property
     def is_float(self) -> bool:
-        return self.type_oid in REAL_OIDS
+        return self.base_type_oid in REAL_OIDS
 
     @property
     def is_bool(self) -> bool:
-        return self.type_oid == _BOOL_OID
+        return self.base_type_oid == _BOOL_OID
 
 
 def _stored_column(position: int, name: str, sqlite_type: str, is_primary_key: bool,
-                   type_oid: int = 0, attnum: int = 0) -> MirroredColumn:
-    """A column as :meth:`TableShape.to_json_text` keeps it (files written before type_oid
-    and attnum were kept: 0, not known)."""
+                   type_oid: int = 0, attnum: int = 0, base_type_oid: int = 0
+                   ) -> MirroredColumn:
+    """A column as :meth:`TableShape.to_json_text` keeps it (files written before type_oid,
+    attnum and base_type_oid were kept: 0, not known; the base type then is the type)."""
     return MirroredColumn(Column(name, position, "", True, None, type_oid, False,
-                                 is_primary_key, attnum=attnum), sqlite_type)
+                                 is_primary_key, attnum=attnum, base_type_oid=base_type_oid),
+                          sqlite_type)
 
 
 @dataclass(frozen=True)
@@ -216,7 +231,7 @@ class TableShape:
         back (the form is stable: files written by earlier versions read it)."""
         return json.dumps({"table": self.table, "fingerprint": self.fingerprint,
                            "columns": [[c.name, c.sqlite_type, c.is_primary_key, c.type_oid,
-                                        c.attnum] for c in self.columns]})
+                                        c.attnum, c.base_type_oid] for c in self.columns]})
 
     @classmethod
     def from_json_text(cls, text: str) -> TableShape:
@@ -227,6 +242,22 @@ class TableShape:
         return cls(data["table"], data["fingerprint"], tuple(
             _stored_column(position, *column)
             for position, column in enumerate(data["columns"], start=1)))
+
+    def learning_base_types(self, other: TableShape) -> TableShape:
+        """This shape with the base types ``other`` (the same table's, a snapshot's) says for
+        the columns it kept none for (a shape kept before base types were: domains as
+        themselves); this shape itself when there is nothing to learn."""
+        bases = {column.name: column.base_type_oid for column in other.columns}
+        learned = {column.name: bases[column.name] for column in self.columns
+                   if column.base_type_oid == column.type_oid
+                   and bases.get(column.name, column.type_oid) != column.type_oid}
+        if not learned:
+            return self
+        return dataclasses.replace(self, columns=tuple(
+            MirroredColumn(dataclasses.replace(column.column,
+                                               base_type_oid=learned[column.name]),
+                           column.sqlite_type) if column.name in learned else column
+            for column in self.columns))
 
     @functools.cached_property
     def key_columns(self) -> list[str]:
@@ -242,9 +273,9 @@ class TableShape:
             value = restored.get(column.name)
             if value is None:
                 continue
-            if column.type_oid in _JSON_BYTES_OIDS:
+            if column.base_type_oid in _JSON_BYTES_OIDS:
                 restored[column.name] = _from_base64(value)
-            elif column.type_oid in _JSON_FLOAT_OIDS:
+            elif column.base_type_oid in _JSON_FLOAT_OIDS:
                 restored[column.name] = _from_json_float(value)
         return restored
 

@@ -1,17 +1,26 @@
 """Each mirrored table's digest (docs/verification.md, Part 1), kept current as the store
 writes rows, in the same SQLite transaction as the rows and positions.
 
-How: on the store's connection, TEMP triggers on each kept table call ``cdc_row_hashes``
-with the row's stored values (the old row of an UPDATE or DELETE, the new row of an INSERT or
-UPDATE) and record ``(key hash, row hash)`` in a TEMP table; :meth:`DigestKeeper.fold` (just
-before each COMMIT) adds them to the table's buckets and writes the buckets it touched. So
-every write of the store's connection is counted, whichever path makes it (the pure
-``executemany``, the compiled ``Statements`` on the same handle, a row-by-row retry), the
-hashes are those of what the file holds (as ``mirror verify`` recomputes them), and a
-``ROLLBACK TO`` a savepoint takes back its rows' hashes with them. Temp triggers live on this
-connection only: another writer of the file (the compiled ``ChunkLoader``, a person with
-``sqlite3``) is not counted, which is what ``mirror verify`` finds. Chunks the ``ChunkLoader``
-wrote are added by :meth:`DigestKeeper.add`.
+How: every row the store's connection writes into a kept table is hashed as stored (the old
+row of an UPDATE or DELETE, the new row of an INSERT or UPDATE) and its ``(key hash, row
+hash)`` recorded; :meth:`DigestKeeper.fold` (just before each COMMIT) adds them to the
+table's buckets and writes the buckets it touched. So every write of the store's connection
+is counted, whichever path makes it (the pure ``executemany``, the compiled ``Statements`` on
+the same handle, a row-by-row retry), and the hashes are those of what the file holds (as
+``mirror verify`` recomputes them). Another writer of the file (the compiled ``ChunkLoader``,
+a person with ``sqlite3``) is not counted, which is what ``mirror verify`` finds. Chunks the
+``ChunkLoader`` wrote are added by :meth:`DigestKeeper.add`.
+
+Two ways to record, the same hashes:
+
+- the compiled store's ``Statements.hook_rows``, where SQLite has its preupdate hook
+  (``ENABLE_PREUPDATE_HOOK`` in ``PRAGMA compile_options``): the hook hashes each row in C
+  from SQLite's values into a log in C memory. SQLite does not tell the hook of a ``ROLLBACK
+  TO``: every savepoint of the store's connection is taken through :meth:`DigestKeeper.mark`
+  and :meth:`DigestKeeper.undo` (``ChangeWriter.savepoint``).
+- otherwise (the pure path, a SQLite without the hook) TEMP triggers on each kept table call
+  ``cdc_row_hashes`` with the row's values and record the hashes in a TEMP table, which a
+  ``ROLLBACK TO`` takes back by itself.
 
 The buckets a commit touched are appended to the table's journal (one row: they are scattered
 over the whole buckets table, whose pages each commit would otherwise rewrite) and written
@@ -31,8 +40,9 @@ import struct
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from cdc_platform.mirror.apply import Statements
+from cdc_platform.mirror.apply import BucketSums, RowHashes, Statements
 from cdc_platform.mirror.columns import TableShape, quote
+from cdc_platform.mirror.errors import DivergenceError
 from cdc_platform.mirror.stored_values import StoredRowDigester, digest_stored_rows
 from cdc_platform.wire.digest import HASH_BITS, MAX_BUCKET_BITS, TableDigest
 
@@ -44,8 +54,9 @@ JOURNAL_TABLE = "_cdc_mirror_digest_journal"
 BITS = MAX_BUCKET_BITS  # a mirror keeps 16,384 buckets and folds to what a source sends
 # A commit's buckets are scattered over the whole DIGESTS_TABLE (100 changes touched ~60 of its
 # pages, each written to the WAL: half the upkeep's cost); appended to the journal they are one
-# row. A table's journal is written back once it holds this many entries.
-JOURNAL_ENTRIES = 4 << BITS
+# row. A table's journal is written back once it holds this many entries (~4.7 MB: read in
+# ~50 ms; a write-back, ~35 ms, comes every ~200K changes: ~0.2 us a change).
+JOURNAL_ENTRIES = 16 << BITS
 
 _CHANGES = "_cdc_digest_changes"  # TEMP: (table id, sign, hashes) of the open transaction
 _HASH_FUNCTION = "cdc_row_hashes"
@@ -74,6 +85,13 @@ def create_tables(db: sqlite3.Connection) -> None:
                " bits INTEGER NOT NULL)")
     db.execute(f"CREATE TABLE IF NOT EXISTS {JOURNAL_TABLE} (wire_table TEXT NOT NULL,"
                " buckets BLOB NOT NULL)")
+
+
+def has_preupdate_hook(db: sqlite3.Connection) -> bool:
+    """Whether ``db``'s SQLite is built with the preupdate hook (Debian's is, SQLite's
+    default build and some Pythons' are not)."""
+    return any(option == "ENABLE_PREUPDATE_HOOK"
+               for (option,) in db.execute("PRAGMA compile_options"))
 
 
 def read_digest(db: sqlite3.Connection, table: str) -> TableDigest | None:
@@ -120,6 +138,7 @@ class DigestKeeper:
         self._db = db
         self._statements = statements
         self.enabled = enabled
+        self._rows: RowHashes | None = None  # the preupdate hook's hashes (else triggers)
         # the triggers' function (it holds no reference back: the connection holds it, and a
         # cycle through the connection would keep its file open until a GC pass)
         self._hasher = _RowHasher()
@@ -136,6 +155,13 @@ class DigestKeeper:
             for bookkeeping in (DIGESTS_TABLE, KEPT_TABLE, JOURNAL_TABLE):
                 db.execute(f"DELETE FROM {bookkeeping}")
             return
+        # a trigger passes the table id and every column: at most this many columns (the
+        # same limit with the hook: a table is kept or not whichever way its rows are hashed)
+        self._most_columns = db.getlimit(sqlite3.SQLITE_LIMIT_FUNCTION_ARG) - 1
+        if statements is not None and has_preupdate_hook(db):
+            self._rows = statements.hook_rows(self._hasher)
+        if self._rows is not None:
+            return
         db.execute("PRAGMA temp_store=MEMORY")
         db.execute(f"CREATE TEMP TABLE IF NOT EXISTS {_CHANGES} (tid INTEGER NOT NULL,"
                    " sign INTEGER NOT NULL, hashes BLOB)")
@@ -143,8 +169,6 @@ class DigestKeeper:
         # making Python values of them)
         if statements is None or not statements.hash_rows(_HASH_FUNCTION, self._hasher):
             db.create_function(_HASH_FUNCTION, -1, self._hasher)
-        # a trigger passes the table id and every column: at most this many columns
-        self._most_columns = db.getlimit(sqlite3.SQLITE_LIMIT_FUNCTION_ARG) - 1
 
     # -- following tables ------------------------------------------------------------------
     def follow(self, shape: TableShape, *, created: bool = False, rehash: bool = False) -> None:
@@ -168,18 +192,24 @@ class DigestKeeper:
         self._next_id += 1
         self._ids[table], self._tables[table_id] = table_id, table
         # (in the file's column order, which may differ from the source's: the same values)
-        self._digesters[table_id] = StoredRowDigester([by_name[name] for name in physical],
-                                                      shape.key_columns)
-
+        digester = StoredRowDigester([by_name[name] for name in physical], shape.key_columns)
+        self._digesters[table_id] = digester
+        if self._rows is not None:
+            self._rows.follow(table, table_id, digester)
+            return
         for kind in _KINDS:
             self._create_trigger(table, table_id, kind)
 
     def unfollow(self, table: str) -> None:
-        """Drop ``table``'s triggers (before an ALTER: they name its columns)."""
+        """``table``'s writes no longer hashed (before an ALTER: its triggers name its
+        columns, the hook's digester has them)."""
         if not self.enabled:
             return
-        for kind in _KINDS:
-            self._db.execute(f"DROP TRIGGER IF EXISTS temp.{quote(_trigger(table, kind))}")
+        if self._rows is not None:
+            self._rows.unfollow(table)
+        else:
+            for kind in _KINDS:
+                self._db.execute(f"DROP TRIGGER IF EXISTS temp.{quote(_trigger(table, kind))}")
         table_id = self._ids.pop(table, None)
         if table_id is not None:
             self._digesters.pop(table_id, None)
@@ -214,12 +244,32 @@ class DigestKeeper:
         if table_id is None:
             self._db.execute(f"DELETE FROM {quote(table)}")
             return
+        if self._rows is not None:
+            self._rows.truncate(table_id)
+            with self._unhashed():  # (prepared unhooked, SQLite clears it without a row step)
+                self._db.execute(f"DELETE FROM {quote(table)}")
+            return
         # without its DELETE trigger (the temp schema rolls back with the transaction too)
         self._db.execute(f"DROP TRIGGER temp.{quote(_trigger(table, 'delete'))}")
         self._db.execute(f"DELETE FROM {quote(table)}")
         self._db.execute(f"INSERT INTO {_CHANGES} VALUES (?, {_TRUNCATED}, NULL)", (table_id,))
         self._hasher.called = True
         self._create_trigger(table, table_id, "delete")
+
+    @property
+    def hooked(self) -> bool:
+        """Whether rows are hashed from SQLite's preupdate hook (so can a ``ChunkLoader``'s
+        on its own connection: :meth:`hashing`)."""
+        return self._rows is not None
+
+    def hashing(self, table: str) -> tuple[int, StoredRowDigester, _RowHasher] | None:
+        """What hashes ``table``'s rows as another connection of this process stores them
+        (``ChunkLoader.hash_rows``): its id, digester, and the Python function for the rows
+        whose text ``wire_value`` turns back; None: not kept."""
+        table_id = self._ids.get(table)
+        if table_id is None:
+            return None
+        return table_id, self._digesters[table_id], self._hasher
 
     def hashes(self, table: str, rows: Iterable[Sequence[Any]]) -> tuple[int, list[bytes]]:
         """(``table``'s id, the packed hashes of ``rows`` as stored, in the table's column
@@ -238,6 +288,10 @@ class DigestKeeper:
         if table_id is None:
             yield
             return
+        if self._rows is not None:
+            with self._unhashed():
+                yield
+            return
         self._db.execute(f"DROP TRIGGER temp.{quote(_trigger(table, 'insert'))}")
         yield
         self._create_trigger(table, table_id, "insert")
@@ -248,21 +302,47 @@ class DigestKeeper:
         the table is no longer followed under that id)."""
         if table_id not in self._digesters:
             return
+        if self._rows is not None:
+            self._rows.add(table_id, hashes)
+            return
         self._db.executemany(f"INSERT INTO {_CHANGES} VALUES (?, 1, ?)",
                              ((table_id, pair) for pair in hashes))
         self._hasher.called = True
 
     # -- the transaction -------------------------------------------------------------------
-    def fold(self) -> dict[str, Deltas]:
+    def mark(self) -> int:
+        """Where the open transaction's changes are (at a SAVEPOINT), for :meth:`undo`."""
+        return self._rows.mark() if self._rows is not None else 0
+
+    def undo(self, mark: int) -> None:
+        """After a ``ROLLBACK TO`` the SAVEPOINT at which :meth:`mark` gave ``mark``: the
+        changes recorded since are taken back (the hook is not told; a TEMP table goes back
+        with the savepoint by itself)."""
+        if self._rows is not None:
+            self._rows.undo(mark)
+
+    def fold(self, deltas_of: Collection[str] = ()) -> dict[str, Deltas]:
         """Add the open transaction's row changes to the digests and write the buckets they
-        touched (call before COMMIT); each table's bucket deltas."""
-        if not self._hasher.called:
+        touched (call before COMMIT); the bucket deltas of the tables of ``deltas_of`` (those
+        a verification logs) it changed."""
+        if self._rows is not None:
+            taken = self._taken(self._rows)
+            tables = [self._tables[table_id] for table_id in taken]
+            if len(set(tables)) == len(tables) and not any(
+                    table_sums.truncated for table_sums in taken.values()):
+                return self._fold_sums(dict(zip(tables, taken.values(), strict=True)),
+                                       deltas_of)
+            sums = {table_id: (table_sums.truncated, table_sums.buckets())
+                    for table_id, table_sums in taken.items()}
+        elif self._hasher.called:
+            self._hasher.called = False
+            sums = self._sums()
+            if sums:
+                self._db.execute(f"DELETE FROM {_CHANGES}")
+        else:
             return {}
-        self._hasher.called = False
-        sums = self._sums()
         if not sums:
             return {}
-        self._db.execute(f"DELETE FROM {_CHANGES}")
         deltas: dict[str, Deltas] = {}
         for table_id, (truncated, buckets) in sums.items():
             table = self._tables[table_id]
@@ -287,7 +367,35 @@ class DigestKeeper:
                     table_deltas[bucket] = ((total + added) & _MASK, rows + count)
         for table, table_deltas in deltas.items():
             self._write(table, self._digests[table], table_deltas)
+        return {table: deltas[table] for table in deltas_of if table in deltas}
+
+    def _fold_sums(self, sums: Mapping[str, BucketSums], deltas_of: Collection[str]
+                   ) -> dict[str, Deltas]:
+        """(:meth:`fold` most often: each table's changes under one id, none truncated) the
+        sums added into the digests and packed into their journal rows in C."""
+        deltas = {}
+        for table, table_sums in sums.items():
+            if table in deltas_of:
+                deltas[table] = table_sums.buckets()
+            digest = self._digest(table)
+            self._journal(table, digest, table_sums.apply(digest.totals, digest.counts))
         return deltas
+
+    def _taken(self, rows: RowHashes) -> dict[int, BucketSums]:
+        """The hook's changes summed; a row it could not hash (a text
+        ``wire_value`` cannot turn back: the file was written behind the mirror's back) is
+        that table's divergence, raised as a failed write of it would be."""
+        if not len(rows):
+            return {}
+        error = rows.error
+        if error is not None:
+            rows.clear()
+            table = self._tables.get(error[0], "?")
+            failed = DivergenceError(f"{table}: a row written could not be hashed for its "
+                                     f"digest ({error[1]})")
+            failed.table = table
+            raise failed
+        return rows.take(BITS)
 
     def _sums(self) -> dict[int, tuple[bool, Deltas]]:
         """The open transaction's changes summed by table id (in the order first seen: a
@@ -317,6 +425,8 @@ class DigestKeeper:
         self._digests.clear()
         self._journaled.clear()
         self._hasher.called = False
+        if self._rows is not None:
+            self._rows.clear()
         for table in list(self._ids):
             self.unfollow(table)
         for shape in shapes.values():
@@ -344,6 +454,16 @@ class DigestKeeper:
         return TableDigest(digest.bits, list(digest.totals), list(digest.counts))
 
     # -- plumbing --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _unhashed(self) -> Iterator[None]:
+        """(the hook) Writes of the connection not hashed meanwhile."""
+        assert self._rows is not None
+        self._rows.pause()
+        try:
+            yield
+        finally:
+            self._rows.resume()
+
     def _create_trigger(self, table: str, table_id: int, kind: str) -> None:
         """The trigger recording the hashes of the rows a ``kind`` statement changes."""
         names = self._digesters[table_id].names
@@ -370,7 +490,10 @@ class DigestKeeper:
     def _drop_changes(self, table: str) -> None:
         """Forget the open transaction's changes of ``table`` (its digest is set anew)."""
         ids = [table_id for table_id, name in self._tables.items() if name == table]
-        if ids:
+        if self._rows is not None:
+            for table_id in ids:
+                self._rows.restart(table_id)
+        elif ids:
             self._db.execute(f"DELETE FROM {_CHANGES} WHERE tid IN "
                              f"({', '.join('?' * len(ids))})", ids)
 
@@ -394,14 +517,19 @@ class DigestKeeper:
     def _write(self, table: str, digest: TableDigest, buckets: Collection[int]) -> None:
         """``buckets`` of ``table`` (whose digest is cached) as they are now: into its
         journal, or, when that is full, every bucket back into DIGESTS_TABLE."""
-        entries = self._journaled.get(table, 0) + len(buckets)
-        if entries > JOURNAL_ENTRIES:
+        totals, counts = digest.totals, digest.counts
+        self._journal(table, digest, b"".join(
+            [_ENTRY.pack(bucket, totals[bucket], counts[bucket]) for bucket in buckets]))
+
+    def _journal(self, table: str, digest: TableDigest, entries: bytes) -> None:
+        """Packed ``entries`` (of ``table``'s buckets as they are now) into its journal, or,
+        when that is full, every bucket back into DIGESTS_TABLE."""
+        journaled = self._journaled.get(table, 0) + len(entries) // _ENTRY.size
+        if journaled > JOURNAL_ENTRIES:
             self._store(table, digest)
             return
-        totals, counts = digest.totals, digest.counts
-        self._db.execute(f"INSERT INTO {JOURNAL_TABLE} VALUES (?, ?)", (table, b"".join(
-            [_ENTRY.pack(bucket, totals[bucket], counts[bucket]) for bucket in buckets])))
-        self._journaled[table] = entries
+        self._db.execute(f"INSERT INTO {JOURNAL_TABLE} VALUES (?, ?)", (table, entries))
+        self._journaled[table] = journaled
 
 
 class _RowHasher:

@@ -6,7 +6,10 @@ published on ``mirror.state.{mirror id}`` every CDC_MIRROR_STATE_INTERVAL and on
 
 The values come from the mirror's file (positions, states, verifications: read on a
 connection of their own, committed state only) and from what the follower already knows
-(its lag). A publish that fails is said once per outage and never stops the mirror.
+(its lag). A publish that fails is said once per outage and never stops the mirror. A
+mirror that stops on purpose publishes a last value saying so (``stopped_at``:
+:meth:`MirrorStateReporter.publish_stopped`), so that the fleet shows it stopped rather than
+gone once the TTL removes it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from nats.js.errors import NoStreamResponseError
 from cdc_platform.lsn import format_lsn
 from cdc_platform.mirror.consistency import shadow_name
 from cdc_platform.mirror.positions import CONSISTENT_TABLE, STATE_TABLE
+from cdc_platform.mirror.repair import resyncing as resyncing_tables
 from cdc_platform.wire import (
     MirrorStateValue,
     MirrorTableState,
@@ -101,6 +105,9 @@ def file_state(path: str | Path, tables: Sequence[str]
             f"SELECT wire_table, status, snapshot_id, cutover_lsn, applied_commit_lsn "
             f"FROM {STATE_TABLE} WHERE wire_table IN ({', '.join('?' * len(names))})", names)}
         consistent = db.execute(f"SELECT lsn_int FROM {CONSISTENT_TABLE}").fetchone()
+        resyncing: set[str] = set()
+        with contextlib.suppress(sqlite3.OperationalError):  # (a file an older mirror wrote)
+            resyncing = resyncing_tables(db)
         verified: dict[str, MirrorVerification] = {}
         with contextlib.suppress(sqlite3.OperationalError):  # (no verification table yet)
             for row in db.execute(
@@ -115,6 +122,10 @@ def file_state(path: str | Path, tables: Sequence[str]
         status, snapshot_id, cutover, applied = own or (
             ("bootstrapping", *states[shadow_name(table)][1:]) if shadow_name(table) in states
             else ("bootstrapping", None, 0, 0))
+        if status == "streaming" and table in resyncing:
+            # streaming, its changes made to fit, until a verification after the bridge's
+            # lost slot finds it equal (docs/verification.md "Item 6")
+            status = "resyncing"
         shown[table] = MirrorTableState(
             status=status, snapshot_id=snapshot_id, cutover_lsn=_lsn_text(cutover),
             applied_lsn=_lsn_text(applied), last_verification=verified.get(table))
@@ -174,9 +185,23 @@ class MirrorStateReporter:
         self._stopping = True
         self.report_now()
 
-    async def publish_once(self, js: JetStreamContext) -> None:
+    async def publish_stopped(self, js: JetStreamContext) -> None:
+        """Publish the last value, saying the mirror stopped on purpose (after :meth:`run`
+        ended: nothing publishes after it). Bounded: NATS away must not hold a stop up."""
         try:
-            body = json.dumps(await self.value(js), separators=(",", ":")).encode()
+            await asyncio.wait_for(self.publish_once(js, stopped_at=time.time()),
+                                   _PUBLISH_TIMEOUT_SECONDS)
+        except TimeoutError:
+            log.warning("mirror %s: its last state (stopped) was not published within %.0fs",
+                        self.mirror_id, _PUBLISH_TIMEOUT_SECONDS)
+
+    async def publish_once(self, js: JetStreamContext, *, stopped_at: float | None = None
+                           ) -> None:
+        try:
+            value = await self.value(js)
+            if stopped_at is not None:
+                value["stopped_at"] = _iso(stopped_at)
+            body = json.dumps(value, separators=(",", ":")).encode()
             await self._publish(js, body)
         except Exception as exc:  # noqa: BLE001 - NATS away, refused, the file busy: said once
             if not self._failing:

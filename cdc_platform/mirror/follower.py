@@ -62,6 +62,7 @@ from cdc_platform.mirror.consistency import (
 )
 from cdc_platform.mirror.errors import DivergenceError, MirrorError
 from cdc_platform.mirror.fleet import MirrorStateReporter, default_mirror_id
+from cdc_platform.mirror.lock import holding
 from cdc_platform.mirror.meetings import Meetings, OnVerification
 from cdc_platform.mirror.positions import TableState
 from cdc_platform.mirror.repair import (
@@ -189,8 +190,12 @@ class Mirror:
                   until_caught_up: bool = False) -> None:
         """Mirror until ``stop`` is set (or, with ``until_caught_up``, until every table
         streams and nothing is pending). Raises :class:`MirrorError` on what needs a human:
-        a table that is not published, a corrupt database, a schema it cannot map."""
-        stop = stop or asyncio.Event()
+        a table that is not published, a corrupt database, a schema it cannot map;
+        :class:`MirrorRunning` at once when another mirror runs on the file."""
+        with holding(self.path):
+            await self._run(stop or asyncio.Event(), until_caught_up)
+
+    async def _run(self, stop: asyncio.Event, until_caught_up: bool) -> None:
         # a corrupt file is an error before anything else
         store = MirrorStore(self.path, digests=self.options.digests)
         store.most_logged = self.options.verify_log_rows
@@ -207,14 +212,16 @@ class Mirror:
             js = nc.jetstream()
             self._session = (nc, js, store, stop)
             reporting = asyncio.create_task(self.fleet.run(js))
+            on_purpose = False  # stopped or caught up, not ended by an error
             try:
                 await self._check_published(js)
                 while not stop.is_set():
                     try:
                         if await self._follow(nc, js, store, stop, until_caught_up):
-                            return
+                            break
                     except _Restart:
                         continue
+                on_purpose = True
             finally:
                 self.fleet.stop()
                 reporting.cancel()
@@ -222,6 +229,8 @@ class Mirror:
                     await reporting
                 await self._stop_loaders()
                 await self._stop_repairs()
+                if on_purpose:  # the fleet shows it stopped, not gone (a crash: gone)
+                    await self.fleet.publish_stopped(js)
                 self._session = None
                 await close_nats(nc, 5.0)
         finally:
@@ -346,7 +355,7 @@ class Mirror:
                 if store.in_transaction:
                     return None
                 taken = compiled(data, seen)
-                if taken is not None and store.keeps_digests:
+                if taken is not None and store.keeps_digests and not store.loads_digested:
                     loaded.append(data)
                 return taken
 

@@ -80,7 +80,7 @@ class MirrorStore:
         # (one dict, the writer's too: changed in place, never replaced)
         self._shapes: dict[str, TableShape] = shapes
         self._writer = ChangeWriter(self._db, statements, self._shapes,
-                                    truncate=self._digests.truncate)
+                                    truncate=self._digests.truncate, marks=self._digests)
         self._states: dict[str, TableState | None] = {}  # committed states, cached
         self._open: Applied | None = None  # the transaction begin() opened
         self._open_states: dict[str, TableState] = {}
@@ -294,6 +294,13 @@ class MirrorStore:
             yield
         self._digests.add(*hashes)
 
+    @property
+    def loads_digested(self) -> bool:
+        """Whether a chunk :meth:`chunk_loader` loads is in the table's digest when ``load``
+        returns (hashed as the loader stores it); else the caller adds it
+        (:meth:`loaded_hashes`, :meth:`digest_loaded`)."""
+        return self._digests.hooked
+
     @contextlib.contextmanager
     def chunk_loader(self, table: str, columns: tuple[str, ...]) -> Iterator[ChunkLoad | None]:
         """The compiled loader of ``table``'s msgpack chunks (rows in ``columns`` order), or
@@ -301,7 +308,8 @@ class MirrorStore:
         writes a chunk in one transaction of its own connection and gives (its number, rows),
         or None to leave the chunk to :meth:`load_tuples` / :meth:`load_rows` (the reference:
         a property test holds the two to the same rows). Not inside a transaction of this
-        store: the two connections would wait on each other."""
+        store: the two connections would wait on each other. A loaded chunk's rows are added
+        to the table's digest as :attr:`loads_digested` says."""
         try:
             file = self._db.execute("PRAGMA database_list").fetchone()[2]  # (main's file)
         except sqlite3.Error:  # (a file name that is not UTF-8)
@@ -312,11 +320,25 @@ class MirrorStore:
                 loader = ChunkLoader(file, insert_statement(table, columns), columns)
             except ValueError:
                 loader = None  # (no such table, ...: the pure path gives the real error)
+        hashing = self._digests.hashing(table) if self.loads_digested else None
+        if loader is None or hashing is None or not loader.hash_rows(table, *hashing):
+            try:
+                yield loader.load if loader is not None else None
+            finally:
+                if loader is not None:
+                    loader.close()
+            return
+        hashes_of = loader.hashes
+
+        def load(data: bytes, seen: set[int]) -> tuple[int, int] | None:
+            taken = loader.load(data, seen)
+            if taken is not None:  # (a bootstrap interrupted before this begins again)
+                self.digest_loaded((hashing[0], hashes_of()))
+            return taken
         try:
-            yield loader.load if loader is not None else None
+            yield load
         finally:
-            if loader is not None:
-                loader.close()
+            loader.close()
 
     def finish_bootstrap(self, table: str, stream_seq: int) -> None:
         """The snapshot is loaded: from now on events at or after its cutover LSN apply."""
@@ -419,15 +441,14 @@ class MirrorStore:
     def _write_tolerantly(self, event: Mapping[str, Any]) -> None:
         """``event`` written as it is where it fits, else forced (in a savepoint: what the
         failed write did, its digest changes too, goes back first)."""
-        self._db.execute("SAVEPOINT cdc_tolerant")
-        try:
-            self._writer.write(event)
-        except CHANGE_ERRORS as exc:
-            if not isinstance(exc, DivergenceError) and not from_the_change(exc, self._db):
-                raise
-            self._db.execute("ROLLBACK TO cdc_tolerant")
-            self._writer.force(event)
-        self._db.execute("RELEASE cdc_tolerant")
+        with self._writer.savepoint("cdc_tolerant") as rollback:
+            try:
+                self._writer.write(event)
+            except CHANGE_ERRORS as exc:
+                if not isinstance(exc, DivergenceError) and not from_the_change(exc, self._db):
+                    raise
+                rollback()
+                self._writer.force(event)
 
     @property
     def open_events(self) -> int:
@@ -448,9 +469,9 @@ class MirrorStore:
             names = list(followed)
             if names:
                 self._advance(names, stream_seq)
-            deltas = self._digests.fold()
-            for table in self._logging.keys() & deltas.keys():
-                self.log_digest_deltas(table, commit_lsn, deltas[table])
+            deltas = self._digests.fold(self._logging.keys())
+            for table, table_deltas in deltas.items():
+                self.log_digest_deltas(table, commit_lsn, table_deltas)
             self._db.execute("COMMIT")
         except BaseException:
             self.rollback()
@@ -582,6 +603,7 @@ class MirrorStore:
             self._db.executemany(f"DELETE FROM {quote(shadow)} WHERE rowid = ?", (
                 (rowid,) for rowid in repair.rowids_in_buckets(self._db, shape, bits, buckets,
                                                                inside=False)))
+            target = self._learn_base_types(target, shape)
             names = ", ".join(quote(column.name) for column in target.columns)
             inserted = self._db.execute(f"INSERT INTO {quote(table)} ({names}) SELECT {names} "
                                         f"FROM {quote(shadow)}").rowcount
@@ -601,6 +623,24 @@ class MirrorStore:
             self.record_consistent_lsn(consistent_lsn)
         self._writer.forget({table, shadow})
         return len(doomed), inserted
+
+    def _learn_base_types(self, kept: TableShape, snapshot: TableShape) -> TableShape:
+        """``kept`` with the base types of ``snapshot``'s columns (the same fingerprint's)
+        where it kept none, recorded with the table. A file shaped before base types were
+        kept reads a domain's values as its type's: its rows holding a NaN, an xid8 past
+        2^63 or an array differ from the source's, so a repair of their buckets comes, and
+        from it the table reads them as its base type's. The rows outside the buckets hash
+        the same either way (else they would differ too), so their digests stand."""
+        shape = kept.learning_base_types(snapshot)
+        if shape is kept:
+            return kept
+        self._shapes[kept.table] = shape
+        self._writer.forget({kept.table})
+        self._digests.follow(shape)  # (the rows the repair inserts hashed by the base types)
+        state = self.state(kept.table)
+        if state is not None:
+            self._put_state(state, stream_seq=state.stream_seq)
+        return shape
 
     def resyncing(self) -> set[str]:
         """The tables that may miss changes a lost slot took (mirror/repair.py)."""
@@ -676,6 +716,11 @@ class LoadsChunks(Protocol):
     """A compiled loader of one table's msgpack chunks (see :meth:`MirrorStore.chunk_loader`)."""
 
     def load(self, data: bytes, seen: set[int]) -> tuple[int, int] | None: ...
+
+    def hash_rows(self, table: str, table_id: int, digester: Any,
+                  hasher: Callable[..., bytes]) -> bool: ...
+
+    def hashes(self) -> list[bytes]: ...
 
     def close(self) -> None: ...
 

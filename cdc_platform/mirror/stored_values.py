@@ -2,12 +2,11 @@
 mirror computes a row's digest (``cdc_platform.wire.digest``) from its own file exactly as the
 source computes it from PostgreSQL (docs/verification.md, "What the mirror stores").
 
-``to_sqlite`` changes a value in four ways, each undone here from the column's type: an
-int above 2^63-1 is stored as its decimal text (xid8), a NaN float as the text ``NaN``, an
-array as the JSON text of its nested lists (bytes as ``\\x`` hex strings, non-finite floats
-as ``NaN``/``Infinity``/``-Infinity``), a bool as 0/1 (left as it is: the digest hashes a
-bool as that integer). A domain over one of these types is not undone: the column knows the
-domain, not its base type (docs/verification.md says what closes that gap).
+``to_sqlite`` changes a value in four ways, each undone here from the column's base type
+(``base_type_oid``: a domain's is the type it is over): an int above 2^63-1 is stored as its
+decimal text (xid8), a NaN float as the text ``NaN``, an array as the JSON text of its nested
+lists (bytes as ``\\x`` hex strings, non-finite floats as ``NaN``/``Infinity``/
+``-Infinity``), a bool as 0/1 (left as it is: the digest hashes a bool as that integer).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cdc_platform.mirror.columns import (
+    BUILTIN_ARRAY_OIDS,
     NON_FINITE_FLOATS,
     REAL_OIDS,
     WIDE_INTEGER_OIDS,
@@ -32,10 +32,12 @@ _BYTEA_ARRAY = 1001
 
 
 def is_array(column: MirroredColumn) -> bool:
-    """Whether the column holds arrays: ``sqlite_type`` declares TEXT for arrays (of any
-    type) and for the builtin text types; a TEXT column whose type alone is not TEXT holds
-    arrays."""
-    return column.sqlite_type == "TEXT" and sqlite_type(column.type_oid, "") != "TEXT"
+    """Whether the column holds arrays: its base type is a builtin array type (a domain over
+    one has no affinity), or ``sqlite_type`` declared it TEXT for an array (of any type: it
+    declares TEXT for arrays and for the builtin text types, so a TEXT column whose type alone
+    is not TEXT holds arrays)."""
+    return column.base_type_oid in BUILTIN_ARRAY_OIDS or (
+        column.sqlite_type == "TEXT" and sqlite_type(column.type_oid, "") != "TEXT")
 
 
 def wire_value(stored: Any, column: MirroredColumn) -> Any:
@@ -43,7 +45,7 @@ def wire_value(stored: Any, column: MirroredColumn) -> Any:
     raw text PostgreSQL printed for a value no converter took, is returned as it is)."""
     if not isinstance(stored, str):
         return stored
-    oid = column.type_oid
+    oid = column.base_type_oid
     if oid in REAL_OIDS:
         return math.nan if stored == "NaN" else stored
     if oid in WIDE_INTEGER_OIDS:

@@ -17,7 +17,12 @@ import psycopg
 from cdc_platform.errors import ConversionError, SnapshotRequestRefused
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.naming import parse_wire_name, qualified_name, wire_name
-from cdc_platform.protocol.values import TypeRegistry, identity, parse_array
+from cdc_platform.protocol.values import (
+    TYPE_CATALOG_QUERY,
+    TypeRegistry,
+    identity,
+    parse_array,
+)
 from cdc_platform.wire import Column, schema_fingerprint
 
 _PUBLISHED_TABLES = """
@@ -160,14 +165,13 @@ def missing_value(text: str | None, delimiter: str, type_oid: int,
 
 
 def _schema_from_rows(schema: str, table: str, rows: list,
-                      types: TypeRegistry | None = None) -> TableSchema | None:
+                      types: TypeRegistry) -> TableSchema | None:
     if not rows:
         return None
-    types = types or TypeRegistry()
     columns = tuple(CatalogColumn(name, attnum, data_type, nullable, default, type_oid,
                                   bool(is_key), bool(is_pk),
                                   missing_value(missing, delimiter, type_oid, types), attnum,
-                                  type_modifier=typmod)
+                                  types.base_type_oid(type_oid), type_modifier=typmod)
                     for (name, attnum, data_type, nullable, default, type_oid, typmod, _,
                          is_key, is_pk, _, missing, delimiter, _, _, _) in rows)
     first = rows[0]
@@ -176,12 +180,43 @@ def _schema_from_rows(schema: str, table: str, rows: list,
                        read_at_lsn=parse_lsn(first[15]))
 
 
+def _type_oids(rows: list) -> list[int]:
+    return [row[5] for row in rows]
+
+
+def load_types(conn: psycopg.Connection, types: TypeRegistry, oids: list[int]) -> None:
+    """Teach ``types`` the non-builtin types among ``oids`` (and the element and base types
+    they refer to) from the catalog; a type even the catalog does not know stays unknown."""
+    missing = types.missing_oids(oids)
+    while missing:
+        types.add_catalog_rows(conn.execute(TYPE_CATALOG_QUERY, (list(missing),)).fetchall())
+        still = types.missing_oids(oids)
+        if still == missing:
+            return
+        missing = still
+
+
+async def load_types_async(conn: psycopg.AsyncConnection, types: TypeRegistry,
+                           oids: list[int]) -> None:
+    missing = types.missing_oids(oids)
+    while missing:
+        cursor = await conn.execute(TYPE_CATALOG_QUERY, (list(missing),))
+        types.add_catalog_rows(await cursor.fetchall())
+        still = types.missing_oids(oids)
+        if still == missing:
+            return
+        missing = still
+
+
 def table_schema(conn: psycopg.Connection, publication: str, schema: str,
                  table: str, types: TypeRegistry | None = None) -> TableSchema | None:
     """The table's published shape, or None if it is not in the publication. ``types``
-    converts missing values of non-builtin types (the caller's registry knows them)."""
+    (default: a registry of its own) learns the columns' non-builtin types: they resolve
+    the columns' base types and convert their missing values."""
     rows = conn.execute(_COLUMNS, {"publication": publication, "schema": schema,
                                    "table": table}).fetchall()
+    types = types or TypeRegistry()
+    load_types(conn, types, _type_oids(rows))
     return _schema_from_rows(schema, table, rows, types)
 
 
@@ -198,7 +233,10 @@ async def table_schema_async(conn: psycopg.AsyncConnection, publication: str, sc
                              ) -> TableSchema | None:
     cursor = await conn.execute(_COLUMNS, {"publication": publication, "schema": schema,
                                            "table": table})
-    return _schema_from_rows(schema, table, await cursor.fetchall(), types)
+    rows = await cursor.fetchall()
+    types = types or TypeRegistry()
+    await load_types_async(conn, types, _type_oids(rows))
+    return _schema_from_rows(schema, table, rows, types)
 
 
 def resolve_published_table(conn: psycopg.Connection, publication: str,

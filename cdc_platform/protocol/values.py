@@ -59,7 +59,7 @@ REQUIRED_SESSION_SETTINGS = {
 
 TYPE_CATALOG_QUERY = """
 SELECT t.oid::int, t.typname, n.nspname, t.typtype, t.typcategory, t.typelem::int,
-       t.typbasetype::int, t.typdelim
+       t.typbasetype::int, t.typdelim, t.typarray::int
 FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace
 WHERE t.oid = ANY(%s::oid[])
 """
@@ -198,6 +198,7 @@ _BUILTIN_ARRAYS: dict[int, int] = {
     3907: 3906, 3909: 3908, 3911: 3910, 3913: 3912, 3927: 3926, 271: 5069, 2210: 2205,
     2211: 2206, 1008: 24, 1010: 27, 1034: 1033, 2201: 1790,
 }
+_BUILTIN_ARRAY_OF = {element: array for array, element in _BUILTIN_ARRAYS.items()}
 _BOX_OID = 603
 
 
@@ -285,6 +286,7 @@ class TypeInfo:
     element_oid: int  # typelem (arrays)
     base_oid: int  # typbasetype (domains)
     delimiter: str
+    array_oid: int  # typarray: the type of its arrays (0: none)
 
 
 class TypeRegistry:
@@ -318,9 +320,10 @@ class TypeRegistry:
         return missing
 
     def add_catalog_rows(self, rows: Iterable[Sequence[Any]]) -> None:
-        for oid, name, namespace, kind, category, element, base, delimiter in rows:
+        for oid, name, namespace, kind, category, element, base, delimiter, array in rows:
             self._catalog[int(oid)] = TypeInfo(int(oid), name, namespace, kind, category,
-                                               int(element or 0), int(base or 0), delimiter)
+                                               int(element or 0), int(base or 0), delimiter,
+                                               int(array or 0))
         self._converters.clear()  # a domain/array may now resolve to something better
 
     def _is_builtin(self, oid: int) -> bool:
@@ -353,6 +356,40 @@ class TypeRegistry:
             delimiter = element_info.delimiter if element_info else ","
             return _array_converter(self._build(info.element_oid, depth + 1), delimiter)
         return identity  # enums, composites, ranges, extension base types
+
+    def base_type_oid(self, oid: int) -> int:
+        """The type whose values ``oid``'s are (KV ``schemas``' ``base_type_oid``): ``oid``
+        with domains resolved as :meth:`converter` resolves them, and an array's element
+        too (an array of a domain: the array type of the domain's base; of a domain over an
+        array: that array type, PostgreSQL's arrays having any number of dimensions). A type
+        the registry does not know, or an array whose resolved element has no array type, is
+        itself."""
+        resolved = self._resolve_domain(oid, depth=0)
+        element = self._element_of(resolved)
+        if not element:
+            return resolved
+        base_element = self.base_type_oid(element)
+        if base_element == element:
+            return resolved
+        if self._element_of(base_element):
+            return base_element
+        info = self._catalog.get(base_element)
+        return (_BUILTIN_ARRAY_OF.get(base_element) or (info.array_oid if info else 0)
+                or resolved)
+
+    def _resolve_domain(self, oid: int, depth: int) -> int:
+        info = self._catalog.get(oid)
+        if info is None or info.kind != "d" or not info.base_oid or depth > 16:
+            return oid
+        return self._resolve_domain(info.base_oid, depth + 1)
+
+    def _element_of(self, oid: int) -> int:
+        """The element type of the array type ``oid`` (0: not an array type)."""
+        element = _BUILTIN_ARRAYS.get(oid)
+        if element is not None:
+            return element
+        info = self._catalog.get(oid)
+        return info.element_oid if info and info.category == "A" and info.kind != "d" else 0
 
     def for_columns(self, columns: Sequence[Any]) -> list[Converter]:
         """One text->value function per column (objects with ``.type_oid``)."""

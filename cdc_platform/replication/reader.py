@@ -27,6 +27,7 @@ import psycopg
 
 from cdc_platform.errors import ReplicationConfigError, ReplicationError
 from cdc_platform.lsn import format_lsn
+from cdc_platform.postgres.catalog import load_types_async
 from cdc_platform.protocol.changes import TransactionAssembler, TransactionCommitted
 from cdc_platform.protocol.pgoutput import Begin, Relation, decode_message
 from cdc_platform.protocol.streaming import (
@@ -35,7 +36,7 @@ from cdc_platform.protocol.streaming import (
     parse_copy_data,
     standby_status_update,
 )
-from cdc_platform.protocol.values import TYPE_CATALOG_QUERY, TypeRegistry
+from cdc_platform.protocol.values import TypeRegistry
 from cdc_platform.replication.connection import (
     SESSION_OPTIONS,
     ReplicationConnection,
@@ -224,16 +225,12 @@ class SlotReader:
         return max(0.0, self.status_interval - (time.monotonic() - self._last_status))
 
     async def _ensure_types(self, relation: Relation) -> None:
-        """Look up non-builtin column types (enums, domains, arrays of them) once."""
-        missing = self.types.missing_oids(c.type_oid for c in relation.columns)
-        while missing:
+        """Look up non-builtin column types (enums, domains, arrays of them) once (unknown
+        even to the catalog: converted as text)."""
+        oids = [c.type_oid for c in relation.columns]
+        if self.types.missing_oids(oids):
             assert self.catalog is not None
-            cursor = await self.catalog.execute(TYPE_CATALOG_QUERY, (list(missing),))
-            self.types.add_catalog_rows(await cursor.fetchall())
-            still = self.types.missing_oids(c.type_oid for c in relation.columns)
-            if still == missing:
-                break  # unknown even to the catalog: converted as text
-            missing = still
+            await load_types_async(self.catalog, self.types, oids)
 
     # -- acknowledging -------------------------------------------------------------------
     def confirm(self, lsn: int) -> None:

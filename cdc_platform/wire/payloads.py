@@ -65,13 +65,21 @@ class Column:
     is_primary_key: bool
     missing_value: Value = None  # what rows older than the column read (attmissingval)
     attnum: int = 0  # the column's identity (pg_attribute.attnum): kept by a RENAME; 0: unknown
+    # the type whose values the column's are: ``type_oid`` with domains resolved (an array of
+    # a domain: the array type of the resolved element); 0 given: ``type_oid`` (no domain)
+    base_type_oid: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.base_type_oid:
+            object.__setattr__(self, "base_type_oid", self.type_oid)
 
     @classmethod
     def from_wire(cls, column: Mapping[str, Any]) -> "Column":
         """A ``columns`` element read from the wire: KeyError, TypeError or ValueError when it
         is not one. Only ``name``, ``type_oid`` and ``data_type`` are required (what consumers
         read to store a column); the others read as unknown when absent: position 0, nullable,
-        no default, not in a key, no missing value, attnum 0."""
+        no default, not in a key, no missing value, attnum 0, and ``base_type_oid`` (absent
+        from a schema an older bridge wrote) as ``type_oid``."""
         name = column["name"]
         if not isinstance(name, str) or not name:
             raise ValueError(f"name {name!r}")
@@ -82,7 +90,8 @@ class Column:
                    bool(column.get("is_nullable", True)),
                    None if default is None else str(default), type_oid,
                    bool(column.get("is_key")), bool(column.get("is_primary_key")),
-                   column.get("missing_value"), int(column.get("attnum") or 0))
+                   column.get("missing_value"), int(column.get("attnum") or 0),
+                   int(column.get("base_type_oid") or type_oid))
 
     def to_wire(self) -> dict[str, Value]:
         return {name: getattr(self, name) for name in COLUMN_FIELDS}
@@ -192,7 +201,9 @@ class MirrorVerification(TypedDict):
 class MirrorTableState(TypedDict):
     """One table of a :class:`MirrorStateValue`, as the mirror's file holds it."""
 
-    status: str  # "bootstrapping" | "streaming" | "stale"
+    # "bootstrapping" | "streaming" | "stale" | "resyncing" (streaming, but not verified since
+    # the bridge lost its slot: it may lack changes)
+    status: str
     snapshot_id: str | None
     cutover_lsn: str | None
     applied_lsn: str | None  # the last applied commit LSN (null: nothing applied yet)
@@ -202,7 +213,9 @@ class MirrorTableState(TypedDict):
 class MirrorStateValue(TypedDict):
     """KV ``mirrors``, key = mirror id (``{team}.{name}`` or ``{name}``): a mirror's state,
     JSON, published on ``mirror.state.{mirror id}`` every CDC_MIRROR_STATE_INTERVAL and after
-    each verification; gone after the bucket's TTL once the mirror stops."""
+    each verification; gone after the bucket's TTL once the mirror stops. A mirror that stops
+    on purpose (caught up with ``--once``, SIGTERM, Ctrl-C) publishes a last value with
+    ``stopped_at``; one that crashes or is killed does not."""
 
     mirror_id: str
     host: str
@@ -215,6 +228,7 @@ class MirrorStateValue(TypedDict):
     lag_bytes: int | None  # stream_last_lsn - consistent_lsn
     lag_seconds: float  # behind the source's commit time (the status line's)
     tables: dict[str, MirrorTableState]
+    stopped_at: NotRequired[str]  # ISO 8601 UTC: its last value, it stopped on purpose
 
 
 class SnapshotChunk(TypedDict):

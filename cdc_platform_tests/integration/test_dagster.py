@@ -950,21 +950,24 @@ async def test_a_flood_of_verify_requests_starts_one_verification_a_table_per_in
         assert jsonlib.loads(released.tags[REPLIES_TAG]) == [["b1", inbox], ["b2", inbox]]
 
 
-def _mirror_state(mirror_id: str, lag_seconds: float, verifications: dict) -> bytes:
+def _mirror_state(mirror_id: str, lag_seconds: float, verifications: dict, *,
+                  status: str = "streaming", stopped_at: str | None = None) -> bytes:
     """A mirror's state value as `cdc-platform mirror` publishes it (wire MirrorStateValue),
-    following the tables of ``verifications`` (table -> its last verification or None)."""
+    following the tables of ``verifications`` (table -> its last verification or None),
+    each ``status``; ``stopped_at``: its last value, it stopped on purpose."""
     import json as jsonlib
 
     from cdc_platform.wire import MirrorStateValue, in_field_order
 
+    stopped = {} if stopped_at is None else {"stopped_at": stopped_at}
     return jsonlib.dumps(in_field_order(MirrorStateValue, {
         "mirror_id": mirror_id, "host": "edge", "pid": 1, "version": "0",
         "started_at": "2026-11-26T05:00:00Z", "updated_at": "2026-11-26T05:00:30Z",
         "consistent_lsn": "0/2", "stream_last_lsn": "0/2", "lag_bytes": 0,
         "lag_seconds": lag_seconds, "tables": {
-            table: {"status": "streaming", "snapshot_id": "s", "cutover_lsn": "0/1",
+            table: {"status": status, "snapshot_id": "s", "cutover_lsn": "0/1",
                     "applied_lsn": "0/2", "last_verification": verification}
-            for table, verification in verifications.items()}})).encode()
+            for table, verification in verifications.items()}, **stopped})).encode()
 
 
 @pytest.fixture
@@ -1107,3 +1110,58 @@ async def test_mirrors_equal_source_turns_red_when_a_mirror_differs_and_green_on
         # and no verification run materialized the table meanwhile
         assert len(instance.fetch_materializations(dg.AssetKey("table_verification"),
                                                    limit=10).records) == 1
+
+
+async def test_a_mirror_stopped_on_purpose_stays_listed_and_green_and_a_resyncing_one_warns(
+        dagster_env, state_bucket):
+    """`mirrors_fresh`: a mirror whose last state says it stopped (`--once`, SIGTERM) is
+    listed as stopped, its lag not judged, and not gone once the TTL removed its state.
+    `mirrors_equal_source`: a mirror resyncing after a lost slot warns, whatever it met
+    before, until a verification finds it equal again."""
+    from cdc_platform.definitions import build_definitions
+
+    table = random_name("resynced")
+    defs = build_definitions()
+    equal = {"verification_id": "verify-2", "lsn": "0/2", "status": "equal",
+             "buckets_differing": 0, "rows_repaired": 0, "at": None}
+    await state_bucket.put("edge1", _mirror_state("edge1", 1.0, {table: equal}))
+    await state_bucket.put("cron1", _mirror_state("cron1", 900.0, {table: equal},
+                                                  stopped_at="2026-11-26T05:01:00Z"))
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("published_tables", [table])
+        instance.report_runless_asset_event(dg.AssetMaterialization(
+            asset_key="table_verification", partition=table,
+            metadata={"verification_id": "verify-2", "lsn": "0/2"}))
+        launched: set[str] = set()
+
+        async def tick():
+            await asyncio.to_thread(report_sensor_tick, defs, instance,
+                                    "mirror_fleet_sensor", None, launched)
+            return (latest_check_evaluation(instance, "mirror_fleet", "mirrors_fresh"),
+                    latest_check_evaluation(instance, "table_verification",
+                                            "mirrors_equal_source", partition=table))
+
+        fresh, equality = await tick()
+        assert fresh.passed, fresh.description
+        assert fresh.metadata["stopped"].value == {"cron1": "2026-11-26T05:01:00Z"}
+        assert fresh.metadata["lagging"].value == {} and equality.passed
+        await state_bucket.delete("cron1")  # (as the TTL does)
+        fresh, _ = await tick()
+        assert fresh.passed and fresh.metadata["gone"].value == [], fresh.description
+        (record,) = instance.fetch_observations(dg.AssetKey("mirror_fleet"), limit=1).records
+        assert record.asset_observation.metadata["stopped"].value == {
+            "cron1": "2026-11-26T05:01:00Z"}
+
+        await state_bucket.put("edge1", _mirror_state("edge1", 1.0, {table: equal},
+                                                      status="resyncing"))
+        _, equality = await tick()
+        assert not equality.passed and equality.severity == dg.AssetCheckSeverity.WARN
+        assert equality.metadata["resyncing"].value == ["edge1"]
+        # the next verification (the one the resync sensor starts) met equal ends it
+        instance.report_runless_asset_event(dg.AssetMaterialization(
+            asset_key="table_verification", partition=table,
+            metadata={"verification_id": "verify-3", "lsn": "0/3"}))
+        await state_bucket.put("edge1", _mirror_state("edge1", 1.0, {
+            table: {**equal, "verification_id": "verify-3"}}))
+        _, equality = await tick()
+        assert equality.passed, equality.description

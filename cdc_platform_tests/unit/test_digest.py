@@ -190,12 +190,18 @@ def test_what_is_not_a_wire_value_is_a_clear_error():
         TableDigest(2).folded(3)
 
 
+# the vectors' columns as they are; each a domain over its type; each array an array of a
+# domain over its element type (as KV ``schemas`` says them: ``base_type_oid``)
+TYPED = ["types", "domains", "arrays of domains"]
+
+
+@pytest.mark.parametrize("typed", TYPED)
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])
 @pytest.mark.parametrize("table", sorted(VECTORS))
-def test_a_change_events_values_hash_as_the_vectors_say_in_either_format(table, fmt):
+def test_a_change_events_values_hash_as_the_vectors_say_in_either_format(table, fmt, typed):
     """What a mirror hashes as it applies a change: the event's ``data`` as the wire encodes
-    and a consumer decodes it (JSON: bytea and non-finite floats restored by column type)."""
-    shape = TableShape.from_schema(_schema(table))
+    and a consumer decodes it (JSON: bytea and non-finite floats restored by base type)."""
+    shape = TableShape.from_schema(_schema(table, typed))
     digester = _digester(table)
     for row, expected in zip(_rows(table), VECTORS[table]["rows"], strict=True):
         data = decode_payload(encoder(fmt)({"data": row}), fmt)["data"]
@@ -205,15 +211,24 @@ def test_a_change_events_values_hash_as_the_vectors_say_in_either_format(table, 
 
 
 # -- the mirror's SQLite form ---------------------------------------------------------------------
-def _schema(table: str) -> dict[str, Any]:
+def _schema(table: str, typed: str = "types") -> dict[str, Any]:
     vectors = VECTORS[table]
+    columns = []
+    for position, column in enumerate(vectors["columns"], start=1):
+        column = {**column, "attnum": position}
+        array = column["data_type"].endswith("[]")
+        if typed == "domains" or (typed == "arrays of domains" and array):
+            # (a domain's oid, and format_type's name of it or of its array)
+            column.update(type_oid=900000 + position, base_type_oid=column["type_oid"],
+                          data_type=f"domain{position}" + ("[]" if array and typed ==
+                                                           "arrays of domains" else ""))
+        columns.append(column)
     return {"table": table, "fingerprint": "digest-vectors", "primary_key": vectors["primary_key"],
-            "columns": [{**column, "attnum": position}
-                        for position, column in enumerate(vectors["columns"], start=1)]}
+            "columns": columns}
 
 
-def _read_back(path: str, table: str) -> list[dict[str, Any]]:
-    shape = TableShape.from_schema(_schema(table))
+def _read_back(path: str, table: str, typed: str) -> list[dict[str, Any]]:
+    shape = TableShape.from_schema(_schema(table, typed))
     by_name = {column.name: column for column in shape.columns}
     with sqlite3.connect(path) as db:
         cursor = db.execute(f'SELECT * FROM "{table}" ORDER BY rowid')
@@ -244,13 +259,15 @@ def _insert_events(table: str, rows: list[dict[str, Any]]) -> list[dict[str, Any
              "schema_fingerprint": "digest-vectors"} for ordinal, row in enumerate(rows)]
 
 
+@pytest.mark.parametrize("typed", TYPED)
 @pytest.mark.parametrize("table", sorted(VECTORS))
 @pytest.mark.parametrize("how", ["snapshot", "stream"])
-def test_every_edge_value_comes_back_from_the_mirrors_sqlite_with_its_hash(table, how, tmp_path):
+def test_every_edge_value_comes_back_from_the_mirrors_sqlite_with_its_hash(table, how, typed,
+                                                                           tmp_path):
     path = str(tmp_path / "mirror.db")
     store = MirrorStore(path)
     try:
-        shape = TableShape.from_schema(_schema(table))
+        shape = TableShape.from_schema(_schema(table, typed))
         store.begin_bootstrap(shape, "digest-vectors", 1)
         if how == "snapshot":
             store.load_rows(table, _rows(table))
@@ -261,13 +278,13 @@ def test_every_edge_value_comes_back_from_the_mirrors_sqlite_with_its_hash(table
     finally:
         store.close()
     digester = _digester(table)
-    read = _read_back(path, table)
+    read = _read_back(path, table, typed)
     assert [f"{digester.row_hash(row):016x}" for row in read] == [
         row["row_hash"] for row in VECTORS[table]["rows"]]
     assert table_digest(read, digester, VECTORS[table]["bits"]) == table_digest(
         _rows(table), digester, VECTORS[table]["bits"])
     # the same from the stored tuples, as `mirror verify` scans them
-    shape = TableShape.from_schema(_schema(table))
+    shape = TableShape.from_schema(_schema(table, typed))
     stored = StoredRowDigester(shape.columns, VECTORS[table]["primary_key"])
     with sqlite3.connect(path) as db:
         names = ", ".join(f'"{name}"' for name in stored.names)

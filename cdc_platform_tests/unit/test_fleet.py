@@ -8,15 +8,27 @@ import json
 import pytest
 
 from cdc_platform.errors import ConfigError
-from cdc_platform.fleet import Fleet, NotAState, equality, freshness, parse_state, seen_since
+from cdc_platform.fleet import (
+    Fleet,
+    NotAState,
+    equality,
+    freshness,
+    parse_state,
+    seen_since,
+    stopped_since,
+)
 from cdc_platform.mirror.fleet import default_mirror_id
 from cdc_platform.settings import MirrorSettings, load_settings
 
 
-def _state(mirror_id: str = "edge", lag: float = 1.0, **tables) -> bytes:
-    return json.dumps({"mirror_id": mirror_id, "lag_seconds": lag, "lag_bytes": 10,
-                       "tables": {name: {"status": "streaming", "last_verification": last}
-                                  for name, last in tables.items()}}).encode()
+def _state(mirror_id: str = "edge", lag: float = 1.0, *, status: str = "streaming",
+           stopped_at: str | None = None, **tables) -> bytes:
+    value = {"mirror_id": mirror_id, "lag_seconds": lag, "lag_bytes": 10,
+             "tables": {name: {"status": status, "last_verification": last}
+                        for name, last in tables.items()}}
+    if stopped_at is not None:
+        value["stopped_at"] = stopped_at
+    return json.dumps(value).encode()
 
 
 def _verified(verification_id: str, status: str, differing: int = 0, repaired: int = 0):
@@ -101,3 +113,48 @@ def test_a_mirror_id_is_a_name_or_a_teams_name_and_defaults_to_a_subject_token(m
     made = default_mirror_id("/data/my mirror.v2.db")
     assert made.endswith("-my_mirror_v2")
     MirrorSettings(mirror_id=made)  # (valid as it is)
+
+
+def test_a_resyncing_table_is_not_equal_until_verified_again():
+    """Whatever a resyncing mirror met before (equal, or nothing yet), it warns; a differ
+    it met still fails."""
+    states = [parse_state("a", _state("a", users=_verified("v2", "equal"))),
+              parse_state("b", _state("b", status="resyncing", users=_verified("v2", "equal"))),
+              parse_state("c", _state("c", status="resyncing", users=_verified("v1", "equal")))]
+    judged = equality("users", "v2", states)
+    assert judged is not None and not judged.passed and judged.warning_only
+    assert judged.metadata["mirrors"] == {"a": "equal", "b": "resyncing", "c": "resyncing"}
+    assert judged.metadata["resyncing"] == ["b", "c"] and judged.metadata["pending"] == []
+    assert "2 of 3 mirror(s) resyncing" in judged.description
+    differ = parse_state("d", _state("d", status="resyncing", users=_verified("v2", "differ", 4)))
+    failed = equality("users", "v2", [*states, differ])
+    assert failed is not None and not failed.warning_only
+    assert failed.metadata["mirrors"]["d"] == "differ"
+
+
+def test_a_mirror_that_stopped_on_purpose_is_stopped_not_gone_nor_lagging():
+    stopped_at = "2026-11-26T09:00:00Z"
+    fleet = Fleet(states={
+        "a": parse_state("a", _state("a", 1.0)),
+        "b": parse_state("b", _state("b", 900.0, stopped_at=stopped_at))})
+    seen = seen_since({}, fleet, now=100.0, keep_seconds=60)
+    stopped = stopped_since({}, fleet, seen)
+    assert stopped == {"b": stopped_at}
+    judged = freshness(fleet, seen, 300, stopped)
+    assert judged.passed, judged.description
+    assert judged.metadata["stopped"] == {"b": stopped_at}
+    assert judged.metadata["lagging"] == {} and judged.metadata["max_lag_seconds"] == 1.0
+    assert judged.description.endswith("; 1 stopped")
+    # its state gone from KV after the TTL: still stopped while remembered, not gone
+    later = Fleet(states={"a": fleet.states["a"]})
+    seen = seen_since(seen, later, now=130.0, keep_seconds=60)
+    stopped = stopped_since(stopped, later, seen)
+    judged = freshness(later, seen, 300, stopped)
+    assert judged.passed and judged.metadata["gone"] == [] and stopped == {"b": stopped_at}
+    # forgotten with the gone ones (CDC_MIRROR_GONE_KEEP)
+    seen = seen_since(seen, later, now=200.0, keep_seconds=60)
+    assert stopped_since(stopped, later, seen) == {}
+    # one that crashed (no stopped_at) is gone; one started again is running
+    assert freshness(later, {"a": 1.0, "c": 1.0}, 300, {}).metadata["gone"] == ["c"]
+    again = Fleet(states={"b": parse_state("b", _state("b", 1.0))})
+    assert stopped_since({"b": stopped_at}, again, {"b": 1.0}) == {}

@@ -6,6 +6,7 @@ make it only on purpose (docs/wire-contract.md, CHANGELOG), then rewrite the fil
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import msgpack
@@ -103,6 +104,29 @@ def test_a_column_reads_back_from_the_wire_as_it_was_written():
         == payloads.Column("id", 0, "integer", True, None, 23, False, False, None, 0)
 
 
+def test_a_columns_base_type_is_written_and_read_and_a_column_without_one_is_its_type():
+    # written on every column, after attnum: the golden columns (no domain) say their own type
+    columns = golden.table_schema().to_wire()["columns"]
+    assert [list(column)[-2:] for column in columns] == [["attnum", "base_type_oid"]] * 6
+    assert all(column["base_type_oid"] == column["type_oid"] for column in columns)
+    # a domain's column: its base type read back as written
+    domain = {**columns[2], "type_oid": 16500, "data_type": "score", "base_type_oid": 701}
+    assert payloads.Column.from_wire(domain).base_type_oid == 701
+    assert payloads.Column.from_wire(domain).to_wire() == domain
+    # a schema an older bridge wrote has none: the type is its own base type
+    older = {name: value for name, value in domain.items() if name != "base_type_oid"}
+    assert payloads.Column.from_wire(older).base_type_oid == 16500
+    assert payloads.Column.from_wire({**domain, "base_type_oid": None}).base_type_oid == 16500
+
+
+def test_the_fingerprint_does_not_cover_the_base_type():
+    schema = golden.table_schema()
+    retyped = dataclasses.replace(schema, columns=tuple(
+        dataclasses.replace(column, base_type_oid=16500) for column in schema.columns))
+    assert retyped.to_wire()["columns"] != schema.to_wire()["columns"]
+    assert retyped.fingerprint == schema.fingerprint
+
+
 @pytest.mark.parametrize(("column", "error"), [
     ({"type_oid": 23, "data_type": "integer"}, KeyError),
     ({"name": "id", "data_type": "integer"}, KeyError),
@@ -112,6 +136,7 @@ def test_a_column_reads_back_from_the_wire_as_it_was_written():
     ({"name": "id", "type_oid": "int4", "data_type": "integer"}, ValueError),
     ({"name": "id", "type_oid": None, "data_type": "integer"}, TypeError),
     ({"name": "id", "type_oid": 23, "data_type": "integer", "attnum": [1]}, TypeError),
+    ({"name": "id", "type_oid": 23, "data_type": "integer", "base_type_oid": "x"}, ValueError),
     (["id", 23, "integer"], TypeError),
 ])
 def test_a_column_that_is_not_one_is_refused(column, error):

@@ -19,7 +19,7 @@ from cdc_platform.mirror.repair import (
 )
 from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.mirror.verifications import VerificationResult, record
-from cdc_platform.wire.digest import RowDigester, bucket_of
+from cdc_platform.wire.digest import RowDigester, bucket_of, table_digest
 from cdc_platform_tests.fixtures.mirror_events import bootstrapped, event, schema
 
 BITS = 4
@@ -129,3 +129,36 @@ def test_an_event_is_of_the_buckets_by_its_old_key_or_its_new_one(store):
     assert buckets.holds(event("UPDATE", "0/200", 0, data={"id": outside}, old={"id": 5}))
     assert buckets.holds(event("TRUNCATE", "0/200", 0))
     assert not buckets.holds(event("UPDATE", "0/200", 0, data={"name": "no key"}))
+
+
+def test_a_table_shaped_before_base_types_were_kept_learns_them_from_its_repair(tmp_path):
+    def scored(table: str, base: int | None) -> dict:
+        given = schema(table, (("id", 23, "integer", True), ("f", 16500, "score", False)))
+        if base is not None:  # (an earlier mirror kept none: the domain read as itself)
+            given["columns"][1]["base_type_oid"] = base
+        return given
+
+    source = {key: float("nan") if key in (3, 17) else float(key) for key in range(1, 41)}
+    rows = [{"id": key, "f": value} for key, value in source.items()]
+    store = MirrorStore(tmp_path / "mirror.db")
+    bootstrapped(store, scored("users", None), loaded=rows)
+    expected = table_digest(rows, RowDigester(["id", "f"], ["id"]), BITS)
+    differing = read_digest(store._db, "users").folded(BITS).differing(expected)
+    assert differing == sorted({_bucket(3), _bucket(17)})  # the NaNs, read back as text
+    shadow = repair_shadow_name("users")
+    bootstrapped(store, scored(shadow, 701),
+                 loaded=[row for row in rows if _bucket(row["id"]) in differing])
+    record(store._db, VerificationResult("verify-1", "users", 0x300, "differ", bits=BITS,
+                                         buckets_differing={b: (0, 0) for b in differing}))
+    store.replace_buckets("users", shadow, BITS, differing, "verify-1", 0x300)
+    store.close()
+
+    again = MirrorStore(tmp_path / "mirror.db")
+    try:
+        shape = again.shape("users")
+        assert [c.base_type_oid for c in shape.columns] == [23, 701]  # kept in the file
+        kept = read_digest(again._db, "users")
+        assert kept == scan_digest(again._db, shape)
+        assert kept.folded(BITS) == expected
+    finally:
+        again.close()

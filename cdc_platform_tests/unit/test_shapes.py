@@ -3,11 +3,14 @@ the catalog settles and what it cannot (``bridge/shapes.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from cdc_platform.bridge.shapes import AnnouncedShape, column_identities
+from cdc_platform.bridge.shapes import AnnouncedShape, column_identities, schema_from_relation
 from cdc_platform.postgres.catalog import CatalogColumn, TableSchema
 from cdc_platform.protocol.pgoutput import Relation, RelationColumn
+from cdc_platform.protocol.values import TypeRegistry
 
 TEXT, INT = 25, 23
 
@@ -77,3 +80,20 @@ def test_the_announced_shape_of_a_schema_event_is_the_shape_announced():
     event["table_schema"]["columns"][1]["type_oid"] = "text"
     with pytest.raises(ValueError):
         AnnouncedShape.from_event(event)
+
+
+def test_a_columns_base_type_is_the_catalogs_or_else_what_the_types_resolve():
+    score, scores = 16500, 16501  # a domain over float8, and its array type
+    types = TypeRegistry()
+    types.add_catalog_rows([(score, "score", "public", "d", "N", 0, 701, ",", scores),
+                            (scores, "_score", "public", "b", "A", score, 0, ",", 0)])
+    known = catalog(("id", INT, 1), ("s", score, 2))
+    now = dataclasses.replace(known, columns=(
+        known.columns[0], dataclasses.replace(known.columns[1], base_type_oid=701)))
+    # s identified by the catalog; a (retyped again since, or never read) by the types alone
+    found = schema_from_relation(relation(("id", INT), ("s", score), ("a", scores)), now,
+                                 [1, 2, 0], types)
+    assert [c.base_type_oid for c in found.columns] == [INT, 701, 1022]
+    # without the types: a column the catalog does not identify is its own type
+    found = schema_from_relation(relation(("id", INT), ("a", scores)), now, [1, 0])
+    assert [c.base_type_oid for c in found.columns] == [INT, scores]

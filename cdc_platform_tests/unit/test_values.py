@@ -31,13 +31,13 @@ def test_nan_float():
 
 def test_domains_enums_and_custom_arrays_from_catalog_rows():
     registry = TypeRegistry()
-    # oid, typname, nspname, typtype, typcategory, typelem, typbasetype, typdelim
+    # oid, typname, nspname, typtype, typcategory, typelem, typbasetype, typdelim, typarray
     assert registry.missing_oids([16500, 16501, 16502, 16503]) == {16500, 16501, 16502, 16503}
     registry.add_catalog_rows([
-        (16500, "mood", "public", "e", "E", 0, 0, ","),
-        (16501, "_mood", "public", "b", "A", 16500, 0, ","),
-        (16502, "positive_int", "public", "d", "N", 0, 23, ","),
-        (16503, "_positive_int", "public", "b", "A", 16502, 0, ","),
+        (16500, "mood", "public", "e", "E", 0, 0, ",", 16501),
+        (16501, "_mood", "public", "b", "A", 16500, 0, ",", 0),
+        (16502, "positive_int", "public", "d", "N", 0, 23, ",", 16503),
+        (16503, "_positive_int", "public", "b", "A", 16502, 0, ",", 0),
     ])
     assert registry.missing_oids([16500, 16501, 16502, 16503]) == set()
     assert registry.converter(16500)("happy") == "happy"
@@ -50,8 +50,36 @@ def test_domains_enums_and_custom_arrays_from_catalog_rows():
 
 def test_domain_over_unknown_base_is_reported_missing():
     registry = TypeRegistry()
-    registry.add_catalog_rows([(16600, "d", "public", "d", "S", 0, 16601, ",")])
+    registry.add_catalog_rows([(16600, "d", "public", "d", "S", 0, 16601, ",", 0)])
     assert registry.missing_oids([16600]) == {16601}
+
+
+def test_a_types_base_type_resolves_domains_and_the_elements_of_arrays():
+    registry = TypeRegistry()
+    registry.add_catalog_rows([
+        (16700, "mood", "public", "e", "E", 0, 0, ",", 16701),
+        (16701, "_mood", "public", "b", "A", 16700, 0, ",", 0),
+        (16702, "score", "public", "d", "N", 0, 701, ",", 16703),  # over float8
+        (16703, "_score", "public", "b", "A", 16702, 0, ",", 0),
+        (16704, "score2", "public", "d", "N", 0, 16702, ",", 16705),  # over a domain
+        (16705, "_score2", "public", "b", "A", 16704, 0, ",", 0),
+        (16706, "ints", "public", "d", "A", 0, 1007, ",", 16707),  # over int4[]
+        (16707, "_ints", "public", "b", "A", 16706, 0, ",", 0),
+        (16708, "feeling", "public", "d", "E", 0, 16700, ",", 16709),  # over an enum
+        (16709, "_feeling", "public", "b", "A", 16708, 0, ",", 0),
+        (16710, "scores", "public", "d", "A", 0, 16703, ",", 0),  # over an array of a domain
+    ])
+    assert {oid: registry.base_type_oid(oid) for oid in range(16700, 16711)} == {
+        16700: 16700, 16701: 16701,  # no domain: itself
+        16702: 701, 16703: 1022, 16704: 701, 16705: 1022,
+        16706: 1007, 16707: 1007,  # an array of an array domain: the array type
+        16708: 16700, 16709: 16701,  # an enum's array from the catalog
+        16710: 1022}
+    # builtins, and what the registry does not know, are themselves
+    assert [registry.base_type_oid(oid) for oid in (23, 1007, 17, 99999)] == [23, 1007, 17, 99999]
+    # the converter resolves as the base type says: a NaN of the domain over float8
+    assert math.isnan(registry.converter(16704)("NaN"))
+    assert registry.converter(16707)('{"{1,2}","{3}"}') == [[1, 2], [3]]
 
 
 @pytest.mark.parametrize("bad", ["", "1,2", "{1,2", "{1,2}x", '{"a}', "[0:1]"])

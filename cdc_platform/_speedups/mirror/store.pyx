@@ -36,11 +36,16 @@ from cpython.dict cimport PyDict_GetItemWithError, PyDict_Size
 from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF, Py_XDECREF
-from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_FromUnsignedLongLong
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.long cimport (
+    PyLong_AsLongLong,
+    PyLong_AsLongLongAndOverflow,
+    PyLong_AsUnsignedLongLong,
+    PyLong_FromUnsignedLongLong,
+)
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.math cimport isnan
-from libc.string cimport memset
+from libc.string cimport memset, strcmp
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from posix.dlfcn cimport RTLD_NOW, dlopen, dlsym
 
@@ -104,6 +109,10 @@ ctypedef void (*result_error_f)(void*, const char*, int) noexcept nogil
 ctypedef long long (*column_int64_f)(void*, int) noexcept nogil
 ctypedef const void* (*column_blob_f)(void*, int) noexcept nogil
 ctypedef int (*column_int_f)(void*, int) noexcept nogil
+ctypedef void (*preupdate_f)(void*, void*, int, const char*, const char*, long long,
+                             long long) noexcept
+ctypedef void* (*preupdate_hook_f)(void*, preupdate_f, void*) noexcept nogil
+ctypedef int (*preupdate_value_f)(void*, int, void**) noexcept nogil
 
 cdef struct SqliteApi:
     open_v2_f open_v2
@@ -142,6 +151,10 @@ cdef struct SqliteApi:
     column_int64_f column_int64
     column_blob_f column_blob
     column_int_f column_bytes
+    # (NULL: this SQLite is built without SQLITE_ENABLE_PREUPDATE_HOOK)
+    preupdate_hook_f preupdate_hook
+    preupdate_value_f preupdate_old
+    preupdate_value_f preupdate_new
 
 DEF SQLITE_OK = 0
 DEF SQLITE_ROW = 100
@@ -158,9 +171,11 @@ DEF SQLITE_NULL = 5
 cdef SqliteApi api
 
 
-cdef void* _symbol(void* library, const char* name) except NULL:
+cdef void* _symbol(void* library, const char* name, bint required=True) except? NULL:
     cdef void* found = dlsym(library, name)
     cdef void* in_global_scope = dlsym(RTLD_DEFAULT, name)
+    if found == NULL and not required:
+        return NULL
     if found == NULL:
         raise ImportError(f"Python's _sqlite3 does not export {name.decode()}: the mirror "
                           "loads snapshots the pure way")
@@ -215,6 +230,9 @@ cdef int _find_sqlite() except -1:
     api.column_int64 = <column_int64_f>_symbol(library, b"sqlite3_column_int64")
     api.column_blob = <column_blob_f>_symbol(library, b"sqlite3_column_blob")
     api.column_bytes = <column_int_f>_symbol(library, b"sqlite3_column_bytes")
+    api.preupdate_hook = <preupdate_hook_f>_symbol(library, b"sqlite3_preupdate_hook", False)
+    api.preupdate_old = <preupdate_value_f>_symbol(library, b"sqlite3_preupdate_old", False)
+    api.preupdate_new = <preupdate_value_f>_symbol(library, b"sqlite3_preupdate_new", False)
     return 0
 
 
@@ -230,6 +248,7 @@ cdef class ChunkLoader:
     cdef list names  # the columns, UTF-8, in order
     cdef Py_ssize_t width
     cdef bint loading  # (close() must not finalize a statement SQLite is running)
+    cdef _RowHashes rows  # the rows' hashes as they are stored (hash_rows), or None
 
     def __cinit__(self):
         self.db = NULL
@@ -271,6 +290,9 @@ cdef class ChunkLoader:
     def close(self):
         if self.loading:
             raise ValueError("the loader is loading a chunk")
+        if self.rows is not None:
+            self.rows._unhook()  # (while the handle is open)
+            self.rows = None
         if self.statement != NULL:
             api.finalize(self.statement)
             self.statement = NULL
@@ -286,11 +308,50 @@ cdef class ChunkLoader:
         self.loading = False  # (no load() runs: it holds a reference)
         self.close()
 
+    def hash_rows(self, str table not None, long long table_id, digester not None,
+                  hasher not None):
+        """Hash each row as it is stored, from SQLite's preupdate hook on the loader's
+        handle, as the store's ``Statements.hook_rows`` does (``digester``: the table's
+        ``StoredRowDigester`` under ``table_id``; ``hasher``: the digests' ``_RowHasher``):
+        :meth:`hashes` gives a loaded chunk's. False: this SQLite has no preupdate hook."""
+        cdef _RowHashes rows
+        if self.db == NULL:
+            raise ValueError("the loader is closed")
+        if api.preupdate_hook == NULL or api.preupdate_old == NULL or api.preupdate_new == NULL:
+            return False
+        rows = _RowHashes.__new__(_RowHashes)
+        rows.db = self.db
+        rows.hasher = hasher
+        rows.follow(table, table_id, digester)
+        rows.resume()
+        self.rows = rows
+        return True
+
+    def hashes(self):
+        """The packed (key hash, row hash) of each row the last chunk loaded, once (with
+        :meth:`hash_rows`; else empty)."""
+        cdef Py_ssize_t index
+        cdef int shift
+        cdef _Change* change
+        cdef unsigned char packed[16]
+        found = []
+        if self.rows is None:
+            return found
+        for index in range(self.rows.count):
+            change = &self.rows.changes[index]
+            for shift in range(8):
+                packed[shift] = <unsigned char>(change.key_hash >> (56 - 8 * shift))
+                packed[8 + shift] = <unsigned char>(change.row_hash >> (56 - 8 * shift))
+            found.append(PyBytes_FromStringAndSize(<char*>packed, 16))
+        self.rows.clear()
+        return found
+
     def load(self, bytes data not None, set seen not None):
         """One chunk, in one SQLite transaction: (its ``chunk`` number, rows inserted). None:
         nothing written, the pure path decides: a chunk this loader does not take, one SQLite
         refused (the pure path gives the error), one whose number is in ``seen`` (a chunk
-        stored twice, which the pure path skips)."""
+        stored twice, which the pure path skips), one a row of which could not be hashed
+        (:meth:`hash_rows`)."""
         if self.db == NULL:
             raise ValueError("the loader is closed")
         if self.loading:
@@ -302,6 +363,8 @@ cdef class ChunkLoader:
         if reader.end == 0 or data[0:1] in (b"{", b"[") or _adapters_in_use():
             return None  # JSON; values Python's sqlite3 would adapt
         self.loading = True
+        if self.rows is not None:
+            self.rows.clear()
         try:
             if not self._execute(b"BEGIN IMMEDIATE"):
                 return None
@@ -319,7 +382,7 @@ cdef class ChunkLoader:
                         return self._refuse()
             number = fields.get("chunk")
             if (reader.pos != reader.end or rows < 0 or type(number) is not int
-                    or number in seen):
+                    or number in seen or self.rows is not None and self.rows.failed is not None):
                 return self._refuse()
             if not self._execute(b"COMMIT"):
                 return self._refuse()
@@ -347,6 +410,9 @@ cdef class ChunkLoader:
         api.reset(self.statement)
         if not api.get_autocommit(self.db):
             self._execute(b"ROLLBACK")
+        if self.rows is not None:  # (nothing stored)
+            self.rows.count = 0
+            self.rows.failed = None
 
     cdef Py_ssize_t _insert_rows(self, Reader reader) except -2:
         """Every row of the ``data`` array that starts here; -1: one the loader does not take
@@ -362,8 +428,11 @@ cdef class ChunkLoader:
                     return -1
                 if not self._bind(reader, <int>(k + 1)):
                     return -1
-            with nogil:
+            if self.rows is not None:  # (the hook hashes with the GIL: held, not taken per row)
                 code = api.step(self.statement)
+            else:
+                with nogil:
+                    code = api.step(self.statement)
             if code != SQLITE_DONE:
                 return -1
             api.reset(self.statement)
@@ -675,6 +744,23 @@ cdef class Statements:
             api.reset(prepared.statement)
         return {table_id: (<_BucketSums>summed).take() for table_id, summed in found.items()}
 
+    def hook_rows(self, hasher not None):
+        """The hashes of the rows this connection writes into the tables a ``_RowHashes``
+        follows, from SQLite's preupdate hook on the handle (``hasher``: the digests'
+        ``_RowHasher``, for the rows whose text ``wire_value`` turns back); None: this SQLite
+        has no preupdate hook."""
+        cdef _RowHashes rows
+        if self.db == NULL:
+            raise ValueError("the statements are closed")
+        if api.preupdate_hook == NULL or api.preupdate_old == NULL or api.preupdate_new == NULL:
+            return None
+        rows = _RowHashes.__new__(_RowHashes)
+        rows.db = self.db
+        rows.connection = self.connection
+        rows.hasher = hasher
+        rows.resume()
+        return rows
+
     cdef int _step(self, void* statement) except -2:
         """Run the bound statement once: the rows it changed, or -1 (refused, reset). An
         error after which SQLite rolled back the whole transaction (a full disk, an I/O
@@ -694,16 +780,18 @@ cdef class Statements:
 cdef class _BucketSums:
     """One table's row hashes summed by bucket (the changes of one transaction)."""
 
+    cdef int bits
     cdef int shift
     cdef unsigned long long* totals
     cdef long long* counts
     cdef int* touched  # the buckets summed into, in the order first touched
     cdef int touched_count
     cdef unsigned char* seen
-    cdef bint truncated
+    cdef readonly bint truncated  # every bucket went to zero, before the changes summed
 
     def __cinit__(self, int bits):
         cdef Py_ssize_t size = 1 << bits
+        self.bits = bits
         self.shift = 64 - bits
         self.totals = <unsigned long long*>PyMem_Malloc(size * sizeof(unsigned long long))
         self.counts = <long long*>PyMem_Malloc(size * sizeof(long long))
@@ -743,6 +831,46 @@ cdef class _BucketSums:
         for index in range(self.touched_count):
             self.seen[self.touched[index]] = 0
         self.touched_count = 0
+
+    cdef void reset(self) noexcept:
+        self._clear()
+        self.truncated = False
+
+    def buckets(self):
+        """{bucket: (row hashes added mod 2^64, rows added)}."""
+        cdef int index, bucket
+        buckets = {}
+        for index in range(self.touched_count):
+            bucket = self.touched[index]
+            buckets[bucket] = (PyLong_FromUnsignedLongLong(self.totals[bucket]),
+                               self.counts[bucket])
+        return buckets
+
+    def apply(self, list totals not None, list counts not None):
+        """The sums added into a digest's ``totals`` (mod 2^64) and ``counts``; the buckets
+        summed, as they became, packed as the digests' journal entries (u16 bucket, u64
+        total, i64 count, big-endian: ``digests._ENTRY``)."""
+        cdef Py_ssize_t size = <Py_ssize_t>1 << self.bits
+        cdef int index, bucket, shift
+        cdef unsigned long long total
+        cdef long long count
+        cdef unsigned char* at
+        if len(totals) != size or len(counts) != size:
+            raise ValueError(f"a digest of {size} buckets expected")
+        packed = PyBytes_FromStringAndSize(NULL, 18 * self.touched_count)
+        at = <unsigned char*>PyBytes_AS_STRING(packed)
+        for index in range(self.touched_count):
+            bucket = self.touched[index]
+            total = PyLong_AsUnsignedLongLong(totals[bucket]) + self.totals[bucket]
+            count = PyLong_AsLongLong(counts[bucket]) + self.counts[bucket]
+            totals[bucket] = total
+            counts[bucket] = count
+            at[0], at[1] = <unsigned char>(bucket >> 8), <unsigned char>bucket
+            for shift in range(8):
+                at[2 + shift] = <unsigned char>(total >> (56 - 8 * shift))
+                at[10 + shift] = <unsigned char>(<unsigned long long>count >> (56 - 8 * shift))
+            at += 18
+        return packed
 
     cdef object take(self):
         """(truncated, {bucket: (total, count)}), and nothing summed any more."""
@@ -835,42 +963,49 @@ cdef void _row_hashes(void* context, int argc, void** argv) noexcept with gil:
 
 cdef bint _hash_row(object hasher, int argc, void** argv, unsigned char* packed) except -1:
     """The row's packed hashes into ``packed``; False: the Python ``hasher`` must do it."""
-    cdef StoredRowDigester stored
-    cdef RowDigester digester
-    cdef Py_ssize_t index
     cdef unsigned long long key_hash, row_hash
-    cdef _Out out
+    cdef Py_ssize_t index
     hasher.called = True
     if argc < 1:
         return False
     found = hasher.digesters.get(api.value_int64(argv[0]))
-    if type(found) is not StoredRowDigester:
+    if type(found) is not StoredRowDigester or argc - 1 != (<StoredRowDigester>found)._width:
         return False
-    stored = found
-    if argc - 1 != stored._width:
+    if not _hash_values(<StoredRowDigester>found, argv + 1, &key_hash, &row_hash):
         return False
+    for index in range(8):
+        packed[index] = <unsigned char>(key_hash >> (56 - 8 * index))
+        packed[8 + index] = <unsigned char>(row_hash >> (56 - 8 * index))
+    return True
+
+
+cdef bint _hash_values(StoredRowDigester stored, void** values, unsigned long long* key_hash,
+                       unsigned long long* row_hash) except -1:
+    """The hashes of a stored row (``values``: one per column, in ``stored``'s order);
+    False: a text ``wire_value`` turns back, or that is not UTF-8 (Python's sqlite3 refuses
+    it): Python must hash the row."""
+    cdef RowDigester digester
+    cdef Py_ssize_t index
+    cdef _Out out
     for index in range(stored._width):
-        if api.value_type(argv[1 + index]) == SQLITE_TEXT and (
+        if api.value_type(values[index]) == SQLITE_TEXT and (
                 stored._kinds[index] != KEEP or not valid_utf8(
-                    <const uint8_t*>api.value_text(argv[1 + index]),
-                    api.value_bytes(argv[1 + index]))):
-            return False  # (wire_value turns it back, or Python's sqlite3 refuses it)
+                    <const uint8_t*>api.value_text(values[index]),
+                    api.value_bytes(values[index]))):
+            return False
     digester = stored._digester
     _open(&out)
     try:
         if not digester._key_is_row:
-            _write_values(&out, digester, argv + 1, digester._key_sorted, digester._key_width)
-            key_hash = _hash64(out.data, out.size)
+            _write_values(&out, digester, values, digester._key_sorted, digester._key_width)
+            key_hash[0] = _hash64(out.data, out.size)
             out.size = 0
-        _write_values(&out, digester, argv + 1, NULL, digester._width)
-        row_hash = _hash64(out.data, out.size)
+        _write_values(&out, digester, values, NULL, digester._width)
+        row_hash[0] = _hash64(out.data, out.size)
         if digester._key_is_row:
-            key_hash = row_hash
+            key_hash[0] = row_hash[0]
     finally:
         _close(&out)
-    for index in range(8):
-        packed[index] = <unsigned char>(key_hash >> (56 - 8 * index))
-        packed[8 + index] = <unsigned char>(row_hash >> (56 - 8 * index))
     return True
 
 
@@ -924,3 +1059,250 @@ cdef object _python_value(void* value):
         data = <const char*>api.value_blob(value)
         return PyBytes_FromStringAndSize(data, api.value_bytes(value))
     return None
+
+
+# -- the digests' row hashes from SQLite's preupdate hook (mirror/digests.py) -------------------
+# SQLite calls the hook before each row an INSERT, UPDATE or DELETE of the connection writes,
+# with the old and new values (sqlite.org/c3ref/preupdate_hook.html): no trigger program, no
+# TEMP table. It is not told of a ROLLBACK TO: the changes are a log the store's savepoints
+# mark and undo (``mark``, ``undo``), and a ROLLBACK empties (``clear``).
+DEF SQLITE_DELETE = 9
+DEF SQLITE_INSERT = 18
+DEF _TRUNCATED = 0  # a change's sign: every bucket of the table to zero
+DEF _RESTARTED = 2  # a change's sign: the table's changes logged before are not summed
+
+
+cdef struct _Change:
+    long long table_id
+    long long sign  # +1 a row added, -1 a row taken away, or _TRUNCATED, _RESTARTED
+    unsigned long long key_hash
+    unsigned long long row_hash
+
+
+cdef class _Followed:
+    """A table whose written rows are hashed: its id and digester, room for its values."""
+
+    cdef bytes name
+    cdef long long table_id
+    cdef object digester  # the compiled StoredRowDigester (else the Python hasher hashes)
+    cdef Py_ssize_t width
+    cdef void** values
+
+    def __dealloc__(self):
+        PyMem_Free(self.values)
+
+
+cdef void _preupdate(void* rows, void* db, int operation, const char* database,
+                     const char* table, long long old_rowid, long long new_rowid
+                     ) noexcept with gil:
+    (<_RowHashes>rows)._changed(db, operation, database, table)
+
+
+@cython.no_gc_clear  # (__dealloc__ takes the hook back from the connection)
+cdef class _RowHashes:
+    """The hashes of the rows the connection writes into the followed tables, logged in the
+    order written until :meth:`take` sums them (see ``Statements.hook_rows``)."""
+
+    cdef void* db
+    cdef object connection  # (the handle lives as long as it does; None: a ChunkLoader's)
+    cdef object hasher  # the digests' _RowHasher: rows whose text wire_value turns back
+    cdef dict followed  # table name (UTF-8) -> _Followed
+    cdef _Followed last  # (the table of the last row: most rows follow one of their table)
+    cdef list spare  # a few _BucketSums a take gave, used again (one is ~340 KB to allocate)
+    cdef _Change* changes
+    cdef Py_ssize_t count
+    cdef Py_ssize_t capacity
+    cdef bint hooked
+    cdef object failed  # (table id, what) of the first row that could not be hashed
+    cdef Py_ssize_t failed_at  # (the changes logged before it)
+
+    def __cinit__(self):
+        self.followed = {}
+        self.spare = []
+        self.changes = NULL
+        self.count = self.capacity = 0
+        self.hooked = False
+
+    def __dealloc__(self):
+        self._unhook()
+        PyMem_Free(self.changes)
+
+    def __len__(self):
+        return self.count
+
+    def follow(self, str table not None, long long table_id, digester not None):
+        """Hash the rows written into ``table`` (``digester``: a ``StoredRowDigester`` of
+        its columns in the file's order) under ``table_id`` from now on."""
+        cdef _Followed followed = _Followed.__new__(_Followed)
+        followed.name = table.encode()
+        followed.table_id = table_id
+        followed.digester = digester
+        followed.width = len(digester.names)
+        followed.values = <void**>PyMem_Malloc(max(1, followed.width) * sizeof(void*))
+        if followed.values == NULL:
+            raise MemoryError()
+        self.followed[followed.name] = followed
+        self.last = None
+
+    def unfollow(self, str table not None):
+        self.followed.pop(table.encode(), None)
+        self.last = None
+
+    def mark(self):
+        """Where the log is (before a SAVEPOINT): :meth:`undo` goes back to it."""
+        return self.count
+
+    def undo(self, Py_ssize_t mark):
+        """The changes logged since :meth:`mark` gave ``mark`` are gone (a ROLLBACK TO)."""
+        if 0 <= mark < self.count:
+            self.count = mark
+            if self.failed is not None and self.failed_at >= mark:
+                self.failed = None
+
+    def truncate(self, long long table_id):
+        """Every bucket of the table goes to zero here (its rows deleted, not hashed)."""
+        self._log(table_id, _TRUNCATED, 0, 0)
+
+    def restart(self, long long table_id):
+        """The table's changes logged so far are not summed (its digest is set anew)."""
+        self._log(table_id, _RESTARTED, 0, 0)
+
+    def add(self, long long table_id, list hashes not None):
+        """Rows another connection wrote, hashed elsewhere: packed (key hash, row hash)."""
+        cdef const unsigned char* packed
+        for pair in hashes:
+            if type(pair) is not bytes or PyBytes_GET_SIZE(pair) != 16:
+                raise ValueError("not a packed (key hash, row hash)")
+            packed = <const unsigned char*>PyBytes_AS_STRING(pair)
+            self._log(table_id, 1, _big_endian(packed), _big_endian(packed + 8))
+
+    def pause(self):
+        """Nothing is hashed until :meth:`resume` (a table emptied or loaded uncounted)."""
+        self._unhook()
+
+    def resume(self):
+        if not self.hooked:
+            api.preupdate_hook(self.db, _preupdate, <void*>self)
+            self.hooked = True
+
+    @property
+    def error(self):
+        """(table id, what) of the first row since the last take that could not be hashed,
+        or None."""
+        return self.failed
+
+    def take(self, int bits):
+        """The changes summed by table id (in the order first logged) and bucket at
+        ``bits``: {table id: its sums (``truncated``, ``buckets()``, ``apply()``), until the
+        next take}; the log is emptied."""
+        cdef Py_ssize_t index
+        cdef _Change* change
+        cdef long long last_id = -1
+        cdef _BucketSums sums = None
+        if not 0 <= bits <= 16:
+            raise ValueError(f"bits {bits}")
+        spare = [sums for sums in self.spare if (<_BucketSums>sums).bits == bits]
+        by_table = {}
+        for index in range(self.count):
+            change = &self.changes[index]
+            if change.table_id != last_id or sums is None:
+                sums = by_table.get(change.table_id)
+                if sums is None:
+                    sums = by_table[change.table_id] = spare.pop() if spare else _BucketSums(bits)
+                    sums.reset()
+                last_id = change.table_id
+            if change.sign == _TRUNCATED:
+                sums.truncate()
+            elif change.sign == _RESTARTED:
+                sums.reset()
+            else:
+                sums.add(change.key_hash, change.row_hash, change.sign)
+        self.count = 0
+        self.failed = None
+        self.spare = list(by_table.values())[:4]  # (the caller is done with them by the next)
+        return {table_id: summed for table_id, summed in by_table.items()
+                if (<_BucketSums>summed).touched_count or (<_BucketSums>summed).truncated}
+
+    def clear(self):
+        """Nothing logged (the transaction rolled back)."""
+        self.count = 0
+        self.failed = None
+
+    cdef void _changed(self, void* db, int operation, const char* database,
+                       const char* table) noexcept:
+        cdef _Followed followed = self.last
+        try:
+            if strcmp(database, b"main") != 0:
+                return
+            if followed is None or strcmp(table, followed.name) != 0:
+                followed = self.followed.get(<bytes>table)
+                if followed is None:
+                    return
+                self.last = followed
+            if operation != SQLITE_INSERT:
+                self._hash(db, followed, api.preupdate_old, -1)
+            if operation != SQLITE_DELETE:
+                self._hash(db, followed, api.preupdate_new, 1)
+        except BaseException as exc:  # (SQLite goes on: the fold raises it)
+            if self.failed is None:
+                self.failed = (followed.table_id if followed is not None else 0,
+                               f"{type(exc).__name__}: {exc}")
+                self.failed_at = self.count
+
+    cdef int _hash(self, void* db, _Followed followed, preupdate_value_f read,
+                   long long sign) except -1:
+        cdef Py_ssize_t index
+        cdef unsigned long long key_hash, row_hash
+        cdef const unsigned char* packed
+        for index in range(followed.width):
+            if read(db, <int>index, &followed.values[index]) != SQLITE_OK:
+                raise sqlite3.OperationalError(f"{followed.name.decode(errors='replace')} "
+                                               f"has no column {index}")
+        if type(followed.digester) is not StoredRowDigester or not _hash_values(
+                <StoredRowDigester>followed.digester, followed.values, &key_hash, &row_hash):
+            pair = self.hasher(followed.table_id, *[_python_value(followed.values[index])
+                                                    for index in range(followed.width)])
+            if type(pair) is not bytes or PyBytes_GET_SIZE(pair) != 16:
+                raise TypeError(f"the row hasher gave {type(pair).__name__}, not 16 bytes")
+            packed = <const unsigned char*>PyBytes_AS_STRING(pair)
+            key_hash, row_hash = _big_endian(packed), _big_endian(packed + 8)
+        self._log(followed.table_id, sign, key_hash, row_hash)
+        return 0
+
+    cdef int _log(self, long long table_id, long long sign, unsigned long long key_hash,
+                  unsigned long long row_hash) except -1:
+        cdef _Change* grown
+        cdef Py_ssize_t capacity
+        if self.count == self.capacity:
+            capacity = max(1024, 2 * self.capacity)
+            grown = <_Change*>PyMem_Realloc(self.changes, capacity * sizeof(_Change))
+            if grown == NULL:
+                raise MemoryError()
+            self.changes, self.capacity = grown, capacity
+        self.changes[self.count] = _Change(table_id, sign, key_hash, row_hash)
+        self.count += 1
+        return 0
+
+    cdef void _unhook(self) noexcept:
+        """The hook off the connection, unless it is closed (the hook went with it) or
+        another hook took its place."""
+        cdef void* previous
+        if not self.hooked:
+            return
+        self.hooked = False
+        if self.connection is not None:  # (None: a ChunkLoader's handle, unhooked at close)
+            try:
+                self.connection.total_changes  # (raises once the connection is closed)
+            except BaseException:
+                return
+        previous = api.preupdate_hook(self.db, NULL, NULL)
+        if previous != NULL and previous != <void*>self:
+            api.preupdate_hook(self.db, _preupdate, previous)
+
+
+cdef inline unsigned long long _big_endian(const unsigned char* packed) noexcept:
+    cdef unsigned long long value = 0
+    cdef int index
+    for index in range(8):
+        value = value << 8 | packed[index]
+    return value

@@ -13,6 +13,7 @@ from libc.string cimport memcmp, memcpy, memset
 
 from cdc_platform._speedups.wire.digest cimport _Target
 
+from cdc_platform.mirror.columns import BUILTIN_ARRAY_OIDS as _BUILTIN_ARRAY_OIDS
 from cdc_platform.mirror.columns import NON_FINITE_FLOATS as _NON_FINITE_FLOATS
 from cdc_platform.mirror.columns import REAL_OIDS as _REAL_OIDS
 from cdc_platform.mirror.columns import WIDE_INTEGER_OIDS as _WIDE_INTEGER_OIDS
@@ -32,12 +33,13 @@ _FLOAT_ARRAYS = frozenset({1021, 1022})
 _BYTEA_ARRAY = 1001
 
 cdef Kind _kind_of(column) except *:
-    oid = column.type_oid
+    oid = column.base_type_oid
     if oid in _REAL_OIDS:
         return REAL
     if oid in _WIDE_INTEGER_OIDS:
         return WIDE_INTEGER
-    if column.sqlite_type == "TEXT" and _sqlite_type(oid, "") != "TEXT":  # is_array
+    if oid in _BUILTIN_ARRAY_OIDS or (  # is_array
+            column.sqlite_type == "TEXT" and _sqlite_type(column.type_oid, "") != "TEXT"):
         if oid in _FLOAT_ARRAYS:
             return FLOAT_ARRAY
         if oid == _BYTEA_ARRAY:

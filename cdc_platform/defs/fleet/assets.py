@@ -11,7 +11,15 @@ import dagster as dg
 from cdc_platform.defs.resources import NatsResource
 from cdc_platform.defs.snapshots.partitions import published_tables_partitions
 from cdc_platform.defs.verification.assets import table_verification
-from cdc_platform.fleet import Fleet, Judgement, equality, freshness, read_fleet, seen_since
+from cdc_platform.fleet import (
+    Fleet,
+    Judgement,
+    equality,
+    freshness,
+    read_fleet,
+    seen_since,
+    stopped_since,
+)
 from cdc_platform.settings import NatsTopology, OrchestrationSettings, load_settings
 
 MIRROR_FLEET = dg.AssetKey("mirror_fleet")
@@ -20,6 +28,9 @@ MIRRORS_EQUAL_SOURCE = "mirrors_equal_source"
 # the observation's metadata entry remembering when each mirror was last seen (gone ones
 # too, for CDC_MIRROR_GONE_KEEP)
 LAST_SEEN = "last_seen"
+# ... and which of them stopped on purpose, when (a stopped mirror's state is gone from KV
+# after its TTL, and it is not gone but stopped)
+LAST_STOPPED = "stopped"
 
 mirror_fleet = dg.AssetSpec(
     MIRROR_FLEET, group_name="verification", kinds={"nats"},
@@ -39,21 +50,31 @@ def read_fleet_now(nats: NatsResource) -> Fleet:
     return asyncio.run(read())
 
 
-def last_seen(instance: dg.DagsterInstance) -> dict[str, float]:
-    """When each mirror was last seen, as the latest observation of `mirror_fleet` says."""
+def _remembered(instance: dg.DagsterInstance, name: str) -> dict:
+    """The metadata entry ``name`` (a JSON object) of the latest observation of
+    `mirror_fleet` ({}: none)."""
     records = instance.fetch_observations(MIRROR_FLEET, limit=1).records
     observation = records[0].asset_observation if records else None
-    entry = observation.metadata.get(LAST_SEEN) if observation else None
+    entry = observation.metadata.get(name) if observation else None
     data = getattr(entry, "data", None)
-    return {str(k): float(v) for k, v in data.items()} if isinstance(data, dict) else {}
+    return data if isinstance(data, dict) else {}
 
 
-def judge_freshness(fleet: Fleet, instance: dg.DagsterInstance,
-                    now: float) -> tuple[Judgement, dict[str, float]]:
-    """(mirrors_fresh's judgement, each mirror's last time seen from now on)."""
+def last_seen(instance: dg.DagsterInstance) -> dict[str, float]:
+    """When each mirror was last seen, as the latest observation of `mirror_fleet` says."""
+    return {str(k): float(v) for k, v in _remembered(instance, LAST_SEEN).items()}
+
+
+def judge_freshness(fleet: Fleet, instance: dg.DagsterInstance, now: float
+                    ) -> tuple[Judgement, dict[str, float], dict[str, str]]:
+    """(mirrors_fresh's judgement, each mirror's last time seen from now on, the mirrors
+    stopped on purpose)."""
     settings = load_settings(OrchestrationSettings)
     seen = seen_since(last_seen(instance), fleet, now, settings.mirror_gone_keep_seconds)
-    return freshness(fleet, seen, settings.mirror_lag_critical_seconds), seen
+    stopped = stopped_since({str(k): str(v) for k, v in
+                             _remembered(instance, LAST_STOPPED).items()}, fleet, seen)
+    return (freshness(fleet, seen, settings.mirror_lag_critical_seconds, stopped), seen,
+            stopped)
 
 
 def latest_verification_id(instance: dg.DagsterInstance, table: str) -> str | None:
@@ -95,13 +116,15 @@ def severity(judgement: Judgement) -> dg.AssetCheckSeverity:
 
 @dg.asset_check(asset=MIRROR_FLEET, name=MIRRORS_FRESH,
                 description="Fails when a mirror is more than CDC_MIRROR_LAG_CRITICAL (300 s) "
-                "behind the source, when a mirror that reported stopped (gone from KV "
-                "`mirrors` after its TTL), or when a state is unreadable. Evaluated by "
-                "mirror_fleet_sensor every 30 s.")
+                "behind the source, when a mirror that reported is gone (no state in KV "
+                "`mirrors` after its TTL) without having said it stopped, or when a state is "
+                "unreadable. A mirror that stopped on purpose (`--once`, SIGTERM) is listed "
+                "as `stopped`, and passes. Evaluated by mirror_fleet_sensor every 30 s.")
 def mirrors_fresh(context: dg.AssetCheckExecutionContext,
                   nats: NatsResource) -> dg.AssetCheckResult:
     try:
-        judgement, _ = judge_freshness(read_fleet_now(nats), context.instance, time.time())
+        judgement, _, _ = judge_freshness(read_fleet_now(nats), context.instance,
+                                          time.time())
     except Exception as exc:  # noqa: BLE001 - NATS away, no bucket: the check says so
         judgement = unreadable_fleet(exc)
     return dg.AssetCheckResult(passed=judgement.passed, severity=severity(judgement),
@@ -113,8 +136,10 @@ def mirrors_fresh(context: dg.AssetCheckExecutionContext,
                 partitions_def=published_tables_partitions,
                 description="Per table: passes when every mirror following it (KV `mirrors`) "
                 "met its latest verification `equal` or `repaired`; fails (ERROR) when one "
-                "found it `differ` or `not_comparable`, (WARN) while some have not met it yet. "
-                "Metadata: mirrors, buckets_differing, rows_repaired, not_comparable, pending. "
+                "found it `differ` or `not_comparable`, (WARN) while some have not met it yet "
+                "or are `resyncing` (not verified since the bridge lost its slot). Metadata: "
+                "mirrors, buckets_differing, rows_repaired, not_comparable, pending, "
+                "resyncing. "
                 "Evaluated by mirror_fleet_sensor as the mirrors report.")
 def mirrors_equal_source(context: dg.AssetCheckExecutionContext,
                          nats: NatsResource) -> dg.AssetCheckResult:

@@ -21,6 +21,7 @@ import dagster as dg
 
 from cdc_platform.defs.fleet.assets import (
     LAST_SEEN,
+    LAST_STOPPED,
     MIRROR_FLEET,
     MIRRORS_EQUAL_SOURCE,
     MIRRORS_FRESH,
@@ -34,7 +35,7 @@ from cdc_platform.defs.fleet.assets import (
 from cdc_platform.defs.resources import NatsResource
 from cdc_platform.defs.snapshots.partitions import PUBLISHED_TABLES
 from cdc_platform.defs.verification.assets import table_verification
-from cdc_platform.fleet import PASSING, Fleet, Judgement
+from cdc_platform.fleet import WAITING, Fleet, Judgement
 
 OBSERVE_AT_LEAST_SECONDS = 600.0
 
@@ -47,8 +48,10 @@ def _evaluation(asset_key: dg.AssetKey, check_name: str,
         metadata=check_metadata(judgement))
 
 
-def _observation(fleet: Fleet, seen: dict[str, float]) -> dg.AssetObservation:
-    lags = [state.lag_seconds for state in fleet.states.values()]
+def _observation(fleet: Fleet, seen: dict[str, float],
+                 stopped: dict[str, str]) -> dg.AssetObservation:
+    lags = [state.lag_seconds for mirror_id, state in fleet.states.items()
+            if mirror_id not in stopped]
     return dg.AssetObservation(asset_key=MIRROR_FLEET, metadata={
         "mirrors": dg.MetadataValue.int(len(fleet.mirror_ids)),
         "max_lag_seconds": dg.MetadataValue.float(max(lags, default=0.0)),
@@ -56,6 +59,8 @@ def _observation(fleet: Fleet, seen: dict[str, float]) -> dg.AssetObservation:
                                         in sorted(fleet.states.items())}),
         "unreadable": dg.MetadataValue.json(fleet.unreadable),
         LAST_SEEN: dg.MetadataValue.json(seen),
+        # the mirrors that stopped on purpose, listed after their state is gone from KV
+        LAST_STOPPED: dg.MetadataValue.json(stopped),
     })
 
 
@@ -66,7 +71,8 @@ def _lag_band(seconds: float) -> int:
 
 def _shown(fleet: Fleet) -> str:
     """A digest of what an observation shows, lags in bands."""
-    shown = {mirror_id: [_lag_band(state.lag_seconds), state.summary()["tables"]]
+    shown = {mirror_id: [_lag_band(state.lag_seconds), state.summary()["tables"],
+                         state.stopped_at]
              for mirror_id, state in fleet.states.items()}
     return hashlib.sha256(json.dumps([shown, fleet.unreadable], sort_keys=True).encode()
                           ).hexdigest()[:16]
@@ -74,12 +80,13 @@ def _shown(fleet: Fleet) -> str:
 
 def _verdict(judgement: Judgement) -> str:
     """What a new evaluation of mirrors_equal_source is run for when it changes: the
-    verification, pass or fail, and the mirrors failing it (not each mirror meeting it)."""
+    verification, pass or fail, the mirrors failing it and those resyncing (not each mirror
+    meeting it)."""
     failing = {mirror: status for mirror, status in judgement.metadata["mirrors"].items()
-               if status not in (*PASSING, "pending")}
+               if status not in WAITING}
     return hashlib.sha256(json.dumps(
         [judgement.metadata["verification_id"], judgement.passed, judgement.warning_only,
-         failing], sort_keys=True).encode()).hexdigest()[:16]
+         failing, judgement.metadata["resyncing"]], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _equality_runs(fleet: Fleet, instance: dg.DagsterInstance) -> list[dg.RunRequest]:
@@ -117,14 +124,14 @@ def build_mirror_fleet_sensor(equality_job) -> dg.SensorDefinition:
             return dg.SensorResult(asset_events=[_evaluation(MIRROR_FLEET, MIRRORS_FRESH,
                                                              judgement)])
         now = time.time()
-        judgement, seen = judge_freshness(fleet, context.instance, now)
+        judgement, seen, stopped = judge_freshness(fleet, context.instance, now)
         events: list[dg.AssetObservation | dg.AssetCheckEvaluation] = [
             _evaluation(MIRROR_FLEET, MIRRORS_FRESH, judgement)]
         observed = json.loads(context.cursor) if context.cursor else {}
         shown = _shown(fleet)
         if (shown != observed.get("shown")
                 or now - observed.get("at", 0.0) >= OBSERVE_AT_LEAST_SECONDS):
-            events.insert(0, _observation(fleet, seen))
+            events.insert(0, _observation(fleet, seen, stopped))
             observed = {"shown": shown, "at": now}
         return dg.SensorResult(run_requests=_equality_runs(fleet, context.instance),
                                asset_events=events, cursor=json.dumps(observed))
