@@ -40,7 +40,7 @@ from cdc_platform_tests.fixtures.verification import (
 pytestmark = pytest.mark.every_major
 
 ROWS = 3_000
-YIELD_LAG = 64 * 1024  # the test's threshold; its ballast writes ~10x that
+YIELD_LAG = 64 * 1024  # the test's threshold; its ballast writes ~20x that
 HOLD_SECONDS = 1.5  # how long the bridge stays behind
 
 
@@ -56,6 +56,12 @@ def _table(pg_admin, cdc_database) -> str:
 def _ballast(pg_admin, table: str) -> None:
     """WAL of the published table, well over YIELD_LAG, that a held slot has not confirmed."""
     pg_admin.execute(f"UPDATE {table} SET txt = txt || repeat('x', 200)")
+
+
+def _task_reading_the_lag(pg_admin) -> bool:
+    """Whether a verification task has its connection for the bridge's lag open."""
+    return pg_admin.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name "
+                            "= 'cdc_platform_verify_lag'").fetchone()[0] > 0
 
 
 def _settings(cdc_database, provisioned_nats, max_yield: float):
@@ -76,9 +82,7 @@ async def test_a_verification_waits_while_the_bridge_is_behind_and_not_longer(
         _ballast(pg_admin, table)
         verifying = asyncio.create_task(verify_table(spark, settings, table, options=options))
         if on_spark:  # Spark's tasks start seconds later: hold from when one reads the lag
-            await wait_for(lambda: pg_admin.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
-                "'cdc_platform_verify_lag'").fetchone()[0] > 0, what="a task yielding")
+            await wait_for(lambda: _task_reading_the_lag(pg_admin), what="a task yielding")
         await asyncio.sleep(HOLD_SECONDS)  # the bridge behind for this long
         held.release()
         result = await asyncio.wait_for(verifying, 60)
@@ -134,9 +138,7 @@ async def test_a_verification_stops_yielding_while_ddl_waits_for_its_table(
     async with held_slot(settings) as held:
         _ballast(pg_admin, table)
         verifying = asyncio.create_task(verify_table(None, settings, table, options=one_task))
-        await wait_for(lambda: pg_admin.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
-            "'cdc_platform_verify_lag'").fetchone()[0] > 0, what="the task yielding")
+        await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the task yielding")
         # an ALTER queues behind the verification's lock (and every later query of the
         # table behind it): the task reads on and lets it through, the bridge still behind
         await asyncio.wait_for(asyncio.to_thread(
@@ -196,9 +198,7 @@ async def test_the_cli_verifies_niced_and_yielding_as_its_settings_say(
             stderr=asyncio.subprocess.PIPE)
         try:
             # yielding: its tasks are reading the bridge's lag, the bridge being behind
-            await wait_for(lambda: pg_admin.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
-                "'cdc_platform_verify_lag'").fetchone()[0] > 0, what="the tasks yielding")
+            await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the tasks yielding")
             nice = _nice_values(process.pid)
             held.release()
             out, err = await asyncio.wait_for(process.communicate(), 60)
