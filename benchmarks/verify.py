@@ -3,7 +3,7 @@
 (docs/verification.md Part 2, item 7, the source figure).
 
     .venv/bin/python benchmarks/verify.py [--rows 1000000] [--cores 2] [--runs 3] [--profile]
-                                          [--phases throughput,bridge] [--backlog 50000]
+                                          [--phases throughput,bridge] [--backlog 200000]
                                           [--mode per-change] [--verify-nice N]
 
 Starts its own PostgreSQL and nats-server (temp dir), the 9-column table of ``snapshot.py``
@@ -20,12 +20,18 @@ and measures in the same run, best of ``--runs``:
 * the ``bridge`` phase: the bridge's catch-up rate over a backlog of ``--backlog`` changes
   to one table (``cdc.py``'s table and measure: ``cdc-platform bridge`` as a subprocess, from
   its slot becoming active to its ``confirmed_flush_lsn`` passing the backlog's end), (a)
-  alone and (b) while ``verify_table`` digests the 9-column table in this process, started
-  first (the bridge starts once its tasks are reading), with ``local_parallelism`` ``--cores``
-  and 1, alternated (a, b, a, b1) ``--runs`` times (with ``--verify-nice N`` also a, b with
-  the verification's threads at nice N); prints b/a against the mean of the a runs beside
-  it (target >= 0.9), the cores each process used during the catch-up, the machine's busy
-  cores (every user's) and how much of the catch-up the verification's tasks covered.
+  alone and (b) while verifications of the 9-column table run in this process
+  (``local_parallelism`` ``--cores``), each started once the one before has read the
+  table, from before the bridge starts (once the first one is reading) until it caught up,
+  so that one is reading at every moment of the catch-up: (b-) not yielding to the bridge (``CDC_VERIFY_YIELD_LAG=0``, as
+  before verifications yielded) and (b+) with the default yielding, alternated
+  (a, b-, a, b+) ``--runs`` times (with ``--verify-nice N`` also a, b- with the
+  verification's threads at nice N), then (c) a verification with the bridge idle; prints
+  b/a against the mean of the a runs beside it (target >= 0.9), the cores each process used
+  during the catch-up, the machine's busy cores (every user's), each verification's own
+  time (whole, its tasks, their yielding), and how long the last one went on after the
+  catch-up beside c's whole time. The backlog's WAL must exceed
+  ``CDC_VERIFY_YIELD_LAG`` (16 MiB; printed) for b+ to yield.
 
 ``--phases throughput,bridge`` picks the phases (both by default).
 """
@@ -69,7 +75,7 @@ from snapshot import (
 from cdc_platform.bridge.runner import CdcBridge
 from cdc_platform.postgres.admin import provision_database
 from cdc_platform.replication.connection import SESSION_OPTIONS
-from cdc_platform.settings import BridgeSettings, PlatformSettings
+from cdc_platform.settings import BridgeSettings, PlatformSettings, VerifySettings
 from cdc_platform.snapshot.options import SnapshotOptions
 from cdc_platform.snapshot.plan import BlockRange
 from cdc_platform.snapshot.source import describe_table
@@ -106,23 +112,43 @@ def busy_cores_counter() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def start_verification(settings: PlatformSettings, parallelism: int, nice: int) -> Future:
-    """``verify_table`` of the 9-column table in a thread of its own, in process; ``nice``:
-    that thread's nice value, which the task threads it starts inherit (Linux)."""
+def start_verifications(settings: PlatformSettings, conninfo: str, parallelism: int,
+                        nice: int, stop: threading.Event) -> Future:
+    """Verifications of the 9-column table in this process, each started as soon as the one
+    before has read the table (its exported snapshot's temporary slot is gone; it may still
+    wait for the bridge to store its lsn), until ``stop`` is set, so that one is reading at
+    every moment: the list of their results. ``nice``: their threads' nice value, which the
+    task threads they start inherit (Linux)."""
     def verify() -> VerificationResult:
         if nice:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         return asyncio.run(verify_table(None, settings, TABLE, options=in_process(parallelism)))
 
-    pool = ThreadPoolExecutor(1)
+    def launch() -> list[VerificationResult]:
+        started: list[Future] = []
+        with ThreadPoolExecutor(8) as pool, psycopg.connect(conninfo,
+                                                             autocommit=True) as watcher:
+            while not stop.is_set():
+                started.append(pool.submit(verify))
+                exported = False
+                while not stop.is_set() and not started[-1].done():
+                    reading = watcher.execute("SELECT count(*) FROM pg_replication_slots "
+                                              "WHERE temporary").fetchone()[0] > 0
+                    if exported and not reading:
+                        break
+                    exported = exported or reading
+                    time.sleep(0.1)  # (its queries cost the machine too)
+            return [future.result() for future in started]
+
+    launcher = ThreadPoolExecutor(1)
     try:
-        return pool.submit(verify)
+        return launcher.submit(launch)
     finally:
-        pool.shutdown(wait=False)  # its thread ends with the verification
+        launcher.shutdown(wait=False)  # its thread ends with the verifications
 
 
 def verification_reading(admin: psycopg.Connection, running: Future) -> None:
-    """Until a task of the verification in ``running`` is reading its table."""
+    """Until a task of a verification of those in ``running`` is reading its table."""
     while not admin.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
             "'cdc_platform_verify' AND state = 'active' AND query LIKE 'COPY%%'",
@@ -135,13 +161,15 @@ def verification_reading(admin: psycopg.Connection, running: Future) -> None:
 
 def bridge_beside_verification(pg, nats, settings: PlatformSettings, args,
                                log: Path) -> None:
-    """The bridge's catch-up over ``args.backlog`` changes, alone and beside a running
-    verification (module docstring, the bridge phase)."""
+    """The bridge's catch-up over ``args.backlog`` changes, alone and beside running
+    verifications (module docstring, the bridge phase)."""
     slot = settings.postgres.slot
     cdc.NATS_PID = nats.process.pid if nats.process else None
     # the heartbeat moves the idle slot past a verification's lsn: its wait stays short
     bridge_settings = {"CDC_HEARTBEAT_INTERVAL": "1"}
+    not_yielding = settings.model_copy(update={"verify": VerifySettings(yield_lag_bytes=0)})
     runs: list[dict] = []
+    alone: list[VerificationResult] = []
     next_id = [1]
     with psycopg.connect(pg.superuser_conninfo(), autocommit=True) as admin:
         cdc.create_events_table(admin)
@@ -150,79 +178,122 @@ def bridge_beside_verification(pg, nats, settings: PlatformSettings, args,
         if admin.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s",
                          (slot,)).fetchone() is None:
             cdc.create_slots(admin, slot)
-        # (verification's local_parallelism, its threads' nice value); 0: the bridge alone
-        kinds = [(0, 0), (args.cores, 0), (0, 0), (1, 0)]
+        # (verification's threads' nice value, whether it yields); None: the bridge alone
+        kinds: list[tuple[int, bool] | None] = [None, (0, False), None, (0, True)]
         if args.verify_nice:
-            kinds += [(0, 0), (args.cores, args.verify_nice)]
-        for parallelism, nice in [kind for _ in range(args.runs) for kind in kinds]:
-            while cdc.slot_state(admin, slot)[0]:  # the last bridge is still leaving
+            kinds += [None, (args.verify_nice, False)]
+        for round_ in range(args.runs):
+            for kind in kinds:
+                while cdc.slot_state(admin, slot)[0]:  # the last bridge is still leaving
+                    time.sleep(0.05)
+                start_lsn = cdc.current_lsn(admin)
+                cdc.insert_rows(admin, next_id[0], args.backlog)
+                next_id[0] += args.backlog
+                end_lsn = cdc.current_lsn(admin)
+                run: dict = {"kind": kind, "wal": end_lsn - start_lsn}
+                stop = threading.Event()
+                verifying = None
+                if kind is not None:
+                    nice, yielding = kind
+                    verifying = start_verifications(
+                        settings if yielding else not_yielding, pg.superuser_conninfo(),
+                        args.cores, nice, stop)
+                    verification_reading(admin, verifying)
+                # the machine's busy cores from the bridge's start to its catch-up
+                run["busy"], run["started"] = busy_cores_counter(), time.monotonic()
+
+                def caught_up(run=run, verifying=verifying, stop=stop) -> None:
+                    run["caught_up"] = time.monotonic()
+                    run["machine"] = (busy_cores_counter() - run["busy"]) / (
+                        run["caught_up"] - run["started"])
+                    stop.set()
+                    if verifying is not None:  # the bridge confirms the last one's lsn
+                        run["verifications"] = verifying.result()
+                        run["verified"] = time.monotonic()
+
+                run["rate"], _, run["cores"] = cdc.run_bridge_catch_up(
+                    admin, pg, nats, args.mode, slot, end_lsn, args.backlog, log, None,
+                    env=bridge_settings, also_using={"verify": os.getpid()},
+                    after_catch_up=caught_up)
+                runs.append(run)
+                print_bridge_run(run, args.backlog)
+            while cdc.slot_state(admin, slot)[0]:
                 time.sleep(0.05)
-            cdc.insert_rows(admin, next_id[0], args.backlog)
-            next_id[0] += args.backlog
-            end_lsn = cdc.current_lsn(admin)
-            run: dict = {"parallelism": parallelism, "nice": nice}
-            verifying = None
-            if parallelism:
-                verifying = start_verification(settings, parallelism, nice)
-                verification_reading(admin, verifying)
-            # the machine's busy cores from the bridge's start to its catch-up
-            run["busy"], run["started"] = busy_cores_counter(), time.monotonic()
+            alone.append(verification_with_idle_bridge(settings, args.cores))
+            print(f"  {'verification, the bridge idle':44s} " + verification_times(alone[-1]))
+    print_bridge_ratios(runs, alone, args)
 
-            def caught_up(run=run, verifying=verifying) -> None:
-                run["caught_up"] = time.monotonic()
-                run["machine"] = (busy_cores_counter() - run["busy"]) / (
-                    run["caught_up"] - run["started"])
-                if verifying is not None:  # the bridge confirms the verification's lsn
-                    run["verification"] = verifying.result()
-                    run["verified"] = time.monotonic()
 
-            run["rate"], _, run["cores"] = cdc.run_bridge_catch_up(
-                admin, pg, nats, args.mode, slot, end_lsn, args.backlog, log, None,
-                env=bridge_settings, also_using={"verify": os.getpid()},
-                after_catch_up=caught_up)
-            runs.append(run)
-            print_bridge_run(run, args.backlog)
-    print_bridge_ratios(runs, args)
+def verification_with_idle_bridge(settings: PlatformSettings, cores: int
+                                  ) -> VerificationResult:
+    """(c): one verification while the bridge (in this process) has nothing to do."""
+    async def run() -> VerificationResult:
+        bridge = CdcBridge(settings)
+        bridge_task = asyncio.create_task(bridge.run())
+        try:
+            return await verify_table(None, settings, TABLE, options=in_process(cores))
+        finally:
+            bridge.request_stop()
+            await asyncio.wait_for(bridge_task, 60)
+
+    return asyncio.run(run())
+
+
+def verification_times(result: VerificationResult) -> str:
+    return (f"verification {result.duration_seconds:.2f}s, tasks {result.digest_seconds:.2f}s "
+            f"(yielding {result.yield_seconds:.2f}s of task time)")
 
 
 def kind_label(run: dict) -> str:
-    if not run["parallelism"]:
+    if run["kind"] is None:
         return "alone"
-    return (f"beside verification, parallelism {run['parallelism']}"
-            + (f", nice {run['nice']}" if run["nice"] else ""))
+    nice, yielding = run["kind"]
+    return ("beside verifications, " + ("yielding" if yielding else "not yielding")
+            + (f", nice {nice}" if nice else ""))
 
 
 def print_bridge_run(run: dict, backlog: int) -> None:
     cores = run["cores"]
-    line = (f"  {kind_label(run):44s} {run['rate']:>9,.0f} ev/s | cores bridge "
-            f"{cores['bridge']:.2f} walsender {cores['walsender']:.2f} nats "
-            f"{cores['nats-server']:.2f} verification (this process) {cores['verify']:.2f}, "
-            f"machine busy {run['machine']:.2f}")
-    if run["parallelism"]:
-        result: VerificationResult = run["verification"]
-        # the tasks ended when the verification began waiting for the bridge
-        tasks_ended = run["verified"] - result.wait_seconds
-        catch_up = backlog / run["rate"]
-        covered = min(1.0, max(0.0, (tasks_ended - (run["caught_up"] - catch_up)) / catch_up))
-        line += (f" | verification tasks {result.digest_seconds:.2f}s "
-                 f"{result.rows_per_second:,.0f} rows/s, covering {covered:.0%} of the catch-up")
+    line = (f"  {kind_label(run):44s} {run['rate']:>9,.0f} ev/s ({run['wal'] / 1024**2:.0f} MiB"
+            f" of WAL) | cores bridge {cores['bridge']:.2f} walsender "
+            f"{cores['walsender']:.2f} nats {cores['nats-server']:.2f} verification (this "
+            f"process) {cores['verify']:.2f}, machine busy {run['machine']:.2f}")
+    if run["kind"] is not None:
+        line += (f" | done {run['verified'] - run['caught_up']:.2f}s after the catch-up: "
+                 + "; ".join(map(verification_times, run["verifications"])))
     print(line)
 
 
-def print_bridge_ratios(runs: list[dict], args) -> None:
-    """Each b run against the mean of the a runs beside it (the machine's speed drifts)."""
-    print(f"\nbridge ({args.mode}, {args.backlog:,} changes) beside a verification of "
+def print_bridge_ratios(runs: list[dict], alone: list[VerificationResult], args) -> None:
+    """Each b run against the mean of the a runs beside it (the machine's speed drifts); the
+    verifications' own times against c's."""
+    print(f"\nbridge ({args.mode}, {args.backlog:,} changes) beside verifications of "
           f"{args.rows:,} rows / alone, each against the alone runs beside it (target >= 0.9):")
     by_kind: dict[str, list[float]] = {}
+    after: dict[str, list[float]] = {}
+    finished: dict[str, list[int]] = {}
     for index, run in enumerate(runs):
-        if run["parallelism"]:
-            alone = [runs[i]["rate"] for i in (index - 1, index + 1)
-                     if 0 <= i < len(runs) and not runs[i]["parallelism"]]
-            by_kind.setdefault(kind_label(run), []).append(run["rate"] / statistics.mean(alone))
+        if run["kind"] is not None:
+            beside = [runs[i]["rate"] for i in (index - 1, index + 1)
+                      if 0 <= i < len(runs) and runs[i]["kind"] is None]
+            by_kind.setdefault(kind_label(run), []).append(
+                run["rate"] / statistics.mean(beside))
+            after.setdefault(kind_label(run), []).append(run["verified"] - run["caught_up"])
+            finished.setdefault(kind_label(run), []).append(len(run["verifications"]))
     for label, ratios in by_kind.items():
         print(f"  {label}: "
               + ", ".join(f"{ratio:.2f}" for ratio in ratios)
               + f" (median {statistics.median(ratios):.2f})")
+    # A digest is published once the bridge stored its lsn, and every verification here
+    # began behind the backlog: none ends before the catch-up. What yielding costs is the
+    # reading not done meanwhile: how long the last one went on after the catch-up (against
+    # a whole verification with the bridge idle), and how many there were.
+    print("the last verification done after the catch-up, seconds (a whole one with the "
+          "bridge idle: " + ", ".join(f"{result.duration_seconds:.2f}" for result in alone)
+          + "), and how many verifications ran:")
+    for label, seconds in after.items():
+        print(f"  {label}: " + ", ".join(f"{value:.2f}" for value in seconds)
+              + " | " + ", ".join(map(str, finished[label])))
 
 
 def report(label: str, result: VerificationResult, copy_rate: float) -> None:
@@ -261,8 +332,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--phases", default="throughput,bridge",
                         help="comma-separated: throughput (verify_table's rows/s), bridge")
-    # small enough that a compiled verification of 1M rows (~3 s) covers the catch-up
-    parser.add_argument("--backlog", type=int, default=50_000,
+    # its WAL (~170 bytes a change) well over CDC_VERIFY_YIELD_LAG's 16 MiB
+    parser.add_argument("--backlog", type=int, default=200_000,
                         help="changes the bridge catches up on in the bridge phase")
     parser.add_argument("--mode", default="per-change", help="the bridge's message mode")
     parser.add_argument("--verify-nice", type=int, default=0,

@@ -209,9 +209,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from cdc_platform.settings import OrchestrationSettings, load_settings
     from cdc_platform.snapshot.options import SnapshotOptions
     from cdc_platform.verify import run_verification
+    from cdc_platform.verify.yielding import lower_own_priority
 
     settings = load_settings()
     orchestration = load_settings(OrchestrationSettings)
+    lower_own_priority(settings.verify.nice)  # background work: CDC gets the cores first
 
     def spark_session():  # started only for a table too large to read here
         try:

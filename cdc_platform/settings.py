@@ -491,6 +491,28 @@ class VerifySettings(_Settings):
     # how long a verification waits for the bridge to have stored every transaction below
     # its digest's lsn before it fails ("the bridge is behind")
     wait_seconds: Seconds = Field(600.0, gt=0, validation_alias=_env("CDC_VERIFY_WAIT"))
+    yield_lag_bytes: Bytes = Field(
+        16 * 1024**2, ge=0, validation_alias=_env("CDC_VERIFY_YIELD_LAG"),
+        description="A verification gives way to CDC: its tasks pause between blocks of "
+        "rows while the bridge's slot has more than this much WAL unconfirmed "
+        "(pg_current_wal_lsn() - confirmed_flush_lsn, read at most every 0.2 s). Above "
+        "what a keeping-up bridge shows between its confirmations (the WAL written in ~1 s "
+        "at peak), below CDC_LAG_WARN. 0: never pause. No slot, or no bridge streaming it: "
+        "no pause.")
+    max_yield_seconds: Seconds = Field(
+        300.0, ge=0, validation_alias=_env("CDC_VERIFY_MAX_YIELD"),
+        description="How long a verification's tasks pause for the bridge in all, at most "
+        "(each task gets its share: this over the waves of tasks the cores run), then go "
+        "on while the bridge is behind, said in the log: the verification holds an "
+        "exported snapshot (VACUUM cannot remove rows deleted after it) and its temporary "
+        "slot's WAL meanwhile. 0: never pause.")
+    nice: int = Field(
+        10, ge=0, le=19, validation_alias=_env("CDC_VERIFY_NICE"),
+        description="`cdc-platform verify` runs at this nice value (Unix; never lowered "
+        "below the one it started with), and with it the local Spark it starts: the "
+        "verification is its process's only work, so the bridge, its walsender and "
+        "nats-server get the cores first on a shared machine. 0: as started. Dagster runs "
+        "and Spark clusters are not reniced (their processes serve other work too).")
 
 
 class BridgeSettings(_Settings):

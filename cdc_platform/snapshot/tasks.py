@@ -33,12 +33,17 @@ def plan_tasks(spark: Any, described: SourceTable,
         spark = None  # the same range tasks, here: no Spark job to start
     elif callable(spark) and not hasattr(spark, "sparkContext"):
         spark = spark()
-    parallelism = options.parallelism or (
+    count = range_count(described.blocks, described.block_size,
+                        task_parallelism(spark, options), range_bytes=options.range_bytes,
+                        ranges_per_core=options.ranges_per_core)
+    return spark, plan_ranges(described.blocks, count)
+
+
+def task_parallelism(spark: Any, options: SnapshotOptions) -> int:
+    """How many range tasks run at once: on ``spark`` (a SparkSession), or (None) here."""
+    return options.parallelism or (
         spark.sparkContext.defaultParallelism if spark is not None
         else options.local_parallelism)
-    count = range_count(described.blocks, described.block_size, parallelism,
-                        range_bytes=options.range_bytes, ranges_per_core=options.ranges_per_core)
-    return spark, plan_ranges(described.blocks, count)
 
 
 # a ``mapPartitions`` body: (the job's spec, the partition's ranges) -> one dict per range

@@ -18,7 +18,9 @@ this order, the steps of a snapshot (:mod:`cdc_platform.snapshot.job`) where the
    below), each reading its range under the exported snapshot and digesting the rows
    (:mod:`.tasks`) into ``TableDigest(14)`` (or the asked bits, when finer); the driver sums
    them and folds to ``bucket_bits(row_count)`` (or the asked bits; with ``buckets``, those
-   buckets only).
+   buckets only). The tasks give way to the bridge while it is behind
+   (:mod:`.yielding`): ``CDC_VERIFY_MAX_YIELD`` in all, shared out over the waves of
+   tasks the cores run one after the other.
 5. **Wait for the bridge**: until the slot's ``confirmed_flush_lsn >= lsn`` (the bridge
    confirms only what JetStream stored), at most ``CDC_VERIFY_WAIT``; else
    :class:`BridgeBehindError` and nothing is published.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -49,9 +52,10 @@ from cdc_platform.snapshot.export import emit_watermark, exported_snapshot, take
 from cdc_platform.snapshot.job import new_snapshot_id, taken_again_after_ddl
 from cdc_platform.snapshot.options import SnapshotOptions
 from cdc_platform.snapshot.source import describe_table
-from cdc_platform.snapshot.tasks import plan_tasks, run_tasks
+from cdc_platform.snapshot.tasks import plan_tasks, run_tasks, task_parallelism
 from cdc_platform.verify.message import digest_payload, publish_digest
 from cdc_platform.verify.tasks import DigestSpec, digest_partition, summed_digest
+from cdc_platform.verify.yielding import YieldPolicy
 from cdc_platform.wire import VERIFICATION_ID_PREFIX, verify_digest_subject, watermark_subject
 from cdc_platform.wire.digest import MAX_BUCKET_BITS, MAX_HELD_BITS, bucket_bits
 
@@ -86,8 +90,11 @@ class VerificationResult:
     partitions: int
     spark: bool  # whether the tasks ran as a Spark job (else in this process)
     duration_seconds: float
-    digest_seconds: float  # the tasks alone (reading and hashing)
+    digest_seconds: float  # the tasks alone (reading and hashing, and yielding)
     wait_seconds: float  # waiting for the bridge to store every transaction below lsn
+    # the tasks' pauses while the bridge was behind, summed over the tasks (tasks running
+    # at once pause at once: the verification took about yield_seconds / parallelism longer)
+    yield_seconds: float = 0.0
 
     @property
     def rows_per_second(self) -> float:
@@ -167,7 +174,9 @@ async def _verify_once(spark: Any, settings: PlatformSettings, table: str,
                 spark, ranges = plan_tasks(spark, described, options)
                 spec = DigestSpec.of(described, conninfo, snapshot_name, held_bits,
                                      verification_id=verification_id,
-                                     lock_timeout_ms=options.lock_timeout_ms)
+                                     lock_timeout_ms=options.lock_timeout_ms,
+                                     yield_policy=yield_policy(settings, spark, options,
+                                                               len(ranges)))
                 log.info("verification %s of %s: lsn %s, %d blocks in %d ranges%s",
                          verification_id,
                          qualified_name(described.schema.schema, described.schema.table),
@@ -181,6 +190,7 @@ async def _verify_once(spark: Any, settings: PlatformSettings, table: str,
                 digest_seconds = time.monotonic() - digest_started
             control.execute("ROLLBACK")  # releases the guard lock
             digest, rows_read = summed_digest(results, held_bits, verification_id)
+            yield_seconds = sum(result["yielded"] for result in results)
             final_bits = bucket_bits(rows_read) if bits is None else bits
             folded = digest.folded(final_bits)
             covered = range(1 << final_bits) if buckets is None else buckets
@@ -209,11 +219,13 @@ async def _verify_once(spark: Any, settings: PlatformSettings, table: str,
         digest_seq=digest_seq, marker_subject=watermark_subject(verification_id),
         marker_lsn=marker_lsn, schema_fingerprint=described.schema.fingerprint,
         partitions=len(ranges), spark=spark is not None, duration_seconds=duration,
-        digest_seconds=digest_seconds, wait_seconds=wait_seconds)
+        digest_seconds=digest_seconds, wait_seconds=wait_seconds,
+        yield_seconds=yield_seconds)
     log.info("verification %s of %s: %d rows at %d bits, lsn %s, digest seq %d, %.1fs "
-             "(tasks %.1fs, %.0f rows/s; waited %.1fs for the bridge)", verification_id,
-             wire_table, result.row_count, final_bits, lsn, digest_seq, duration,
-             digest_seconds, result.rows_per_second, wait_seconds)
+             "(tasks %.1fs, %.0f rows/s, yielding %.1fs of task time to the bridge; waited "
+             "%.1fs for the bridge)", verification_id, wire_table, result.row_count,
+             final_bits, lsn, digest_seq, duration, digest_seconds, result.rows_per_second,
+             yield_seconds, wait_seconds)
     return result
 
 
@@ -231,6 +243,16 @@ async def wait_for_slot(control: psycopg.Connection, slot: str, wait_seconds: fl
                 "(CDC_VERIFY_WAIT): a verify marker would be in no slot's stream; nothing is "
                 "read or published. Is the bridge running?")
         await asyncio.sleep(_BRIDGE_POLL_SECONDS)
+
+
+def yield_policy(settings: PlatformSettings, spark: Any, options: SnapshotOptions,
+                 ranges: int) -> YieldPolicy:
+    """How the tasks give way to the bridge: each at most its share of
+    ``CDC_VERIFY_MAX_YIELD``, the tasks the cores run one after the other (waves) sharing it,
+    so the whole verification pauses about that long at most."""
+    waves = math.ceil(ranges / max(1, task_parallelism(spark, options)))
+    return YieldPolicy(slot=settings.postgres.slot, lag_bytes=settings.verify.yield_lag_bytes,
+                       budget_seconds=settings.verify.max_yield_seconds / waves)
 
 
 async def wait_for_bridge(control: psycopg.Connection, slot: str, lsn: str,

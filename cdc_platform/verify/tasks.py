@@ -3,6 +3,7 @@ snapshot task does (:mod:`cdc_platform.snapshot.reader`: same session, same ``CO
 converters), and digest the rows instead of publishing them: :meth:`Chunker.digest_block`
 hashes the COPY text straight into the digest where the compiled twin is built, else the
 converted columns.
+Between blocks it gives way to the bridge while that is behind (:mod:`.yielding`).
 A task returns its buckets' (total, count) pairs to the driver, never rows."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
 from cdc_platform.snapshot.plan import BlockRange
 from cdc_platform.snapshot.reader import converters_for, copy_blocks, imported_snapshot
 from cdc_platform.snapshot.source import SourceTable, copy_select
+from cdc_platform.verify.yielding import BridgeGate, YieldPolicy
 from cdc_platform.wire.digest import HASH_BITS, RowDigester, TableDigest, pack_totals
 
 _MASK = (1 << HASH_BITS) - 1
@@ -42,10 +44,12 @@ class DigestSpec:
     bits: int  # the buckets each task digests into (the driver folds them)
     lock_timeout_ms: int = 5_000
     qualified_table: str = ""
+    yield_policy: YieldPolicy | None = None  # None: the tasks never give way to the bridge
 
     @classmethod
     def of(cls, described: SourceTable, conninfo: str, snapshot_name: str, bits: int, *,
-           verification_id: str = "", lock_timeout_ms: int = 5_000) -> DigestSpec:
+           verification_id: str = "", lock_timeout_ms: int = 5_000,
+           yield_policy: YieldPolicy | None = None) -> DigestSpec:
         """The spec of ``described``'s tasks reading under ``snapshot_name`` (the
         verification id names the Spark job)."""
         schema = described.schema
@@ -58,21 +62,25 @@ class DigestSpec:
             columns=schema.columns, type_rows=described.type_rows,
             key_columns=tuple(name for name in names if name in schema.primary_key),
             bits=bits, lock_timeout_ms=lock_timeout_ms,
-            qualified_table=sql.Identifier(schema.schema, schema.table).as_string(None))
+            qualified_table=sql.Identifier(schema.schema, schema.table).as_string(None),
+            yield_policy=yield_policy)
 
     def copy_command(self, block_range: BlockRange) -> str:
         return self.select.replace("{range}", block_range.predicate().as_string(None))
 
 
 async def digest_range(spec: DigestSpec, block_range: BlockRange) -> dict[str, Any]:
-    """One range's digest: ``{partition, rows, seconds, error, error_kind, totals (packed
-    as in a digest message), counts}``. A malformed COPY row is returned as ``error`` (a
-    retry cannot fix it); anything else raises, and Spark retries the task."""
+    """One range's digest: ``{partition, rows, seconds, yielded (seconds given way to the
+    bridge), error, error_kind, totals (packed as in a digest message), counts}``. A
+    malformed COPY row is returned as ``error`` (a retry cannot fix it); anything else
+    raises, and Spark retries the task."""
     started = time.monotonic()
     chunker = Chunker(spec.layout, converters_for(spec.type_rows, spec.columns),
                       block_range.index)
     digester = RowDigester(spec.layout.columns, spec.key_columns)
     digest = TableDigest(spec.bits)
+    gate = BridgeGate(spec.yield_policy, spec.conninfo, spec.qualified_table,
+                      f"verification {spec.layout.snapshot_id} range {block_range.index}")
     rows = 0
     error = error_kind = None
     try:
@@ -80,13 +88,17 @@ async def digest_range(spec: DigestSpec, block_range: BlockRange) -> dict[str, A
                                qualified_table=spec.qualified_table,
                                lock_timeout_ms=spec.lock_timeout_ms) as conn:
             async for block in copy_blocks(conn.pgconn, spec.copy_command(block_range)):
+                await gate.give_way()
                 # hashed from the COPY text, no row maps; a value no converter takes stays
                 # text, as in a snapshot chunk
                 rows += chunker.digest_block(digest, digester, block, {})
     except ConversionError as exc:
         error, error_kind = str(exc), type(exc).__name__
+    finally:
+        await gate.close()
     return {"partition": block_range.index, "rows": rows,
-            "seconds": time.monotonic() - started, "error": error, "error_kind": error_kind,
+            "seconds": time.monotonic() - started, "yielded": gate.yielded_seconds,
+            "error": error, "error_kind": error_kind,
             "totals": pack_totals(digest.totals), "counts": digest.counts}
 
 

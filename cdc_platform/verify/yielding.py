@@ -1,0 +1,163 @@
+"""A verification gives way to CDC: its tasks pause while the bridge is behind.
+
+A verification is background work; the bridge is not. On a machine where both want the same
+cores, a verification's tasks (reading COPY and hashing it, and PostgreSQL producing that
+COPY) take CPU the bridge, its walsender and nats-server need, and the bridge falls behind.
+So, as Vitess's VReplication streams (VDiff's among them) consult the tablet throttler and
+gh-ost and pt-table-checksum check replica lag between chunks, a task reads between blocks of
+rows how far the bridge is behind (its slot's ``confirmed_flush_lsn`` against
+``pg_current_wal_lsn()``, at most every :data:`CHECK_SECONDS`, on a connection of its own)
+and, while that is more than ``CDC_VERIFY_YIELD_LAG``, waits, backing off from
+:data:`FIRST_PAUSE_SECONDS` to :data:`LONGEST_PAUSE_SECONDS`. Its COPY waits with it:
+PostgreSQL's sending backend blocks on the full socket, so the source's side of the work
+pauses too.
+
+Unlike those tools a task yields for a bounded total only (its share of
+``CDC_VERIFY_MAX_YIELD``): it holds an exported snapshot (VACUUM cannot remove rows deleted
+after it) and its temporary slot's WAL, so a bridge that cannot catch up must not hold them
+for ever; past its share a task goes on and says so in the log.
+
+Nor does a task yield while a lock request waits for its table (DDL queued behind the
+verification's ACCESS SHARE lock, and every query on the table queued behind that): pausing
+then would hold them all up; the task reads on and releases the lock sooner.
+
+Nothing here changes what a task reads or computes: it only waits between blocks of the
+same COPY in the same snapshot. No slot, or no bridge streaming from it (the slot inactive):
+nothing to give way to, no yielding. A lag that cannot be read (a PostgreSQL error) is said
+once in the log and the task goes on without yielding."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import psycopg
+
+log = logging.getLogger(__name__)
+
+CHECK_SECONDS = 0.2  # a reading task reads the bridge's lag at most this often
+FIRST_PAUSE_SECONDS = 0.05  # a yield's first pause; each next one twice as long ...
+LONGEST_PAUSE_SECONDS = 1.0  # ... up to this: the bridge caught up is noticed within it
+
+# One row of pg_replication_slots: cheap (the slots are in shared memory). A slot that no
+# bridge streams from is not active; lag NULL: a slot that has confirmed nothing yet. And
+# whether a lock request waits for the table (its locks, in pg_locks).
+_LAG_QUERY = """
+SELECT active, pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint,
+       EXISTS (SELECT FROM pg_locks WHERE locktype = 'relation' AND NOT granted
+               AND database = (SELECT oid FROM pg_database
+                               WHERE datname = current_database())
+               AND relation = %(table)s::regclass)
+FROM pg_replication_slots WHERE slot_name = %(slot)s
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class YieldPolicy:
+    """When a verification's tasks give way to the bridge (travels with the tasks' spec)."""
+
+    slot: str  # the bridge's slot
+    lag_bytes: int  # a task waits while the bridge is more than this behind; 0: never
+    budget_seconds: float  # each task waits at most this long in all
+
+    @property
+    def enabled(self) -> bool:
+        return self.lag_bytes > 0 and self.budget_seconds > 0
+
+
+class BridgeGate:
+    """One task's yielding: ``await gate.give_way()`` between blocks of rows,
+    ``await gate.close()`` at the end. ``yielded_seconds``: how long it waited in all."""
+
+    def __init__(self, policy: YieldPolicy | None, conninfo: str, table: str,
+                 what: str) -> None:
+        self.policy = policy
+        self.yielded_seconds = 0.0
+        self._conninfo = conninfo
+        self._table = table  # the table read, quoted and qualified
+        self._what = what  # names the task in the log
+        self._off = policy is None or not policy.enabled
+        self._next_check = 0.0  # the first block is checked at once
+        self._lock_waiting = False  # a lock request for the table was seen (said once)
+        self._conn: psycopg.AsyncConnection | None = None
+
+    async def give_way(self) -> None:
+        """Return at once unless a check is due; else wait while the bridge is behind, within
+        what is left of the task's share."""
+        if self._off or time.monotonic() < self._next_check:
+            return
+        assert self.policy is not None
+        pause = FIRST_PAUSE_SECONDS
+        episode = 0.0
+        while (lag := await self._lag()) is not None and lag > self.policy.lag_bytes:
+            left = self.policy.budget_seconds - self.yielded_seconds
+            if left <= 0:
+                log.warning("%s: yielded %.1fs in all to the bridge, its share of "
+                            "CDC_VERIFY_MAX_YIELD; going on while the bridge is %s behind "
+                            "(slot %s)", self._what, self.yielded_seconds, _mib(lag),
+                            self.policy.slot)
+                self._off = True
+                break
+            if not episode:
+                log.info("%s: the bridge is %s behind (slot %s; CDC_VERIFY_YIELD_LAG %s): "
+                         "yielding", self._what, _mib(lag), self.policy.slot,
+                         _mib(self.policy.lag_bytes))
+            wait = min(pause, left)
+            await asyncio.sleep(wait)
+            episode += wait
+            self.yielded_seconds += wait
+            pause = min(pause * 2, LONGEST_PAUSE_SECONDS)
+        if episode and not self._off:
+            log.info("%s: the bridge caught up after %.1fs", self._what, episode)
+        self._next_check = time.monotonic() + CHECK_SECONDS
+
+    async def _lag(self) -> int | None:
+        """Bytes of WAL the bridge has not confirmed; None: no bridge streams the slot, or
+        a lock request waits for the table (or the lag cannot be read: then the task stops
+        checking)."""
+        assert self.policy is not None
+        try:
+            if self._conn is None:
+                self._conn = await psycopg.AsyncConnection.connect(
+                    self._conninfo, autocommit=True,
+                    application_name="cdc_platform_verify_lag")
+            cursor = await self._conn.execute(
+                _LAG_QUERY, {"slot": self.policy.slot, "table": self._table or None})
+            row = await cursor.fetchone()
+        except psycopg.Error as exc:
+            log.warning("%s: cannot read the bridge's lag (%s); not yielding to it",
+                        self._what, str(exc).strip())
+            self._off = True
+            return None
+        if row is None:
+            return None
+        active, lag, lock_waiting = row
+        if lock_waiting:
+            if not self._lock_waiting:
+                log.info("%s: a lock request (DDL?) waits for the table: reading on, not "
+                         "yielding", self._what)
+            self._lock_waiting = True
+            return None
+        return int(lag) if active and lag is not None else None
+
+    async def close(self) -> None:
+        if self._conn is not None:
+            await self._conn.close()
+            self._conn = None
+
+
+def _mib(size: int) -> str:
+    return f"{size / 1024**2:.1f} MiB"
+
+
+def lower_own_priority(nice: int) -> int:
+    """Run the calling thread, and the threads and processes it starts from now on, at nice
+    value ``nice`` (on Linux a thread's own; call it before starting any), or leave it where
+    it is when that is higher already; the nice value it runs at."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice > current:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    return max(nice, current)

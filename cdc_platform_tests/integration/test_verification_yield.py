@@ -1,0 +1,211 @@
+"""A verification gives way to CDC (cdc_platform/verify/yielding.py): its tasks pause while the
+bridge's slot is more than CDC_VERIFY_YIELD_LAG behind, for at most CDC_VERIFY_MAX_YIELD, and
+not at all when no bridge streams the slot or it keeps up. Real PostgreSQL and nats-server; a
+bridge held behind is the real replication protocol confirming nothing (``held_slot``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from cdc_platform.lsn import parse_lsn
+from cdc_platform.replication.connection import SESSION_OPTIONS
+from cdc_platform.settings import VerifySettings
+from cdc_platform.snapshot import SnapshotOptions
+from cdc_platform.snapshot.plan import BlockRange
+from cdc_platform.snapshot.source import describe_table
+from cdc_platform.verify import verify_table
+from cdc_platform.verify.tasks import DigestSpec, digest_range
+from cdc_platform.verify.yielding import YieldPolicy
+from cdc_platform.wire.digest import MAX_BUCKET_BITS
+from cdc_platform_tests.fixtures.bridge import (
+    held_slot,
+    running_bridge,
+    slot_confirmed,
+    wait_for,
+)
+from cdc_platform_tests.fixtures.services import CLI, bridge_env, platform_settings, random_name
+from cdc_platform_tests.fixtures.snapshots import LIVE_TABLE_COLUMNS
+from cdc_platform_tests.fixtures.verification import (
+    buckets_of,
+    digest_message,
+    table_digest_now,
+)
+
+# the slot's position and activity as PostgreSQL reports them: on the newest major too
+pytestmark = pytest.mark.every_major
+
+ROWS = 3_000
+YIELD_LAG = 64 * 1024  # the test's threshold; its ballast writes ~20x that
+HOLD_SECONDS = 1.5  # how long the bridge stays behind
+
+
+def _table(pg_admin, cdc_database) -> str:
+    table = random_name("yielding")
+    pg_admin.execute(f"CREATE TABLE {table} ({LIVE_TABLE_COLUMNS})")
+    pg_admin.execute(f"INSERT INTO {table} SELECT i, i % 100, 'r' || i, now(), ARRAY['a'] "
+                     f"FROM generate_series(1, {ROWS}) i")
+    cdc_database.add_tables(pg_admin, table)
+    return table
+
+
+def _ballast(pg_admin, table: str) -> None:
+    """WAL of the published table, well over YIELD_LAG, that a held slot has not confirmed."""
+    pg_admin.execute(f"UPDATE {table} SET txt = txt || repeat('x', 200)")
+
+
+def _task_reading_the_lag(pg_admin) -> bool:
+    """Whether a verification task has its connection for the bridge's lag open."""
+    return pg_admin.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name "
+                            "= 'cdc_platform_verify_lag'").fetchone()[0] > 0
+
+
+def _settings(cdc_database, provisioned_nats, max_yield: float):
+    return platform_settings(cdc_database, provisioned_nats.url).model_copy(update={
+        "verify": VerifySettings(yield_lag_bytes=YIELD_LAG, max_yield_seconds=max_yield,
+                                 wait_seconds=30)})
+
+
+@pytest.mark.parametrize("on_spark", [False, pytest.param(True, marks=pytest.mark.spark)],
+                         ids=["in_process", "spark"])
+async def test_a_verification_waits_while_the_bridge_is_behind_and_not_longer(
+        cdc_database, pg_admin, provisioned_nats, nats_client, request, on_spark):
+    table = _table(pg_admin, cdc_database)
+    settings = _settings(cdc_database, provisioned_nats, max_yield=60)
+    spark = request.getfixturevalue("spark_session") if on_spark else None
+    options = SnapshotOptions(small_table_bytes=0) if on_spark else None
+    async with held_slot(settings) as held:
+        _ballast(pg_admin, table)
+        verifying = asyncio.create_task(verify_table(spark, settings, table, options=options))
+        if on_spark:  # Spark's tasks start seconds later: hold from when one reads the lag
+            await wait_for(lambda: _task_reading_the_lag(pg_admin), what="a task yielding")
+        await asyncio.sleep(HOLD_SECONDS)  # the bridge behind for this long
+        held.release()
+        result = await asyncio.wait_for(verifying, 60)
+    assert result.spark == on_spark
+    if on_spark:  # the first two tasks, at once, each from its first block to the release
+        assert result.yield_seconds >= HOLD_SECONDS, result
+    else:
+        # The tasks (reading 3,000 rows: milliseconds) waited for the bridge, and went on
+        # within a pause (at most a second) of its catching up. They started at most
+        # ``before`` after the verification did (its steps before and after them), so ended
+        # after the release.
+        before = result.duration_seconds - result.digest_seconds - result.wait_seconds
+        assert HOLD_SECONDS - before <= result.digest_seconds < HOLD_SECONDS + 3, result
+        assert result.yield_seconds > 0
+    # what it computed is the table's digest all the same
+    expected = table_digest_now(cdc_database.server.superuser_conninfo(),
+                                cdc_database.publication, table).folded(result.bits)
+    assert (await digest_message(nats_client, result))[2] == buckets_of(expected)
+    assert result.row_count == ROWS
+
+
+async def test_a_verification_goes_on_once_it_has_yielded_its_most(
+        cdc_database, pg_admin, provisioned_nats, caplog):
+    table = _table(pg_admin, cdc_database)
+    settings = _settings(cdc_database, provisioned_nats, max_yield=1.0)
+    one_task = SnapshotOptions(local_parallelism=1, ranges_per_core=1)
+    caplog.set_level(logging.INFO, logger="cdc_platform.verify.yielding")
+    async with held_slot(settings) as held:
+        _ballast(pg_admin, table)
+        verifying = asyncio.create_task(verify_table(None, settings, table, options=one_task))
+        # while the bridge is still behind, the task gives up yielding and reads on
+        await wait_for(lambda: "its share of CDC_VERIFY_MAX_YIELD; going on" in caplog.text,
+                       what="the task to go on")
+        held.release()  # so that the digest can be published
+        result = await asyncio.wait_for(verifying, 30)
+    assert result.partitions == 1
+    assert 1.0 <= result.yield_seconds < 1.01
+    assert result.digest_seconds < 4
+    assert "yielding" in caplog.text
+
+
+def _add_column(conninfo: str, table: str) -> None:
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("SET lock_timeout = '30s'")
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN extra int")
+
+
+async def test_a_verification_stops_yielding_while_ddl_waits_for_its_table(
+        cdc_database, pg_admin, provisioned_nats):
+    table = _table(pg_admin, cdc_database)
+    settings = _settings(cdc_database, provisioned_nats, max_yield=60)
+    one_task = SnapshotOptions(local_parallelism=1, ranges_per_core=1)
+    async with held_slot(settings) as held:
+        _ballast(pg_admin, table)
+        verifying = asyncio.create_task(verify_table(None, settings, table, options=one_task))
+        await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the task yielding")
+        # an ALTER queues behind the verification's lock (and every later query of the
+        # table behind it): the task reads on and lets it through, the bridge still behind
+        await asyncio.wait_for(asyncio.to_thread(
+            _add_column, cdc_database.server.superuser_conninfo(), table), 20)
+        held.release()
+        result = await asyncio.wait_for(verifying, 30)
+    assert result.row_count == ROWS and result.yield_seconds < 20
+
+
+async def test_no_bridge_streaming_the_slot_or_none_behind_means_no_waiting(
+        cdc_database, pg_admin, provisioned_nats):
+    table = _table(pg_admin, cdc_database)
+    settings = _settings(cdc_database, provisioned_nats, max_yield=60)
+    # the slot exists, far behind, but no bridge streams it: yielding would help nobody
+    pg_admin.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')",
+                     (cdc_database.slot,))
+    _ballast(pg_admin, table)
+    conninfo = settings.postgres.conninfo(options=SESSION_OPTIONS)
+    with psycopg.connect(conninfo) as holder:  # holds the snapshot the task imports
+        holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        snapshot_name = holder.execute("SELECT pg_export_snapshot()").fetchone()[0]
+        lag = holder.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), "
+                             "confirmed_flush_lsn) FROM pg_replication_slots "
+                             "WHERE slot_name = %s", (cdc_database.slot,)).fetchone()[0]
+        assert lag > YIELD_LAG
+        spec = DigestSpec.of(describe_table(holder, settings.postgres.publication, table),
+                             conninfo, snapshot_name, MAX_BUCKET_BITS,
+                             yield_policy=YieldPolicy(cdc_database.slot, YIELD_LAG, 60))
+        alone = await digest_range(spec, BlockRange(0, 0, None))
+    assert alone["rows"] == ROWS and alone["yielded"] == 0
+    # a bridge streaming it, caught up: no waiting either
+    async with running_bridge(settings):
+        end = parse_lsn(pg_admin.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
+        await wait_for(lambda: slot_confirmed(pg_admin, cdc_database.slot) >= end,
+                       what="the bridge to catch up")
+        result = await verify_table(None, settings, table)
+    assert result.yield_seconds == 0 and result.row_count == ROWS
+
+
+def _nice_values(pid: int) -> set[int]:
+    """The nice value of each thread of process ``pid`` (field 19 of its stat)."""
+    return {int(stat.read_text().rsplit(")", 1)[1].split()[16])
+            for stat in Path(f"/proc/{pid}/task").glob("*/stat")}
+
+
+async def test_the_cli_verifies_niced_and_yielding_as_its_settings_say(
+        cdc_database, pg_admin, provisioned_nats):
+    table = _table(pg_admin, cdc_database)
+    settings = _settings(cdc_database, provisioned_nats, max_yield=60)
+    env = {**bridge_env(cdc_database, provisioned_nats.url), "CDC_SLOT": cdc_database.slot,
+           "CDC_PUBLICATION": cdc_database.publication, "CDC_VERIFY_WAIT": "30",
+           "CDC_VERIFY_YIELD_LAG": "64KiB", "CDC_VERIFY_NICE": "7"}
+    async with held_slot(settings) as held:
+        _ballast(pg_admin, table)
+        process = await asyncio.create_subprocess_exec(
+            CLI, "verify", table, env=env, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        try:
+            # yielding: its tasks are reading the bridge's lag, the bridge being behind
+            await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the tasks yielding")
+            nice = _nice_values(process.pid)
+            held.release()
+            out, err = await asyncio.wait_for(process.communicate(), 60)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    assert process.returncode == 0, err.decode()
+    assert nice == {7}  # every thread, the tasks' included
+    assert "yielding" in err.decode() and f"of {table}: {ROWS:,} rows" in out.decode()
