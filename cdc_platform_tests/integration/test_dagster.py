@@ -452,6 +452,9 @@ async def test_a_resync_marker_starts_a_verification_of_every_table_once(
         assert sorted((r.partition_key, r.run_key) for r in result.run_requests) == [
             ("sales__orders", f"resync-{ack.seq}-sales__orders"),
             ("users", f"resync-{ack.seq}-users")]
+        # at the finest bits: a mirror repairs up to a quarter of them (docs/verification.md
+        # "Item 6"); table_verification reads the tag
+        assert {r.tags.get("cdc_platform/verify_bits") for r in result.run_requests} == {"14"}
         assert isinstance(await asyncio.to_thread(tick, result.cursor), dg.SkipReason)
 
 
