@@ -12,8 +12,9 @@ with ``CDC_ON_SLOT_LOST=resync`` and a mirror (the library of ``cdc-platform mir
 this process, and a snapshot responder answering the mirror's snapshot and repair requests as
 the Dagster sensor does (cdc_platform_tests/fixtures/responder.py: tasks in this process, no
 Spark, as for tables under ``CDC_SNAPSHOT_LOCAL_MAX_BYTES``). The mirror bootstraps, then for
-each fraction (% of the rows) and each verification ``--bits`` (``default``: what
-``resync_sensor`` asks for, ``bucket_bits(rows)``):
+each fraction (% of the rows) and each verification ``--bits`` (``default``: an ordinary
+verification's, ``bucket_bits(rows)``; ``14``: what ``resync_sensor`` asks for,
+``MAX_BUCKET_BITS``):
 
 1. the bridge stops; a third of the changed rows are updated, a third deleted, a third
    inserted (random keys of the whole table; new keys after the highest, as a sequence
@@ -21,10 +22,10 @@ each fraction (% of the rows) and each verification ``--bits`` (``default``: wha
 2. the slot is invalidated for real (WAL past ``max_slot_wal_keep_size``, a checkpoint);
 3. the bridge starts again: it stores the resync marker and streams from a new slot;
 4. a verification of the table (``verify_table``, what ``resync_sensor`` launches) at once;
-   the mirror meets it ``differ`` and repairs the differing buckets, or bootstraps the table
-   again: by design when more than a quarter differ (mirror/repair.py
-   ``MOST_REPAIRED_SHARE``), and when their list does not fit in a repair request's 4 KB
-   body (``wire.REQUEST_BODY_MAX_BYTES``: ~600 buckets at 14 bits);
+   the mirror meets it ``differ`` and repairs the differing buckets (asked as a list when it
+   fits a repair request's 4 KB body, ``wire.REQUEST_BODY_MAX_BYTES``, else as
+   ``bucket_bitmap``), or bootstraps the table again when more than a quarter differ
+   (mirror/repair.py ``MOST_REPAIRED_SHARE``);
 5. measured: INIT chunk bytes the mirror read (``Mirror.init_bytes``) and seconds from the
    marker's store time to the mirror holding the source's rows (repair replaced, or the
    bootstrap swapped in), in phases: the bridge's new slot, the verification until the
@@ -419,7 +420,8 @@ def main() -> None:
                         help="%% of the rows the lost changes touch, comma-separated")
     parser.add_argument("--bits", default="default,14",
                         help="the verification's bits, comma-separated: 'default' "
-                             "(bucket_bits(rows), what resync_sensor asks) or a number")
+                             "(bucket_bits(rows), an ordinary verification's) or a number "
+                             "(14: what resync_sensor asks)")
     parser.add_argument("--writes", type=float, default=20.0,
                         help="one-row UPDATEs a second while the mirror resyncs and "
                              "bootstraps again (0: the source idle)")

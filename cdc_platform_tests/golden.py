@@ -2,6 +2,8 @@
 and format in ``data/golden/`` (msgpack as hex, JSON as text). ``test_golden.py`` checks that
 both writers (pure Python and the compiled twins) still produce exactly these bytes.
 
+``bucket_bitmaps.json`` holds ``bucket_bitmap`` vectors (``wire.bucket_sets``).
+
 ``signatures.json`` holds test vectors of message signatures (docs/wire-contract.md
 "Signatures"): a fixed key's signatures of golden messages, with the exact bytes signed.
 
@@ -40,9 +42,11 @@ from cdc_platform.wire import (
     HEADER_MSG_ID,
     HEADER_SIGNATURE,
     HEADER_SIGNING_KEY,
+    META_MAX_LISTED_BUCKETS,
     WATERMARK_PREFIX,
     WATERMARK_SUBJECT_PREFIX,
     MessageSigner,
+    encode_bucket_bitmap,
     encoder,
     meta_msg_id,
     repair_meta_subject,
@@ -187,6 +191,14 @@ def repair_meta(fmt: str, implementation: str) -> list[Message]:
                 "repair-20261122T100000Z-0a0b0c0d")
 
 
+def repair_meta_bitmap(fmt: str, implementation: str) -> list[Message]:
+    """A repair meta of more buckets than a meta lists (``META_MAX_LISTED_BUCKETS``): its
+    buckets as ``bucket_bitmap`` (buckets 0-16,384 of 32,768 at 15 bits)."""
+    return meta(fmt, implementation,
+                BucketSelection(15, tuple(range(META_MAX_LISTED_BUCKETS + 1))),
+                "repair-20261122T100000Z-0a0b0c0e")
+
+
 def digest(fmt: str, implementation: str) -> list[Message]:
     """Two digest messages of the golden table: every bucket at 2 bits, and buckets 1 and 6
     at 3 bits (a run asked for some)."""
@@ -222,7 +234,8 @@ def kv_schema(fmt: str, implementation: str) -> list[Message]:
 
 CASES: dict[str, Callable[[str, str], list[Message]]] = {
     "per_change": per_change, "batched": batched, "chunk": chunk, "meta": meta,
-    "repair_meta": repair_meta, "kv_schema": kv_schema, "digest": digest}
+    "repair_meta": repair_meta, "repair_meta_bitmap": repair_meta_bitmap,
+    "kv_schema": kv_schema, "digest": digest}
 # The cases with two writers (compiled twins of them write msgpack: cdc_platform/_speedups).
 TWO_WRITERS = {"per_change", "batched", "chunk"}
 
@@ -247,6 +260,20 @@ def to_file(messages: list[Message], fmt: str) -> str:
 
 def path(case: str, fmt: str) -> Path:
     return GOLDEN / f"{case}.{fmt}.jsonl"
+
+
+BUCKET_BITMAPS = GOLDEN / "bucket_bitmaps.json"
+# (bits, buckets) of the bucket_bitmap vectors: the edges of a byte, bits under 3, 14 bits
+_BITMAP_CASES = ((0, [0]), (2, [1, 3]), (3, [0, 7]), (4, [3, 9]), (6, [0, 8, 9, 63]),
+                 (14, [0, 1, 4095, 8192, 16383]))
+
+
+def bucket_bitmap_vectors() -> str:
+    """``bucket_bitmaps.json``'s text: ``bucket_bitmap`` of a few sets of buckets (repair
+    requests and metas, ``wire.bucket_sets``)."""
+    return json.dumps([{"bits": bits, "buckets": buckets,
+                        "bucket_bitmap": encode_bucket_bitmap(bits, buckets)}
+                       for bits, buckets in _BITMAP_CASES], indent=1) + "\n"
 
 
 SIGNATURES = GOLDEN / "signatures.json"
@@ -293,6 +320,8 @@ def main() -> None:
             print(path(case, fmt))
     SIGNATURES.write_text(signature_vectors())
     print(SIGNATURES)
+    BUCKET_BITMAPS.write_text(bucket_bitmap_vectors())
+    print(BUCKET_BITMAPS)
 
 
 if __name__ == "__main__":

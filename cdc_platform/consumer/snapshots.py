@@ -27,9 +27,11 @@ from cdc_platform.jetstream.kv import kv_value
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.settings import DictionaryBucketSettings
 from cdc_platform.wire import (
+    BUCKET_BITMAP_FIELD,
     INIT_REPAIR_PREFIX,
     SignatureVerifier,
     decode_any,
+    decode_bucket_bitmap,
     dictionary_key,
     repair_meta_subject,
     snapshot_meta_subject,
@@ -128,13 +130,19 @@ class SnapshotMeta:
 
 
 def _repair_buckets(meta: Mapping[str, Any]) -> tuple[int | None, tuple[int, ...] | None]:
-    """A repair meta's ``bits`` and ``buckets`` (both absent: a full snapshot's meta);
-    ValueError when they are not buckets at ``bits``."""
-    if "bits" not in meta and "buckets" not in meta:
+    """A repair meta's ``bits`` and buckets (``buckets``, or ``bucket_bitmap`` past
+    ``META_MAX_LISTED_BUCKETS``; all absent: a full snapshot's meta); ValueError when they are
+    not buckets at ``bits``."""
+    if not {"bits", "buckets", BUCKET_BITMAP_FIELD} & meta.keys():
         return None, None
-    bits, buckets = meta["bits"], meta["buckets"]
+    bits = meta["bits"]
     if type(bits) is not int or not 0 <= bits <= MAX_HELD_BITS:
         raise ValueError(f"bits {bits!r}")
+    if ("buckets" in meta) == (BUCKET_BITMAP_FIELD in meta):
+        raise ValueError(f"a repair meta has buckets or {BUCKET_BITMAP_FIELD}, one of them")
+    if BUCKET_BITMAP_FIELD in meta:
+        return bits, decode_bucket_bitmap(bits, meta[BUCKET_BITMAP_FIELD])
+    buckets = meta["buckets"]
     if (not isinstance(buckets, list) or not buckets
             or any(type(b) is not int or not 0 <= b < 1 << bits for b in buckets)
             or buckets != sorted(set(buckets))):
@@ -230,8 +238,11 @@ def repair_refusal(meta: SnapshotMeta, table: str, schema_fingerprint: str, bits
         return (f"repair snapshot {meta.snapshot_id} of {table} has rows of schema "
                 f"{meta.schema_fingerprint}, the table holds {schema_fingerprint}")
     if not meta.covers(bits, buckets):
-        return (f"repair snapshot {meta.snapshot_id} of {table} holds buckets {meta.buckets} "
-                f"at {meta.bits} bits, not every one asked for at {bits} bits")
+        held = meta.buckets or ()
+        # (it may hold thousands: the line names a few)
+        named = f"buckets {list(held)}" if len(held) <= 8 else f"{len(held):,} buckets"
+        return (f"repair snapshot {meta.snapshot_id} of {table} holds {named} at "
+                f"{meta.bits} bits, not every one asked for at {bits} bits")
     return None
 
 

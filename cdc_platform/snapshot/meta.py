@@ -19,13 +19,16 @@ from cdc_platform.settings import EncodingSettings
 from cdc_platform.snapshot.buckets import BucketSelection
 from cdc_platform.snapshot.reader import RangeStats
 from cdc_platform.wire import (
+    BUCKET_BITMAP_FIELD,
     CONTENT_ENCODING_ZSTD,
     CONTENT_TYPES,
     HEADER_CONTENT_TYPE,
     HEADER_MSG_ID,
+    META_MAX_LISTED_BUCKETS,
     RepairMetaPayload,
     SnapshotMetaPayload,
     cutover_rule_text,
+    encode_bucket_bitmap,
     encoder,
     in_field_order,
     meta_msg_id,
@@ -79,7 +82,11 @@ def snapshot_meta(*, snapshot_id: str, lsn: str, watermark_lsn: str, cdc_stream:
         "chunk_subject_prefix": chunk_prefix,
     }
     if buckets is not None:
-        fields.update(bits=buckets.bits, buckets=list(buckets.buckets))
+        fields["bits"] = buckets.bits
+        if len(buckets.buckets) <= META_MAX_LISTED_BUCKETS:
+            fields["buckets"] = list(buckets.buckets)
+        else:  # a list would not fit max_payload (bucket_sets.META_MAX_LISTED_BUCKETS)
+            fields[BUCKET_BITMAP_FIELD] = encode_bucket_bitmap(buckets.bits, buckets.buckets)
         return cast(RepairMetaPayload, in_field_order(RepairMetaPayload, fields))
     return cast(SnapshotMetaPayload, in_field_order(SnapshotMetaPayload, fields))
 
@@ -88,7 +95,7 @@ def meta_subject(meta: SnapshotMetaPayload) -> str:
     """Where ``meta`` goes: ``init.repair.{table}`` for a repair snapshot's (never
     ``init.meta.{table}``, whose last message every consumer takes for a full snapshot),
     else ``init.meta.{table}``."""
-    if "buckets" in meta:
+    if "bits" in meta:
         return repair_meta_subject(meta["table"])
     return snapshot_meta_subject(meta["table"])
 

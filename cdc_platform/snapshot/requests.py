@@ -10,7 +10,8 @@ that must bootstrap again after a rewrite asks for one taken after it), ``purpos
 (``snapshot``, the default; ``verify``: a verification digest of the table instead,
 docs/verification.md; ``repair``: a snapshot of some buckets only, its meta on
 ``init.repair.{table}``), ``bits`` and ``buckets`` (verify: optional, the buckets to digest;
-repair: required, the buckets to read). Replies are JSON objects: ``request_id``, ``table``, ``status`` (``accepted``,
+repair: required, the buckets to read; a repair may give them as ``bucket_bitmap`` instead,
+``wire.bucket_sets``). Replies are JSON objects: ``request_id``, ``table``, ``status`` (``accepted``,
 ``refused``, ``done``, ``failed``) and per status ``reason`` (refused, failed), ``run_key``
 (accepted), ``snapshot_id``, ``lsn``, ``cdc_stream``, ``cdc_start_seq``, ``meta_subject``,
 ``meta_seq``, ``reused`` (done); a verification's ``done``: ``verification_id``, ``lsn``,
@@ -40,7 +41,13 @@ from cdc_platform.jetstream.connection import fetch_available
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.naming import parse_wire_name
 from cdc_platform.snapshot.buckets import BucketSelection
-from cdc_platform.wire import REQUEST_BODY_MAX_BYTES, SNAPSHOT_REQUEST_PREFIX, SignatureVerifier
+from cdc_platform.wire import (
+    BUCKET_BITMAP_FIELD,
+    REQUEST_BODY_MAX_BYTES,
+    SNAPSHOT_REQUEST_PREFIX,
+    SignatureVerifier,
+    decode_bucket_bitmap,
+)
 
 log = logging.getLogger(__name__)
 
@@ -133,16 +140,20 @@ def parse_request(subject: str, data: bytes, seq: int) -> SnapshotRequest:
 
 def _purpose(body: Mapping[str, Any], problems: list[str]
              ) -> tuple[str, int | None, tuple[int, ...] | None]:
-    """``purpose``, ``bits`` and ``buckets`` of a request body; what is wrong goes to
-    ``problems``."""
+    """``purpose``, ``bits`` and ``buckets`` of a request body (a repair's ``bucket_bitmap``
+    read as its buckets); what is wrong goes to ``problems``."""
     purpose = body.get("purpose", "snapshot")
     if purpose not in PURPOSES:
         problems.append(f"purpose must be one of {', '.join(PURPOSES)}")
         return "snapshot", None, None
     bits, buckets = body.get("bits"), body.get("buckets")
+    bitmap = body.get(BUCKET_BITMAP_FIELD)
     if purpose == "snapshot":
-        if bits is not None or buckets is not None:
+        if bits is not None or buckets is not None or bitmap is not None:
             problems.append("bits and buckets are for purpose verify or repair")
+        return purpose, None, None
+    if bitmap is not None and purpose != "repair":
+        problems.append(f"{BUCKET_BITMAP_FIELD} is for purpose repair (verify: buckets)")
         return purpose, None, None
     if bits is None:
         if purpose == "repair" or buckets is not None:
@@ -152,9 +163,18 @@ def _purpose(body: Mapping[str, Any], problems: list[str]
             MAX_REQUEST_BITS):
         problems.append(f"bits must be an integer 0..{MAX_REQUEST_BITS}")
         return purpose, None, None
+    if bitmap is not None:
+        if buckets is not None:
+            problems.append(f"purpose repair takes buckets or {BUCKET_BITMAP_FIELD}, not both")
+            return purpose, bits, None
+        try:
+            return purpose, bits, decode_bucket_bitmap(bits, bitmap)
+        except ValueError as exc:
+            problems.append(str(exc))
+            return purpose, bits, None
     if buckets is None:
         if purpose == "repair":
-            problems.append("purpose repair needs buckets")
+            problems.append(f"purpose repair needs buckets or {BUCKET_BITMAP_FIELD}")
         return purpose, bits, None
     if (not isinstance(buckets, list) or not buckets
             or any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < 1 << bits

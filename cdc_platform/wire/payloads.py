@@ -277,10 +277,14 @@ class SnapshotMetaPayload(TypedDict):
 
 class RepairMetaPayload(SnapshotMetaPayload):
     """``init.repair.{table}``: the meta of a repair snapshot, which holds the rows of some
-    buckets only (docs/verification.md Part 2, item 4): a snapshot meta and the buckets."""
+    buckets only (docs/verification.md Part 2, item 4): a snapshot meta, ``bits`` and the
+    buckets (a list, or a bitmap when they are more than a list of 14 bits)."""
 
     bits: int
-    buckets: list[int]  # sorted: the rows whose key hash's top ``bits`` bits are one of these
+    # exactly one of: sorted, the rows whose key hash's top ``bits`` bits are one of these
+    # (at most META_MAX_LISTED_BUCKETS of them) ...
+    buckets: NotRequired[list[int]]
+    bucket_bitmap: NotRequired[str]  # ... or more, as wire.bucket_sets' bitmap
 
 
 class SnapshotReply(TypedDict):

@@ -792,6 +792,7 @@ async def test_repair_requests_are_answered_by_one_table_repair_run(
     from cdc_platform.defs.verification.repairs import REPAIR_BUCKETS_TAG
     from cdc_platform.mirror.snapshots import read_chunks
     from cdc_platform.settings import load_settings
+    from cdc_platform.wire import encode_bucket_bitmap
     from cdc_platform.wire.digest import RowDigester, bucket_of
 
     table, other = random_name("repair_asked"), random_name("repair_many")
@@ -808,7 +809,9 @@ async def test_repair_requests_are_answered_by_one_table_repair_run(
     await nats_client.subscribe(inbox, cb=collect)
     # u1 and u2: a quarter and an eighth of the other table; each may be asked, not both
     for name, request_id, body in ((table, "r1", {"bits": 4, "buckets": [2, 1]}),
-                                   (table, "r2", {"bits": 5, "buckets": [7]}),
+                                   # (a bitmap: united with the lists alike)
+                                   (table, "r2", {"bits": 5, "bucket_bitmap":
+                                                  encode_bucket_bitmap(5, [7])}),
                                    (table, "all", {"bits": 2, "buckets": [0, 1]}),
                                    (other, "u1", {"bits": 2, "buckets": [0]}),
                                    (other, "u2", {"bits": 3, "buckets": [2]})):

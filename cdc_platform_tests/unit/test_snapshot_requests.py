@@ -81,6 +81,19 @@ def test_a_flood_of_notes_is_summarized():
     (b'{"purpose": "repair", "bits": 4, "buckets": [16]}', "below 2^4"),
     (b'{"purpose": "repair", "bits": 4, "buckets": []}', "non-empty list"),
     (b'{"purpose": "repair", "bits": 4, "buckets": [false]}', "list of integers"),
+    # a bitmap (wire.bucket_sets) instead of the list: exactly one of the two, of its length
+    (b'{"purpose": "repair", "bits": 4, "buckets": [3], "bucket_bitmap": "EAA="}',
+     "buckets or bucket_bitmap, not both"),
+    (b'{"purpose": "repair", "bits": 4}', "needs buckets or bucket_bitmap"),
+    (b'{"purpose": "repair", "bits": 4, "bucket_bitmap": "EAAA"}',
+     "bucket_bitmap holds 3 bytes, 2 at 4 bits"),
+    (b'{"purpose": "repair", "bits": 4, "bucket_bitmap": "AAA="}', "sets no bucket"),
+    (b'{"purpose": "repair", "bits": 4, "bucket_bitmap": "EA!="}', "is not base64"),
+    (b'{"purpose": "repair", "bits": 4, "bucket_bitmap": "EAB="}', "not canonical"),
+    (b'{"purpose": "repair", "bits": 4, "bucket_bitmap": 16}', "must be a base64 string"),
+    (b'{"purpose": "repair", "bits": 2, "bucket_bitmap": "gQ=="}', "past the 2^2 buckets"),
+    (b'{"purpose": "verify", "bits": 4, "bucket_bitmap": "EAA="}', "is for purpose repair"),
+    (b'{"bucket_bitmap": "EAA="}', "are for purpose verify or repair"),
 ])
 def test_a_verify_or_repair_request_names_its_buckets_or_is_refused(body, reason):
     request = parse_request("snapshot.request.users", body, 1)
@@ -92,6 +105,9 @@ def test_a_repair_request_keeps_its_buckets_sorted_once():
                             b'{"purpose": "repair", "bits": 10, "buckets": [900, 3, 900]}', 1)
     assert request.refused is None
     assert (request.purpose, request.bits, request.buckets) == ("repair", 10, (3, 900))
+    bitmap = parse_request("snapshot.request.users",
+                           b'{"purpose": "repair", "bits": 4, "bucket_bitmap": "EEA="}', 3)
+    assert (bitmap.refused, bitmap.bits, bitmap.buckets) == (None, 4, (3, 9))
     verify = parse_request("snapshot.request.users", b'{"purpose": "verify"}', 2)
     assert (verify.refused, verify.purpose, verify.bits, verify.buckets) == (
         None, "verify", None, None)
