@@ -208,7 +208,8 @@ async def _verify_once(spark: Any, settings: PlatformSettings, table: str,
             digest_seq = await publish_digest(client.jetstream(), payload,
                                               settings.encoding.format,
                                               settings.topology.cdc.name,
-                                              settings.bridge.signer())
+                                              settings.bridge.signer(),
+                                              max_payload=client.max_payload)
         finally:
             await client.close()
 

@@ -9,6 +9,8 @@ from typing import Any, cast
 
 from nats.js import JetStreamContext
 
+from cdc_platform.errors import VerificationError
+from cdc_platform.snapshot.chunks import headers_size
 from cdc_platform.wire import (
     CONTENT_TYPES,
     HEADER_CONTENT_TYPE,
@@ -53,11 +55,19 @@ def digest_message(payload: VerificationDigestPayload, fmt: Format
 
 
 async def publish_digest(js: JetStreamContext, payload: VerificationDigestPayload, fmt: Format,
-                         stream: str, signer: MessageSigner | None = None) -> int:
+                         stream: str, signer: MessageSigner | None = None, *,
+                         max_payload: int) -> int:
     """Store the digest message in ``stream`` (deduplicated by its message id), signed by
-    ``signer`` when there is one; its stream sequence."""
+    ``signer`` when there is one; its stream sequence. :class:`VerificationError` when it is
+    over the server's ``max_payload`` (a digest has no claim check: ~150-270 KB at 14 bits)."""
     subject, headers, data = digest_message(payload, fmt)
     if signer is not None:
         headers = signer.signed_headers(subject, headers, data)
+    size = len(data) + headers_size(headers)
+    if size > max_payload:
+        raise VerificationError(
+            f"the digest of {payload['table']} at {payload['bits']} bits is {size:,} bytes, "
+            f"over the NATS server's max_payload ({max_payload:,}): verify at fewer bits or "
+            "raise max_payload; nothing is published")
     ack = await js.publish(subject, data, headers=headers, stream=stream)
     return ack.seq

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from nats.js.errors import NotFoundError
 
-from cdc_platform.errors import BridgeBehindError, SnapshotRequestRefused
+from cdc_platform.errors import BridgeBehindError, SnapshotRequestRefused, VerificationError
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.settings import VerifySettings
 from cdc_platform.snapshot import SnapshotOptions, snapshot_table
@@ -235,6 +235,24 @@ async def test_without_a_bridge_the_run_fails_as_behind_and_publishes_nothing(
     with pytest.raises(NotFoundError):
         await nats_client.jetstream().get_last_msg(
             "CDC", f"cdc.cdc-platform.verify.{table}.{verification_id}")
+
+
+async def test_a_digest_over_max_payload_fails_in_one_line_and_publishes_nothing(
+        cdc_database, pg_admin, small_nats):
+    # 14 bits (what resync_sensor asks for) is a ~150 KB digest: over a 64 KB max_payload.
+    # Without the check the run failed "nats: maximum payload exceeded", naming nothing
+    server, client = small_nats
+    table = _live_table(pg_admin, cdc_database, rows=10)
+    settings = platform_settings(cdc_database, server.url)
+    async with running_bridge(settings):
+        with pytest.raises(VerificationError, match=(
+                rf"the digest of {table} at 14 bits is 1\d\d,\d{{3}} bytes, over the NATS "
+                r"server's max_payload \(65,536\): verify at fewer bits")) as raised:
+            await verify_table(None, settings, table, bits=14)
+        assert "\n" not in str(raised.value)
+        result = await verify_table(None, settings, table, bits=8)  # ~3 KB: fits
+    stored = await client.jetstream().get_last_msg("CDC", f"cdc.cdc-platform.verify.{table}.>")
+    assert stored.seq == result.digest_seq  # the only digest of the table
 
 
 @pytest.mark.every_major
