@@ -95,6 +95,7 @@ from cdc_platform.wire import (
 )
 
 log = logging.getLogger(__name__)
+_SCHEMA_GRACE_SECONDS = 3.0  # a table without a schema in KV waits this long for it at start
 
 Report = Callable[[str], None]
 _OPERATIONS = frozenset({*CHANGE_OPERATIONS, SCHEMA_OPERATION})
@@ -246,12 +247,20 @@ class Mirror:
             raise MirrorError(f"the KV bucket {bucket!r} does not exist: is the platform "
                               "provisioned (cdc-platform provision) and this the right "
                               "NATS server?") from None
-        missing = []
-        for table in self.tables:
-            try:
-                await kv.get(table)
-            except NotFoundError:  # KeyNotFoundError and KeyDeletedError are NotFoundErrors
-                missing.append(table)
+        missing = list(self.tables)
+        # a bridge starting puts the schemas just after its slot exists: a mirror started
+        # with it gets a moment (_SCHEMA_GRACE_SECONDS) before "not published"
+        deadline = time.monotonic() + _SCHEMA_GRACE_SECONDS
+        while True:
+            for table in list(missing):
+                try:
+                    await kv.get(table)
+                    missing.remove(table)
+                except NotFoundError:  # KeyNotFoundError and KeyDeletedError are NotFoundErrors
+                    pass
+            if not missing or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.2)
         if missing:
             try:
                 known = ", ".join(await kv_values(js, bucket)) or "none"

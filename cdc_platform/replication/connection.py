@@ -149,21 +149,26 @@ class ReplicationConnection:
 
     # -- socket waits ----------------------------------------------------------------
     async def _wait(self, *, write: bool = False, timeout: float | None = None) -> bool:
-        """Wait until the socket is readable (or writable); False on timeout."""
+        """Wait until the socket is readable (or writable); False on timeout.
+
+        The timeout resolves the future itself rather than going through ``asyncio.wait_for``,
+        which on Python 3.11 swallows a cancellation that comes as the socket turns ready (a
+        stopping bridge's reader then read on instead of stopping)."""
         future = self._loop.create_future()
         fileno = self._pgconn.socket
         add, remove = ((self._loop.add_writer, self._loop.remove_writer) if write
                        else (self._loop.add_reader, self._loop.remove_reader))
-        def ready() -> None:
+
+        def resolve(ready: bool) -> None:
             if not future.done():
-                future.set_result(True)
-        add(fileno, ready)
+                future.set_result(ready)
+        add(fileno, resolve, True)
+        deadline = None if timeout is None else self._loop.call_later(timeout, resolve, False)
         try:
-            await asyncio.wait_for(future, timeout)
-            return True
-        except TimeoutError:
-            return False
+            return await future
         finally:
+            if deadline is not None:
+                deadline.cancel()
             remove(fileno)
 
     @contextlib.contextmanager

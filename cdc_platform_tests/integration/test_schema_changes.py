@@ -17,7 +17,7 @@ from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings
 from cdc_platform.wire import decode_any, encoder
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
-from cdc_platform_tests.fixtures.bridge import flat_events, running_bridge, wait_for
+from cdc_platform_tests.fixtures.bridge import bridge_ready, flat_events, running_bridge, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
 from cdc_platform_tests.fixtures.services import platform_settings, random_name, read_subjects
 
@@ -135,7 +135,9 @@ class _Mirrored:
         self.settings = platform_settings(cdc_database, nats.url)
 
     async def catch_up(self) -> None:
-        """The bridge confirmed everything written so far; the mirror applied all of it."""
+        """The bridge published the table's schema and confirmed everything written so far;
+        the mirror applied all of it."""
+        await bridge_ready(self.pg_admin, self.cdc_database, self.settings, [self.table])
         await bridge_caught_up(self.pg_admin, self.cdc_database.slot, timeout=60)
         await Mirror(self.settings, [self.table], self.db, options=FAST,
                      report=self.lines.append).run(until_caught_up=True)
