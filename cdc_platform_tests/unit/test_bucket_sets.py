@@ -10,7 +10,7 @@ import json
 import pytest
 
 from cdc_platform.consumer.requests import repair_request_body
-from cdc_platform.consumer.snapshots import SnapshotMeta, SnapshotUnusable
+from cdc_platform.consumer.snapshots import SnapshotMeta, SnapshotUnusable, repair_refusal
 from cdc_platform.snapshot.requests import parse_request
 from cdc_platform.wire import (
     META_MAX_LISTED_BUCKETS,
@@ -54,6 +54,10 @@ def test_a_repair_meta_of_more_buckets_than_listed_carries_the_bitmap():
     assert (meta.is_repair, meta.bits, meta.subject) == (True, 15, "init.repair.users")
     assert meta.buckets == tuple(range(META_MAX_LISTED_BUCKETS + 1))
     assert meta.covers(14, [8191]) and not meta.covers(14, [8192])
+    # a refusal names how many it holds, not each of them
+    assert repair_refusal(meta, "users", payload["schema_fingerprint"], 14, [8192]) == (
+        "repair snapshot repair-20261122T100000Z-0a0b0c0e of users holds 16,385 buckets at "
+        "15 bits, not every one asked for at 14 bits")
     listed = _golden_meta("repair_meta")
     assert listed["buckets"] == [3, 9] and "bucket_bitmap" not in listed
 
