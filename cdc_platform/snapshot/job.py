@@ -303,7 +303,8 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
                 dictionary_id=trained.dictionary_id if trained else None,
                 dictionary_bucket=settings.topology.dictionaries.bucket,
                 dictionary_key=dictionary_key, duration=duration, buckets=selection)
-            meta_seq = await publish_meta(js, meta, settings.encoding.format, signer)
+            meta_seq = await publish_meta(js, meta, settings.encoding.format, signer,
+                                          max_payload=client.max_payload)
         finally:
             await client.close()
 

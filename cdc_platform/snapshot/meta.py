@@ -14,9 +14,11 @@ from typing import Any, cast
 
 from nats.js import JetStreamContext
 
+from cdc_platform.errors import SnapshotError
 from cdc_platform.postgres.catalog import TableSchema
 from cdc_platform.settings import EncodingSettings
 from cdc_platform.snapshot.buckets import BucketSelection
+from cdc_platform.snapshot.chunks import headers_size
 from cdc_platform.snapshot.reader import RangeStats
 from cdc_platform.wire import (
     BUCKET_BITMAP_FIELD,
@@ -101,14 +103,22 @@ def meta_subject(meta: SnapshotMetaPayload) -> str:
 
 
 async def publish_meta(js: JetStreamContext, meta: SnapshotMetaPayload, fmt: Format,
-                       signer: MessageSigner | None = None) -> int:
+                       signer: MessageSigner | None = None, *, max_payload: int) -> int:
     """Store ``meta`` on its subject (:func:`meta_subject`; deduplicated by snapshot id),
-    signed by ``signer`` when there is one; its sequence."""
+    signed by ``signer`` when there is one; its sequence. :class:`SnapshotError` when it is
+    over the server's ``max_payload`` (a repair's buckets: up to ~175 KB as a bitmap)."""
     subject, payload = meta_subject(meta), encoder(fmt)(meta)
     headers = {HEADER_MSG_ID: meta_msg_id(meta["snapshot_id"]),
                HEADER_CONTENT_TYPE: CONTENT_TYPES[fmt]}
     if signer is not None:
         headers = signer.signed_headers(subject, headers, payload)
+    size = len(payload) + headers_size(headers)
+    if size > max_payload:
+        raise SnapshotError(
+            f"the meta of snapshot {meta['snapshot_id']} of {meta['table']} is {size:,} "
+            f"bytes, over the NATS server's max_payload ({max_payload:,}): its chunks are "
+            "stored but no consumer will find them; raise max_payload (a repair: ask fewer "
+            "bits)")
     ack = await js.publish(subject, payload, headers=headers)
     return ack.seq
 

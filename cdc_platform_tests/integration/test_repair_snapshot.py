@@ -25,7 +25,7 @@ from cdc_platform.consumer.snapshots import (
     repair_meta_at,
     repair_refusal,
 )
-from cdc_platform.errors import SnapshotRequestRefused
+from cdc_platform.errors import SnapshotError, SnapshotRequestRefused
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.mirror.snapshots import read_chunks
 from cdc_platform.replication.connection import SESSION_OPTIONS
@@ -306,6 +306,32 @@ async def test_a_requester_asks_for_a_repair_and_asks_again_when_told_to(
         async for chunk in read_chunks(js, meta):
             loaded.update(_pack(row) for row in chunk.rows)
         assert loaded == in_buckets(rows, columns, key, bits, buckets)
+
+
+async def test_a_repair_of_more_buckets_than_a_meta_lists_carries_them_as_a_bitmap(
+        cdc_database, pg_admin, provisioned_nats, nats_client, small_nats):
+    # a union at 20 bits may hold 262,144 buckets: ~1.3 MB as a list, over max_payload; as
+    # a bitmap 175 KB: under 1 MB, over a 64 KB server's limit, which fails in one line
+    table, columns, key = _create(pg_admin, cdc_database, "int8")
+    many = (20, tuple(range(20_000)))  # past META_MAX_LISTED_BUCKETS (16,384)
+    settings = settings_for(cdc_database, provisioned_nats.url)
+    await snapshot_table(None, settings, table, options=IN_PROCESS, buckets=many)
+    _, payload = await repair_meta(nats_client, table)
+    assert "buckets" not in payload and len(payload["bucket_bitmap"]) == 174_764
+    meta = SnapshotMeta.from_wire(payload)
+    assert (meta.bits, meta.buckets) == many
+    expected = in_buckets(direct_rows(cdc_database.server.superuser_conninfo(), table, columns),
+                          columns, key, *many)
+    assert await loaded_rows(nats_client, payload) == expected and expected
+
+    server, client = small_nats
+    with pytest.raises(SnapshotError, match=(
+            rf"the meta of snapshot repair-\S+ of {table} is 17\d,\d{{3}} bytes, over the "
+            r"NATS server's max_payload \(65,536\)")):
+        await snapshot_table(None, settings_for(cdc_database, server.url), table,
+                             options=IN_PROCESS, buckets=many)
+    with pytest.raises(NotFoundError):
+        await client.jetstream().get_last_msg("INIT", repair_meta_subject(table))
 
 
 @pytest.mark.parametrize("buckets", [(3, [8]), (3, []), (21, [1]), (3, [-1])])
