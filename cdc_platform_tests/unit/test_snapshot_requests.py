@@ -119,7 +119,7 @@ def test_a_repair_request_keeps_its_buckets_sorted_once():
     (2, [3], False),
     (1, [0], True),  # half the table
     (0, [0], True),  # all of it
-    (10, list(range(256)), False),  # (a body holds ~700 buckets of 14 bits: 4 KB)
+    (10, list(range(256)), False),  # (a 4 KB body lists ~620 buckets of 14 bits)
     (10, list(range(257)), True),
 ])
 def test_a_repair_of_more_than_a_quarter_of_the_buckets_is_refused(bits, buckets, refused):
