@@ -122,37 +122,20 @@ class SnapshotRequester:
         now (a repair of the table ran moments ago): asked again after ``retry_after``
         while within ``wait_seconds``; any other refusal or a failure is
         :class:`SnapshotRequestFailed`."""
-        started = time.monotonic()
-        while not stop.is_set():
-            inbox = self.nc.new_inbox()
-            replies: asyncio.Queue = asyncio.Queue()
-            subscription = await self.nc.subscribe(inbox, cb=replies.put)
-            request_id = secrets.token_hex(8)
-            try:
-                body = repair_request_body(request_id, inbox, bits, buckets)
-                if len(body) > REQUEST_BODY_MAX_BYTES:  # (nats-server refuses it past 8 KB)
-                    raise SnapshotRequestFailed(
-                        f"{table}: {len(buckets)} buckets at {bits} bits do not fit in a "
-                        f"repair request ({len(body):,} bytes, over the "
-                        f"{REQUEST_BODY_MAX_BYTES:,}-byte limit)")
-                asked_after = (await self.js.stream_info(self.init_stream)).state.last_seq
-                if not await self._publish(table, body, started, stop):
-                    return None
-                self.report(f"{table}: requested a repair of {len(buckets)} of "
-                            f"{1 << bits} buckets (request {request_id})")
-                return await self._wait(table, request_id, inbox, replies, partial(
-                    repair_stored_since, self.js, table, asked_after, bits, buckets,
-                    self.init_stream, verifier=self.verifier), started, stop)
-            except AskAgainLater as exc:
-                if time.monotonic() - started + exc.retry_after > self.wait_seconds:
-                    raise
-                self.report(f"{exc}; asking again in {exc.retry_after:.0f}s")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), exc.retry_after)
-            finally:
-                with contextlib.suppress(Exception):
-                    await subscription.unsubscribe()
-        return None
+        def body_for(request_id: str, inbox: str) -> bytes:
+            body = repair_request_body(request_id, inbox, bits, buckets)
+            if len(body) > REQUEST_BODY_MAX_BYTES:  # (nats-server refuses it past 8 KB)
+                raise SnapshotRequestFailed(
+                    f"{table}: {len(buckets)} buckets at {bits} bits do not fit in a "
+                    f"repair request ({len(body):,} bytes, over the "
+                    f"{REQUEST_BODY_MAX_BYTES:,}-byte limit)")
+            return body
+
+        return await self._ask_until_answered(
+            table, body_for, f"a repair of {len(buckets)} of {1 << bits} buckets",
+            self.init_stream, lambda asked_after: partial(
+                repair_stored_since, self.js, table, asked_after, bits, buckets,
+                self.init_stream, verifier=self.verifier), stop)
 
     async def request_verification(self, table: str, bits: int | None, cdc_stream: str,
                                    stop: asyncio.Event) -> dict[str, Any] | None:
@@ -163,6 +146,26 @@ class SnapshotRequester:
         replies to). None: ``stop`` was set first. Refused for now (``retry_after``): asked
         again while within ``wait_seconds``; any other refusal or a failure is
         :class:`SnapshotRequestFailed`."""
+        def body_for(request_id: str, inbox: str) -> bytes:
+            body: dict[str, Any] = {"request_id": request_id, "reply_to": inbox,
+                                    "purpose": "verify"}
+            if bits is not None:
+                body["bits"] = bits
+            return json.dumps(body).encode()
+
+        return await self._ask_until_answered(
+            table, body_for, "a verification", cdc_stream, lambda asked_after: partial(
+                digest_stored_since, self.js, table, asked_after, cdc_stream,
+                verifier=self.verifier), stop, what="verification")
+
+    async def _ask_until_answered(
+            self, table: str, body_for: Callable[[str, str], bytes], asked: str,
+            stored_in: str,
+            stored_since: Callable[[int], Callable[[], Awaitable[dict[str, Any] | None]]],
+            stop: asyncio.Event, *, what: str = "snapshot") -> dict[str, Any] | None:
+        """Ask (``body_for(request_id, inbox)``) and wait for the answer, or for what
+        ``stored_since(last sequence of stored_in when asked)`` finds; a refusal for now
+        (``retry_after``) is asked again after it while within ``wait_seconds``."""
         started = time.monotonic()
         while not stop.is_set():
             inbox = self.nc.new_inbox()
@@ -170,17 +173,13 @@ class SnapshotRequester:
             subscription = await self.nc.subscribe(inbox, cb=replies.put)
             request_id = secrets.token_hex(8)
             try:
-                body: dict[str, Any] = {"request_id": request_id, "reply_to": inbox,
-                                        "purpose": "verify"}
-                if bits is not None:
-                    body["bits"] = bits
-                asked_after = (await self.js.stream_info(cdc_stream)).state.last_seq
-                if not await self._publish(table, json.dumps(body).encode(), started, stop):
+                body = body_for(request_id, inbox)
+                asked_after = (await self.js.stream_info(stored_in)).state.last_seq
+                if not await self._publish(table, body, started, stop):
                     return None
-                self.report(f"{table}: requested a verification (request {request_id})")
-                return await self._wait(table, request_id, inbox, replies, partial(
-                    digest_stored_since, self.js, table, asked_after, cdc_stream,
-                    verifier=self.verifier), started, stop, what="verification")
+                self.report(f"{table}: requested {asked} (request {request_id})")
+                return await self._wait(table, request_id, inbox, replies,
+                                        stored_since(asked_after), started, stop, what=what)
             except AskAgainLater as exc:
                 if time.monotonic() - started + exc.retry_after > self.wait_seconds:
                     raise
