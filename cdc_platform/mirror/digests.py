@@ -171,10 +171,12 @@ class DigestKeeper:
             db.create_function(_HASH_FUNCTION, -1, self._hasher)
 
     # -- following tables ------------------------------------------------------------------
-    def follow(self, shape: TableShape, *, created: bool = False, rehash: bool = False) -> None:
+    def follow(self, shape: TableShape, *, created: bool = False, rehash: bool = False,
+               table_id: int | None = None) -> None:
         """Keep ``shape.table``'s digest from now on (its triggers for this shape).
         ``created``: the table is new (empty); ``rehash``: its rows' hashes changed, or its
-        digest is not kept yet: recompute it from the rows."""
+        digest is not kept yet: recompute it from the rows. ``table_id``: the id it had
+        (:meth:`reset`: same shape, same id), else a new one."""
         if not self.enabled:
             return
         table = shape.table
@@ -188,8 +190,9 @@ class DigestKeeper:
             self._set(table, TableDigest(BITS))
         elif rehash or table not in self._kept():
             self._set(table, scan_digest(self._db, shape))
-        table_id = self._next_id
-        self._next_id += 1
+        if table_id is None:
+            table_id = self._next_id
+            self._next_id += 1
         self._ids[table], self._tables[table_id] = table_id, table
         # (in the file's column order, which may differ from the source's: the same values)
         digester = StoredRowDigester([by_name[name] for name in physical], shape.key_columns)
@@ -385,9 +388,9 @@ class DigestKeeper:
         """The hook's changes summed; a row it could not hash (a text
         ``wire_value`` cannot turn back: the file was written behind the mirror's back) is
         that table's divergence, raised as a failed write of it would be."""
-        if not len(rows):
+        error = rows.error  # (first: a row it could not hash is not logged)
+        if error is None and not len(rows):
             return {}
-        error = rows.error
         if error is not None:
             rows.clear()
             table = self._tables.get(error[0], "?")
@@ -427,11 +430,14 @@ class DigestKeeper:
         self._hasher.called = False
         if self._rows is not None:
             self._rows.clear()
-        for table in list(self._ids):
+        # the committed shapes keep their ids: a ChunkLoader hashing a table on its own
+        # connection adds its chunks under the id it was given (a new one would drop them)
+        ids = dict(self._ids)
+        for table in ids:
             self.unfollow(table)
         for shape in shapes.values():
             if shape.table in self._kept():
-                self.follow(shape)
+                self.follow(shape, table_id=ids.get(shape.table))
 
     def shift(self, table: str, subtract: TableDigest, add: TableDigest) -> None:
         """``table``'s buckets moved by ``add - subtract`` (reset from a scan of its rows:

@@ -265,10 +265,12 @@ def test_a_batch_rolled_back_to_its_savepoint_takes_its_hashes_back(tmp_path, pu
     store.close()
 
 
-def test_a_row_that_cannot_be_hashed_is_its_tables_divergence(tmp_path, recording):
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_row_that_cannot_be_hashed_is_its_tables_divergence(tmp_path, recording, alone):
     """A row written behind the mirror's back that cannot be hashed (text that is not UTF-8:
     Python's sqlite3 refuses it) makes the transaction changing it that table's divergence
-    (with the preupdate hook, found at commit), rolled back with its hashes."""
+    (with the preupdate hook, found at commit), rolled back with its hashes; also when it is
+    the transaction's only change (the hook logs nothing for it)."""
     store = _hooked(MirrorStore(tmp_path / "m.db"), recording)
     columns = [("id", 20, "bigint", 1), ("name", 25, "text", 2)]
     store.begin_bootstrap(TableShape.from_schema(_schema(columns)), "s", 0x100)
@@ -278,10 +280,10 @@ def test_a_row_that_cannot_be_hashed_is_its_tables_divergence(tmp_path, recordin
         other.execute("UPDATE t SET name = CAST(x'ff' AS TEXT) WHERE id = 1")
     before = store.digest("t")
     with pytest.raises(DivergenceError, match="^t: ") as raised:
-        store.apply_transaction([event("INSERT", "0/200", 0, data={"id": 7, "name": "y"},
-                                       table="t"),
-                                 event("UPDATE", "0/200", 1, data={"id": 1, "name": "z"},
-                                       table="t")], stream_seq=2)
+        store.apply_transaction([
+            *([] if alone else [event("INSERT", "0/200", 0, data={"id": 7, "name": "y"},
+                                      table="t")]),
+            event("UPDATE", "0/200", 1, data={"id": 1, "name": "z"}, table="t")], stream_seq=2)
     assert raised.value.table == "t"
     assert store.digest("t") == before
     assert store._db.execute("SELECT count(*) FROM t").fetchone()[0] == 3
@@ -593,6 +595,25 @@ def test_chunks_the_compiled_loader_stores_are_hashed_as_it_stores_them(tmp_path
     assert len(python_calls) == 1
     store.finish_bootstrap("t", stream_seq=1)
     assert sum(_assert_kept(store).counts) == 200
+    store.close()
+
+
+def test_a_loaders_chunks_after_a_rollback_of_the_store_are_still_counted(tmp_path):
+    """The store rolling back (the follower abandoning a pass: another table's bootstrap
+    ended) follows its tables again; a chunk loader opened before adds its later chunks
+    under the id it was given, which must still be the table's (a new id dropped them)."""
+    store = _hooked(MirrorStore(tmp_path / "m.db"), "hook")
+    columns = [("id", 20, "bigint", 1), ("name", 25, "text", 2)]
+    store.begin_bootstrap(TableShape.from_schema(_schema(columns)), "s", 0x100)
+    rows = [{"id": key, "name": f"n{key}"} for key in range(100)]
+    with store.chunk_loader("t", ("id", "name")) as load:
+        assert load is not None and store.loads_digested
+        assert load(msgpack.packb({"chunk": 0, "data": rows[:60]}), set()) == (0, 60)
+        store.begin()
+        store.rollback()
+        assert load(msgpack.packb({"chunk": 1, "data": rows[60:]}), set()) == (1, 40)
+    store.finish_bootstrap("t", stream_seq=1)
+    assert sum(_assert_kept(store).counts) == 100
     store.close()
 
 

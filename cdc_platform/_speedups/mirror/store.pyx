@@ -1154,7 +1154,7 @@ cdef class _RowHashes:
 
     def undo(self, Py_ssize_t mark):
         """The changes logged since :meth:`mark` gave ``mark`` are gone (a ROLLBACK TO)."""
-        if 0 <= mark < self.count:
+        if 0 <= mark <= self.count:  # (a failed row logs nothing: count may be the mark)
             self.count = mark
             if self.failed is not None and self.failed_at >= mark:
                 self.failed = None
