@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +43,8 @@ from cdc_platform.settings import MirrorSettings, PlatformSettings
 _POLL_SECONDS = 0.2
 _LISTED_BUCKETS = 20  # a line names at most this many differing buckets
 MET = ("equal", "differ", "not_comparable", "repaired")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -116,9 +119,10 @@ async def verify_against_source(settings: PlatformSettings, path: str | Path,
         raise MirrorError(f"not mirrored in {path}: {', '.join(missing) or 'any table'}")
     asked = list(dict.fromkeys(tables)) or held
     stop = asyncio.Event()
-    # the mirror of the file, unless one runs (MirrorRunning, at once: then that one meets
-    # the verifications)
-    mirroring = asyncio.create_task(Mirror(settings, held, path, options=options).run(stop))
+    # the mirror of the asked tables of the file, unless one runs (MirrorRunning, at once:
+    # then that one meets the verifications); not the file's other tables: one no longer
+    # published would stop it with "not published"
+    mirroring = asyncio.create_task(Mirror(settings, asked, path, options=options).run(stop))
     nc = None
     try:
         nc = await connect_nats(settings.nats, name="cdc-platform-mirror-verify",
@@ -150,9 +154,14 @@ async def verify_against_source(settings: PlatformSettings, path: str | Path,
         return checks
     finally:
         stop.set()
-        # (an error of its own was raised while waiting; MirrorRunning: another one ran)
-        with contextlib.suppress(MirrorError):
+        # (an error of its own was raised while waiting; MirrorRunning: another one ran;
+        # anything else it ended on must not take the place of what is being raised)
+        try:
             await mirroring
+        except MirrorError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - said, not raised over the caller's outcome
+            log.warning("the mirror this command ran ended on %s: %s", type(exc).__name__, exc)
         if nc is not None:
             await close_nats(nc, 5.0)
 

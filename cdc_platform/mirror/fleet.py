@@ -169,6 +169,7 @@ class MirrorStateReporter:
     async def run(self, js: JetStreamContext) -> None:
         """Publish every ``interval_seconds`` and on :meth:`report_now`, until cancelled."""
         self._wake, self._loop = asyncio.Event(), asyncio.get_running_loop()
+        self._stopping = False  # (a Mirror run again reports again)
         try:
             # (not `while True`: Python 3.11's wait_for can swallow a cancellation that comes
             # as its future completes, such as a publish's reply; stop() ends the loop then)

@@ -31,7 +31,9 @@ class MirrorRunning(MirrorError):
 
 
 def lock_path(path: str | Path) -> Path:
-    return Path(f"{path}.lock")
+    """Beside the file it resolves to: a symlink to it, or another path to it, takes the
+    same lock."""
+    return Path(f"{os.path.realpath(path)}.lock")
 
 
 @contextlib.contextmanager
@@ -47,6 +49,8 @@ def holding(path: str | Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise MirrorRunning(Path(path), _pid(fd)) from None
+        except OSError as exc:  # (a filesystem without flock: ENOLCK, EACCES)
+            raise MirrorError(f"{path}: cannot lock {lock_path(path)} ({exc})") from exc
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         yield
