@@ -167,26 +167,20 @@ def _cmd_mirror(args: argparse.Namespace) -> int:
         os.environ["CDC_MIRROR_INBOX_PREFIX"] = args.inbox_prefix
     options = load_settings(MirrorSettings, **keys)
     if args.action == "verify":
-        import contextlib
-
         from cdc_platform.mirror.against_source import exit_code, verify_against_source
 
         async def against_source() -> int:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
-            verifying = asyncio.ensure_future(verify_against_source(
-                settings, args.sqlite, tables, options=options, bits=args.bits,
-                report=lambda line: print(line, file=sys.stderr)))
+            # stopped by the event, which every wait of it and of its mirror watches (not by
+            # cancelling: Python 3.11's wait_for, in nats-py's requests too, can swallow a
+            # cancellation, and the command then waited out CDC_MIRROR_SNAPSHOT_WAIT)
             with STOPS.listening(lambda: loop.call_soon_threadsafe(stop.set)):
-                stopped = asyncio.ensure_future(stop.wait())
-                await asyncio.wait([verifying, stopped], return_when=asyncio.FIRST_COMPLETED)
-                stopped.cancel()
-            if not verifying.done():  # (stopped: its mirror, if it runs one, stops too)
-                verifying.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await verifying
+                checks = await verify_against_source(
+                    settings, args.sqlite, tables, options=options, bits=args.bits,
+                    report=lambda line: print(line, file=sys.stderr), stop=stop)
+            if checks is None:  # (stopped)
                 return 130
-            checks = verifying.result()
             for check in checks:
                 print(check.line())
             return exit_code(checks)

@@ -106,19 +106,20 @@ def mirrored_tables(path: str | Path) -> list[str]:
 async def verify_against_source(settings: PlatformSettings, path: str | Path,
                                 tables: Sequence[str] = (), *,
                                 options: MirrorSettings | None = None, bits: int | None = None,
-                                report: Callable[[str], None] | None = None
-                                ) -> list[SourceCheck]:
+                                report: Callable[[str], None] | None = None,
+                                stop: asyncio.Event | None = None) -> list[SourceCheck] | None:
     """Each of ``tables`` (default: every table of the file) verified against the source as
     the module docstring says, within ``options.snapshot_wait_seconds``. MirrorError: the
     file is not a mirror's, a table is not in it, a request was refused or failed, or the
-    mirror this command runs stopped on an error."""
+    mirror this command runs stopped on an error. None: ``stop`` was set first (a stop
+    by the event, not by cancelling: every wait here and in its mirror watches it)."""
     options = options or MirrorSettings()
     held = mirrored_tables(path)
     missing = [table for table in tables if table not in held]
     if missing or not held:
         raise MirrorError(f"not mirrored in {path}: {', '.join(missing) or 'any table'}")
     asked = list(dict.fromkeys(tables)) or held
-    stop = asyncio.Event()
+    stop = stop or asyncio.Event()
     # the mirror of the asked tables of the file, unless one runs (MirrorRunning, at once:
     # then that one meets the verifications); not the file's other tables: one no longer
     # published would stop it with "not published"
@@ -147,11 +148,12 @@ async def verify_against_source(settings: PlatformSettings, path: str | Path,
         checks = []
         for table, task in zip(asked, asking, strict=True):
             done = task.result()
-            assert done is not None  # (only `stop` ends a request early, and none set it)
+            if done is None:  # (stopped)
+                return None
             checks.append(SourceCheck(table, str(done["verification_id"]), str(done["lsn"])))
         await _until_settled(checks, path, mirroring,
-                             started + options.snapshot_wait_seconds)
-        return checks
+                             started + options.snapshot_wait_seconds, stop)
+        return None if stop.is_set() else checks
     finally:
         stop.set()
         # (an error of its own was raised while waiting; MirrorRunning: another one ran;
@@ -167,10 +169,11 @@ async def verify_against_source(settings: PlatformSettings, path: str | Path,
 
 
 async def _until_settled(checks: list[SourceCheck], path: str | Path,
-                         mirroring: asyncio.Task, deadline: float) -> None:
-    """Read the mirror's results from the file until every check is settled or ``deadline``
-    (monotonic) passes; the mirror this command runs stopping on an error is raised."""
-    while True:
+                         mirroring: asyncio.Task, deadline: float, stop: asyncio.Event) -> None:
+    """Read the mirror's results from the file until every check is settled, ``deadline``
+    (monotonic) passes or ``stop`` is set; the mirror this command runs stopping on an error
+    is raised."""
+    while not stop.is_set():
         if mirroring.done() and not isinstance(mirroring.exception(), MirrorRunning):
             mirroring.result()  # (raises its error; a mirror of ours never ends by itself)
         unsettled = [check for check in checks if not check.settled]
