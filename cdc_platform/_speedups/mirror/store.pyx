@@ -317,13 +317,10 @@ cdef class ChunkLoader:
         cdef _RowHashes rows
         if self.db == NULL:
             raise ValueError("the loader is closed")
-        if api.preupdate_hook == NULL or api.preupdate_old == NULL or api.preupdate_new == NULL:
+        rows = _hooked_rows(self.db, None, hasher)
+        if rows is None:
             return False
-        rows = _RowHashes.__new__(_RowHashes)
-        rows.db = self.db
-        rows.hasher = hasher
         rows.follow(table, table_id, digester)
-        rows.resume()
         self.rows = rows
         return True
 
@@ -749,17 +746,9 @@ cdef class Statements:
         follows, from SQLite's preupdate hook on the handle (``hasher``: the digests'
         ``_RowHasher``, for the rows whose text ``wire_value`` turns back); None: this SQLite
         has no preupdate hook."""
-        cdef _RowHashes rows
         if self.db == NULL:
             raise ValueError("the statements are closed")
-        if api.preupdate_hook == NULL or api.preupdate_old == NULL or api.preupdate_new == NULL:
-            return None
-        rows = _RowHashes.__new__(_RowHashes)
-        rows.db = self.db
-        rows.connection = self.connection
-        rows.hasher = hasher
-        rows.resume()
-        return rows
+        return _hooked_rows(self.db, self.connection, hasher)
 
     cdef int _step(self, void* statement) except -2:
         """Run the bound statement once: the rows it changed, or -1 (refused, reset). An
@@ -1096,6 +1085,21 @@ cdef void _preupdate(void* rows, void* db, int operation, const char* database,
                      const char* table, long long old_rowid, long long new_rowid
                      ) noexcept with gil:
     (<_RowHashes>rows)._changed(db, operation, database, table)
+
+
+cdef _RowHashes _hooked_rows(void* db, object connection, object hasher):
+    """A :class:`_RowHashes` on ``db``'s preupdate hook (``connection``: the Python
+    connection owning the handle, None for a ChunkLoader's own); None: this SQLite has no
+    preupdate hook."""
+    cdef _RowHashes rows
+    if api.preupdate_hook == NULL or api.preupdate_old == NULL or api.preupdate_new == NULL:
+        return None
+    rows = _RowHashes.__new__(_RowHashes)
+    rows.db = db
+    rows.connection = connection
+    rows.hasher = hasher
+    rows.resume()
+    return rows
 
 
 @cython.no_gc_clear  # (__dealloc__ takes the hook back from the connection)
