@@ -62,17 +62,18 @@ async def kv_value(js: JetStreamContext, bucket: str, key: str,
 
 async def kv_values(js: JetStreamContext, bucket: str) -> dict[str, bytes]:
     """Each live key of ``bucket`` with its value. The keys come from the stream's info and
-    each value from a get: a few bounded requests, where nats-py's ``kv.keys()`` runs an
-    ordered consumer that can wait for good on a bucket being written (and needs the right to
-    make one)."""
-    kv = await js.key_value(bucket)
-    prefix = f"$KV.{bucket}."
-    info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    each value from a get of the key's last message (direct where the bucket allows it):
+    bounded requests, where nats-py's ``kv.keys()`` runs an ordered consumer that can wait
+    for good on a bucket being written (and needs the right to make one)."""
+    stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
+    info = await js.stream_info(stream, subjects_filter=f"{prefix}>")
+    direct = bool(info.config.allow_direct)
     values = {}
     for subject in sorted(info.state.subjects or {}):
-        key = subject[len(prefix):]
         try:
-            values[key] = (await kv.get(key)).value or b""
-        except KeyNotFoundError:  # deleted, purged or expired (meanwhile)
+            message = await js.get_last_msg(stream, subject, direct=direct)
+        except NotFoundError:  # (expired or purged meanwhile)
             continue
+        if (message.headers or {}).get("KV-Operation") not in _REMOVED:
+            values[subject[len(prefix):]] = message.data or b""
     return values
