@@ -92,15 +92,9 @@ def exit_code(checks: Sequence[SourceCheck]) -> int:
 
 def mirrored_tables(path: str | Path) -> list[str]:
     """The tables the mirror's file holds (not its shadows)."""
-    if not Path(path).is_file():
-        raise MirrorError(f"{path}: no such file")
-    uri = f"{Path(path).resolve().as_uri()}?mode=ro"
-    try:
-        with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
-            return [name for name in positions.table_names(db)
-                    if not name.startswith((SHADOW_PREFIX, REPAIR_PREFIX))]
-    except sqlite3.DatabaseError as exc:
-        raise MirrorError(f"{path} is not a mirror database ({exc})") from exc
+    with positions.reading_file(path) as db:
+        return [name for name in positions.table_names(db)
+                if not name.startswith((SHADOW_PREFIX, REPAIR_PREFIX))]
 
 
 async def verify_against_source(settings: PlatformSettings, path: str | Path,

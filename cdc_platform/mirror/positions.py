@@ -8,10 +8,12 @@ Written inside the transaction that writes the rows, so the two always agree.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from cdc_platform.lsn import format_lsn, parse_lsn_cached
@@ -42,6 +44,22 @@ class TableState:
         """The cutover rule and the high-water mark in one test."""
         return applies(commit_lsn, ordinal, cutover_lsn=self.cutover_lsn,
                        high_water=(self.applied_commit_lsn, self.applied_ordinal))
+
+
+@contextlib.contextmanager
+def reading_file(path: str | Path) -> Iterator[sqlite3.Connection]:
+    """The mirror's file ``path`` opened read-only (a running mirror may hold it), in one
+    read transaction: what it shows agrees with itself. MirrorError: no such file, or not a
+    mirror database."""
+    if not Path(path).is_file():
+        raise MirrorError(f"{path}: no such file")
+    uri = f"{Path(path).resolve().as_uri()}?mode=ro"
+    try:
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
+            db.execute("BEGIN")
+            yield db
+    except sqlite3.DatabaseError as exc:
+        raise MirrorError(f"{path} is not a mirror database ({exc})") from exc
 
 
 def lsn_or_zero(text: Any) -> int:

@@ -6,7 +6,6 @@ mirror may hold the file): a bucket that differs holds rows changed behind the m
 
 from __future__ import annotations
 
-import contextlib
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,15 +51,8 @@ class TableCheck:
 def verify_file(path: str | Path, tables: Sequence[str] = ()) -> list[TableCheck]:
     """Each mirrored table of ``path`` (or of ``tables``) compared; MirrorError when the file
     cannot be read as a mirror or a table asked for is not in it."""
-    if not Path(path).is_file():
-        raise MirrorError(f"{path}: no such file")
-    uri = f"{Path(path).resolve().as_uri()}?mode=ro"
-    try:
-        with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
-            db.execute("BEGIN")  # one read transaction: the rows and the kept digests agree
-            return _checks(db, tables)
-    except sqlite3.DatabaseError as exc:
-        raise MirrorError(f"{path} is not a mirror database ({exc})") from exc
+    with positions.reading_file(path) as db:  # (the rows and the kept digests agree)
+        return _checks(db, tables)
 
 
 def _checks(db: sqlite3.Connection, tables: Sequence[str]) -> list[TableCheck]:
