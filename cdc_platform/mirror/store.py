@@ -626,10 +626,11 @@ class MirrorStore:
 
     def _learn_base_types(self, kept: TableShape, snapshot: TableShape) -> TableShape:
         """``kept`` with the base types of ``snapshot``'s columns (the same fingerprint's)
-        where it kept none, recorded with the table. A file shaped before base types were
-        kept reads a domain's values as its type's: its rows holding a NaN, an xid8 past
-        2^63 or an array differ from the source's, so a repair of their buckets comes, and
-        from it the table reads them as its base type's. The rows outside the buckets hash
+        where it kept none, and their ``is_array`` where it kept none, recorded with the
+        table. A file shaped before base types (or ``is_array``) were kept reads a domain's
+        values as its type's: its rows holding a NaN, an xid8 past 2^63 or an array differ
+        from the source's, so a repair of their buckets comes, and from it the table reads
+        them as its base type's. The rows outside the buckets hash
         the same either way (else they would differ too), so their digests stand."""
         shape = kept.learning_base_types(snapshot)
         if shape is kept:

@@ -46,25 +46,32 @@ def test_the_mirror_knows_the_builtin_array_types_the_platform_converts():
 
 def test_a_domain_columns_base_type_is_kept_with_its_shape_and_turns_its_values_back(tmp_path):
     given = schema(columns=(("id", 23, "integer", True), ("f", 16500, "score", False),
-                            ("fs", 16501, "score[]", False), ("ints", 16502, "ints", False)))
-    bases = {"f": 701, "fs": 1022, "ints": 1007}  # over float8; its array; over int4[]
+                            ("fs", 16501, "score[]", False), ("ints", 16502, "ints", False),
+                            ("moods", 16510, "moods", False)))
+    # over float8; its array; over int4[]; over mood[] (an enum's array: no builtin)
+    bases = {"f": 701, "fs": 1022, "ints": 1007, "moods": 16504}
     for column in given["columns"]:
         column["base_type_oid"] = bases.get(column["name"], column["type_oid"])
+        column["is_array"] = column["name"] in ("fs", "ints", "moods")
     store = MirrorStore(tmp_path / "m.db")
     bootstrapped(store, given, loaded=[
-        {"id": 1, "f": math.nan, "fs": [math.inf, -0.0, None], "ints": [[1, None], [3, 4]]}])
+        {"id": 1, "f": math.nan, "fs": [math.inf, -0.0, None], "ints": [[1, None], [3, 4]],
+         "moods": [["sad", None], ["ok", "so, so"]]}])
     store.close()
     again = MirrorStore(tmp_path / "m.db")
     kept = again.shape("users")
-    stored = again._db.execute("SELECT id, f, fs, ints FROM users").fetchone()
+    stored = again._db.execute("SELECT id, f, fs, ints, moods FROM users").fetchone()
     again.close()
     # declared by the type (a domain has no affinity), read back by the base type
-    assert [(c.sqlite_type, c.type_oid, c.base_type_oid) for c in kept.columns] == [
-        ("INTEGER", 23, 23), ("", 16500, 701), ("TEXT", 16501, 1022), ("", 16502, 1007)]
+    assert [(c.sqlite_type, c.type_oid, c.base_type_oid, c.holds_arrays)
+            for c in kept.columns] == [
+        ("INTEGER", 23, 23, False), ("", 16500, 701, False), ("TEXT", 16501, 1022, True),
+        ("", 16502, 1007, True), ("", 16510, 16504, True)]
     back = [wire_value(value, column) for value, column in zip(stored, kept.columns,
                                                                strict=True)]
     assert back[0] == 1 and math.isnan(back[1]) and back[3] == [[1, None], [3, 4]]
     assert back[2] == [math.inf, -0.0, None] and math.copysign(1.0, back[2][1]) == -1.0
+    assert back[4] == [["sad", None], ["ok", "so, so"]]
 
 
 def test_values_keep_their_type_in_sqlite(store):
@@ -196,7 +203,10 @@ def test_positions_survive_reopening(tmp_path):
 
 
 @pytest.mark.parametrize("columns", [
-    # as written now: name, SQLite type, in the key, type oid, attnum, base type oid
+    # as written now: name, SQLite type, in the key, type oid, attnum, base type oid, is_array
+    ('[["id", "INTEGER", true, 23, 1, 23, false], ["name", "TEXT", false, 25, 2, 25, false], '
+     '["f", "", false, 701, 3, 701, false]]'),
+    # before is_array was kept
     ('[["id", "INTEGER", true, 23, 1, 23], ["name", "TEXT", false, 25, 2, 25], '
      '["f", "", false, 701, 3, 701]]'),
     # as 0.4.0 wrote it: name, SQLite type, in the key, type oid, attnum
@@ -217,9 +227,10 @@ def test_a_shape_written_by_an_earlier_version_opens(tmp_path, columns):
     assert [(c.name, c.sqlite_type, c.is_primary_key) for c in shape.columns] == [
         ("id", "INTEGER", True), ("name", "TEXT", False), ("f", "", False)]
     assert shape.key_columns == ["id"]
-    if "23" in columns:  # written back as it was (a type its own base type where none was)
+    if "23" in columns:  # written back as it was (a type its own base type where none was,
+        # not an array where nothing said so)
         assert json.loads(shape.to_json_text())["columns"] == [
-            [*column[:5], column[3]] for column in json.loads(columns)]
+            [*column[:5], column[3], False] for column in json.loads(columns)]
     again.apply_transaction([event("INSERT", "1/0", 0, data={"id": 2, "name": "b", "f": -0.0})],
                             stream_seq=11)
     assert rows(again) == [(2, "b", -0.0)]
