@@ -99,20 +99,20 @@ def _equality_runs(fleet: Fleet, instance: dg.DagsterInstance,
     names in KV were written by readers."""
     followed = {table for state in fleet.states.values() for table in state.tables}
     published = set(instance.get_dynamic_partitions(PUBLISHED_TABLES))
-    runs, now = [], {}
+    runs, current = [], {}
     for table in sorted(followed & published):
         judgement = judge_equality(fleet, instance, table)
         if judgement is None:
             continue
         verdict = _verdict(judgement)
         known = verdicts.get(table)
-        now[table] = known if known and known[0] == verdict else [verdict, time.time_ns()]
+        current[table] = known if known and known[0] == verdict else [verdict, time.time_ns()]
         runs.append(dg.RunRequest(
-            run_key=f"{MIRRORS_EQUAL_SOURCE}-{table}-{verdict}-{now[table][1]}",
+            run_key=f"{MIRRORS_EQUAL_SOURCE}-{table}-{verdict}-{current[table][1]}",
             partition_key=table, asset_selection=[],
             asset_check_keys=[dg.AssetCheckKey(table_verification.key,
                                                MIRRORS_EQUAL_SOURCE)]))
-    return runs, now
+    return runs, current
 
 
 def build_mirror_fleet_sensor(equality_job) -> dg.SensorDefinition:
