@@ -34,7 +34,7 @@ from nats.js.errors import NoStreamResponseError
 
 from cdc_platform.lsn import format_lsn
 from cdc_platform.mirror.consistency import shadow_name
-from cdc_platform.mirror.positions import CONSISTENT_TABLE, STATE_TABLE
+from cdc_platform.mirror.positions import CONSISTENT_TABLE, STATE_TABLE, reading_file
 from cdc_platform.mirror.repair import resyncing as resyncing_tables
 from cdc_platform.wire import (
     MirrorStateValue,
@@ -97,9 +97,7 @@ def file_state(path: str | Path, tables: Sequence[str]
                ) -> tuple[int | None, dict[str, MirrorTableState]]:
     """(the consistent LSN, each of ``tables`` as the file holds it), read in one read
     transaction on a connection of its own: what the follower committed, nothing open."""
-    uri = f"{Path(path).resolve().as_uri()}?mode=ro"
-    with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
-        db.execute("BEGIN")
+    with reading_file(path) as db:
         names = [*tables, *(shadow_name(table) for table in tables)]
         states = {row[0]: row[1:] for row in db.execute(
             f"SELECT wire_table, status, snapshot_id, cutover_lsn, applied_commit_lsn "
