@@ -175,7 +175,8 @@ class MirrorStateReporter:
                 self._wake.clear()
                 await self.publish_once(js)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.interval_seconds)
+                    async with asyncio.timeout(self.interval_seconds):
+                        await self._wake.wait()
         finally:
             self._wake = self._loop = None
 
@@ -188,8 +189,8 @@ class MirrorStateReporter:
         """Publish the last value, saying the mirror stopped on purpose (after :meth:`run`
         ended: nothing publishes after it). Bounded: NATS away must not hold a stop up."""
         try:
-            await asyncio.wait_for(self.publish_once(js, stopped_at=time.time()),
-                                   _PUBLISH_TIMEOUT_SECONDS)
+            async with asyncio.timeout(_PUBLISH_TIMEOUT_SECONDS):
+                await self.publish_once(js, stopped_at=time.time())
         except TimeoutError:
             log.warning("mirror %s: its last state (stopped) was not published within %.0fs",
                         self.mirror_id, _PUBLISH_TIMEOUT_SECONDS)
