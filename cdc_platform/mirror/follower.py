@@ -489,7 +489,8 @@ class Mirror:
                             f"of snapshot {meta.snapshot_id} to {meta.cdc_stream} (the bridge "
                             f"is behind; {time.monotonic() - started:.0f}s)")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), pause)
+                async with asyncio.timeout(pause):
+                    await stop.wait()
                 return None
             pause = min(pause * 2, 10.0)
 
@@ -707,7 +708,8 @@ class Mirror:
                 if self._loaded.is_set():
                     raise _Restart
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._loaded.wait(), 0.5)
+                    async with asyncio.timeout(0.5):
+                        await self._loaded.wait()
             return False
         followed = list(local)
         start = store.resume_seq([*local.values(),
