@@ -120,6 +120,16 @@ def quote(identifier: str) -> str:
     return '"' + identifier.replace('"', '""') + '"'
 
 
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def sqlite_folded(identifier: str) -> str:
+    """What SQLite compares of ``identifier``: its names ignore ASCII case, quoted or not
+    (``"Users"`` and ``users`` are one table, ``"Z"`` and ``z`` one column), while
+    PostgreSQL's quoted names do not; other letters are kept as they are."""
+    return identifier.translate(_ASCII_LOWER)
+
+
 def insert_statement(table: str, names: Sequence[str]) -> str:
     """An INSERT of ``names`` into ``table``, one parameter per name."""
     return (f"INSERT INTO {quote(table)} ({', '.join(quote(n) for n in names)}) "
@@ -234,6 +244,14 @@ class TableShape:
                                   f"be mapped to SQLite: {exc!r}") from exc
         if len({c.name for c in columns}) != len(columns):
             raise MirrorError(f"schema of {table!r} names a column twice")
+        folded: dict[str, str] = {}
+        for name in (c.name for c in columns):
+            other = folded.setdefault(sqlite_folded(name), name)
+            if other != name:
+                raise MirrorError(
+                    f"{table}: columns {other!r} and {name!r} differ only in case, "
+                    "and SQLite's names ignore case: this table cannot be mirrored into "
+                    "SQLite while it has both (rename one in PostgreSQL)")
         if not primary_key <= {c.name for c in columns}:
             raise MirrorError(f"schema of {table!r}: primary key {sorted(primary_key)} names "
                               "a column it does not have")

@@ -11,10 +11,12 @@ import pytest
 
 from cdc_platform.mirror.columns import BUILTIN_ARRAY_OIDS, TableShape, sqlite_type, to_sqlite
 from cdc_platform.mirror.errors import DivergenceError, MirrorError
+from cdc_platform.mirror.follower import Mirror, check_sqlite_names
 from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.mirror.stored_values import wire_value
 from cdc_platform.mirror.tables import SchemaChange
 from cdc_platform.protocol import values
+from cdc_platform.settings import PlatformSettings
 from cdc_platform_tests.fixtures.mirror_events import bootstrapped, event, schema, schema_event
 
 
@@ -634,3 +636,31 @@ def test_a_change_the_table_cannot_hold_is_a_divergence_of_its_table(store, chan
     assert rows(store) == [(1, "a")]
     assert store._db.execute("SELECT name FROM sqlite_master WHERE name = 'orders'"
                              ).fetchall() == []
+
+
+def test_tables_whose_names_sqlite_takes_for_one_are_refused_before_anything_is_written(
+        tmp_path):
+    """SQLite's names ignore ASCII case: mirrored into one file, ``Users`` would replace
+    ``users``' rows (what the store did before the check). Asked together, or one asked of a
+    file that holds the other: a clear error. Non-ASCII case is SQLite's own business (it does
+    not fold it), and a table asked again under its own name is no clash."""
+    store = MirrorStore(tmp_path / "m.db")
+    bootstrapped(store, schema("users"), loaded=[{"id": 1, "name": "a"}])
+    with pytest.raises(MirrorError, match="'users' and 'Users' differ only in case"):
+        Mirror(PlatformSettings(), ["users", "Users"], tmp_path / "other.db")
+    with pytest.raises(MirrorError, match="'users' and 'Users' differ only in case"):
+        check_sqlite_names(["Users"], store.tables())
+    check_sqlite_names(["users", "sales/Users", "é", "É"], store.tables())
+    for reserved in ("sqlite_stat1", "_CDC_mirror_tables", "_cdc_bootstrap users"):
+        with pytest.raises(MirrorError, match="cannot be mirrored"):
+            check_sqlite_names([reserved], ())
+    assert store._db.execute("SELECT id, name FROM users").fetchall() == [(1, "a")]
+
+
+def test_columns_whose_names_sqlite_takes_for_one_make_a_clear_error():
+    clashing = schema("t", (("id", 23, "integer", True), ("z", 25, "text", False),
+                            ("Z", 25, "text", False)))
+    with pytest.raises(MirrorError, match="t: columns 'z' and 'Z' differ only in case"):
+        TableShape.from_schema(clashing)
+    TableShape.from_schema(schema("t", (("id", 23, "integer", True), ("é", 25, "text", False),
+                                        ("É", 25, "text", False))))
