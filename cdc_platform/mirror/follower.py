@@ -33,7 +33,7 @@ from nats.js.errors import NotFoundError
 
 from cdc_platform.consumer.claim_checks import resolve_payload
 from cdc_platform.consumer.requests import SnapshotRequester, SnapshotRequestFailed
-from cdc_platform.consumer.schemas import schema_relation_id
+from cdc_platform.consumer.schemas import schema_relation_id, schema_value
 from cdc_platform.consumer.snapshots import (
     MarkerNotInCdcYet,
     NoMetaThere,
@@ -60,7 +60,7 @@ from cdc_platform.mirror.consistency import (
     shadow_name,
     table_point,
 )
-from cdc_platform.mirror.errors import DivergenceError, MirrorError
+from cdc_platform.mirror.errors import DivergenceError, MirrorError, SchemaNotMirrorable
 from cdc_platform.mirror.fleet import MirrorStateReporter, default_mirror_id
 from cdc_platform.mirror.lock import holding
 from cdc_platform.mirror.meetings import Meetings, OnVerification
@@ -115,6 +115,8 @@ _KV_CATCH_UP_SECONDS = 30.0
 # for past the last one's cutover LSN, so a new one is taken each time).
 _UNUSABLE_SNAPSHOTS = 3
 _CONTROL_PREFIX = f"{CDC_PREFIX}.{CONTROL_TOKEN}."  # markers, digest messages
+# how often a table whose schema SQLite cannot hold looks for a new one in KV
+_SCHEMA_POLL_SECONDS = 5.0
 
 
 class _Restart(Exception):
@@ -338,13 +340,21 @@ class Mirror:
         then the shadow follows the stream until it is swapped in (mirror/consistency.py).
         A snapshot whose chunks cannot be used (gone from `INIT`, unreadable, not adding up
         to its meta) gives way to a newer one, a few times in a row at most."""
-        for attempt in range(1, _UNUSABLE_SNAPSHOTS + 1):
+        attempt = 0
+        while attempt < _UNUSABLE_SNAPSHOTS:
+            attempt += 1
             meta, start_seq = await self._snapshot(nc, js, table, min_lsn, stop)
             if meta is None or stop.is_set():
                 return  # stopped while waiting
             try:
                 await self._load_snapshot(js, store, table, meta, start_seq, stop)
                 return
+            except SchemaNotMirrorable as exc:
+                # (its other tables go on; a snapshot asked for at once would be as unusable)
+                self.report(f"{table}: {exc}; waiting for its schema to change")
+                if not await self._schema_changed(js, table, meta.schema_fingerprint, stop):
+                    return  # stopped while waiting
+                attempt, min_lsn = 0, max(min_lsn, meta.lsn + 1)
             except SnapshotUnusable as exc:
                 if attempt == _UNUSABLE_SNAPSHOTS:
                     raise MirrorError(f"{table}: {_UNUSABLE_SNAPSHOTS} snapshots in a row are "
@@ -355,6 +365,22 @@ class Mirror:
                 # shadow's rows so far go with the next begin_bootstrap)
                 min_lsn = max(min_lsn, meta.lsn + 1)
 
+    async def _schema_changed(self, js: JetStreamContext, table: str, fingerprint: str,
+                              stop: asyncio.Event) -> bool:
+        """Until ``table``'s schema in KV `schemas` is another than ``fingerprint`` (False:
+        stopped first). Read every few seconds: one KV get, the bridge's own schema value."""
+        bucket = self.settings.topology.schemas.bucket
+        while not stop.is_set():
+            with contextlib.suppress(NatsError, TimeoutError, ValueError, TypeError,
+                                     AttributeError):
+                value = await schema_value(js, bucket, table, self.verifier)
+                if value is not None and decode_any(value).get("fingerprint") != fingerprint:
+                    return True
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_SCHEMA_POLL_SECONDS):
+                    await stop.wait()
+        return False
+
     async def _load_snapshot(self, js: JetStreamContext, store: MirrorStore, table: str,
                              meta: SnapshotMeta, start_seq: int, stop: asyncio.Event,
                              shadow: str | None = None) -> bool:
@@ -364,7 +390,10 @@ class Mirror:
         assert meta.table_schema is not None  # (_snapshot returns only metas that carry it)
         repairing = shadow is not None
         shadow = shadow or shadow_name(table)
-        shape = dataclasses.replace(TableShape.from_schema(meta.table_schema), table=shadow)
+        try:
+            shape = dataclasses.replace(TableShape.from_schema(meta.table_schema), table=shadow)
+        except MirrorError as exc:
+            raise SchemaNotMirrorable(str(exc)) from exc
         await _between_transactions(store)
         store.begin_bootstrap(shape, meta.snapshot_id, meta.lsn)
         progress = BootstrapProgress(table, meta.row_count, meta.batch_count, time.monotonic())
