@@ -185,6 +185,8 @@ class Mirror:
         # tables not streaming in the file yet (loading, or caught up in a shadow, or stale)
         self.bootstrapping: set[str] = set(self.tables)
         self._loaded = asyncio.Event()  # a shadow is loaded: follow it from the next pass
+        # table -> why its snapshot's schema cannot be mirrored (it waits for the next one)
+        self.waiting: dict[str, str] = {}
         self.pending_events = 0  # events not applied yet, as last looked up
         # table -> its repair under way (mirror/repair.py), and the task loading it
         self.repairs: dict[str, Repair] = {}
@@ -206,7 +208,7 @@ class Mirror:
             bucket=settings.topology.mirrors.bucket,
             interval_seconds=self.options.state_interval_seconds,
             lag_seconds=lambda: self.lag_seconds(self.pending_events),
-            stream_last_lsn=self.stream_last_lsn)
+            stream_last_lsn=self.stream_last_lsn, waiting=self.waiting)
 
     # -- top level ---------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None, *,
@@ -352,8 +354,13 @@ class Mirror:
             except SchemaNotMirrorable as exc:
                 # (its other tables go on; a snapshot asked for at once would be as unusable)
                 self.report(f"{table}: {exc}; waiting for its schema to change")
-                if not await self._schema_changed(js, table, meta.schema_fingerprint, stop):
-                    return  # stopped while waiting
+                self.waiting[table] = str(exc)
+                self.fleet.report_now()
+                try:
+                    if not await self._schema_changed(js, table, meta.schema_fingerprint, stop):
+                        return  # stopped while waiting
+                finally:
+                    self.waiting.pop(table, None)
                 attempt, min_lsn = 0, max(min_lsn, meta.lsn + 1)
             except SnapshotUnusable as exc:
                 if attempt == _UNUSABLE_SNAPSHOTS:

@@ -11,6 +11,7 @@ import msgpack
 import pytest
 
 from cdc_platform.consumer.snapshots import latest_meta
+from cdc_platform.fleet import MirroredTable, read_fleet
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.mirror.errors import MirrorError
 from cdc_platform.mirror.follower import Mirror
@@ -585,6 +586,8 @@ async def test_a_column_sqlite_cannot_name_stops_its_table_only(
         await wait_for(bystander_equal, timeout=60, what="the bystander's update")
         assert not task.done(), task.exception()
         assert "differ only in case" in next(line for line in lines if "waiting for" in line)
+        shown = await _fleet_table(nats_client, settings, clashing, "waiting")
+        assert "differ only in case" in (shown.reason or ""), shown
 
         pg_admin.execute(f'ALTER TABLE {clashing} RENAME COLUMN "Z" TO z_big')
         # (PostgreSQL sends a table's new shape with its next change: KV has it from then)
@@ -605,5 +608,23 @@ async def test_a_column_sqlite_cannot_name_stops_its_table_only(
         pg_admin.execute(f"UPDATE {clashing} SET z = 'dropped' WHERE id = 2")
         await wait_for(lambda: equal(clashing, columns), timeout=90,
                        what="the table mirrored again")
+        shown = await _fleet_table(nats_client, settings, clashing, "streaming")
+        assert shown.reason is None, shown
         stop.set()
         await asyncio.wait_for(task, 30)
+
+
+async def _fleet_table(nats_client, settings, table: str, status: str) -> MirroredTable:
+    """``table`` as the fleet (KV `mirrors`) shows it, once it shows it ``status``."""
+    shown: list[MirroredTable] = []
+
+    async def showing() -> bool:
+        fleet = await read_fleet(nats_client.jetstream(), settings.topology.mirrors.bucket)
+        shown[:] = [state.tables[table] for state in fleet.states.values()
+                    if table in state.tables]
+        return bool(shown) and shown[0].status == status
+    deadline = asyncio.get_running_loop().time() + 30
+    while not await showing():
+        assert asyncio.get_running_loop().time() < deadline, f"{table} never {status}: {shown}"
+        await asyncio.sleep(0.2)
+    return shown[0]
