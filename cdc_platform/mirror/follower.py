@@ -187,6 +187,7 @@ class Mirror:
         self._loaded = asyncio.Event()  # a shadow is loaded: follow it from the next pass
         # table -> why its snapshot's schema cannot be mirrored (it waits for the next one)
         self.waiting: dict[str, str] = {}
+        self._until_caught_up = False  # (set by run())
         self.pending_events = 0  # events not applied yet, as last looked up
         # table -> its repair under way (mirror/repair.py), and the task loading it
         self.repairs: dict[str, Repair] = {}
@@ -221,6 +222,7 @@ class Mirror:
             await self._run(stop or asyncio.Event(), until_caught_up)
 
     async def _run(self, stop: asyncio.Event, until_caught_up: bool) -> None:
+        self._until_caught_up = until_caught_up
         # a corrupt file is an error before anything else
         store = MirrorStore(self.path, digests=self.options.digests)
         check_sqlite_names(self.tables, store.tables())
@@ -341,7 +343,9 @@ class Mirror:
         transaction of its own between the follower's (the other tables keep following);
         then the shadow follows the stream until it is swapped in (mirror/consistency.py).
         A snapshot whose chunks cannot be used (gone from `INIT`, unreadable, not adding up
-        to its meta) gives way to a newer one, a few times in a row at most."""
+        to its meta) gives way to a newer one, a few times in a row at most. One whose
+        schema SQLite cannot hold makes the table wait for its next schema in KV (a run
+        until caught up ends on it: it would wait for good)."""
         attempt = 0
         while attempt < _UNUSABLE_SNAPSHOTS:
             attempt += 1
@@ -352,6 +356,8 @@ class Mirror:
                 await self._load_snapshot(js, store, table, meta, start_seq, stop)
                 return
             except SchemaNotMirrorable as exc:
+                if self._until_caught_up:
+                    raise  # (a run that ends once caught up would wait for good)
                 # (its other tables go on; a snapshot asked for at once would be as unusable)
                 self.report(f"{table}: {exc}; waiting for its schema to change")
                 self.waiting[table] = str(exc)
