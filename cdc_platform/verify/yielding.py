@@ -7,10 +7,15 @@ So, as Vitess's VReplication streams (VDiff's among them) consult the tablet thr
 gh-ost and pt-table-checksum check replica lag between chunks, a task reads between blocks of
 rows how far the bridge is behind (its slot's ``confirmed_flush_lsn`` against
 ``pg_current_wal_lsn()``, at most every :data:`CHECK_SECONDS`, on a connection of its own)
-and, while that is more than ``CDC_VERIFY_YIELD_LAG``, waits, backing off from
-:data:`FIRST_PAUSE_SECONDS` to :data:`LONGEST_PAUSE_SECONDS`. Its COPY waits with it:
-PostgreSQL's sending backend blocks on the full socket, so the source's side of the work
-pauses too.
+and, once that is more than ``CDC_VERIFY_YIELD_LAG``, waits until it is at most
+:data:`RESUME_SHARE` of it, backing off from :data:`FIRST_PAUSE_SECONDS` to
+:data:`LONGEST_PAUSE_SECONDS`. Its COPY waits with it: PostgreSQL's sending backend blocks on
+the full socket, so the source's side of the work pauses too.
+
+Why wait for less than it took to start (hysteresis, as a thermostat): a bridge catching up
+on many transactions confirms as it goes, so its lag falls steadily; a task going on as soon
+as the lag is under ``CDC_VERIFY_YIELD_LAG`` would take the cores back for the rest of the
+catch-up, and keep the bridge about that far behind for as long as the verification reads.
 
 Unlike those tools a task yields for a bounded total only (its share of
 ``CDC_VERIFY_MAX_YIELD``): it holds an exported snapshot (VACUUM cannot remove rows deleted
@@ -39,6 +44,7 @@ import psycopg
 log = logging.getLogger(__name__)
 
 CHECK_SECONDS = 0.2  # a reading task reads the bridge's lag at most this often
+RESUME_SHARE = 0.25  # a yielding task goes on once the lag is at most this share of the limit
 FIRST_PAUSE_SECONDS = 0.05  # a yield's first pause; each next one twice as long ...
 LONGEST_PAUSE_SECONDS = 1.0  # ... up to this: the bridge caught up is noticed within it
 
@@ -92,7 +98,9 @@ class BridgeGate:
         assert self.policy is not None
         pause = FIRST_PAUSE_SECONDS
         episode = 0.0
-        while (lag := await self._lag()) is not None and lag > self.policy.lag_bytes:
+        resume_bytes = int(self.policy.lag_bytes * RESUME_SHARE)
+        while (lag := await self._lag()) is not None and lag > (
+                resume_bytes if episode else self.policy.lag_bytes):
             left = self.policy.budget_seconds - self.yielded_seconds
             if left <= 0:
                 log.warning("%s: yielded %.1fs in all to the bridge, its share of "
@@ -111,7 +119,8 @@ class BridgeGate:
             self.yielded_seconds += wait
             pause = min(pause * 2, LONGEST_PAUSE_SECONDS)
         if episode and not self._off:
-            log.info("%s: the bridge caught up after %.1fs", self._what, episode)
+            log.info("%s: the bridge caught up (%s behind at most) after %.1fs", self._what,
+                     _mib(resume_bytes), episode)
         self._next_check = time.monotonic() + CHECK_SECONDS
 
     async def _lag(self) -> int | None:
