@@ -147,9 +147,11 @@ def _raise_for(result: PGresultType, what: str) -> None:
     raise SnapshotError(f"{what} failed: {message}")
 
 
-async def copy_blocks(pgconn: PGconnType, command: str) -> AsyncIterator[bytearray]:
+async def copy_blocks(pgconn: PGconnType, command: str, *, block_bytes: int = _BLOCK_BYTES,
+                      min_block_bytes: int = _MIN_BLOCK_BYTES) -> AsyncIterator[bytearray]:
     """Run ``COPY ... TO STDOUT`` (text) and yield blocks of complete lines (each ending with
-    ``\\n``) of 64 to 512 KiB (the last one may be smaller).
+    ``\\n``) of ``min_block_bytes`` to ``block_bytes`` (64 to 512 KiB; the last one may be
+    smaller).
 
     Rows are appended to one ``bytearray`` as they come, every row libpq has received in one
     call (:func:`~cdc_platform.snapshot.copy_out.read_copy_data`; ``PQgetCopyData`` hands
@@ -170,12 +172,12 @@ async def copy_blocks(pgconn: PGconnType, command: str) -> AsyncIterator[bytearr
         raise SnapshotError("COPY returned no result")
     buffer = bytearray()
     while True:
-        state = read_copy_data(pgconn, buffer, _BLOCK_BYTES)
+        state = read_copy_data(pgconn, buffer, block_bytes)
         # Hand on a block when it is full, and also when libpq has nothing more right now
         # and the block is worth a call: converting it lets PostgreSQL refill the socket
         # meanwhile, where waiting would leave both sides idle in turn.
-        if len(buffer) >= _BLOCK_BYTES or (buffer and (
-                state == ENDED or len(buffer) >= _MIN_BLOCK_BYTES)):
+        if len(buffer) >= block_bytes or (buffer and (
+                state == ENDED or len(buffer) >= min_block_bytes)):
             # PostgreSQL sends one row per CopyData message, but the protocol does not
             # promise it: hand on complete lines only.
             end = buffer.rfind(b"\n") + 1
