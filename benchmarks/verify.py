@@ -51,8 +51,10 @@ import cProfile
 import io
 import os
 import pstats
+import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -67,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # snapshot.py's and cd
 
 import cdc
 from snapshot import (
+    COLUMNS,
     PASSWORD,
     PUBLICATION,
     ROLE,
@@ -99,15 +102,41 @@ async def alternated_verifications(spark, settings: PlatformSettings,
     bridge = CdcBridge(settings)
     bridge_task = asyncio.create_task(bridge.run())
     pairs = []
+    postmaster = postmaster_pid(pg)
     try:
         for _ in range(runs):
-            copy_seconds, _ = await asyncio.to_thread(baseline, pg, 1)
-            pairs.append((rows / copy_seconds,
-                          await verify_table(spark, settings, TABLE, options=options)))
+            server = postgres_cpu_seconds(postmaster)
+            psql = resource.getrusage(resource.RUSAGE_CHILDREN)
+            copy_seconds = await asyncio.to_thread(psql_copy, pg)
+            psql_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            copy_cpu = (postgres_cpu_seconds(postmaster) - server,
+                        psql_after.ru_utime + psql_after.ru_stime - psql.ru_utime
+                        - psql.ru_stime)
+            server, client = postgres_cpu_seconds(postmaster), time.process_time()
+            result = await verify_table(spark, settings, TABLE, options=options)
+            verify_cpu = (postgres_cpu_seconds(postmaster) - server, time.process_time() - client)
+            pairs.append((rows / copy_seconds, result))
+            print(f"  CPU seconds, PostgreSQL / client: psql COPY {copy_cpu[0]:.2f} / "
+                  f"{copy_cpu[1]:.2f}; verification {verify_cpu[0]:.2f} / "
+                  + (f"{verify_cpu[1]:.2f} (this process)" if spark is None
+                     else "(Spark's workers, not counted)"))
     finally:
         bridge.request_stop()
         await asyncio.wait_for(bridge_task, 60)
     return pairs
+
+
+def psql_copy(pg) -> float:
+    """Seconds of one ``psql COPY > /dev/null`` of the table (``snapshot.py``'s baseline)."""
+    psql = shutil.which("psql") or str(pg.bin_dir / "psql")
+    command = [psql, "-h", str(pg.socket_dir), "-p", str(pg.port), "-U", "postgres",
+               "-d", "postgres", "-X", "-q", "-c",
+               f"COPY (SELECT {COLUMNS} FROM {TABLE}) TO STDOUT"]
+    env = {**os.environ, "PGOPTIONS": "-c DateStyle=ISO,YMD -c TimeZone=UTC "
+           "-c extra_float_digits=3 -c IntervalStyle=iso_8601 -c bytea_output=hex"}
+    started = time.perf_counter()
+    subprocess.run(command, stdout=subprocess.DEVNULL, check=True, env=env)
+    return time.perf_counter() - started
 
 
 def in_process(parallelism: int) -> SnapshotOptions:
@@ -117,31 +146,28 @@ def in_process(parallelism: int) -> SnapshotOptions:
 
 def busy_cores_counter() -> float:
     """Seconds of CPU every process on this machine used so far (all users: the other
-    work sharing the machine shows here too)."""
+    work sharing the machine shows here too; not the time the hypervisor stole)."""
     fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0]
               .split()[1:]]
     idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    return (sum(fields[:7]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def postmaster_pid(pg) -> int:
     return int((pg.data_dir / "postmaster.pid").read_text().split("\n", 1)[0])
 
 
-def our_cpu_seconds(pids: list[int | None]) -> float:
-    """CPU seconds (user + system) of ``pids``, of their children they waited for, and of the
-    live children of each (PostgreSQL's backends): what the benchmark's own processes used."""
-    total = 0.0
-    children: dict[int, list[int]] = {}
+def postgres_cpu_seconds(postmaster: int) -> float:
+    """CPU seconds (user + system) PostgreSQL used so far: the postmaster, the backends it
+    reaped, its live backends (the walsender, COPY backends)."""
+    total = _cpu_of(postmaster, with_reaped=True)
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue  # ended meanwhile
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    for pid in filter(None, pids):
-        total += _cpu_of(pid, with_reaped=True)
-        total += sum(_cpu_of(child, with_reaped=True) for child in children.get(pid, ()))
+        if int(fields[1]) == postmaster:
+            total += _cpu_of(int(stat.parent.name), with_reaped=False)
     return total
 
 
@@ -224,9 +250,7 @@ def bridge_beside_verification(pg, nats, settings: PlatformSettings, args,
     runs: list[dict] = []
     alone: list[VerificationResult] = []
     next_id = [1]
-    # this process (the verifications), PostgreSQL (its live backends and those it reaped),
-    # nats-server; the bridge is a child of this process (reaped: counted once waited for)
-    ours = [os.getpid(), postmaster_pid(pg), nats.process.pid if nats.process else None]
+    postmaster = postmaster_pid(pg)
     with psycopg.connect(pg.superuser_conninfo(), autocommit=True) as admin:
         cdc.create_events_table(admin)
         provision_database(admin, publication=PUBLICATION, role=ROLE,
@@ -259,15 +283,16 @@ def bridge_beside_verification(pg, nats, settings: PlatformSettings, args,
                     verification_reading(admin, verifying)
                 # the machine's busy cores from the bridge's start to its catch-up, and
                 # those of the processes of others (the VM is shared)
-                run["busy"], run["ours"] = busy_cores_counter(), our_cpu_seconds(ours)
+                run["busy"], run["postgres"] = (busy_cores_counter(),
+                                                postgres_cpu_seconds(postmaster))
                 run["started"] = time.monotonic()
 
                 def caught_up(run=run, verifying=verifying, stop=stop) -> None:
                     run["caught_up"] = time.monotonic()
                     seconds = run["caught_up"] - run["started"]
                     run["machine"] = (busy_cores_counter() - run["busy"]) / seconds
-                    run["others"] = run["machine"] - (
-                        our_cpu_seconds(ours) - run["ours"]) / seconds
+                    run["postgres"] = (postgres_cpu_seconds(postmaster) - run["postgres"]
+                                       ) / seconds
                     stop.set()
                     if verifying is not None:  # the bridge confirms the last one's lsn
                         run["verifications"] = verifying.result()
@@ -277,6 +302,10 @@ def bridge_beside_verification(pg, nats, settings: PlatformSettings, args,
                     admin, pg, nats, args.mode, slot, end_lsn, args.backlog, log, None,
                     env=bridge_settings, also_using={"verify": os.getpid()},
                     after_catch_up=caught_up)
+                cores = run["cores"]
+                # what the processes of others used: the machine less this benchmark's
+                run["others"] = run["machine"] - run["postgres"] - cores["bridge"] - cores[
+                    "nats-server"] - cores["verify"]
                 runs.append(run)
                 print_bridge_run(run, args.backlog)
             while cdc.slot_state(admin, slot)[0]:
@@ -319,8 +348,9 @@ def print_bridge_run(run: dict, backlog: int) -> None:
     line = (f"  {kind_label(run):44s} {run['rate']:>9,.0f} ev/s ({run['wal'] / 1024**2:.0f} MiB"
             f" of WAL) | cores bridge {cores['bridge']:.2f} walsender "
             f"{cores['walsender']:.2f} nats {cores['nats-server']:.2f} verification (this "
-            f"process) {cores['verify']:.2f}, machine busy {run['machine']:.2f} (others' "
-            f"processes {run['others']:.2f})")
+            f"process) {cores['verify']:.2f} PostgreSQL but the walsender "
+            f"{run['postgres'] - cores['walsender']:.2f}, machine busy {run['machine']:.2f} "
+            f"(others' processes {run['others']:.2f})")
     if run["kind"] is not None:
         line += (f" | done {run['verified'] - run['caught_up']:.2f}s after the catch-up: "
                  + "; ".join(map(verification_times, run["verifications"])))
