@@ -495,7 +495,7 @@ class VerifySettings(_Settings):
         16 * 1024**2, ge=0, validation_alias=_env("CDC_VERIFY_YIELD_LAG"),
         description="A verification gives way to CDC: its tasks pause between blocks of "
         "rows once the bridge's slot has more than this much WAL unconfirmed "
-        "(pg_current_wal_lsn() - confirmed_flush_lsn, read at most every 0.2 s), until the "
+        "(pg_current_wal_lsn() - confirmed_flush_lsn, read at most every 0.05 s), until the "
         "bridge has caught up: confirmed the WAL flushed when they began to pause, or "
         "down to a sixteenth of this behind. Above "
         "what a keeping-up bridge shows between its confirmations (the WAL written in ~1 s "

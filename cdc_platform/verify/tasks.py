@@ -3,7 +3,8 @@ snapshot task does (:mod:`cdc_platform.snapshot.reader`: same session, same ``CO
 converters), and digest the rows instead of publishing them: :meth:`Chunker.digest_block`
 hashes the COPY text straight into the digest where the compiled twin is built, else the
 converted columns.
-Between blocks it gives way to the bridge while that is behind (:mod:`.yielding`).
+Before its COPY and between blocks it gives way to the bridge while that is behind
+(:mod:`.yielding`).
 A task returns its buckets' (total, count) pairs to the driver, never rows."""
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ async def digest_range(spec: DigestSpec, block_range: BlockRange) -> dict[str, A
         with imported_snapshot(spec.conninfo, spec.snapshot_name,
                                qualified_table=spec.qualified_table,
                                lock_timeout_ms=spec.lock_timeout_ms) as conn:
+            await gate.give_way()  # before a first block: it may be megabytes
             async for block in copy_blocks(conn.pgconn, spec.copy_command(block_range),
                                            block_bytes=_BLOCK_BYTES,
                                            min_block_bytes=_MIN_BLOCK_BYTES):
