@@ -567,6 +567,33 @@ def test_the_compiled_row_hashes_are_the_python_ones(tmp_path, monkeypatch, reco
     store.close()
 
 
+def test_a_utf16_files_text_is_hashed_as_the_text_it_holds(tmp_path):
+    """The preupdate hook reads a UTF-8 file's text as stored (no copy); a file made UTF-16
+    elsewhere holds text the hook must read as UTF-8 (SQLite converts it): the kept digest
+    is the recomputed one either way, for the store's writes and the chunk loader's."""
+    with contextlib.closing(sqlite3.connect(tmp_path / "m.db")) as made:
+        made.execute("PRAGMA encoding = 'UTF-16le'")
+        made.execute("CREATE TABLE made_elsewhere (x)")
+    store = _hooked(MirrorStore(tmp_path / "m.db"), "hook")
+    assert store._db.execute("PRAGMA encoding").fetchone()[0] == "UTF-16le"
+    columns = [("id", 20, "bigint", 1), ("name", 25, "text", 2)]
+    store.begin_bootstrap(TableShape.from_schema(_schema(columns)), "s", 0x100)
+    with store.chunk_loader("t", ("id", "name")) as load:
+        rows = [{"id": key, "name": f"é{key}\U0001f600"} for key in range(10)]
+        if load is not None:
+            assert load(msgpack.packb({"chunk": 0, "data": rows}), set()) == (0, 10)
+        else:
+            store.load_rows("t", rows)
+    store.finish_bootstrap("t", stream_seq=1)
+    store.apply_transaction([
+        event("INSERT", "0/200", 0, data={"id": 20, "name": "ünï"}, table="t"),
+        event("UPDATE", "0/200", 1, data={"id": 3, "name": "ça"}, table="t"),
+        event("UPDATE", "0/200", 2, data={"id": 30, "name": "z"}, old={"id": 4}, table="t")],
+        stream_seq=2)
+    assert sum(_assert_kept(store).counts) == 11
+    store.close()
+
+
 def test_chunks_the_compiled_loader_stores_are_hashed_as_it_stores_them(tmp_path,
                                                                          monkeypatch):
     """With the preupdate hook, the compiled chunk loader hashes each row as its own

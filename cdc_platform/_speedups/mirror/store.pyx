@@ -45,7 +45,7 @@ from cpython.long cimport (
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.math cimport isnan
-from libc.string cimport memset, strcmp
+from libc.string cimport memcmp, memcpy, memset, strcmp
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from posix.dlfcn cimport RTLD_NOW, dlopen, dlsym
 
@@ -968,28 +968,53 @@ cdef bint _hash_row(object hasher, int argc, void** argv, unsigned char* packed)
     return True
 
 
+DEF _MEMO_BYTES = 128  # (longer keys are hashed each time)
+
+
+cdef struct _KeyMemo:
+    # the last key hashed by a preupdate hook: its canonical bytes and hash (an UPDATE that
+    # keeps its key hashes it once; equal bytes, equal hash, whatever the table)
+    Py_ssize_t size  # -1: none
+    unsigned long long hash
+    char data[_MEMO_BYTES]
+
+
 cdef bint _hash_values(StoredRowDigester stored, void** values, unsigned long long* key_hash,
-                       unsigned long long* row_hash) except -1:
+                       unsigned long long* row_hash, bint utf8_file=False,
+                       _KeyMemo* memo=NULL) except -1:
     """The hashes of a stored row (``values``: one per column, in ``stored``'s order);
     False: a text ``wire_value`` turns back, or that is not UTF-8 (Python's sqlite3 refuses
-    it): Python must hash the row."""
+    it): Python must hash the row. ``utf8_file``: the values are a UTF-8 file's, whose text
+    is read as stored (see ``_text``). ``memo``: the last key hashed, used and updated."""
     cdef RowDigester digester
-    cdef Py_ssize_t index
+    cdef Py_ssize_t index, size
+    cdef const char* text
     cdef _Out out
     for index in range(stored._width):
-        if api.value_type(values[index]) == SQLITE_TEXT and (
-                stored._kinds[index] != KEEP or not valid_utf8(
-                    <const uint8_t*>api.value_text(values[index]),
-                    api.value_bytes(values[index]))):
-            return False
+        if api.value_type(values[index]) == SQLITE_TEXT:
+            if stored._kinds[index] != KEEP:
+                return False
+            text = _text(values[index], utf8_file, &size)
+            if not valid_utf8(<const uint8_t*>text, size):
+                return False
     digester = stored._digester
     _open(&out)
     try:
         if not digester._key_is_row:
-            _write_values(&out, digester, values, digester._key_sorted, digester._key_width)
-            key_hash[0] = _hash64(out.data, out.size)
+            _write_values(&out, digester, values, digester._key_sorted, digester._key_width,
+                          utf8_file)
+            if memo != NULL and memo.size == out.size and memcmp(memo.data, out.data,
+                                                                 out.size) == 0:
+                key_hash[0] = memo.hash
+            else:
+                key_hash[0] = _hash64(out.data, out.size)
+                if memo != NULL:
+                    memo.size = -1
+                    if out.size <= _MEMO_BYTES:
+                        memcpy(memo.data, out.data, out.size)
+                        memo.size, memo.hash = out.size, key_hash[0]
             out.size = 0
-        _write_values(&out, digester, values, NULL, digester._width)
+        _write_values(&out, digester, values, NULL, digester._width, utf8_file)
         row_hash[0] = _hash64(out.data, out.size)
         if digester._key_is_row:
             key_hash[0] = row_hash[0]
@@ -998,13 +1023,26 @@ cdef bint _hash_values(StoredRowDigester stored, void** values, unsigned long lo
     return True
 
 
+cdef inline const char* _text(void* value, bint utf8_file, Py_ssize_t* size) noexcept:
+    """A TEXT or BLOB value's bytes (never NULL) and their size. A TEXT of a UTF-8 file is
+    read as a blob: its bytes as stored, where ``sqlite3_value_text`` copies a value that
+    is not NUL-terminated (most: read from a record, or bound) to add the NUL."""
+    cdef const char* data
+    if utf8_file or api.value_type(value) != SQLITE_TEXT:
+        data = <const char*>api.value_blob(value)
+    else:
+        data = <const char*>api.value_text(value)
+    size[0] = api.value_bytes(value)
+    return data if data != NULL else _EMPTY
+
+
 cdef int _write_values(_Out* out, RowDigester digester, void** values, Py_ssize_t* which,
-                       Py_ssize_t count) except -1:
+                       Py_ssize_t count, bint utf8_file) except -1:
     """The canonical bytes (wire/digest.py) of the sorted columns ``which[0..count)`` (NULL:
     every column) of the stored ``values`` (in the digester's given order): an INTEGER is
     an int, a REAL a float, a TEXT (of a column whose text is its wire value) a str, a BLOB
     bytes, a NULL absent."""
-    cdef Py_ssize_t index, column
+    cdef Py_ssize_t index, column, size
     cdef void* value
     cdef int kind
     cdef const char* data
@@ -1020,13 +1058,10 @@ cdef int _write_values(_Out* out, RowDigester digester, void** values, Py_ssize_
             _put_int64(out, api.value_int64(value))
         elif kind == SQLITE_FLOAT:
             _put_float(out, api.value_double(value))
-        else:  # (an empty TEXT or BLOB may come as NULL)
-            data = <const char*>(api.value_text(value) if kind == SQLITE_TEXT
-                                 else api.value_blob(value))
-            if data == NULL:
-                data = _EMPTY
+        else:
+            data = _text(value, utf8_file, &size)
             _put_sized(out, 83 if kind == SQLITE_TEXT else 66,  # 'S', 'B'
-                       data, api.value_bytes(value))
+                       data, size)
     return 0
 
 
@@ -1098,8 +1133,22 @@ cdef _RowHashes _hooked_rows(void* db, object connection, object hasher):
     rows.db = db
     rows.connection = connection
     rows.hasher = hasher
+    rows.utf8_file = _utf8_file(db)
     rows.resume()
     return rows
+
+
+cdef bint _utf8_file(void* db) except -1:
+    """Whether the file of ``db``'s main database holds its text as UTF-8 (SQLite's default;
+    a file made elsewhere may be UTF-16)."""
+    cdef void* statement = NULL
+    cdef bint utf8 = False
+    if api.prepare_v2(db, b"PRAGMA main.encoding", -1, &statement, NULL) != SQLITE_OK:
+        return False
+    if api.step(statement) == SQLITE_ROW and api.column_bytes(statement, 0) == 5:
+        utf8 = memcmp(api.column_blob(statement, 0), b"UTF-8", 5) == 0
+    api.finalize(statement)
+    return utf8
 
 
 @cython.no_gc_clear  # (__dealloc__ takes the hook back from the connection)
@@ -1119,6 +1168,8 @@ cdef class _RowHashes:
     cdef bint hooked
     cdef object failed  # (table id, what) of the first row that could not be hashed
     cdef Py_ssize_t failed_at  # (the changes logged before it)
+    cdef bint utf8_file
+    cdef _KeyMemo memo
 
     def __cinit__(self):
         self.followed = {}
@@ -1126,6 +1177,7 @@ cdef class _RowHashes:
         self.changes = NULL
         self.count = self.capacity = 0
         self.hooked = False
+        self.memo.size = -1
 
     def __dealloc__(self):
         self._unhook()
@@ -1263,7 +1315,8 @@ cdef class _RowHashes:
                 raise sqlite3.OperationalError(f"{followed.name.decode(errors='replace')} "
                                                f"has no column {index}")
         if type(followed.digester) is not StoredRowDigester or not _hash_values(
-                <StoredRowDigester>followed.digester, followed.values, &key_hash, &row_hash):
+                <StoredRowDigester>followed.digester, followed.values, &key_hash, &row_hash,
+                self.utf8_file, &self.memo):
             pair = self.hasher(followed.table_id, *[_python_value(followed.values[index])
                                                     for index in range(followed.width)])
             if type(pair) is not bytes or PyBytes_GET_SIZE(pair) != 16:
