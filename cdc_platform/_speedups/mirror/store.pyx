@@ -766,13 +766,21 @@ cdef class Statements:
         return changed
 
 
+cdef struct _Bucket:  # a bucket's digest (or a transaction's sums in it)
+    unsigned long long total  # row hashes, modulo 2^64
+    long long count  # rows
+
+
+cdef extern from *:
+    void __builtin_prefetch(const void* address, int write) nogil
+
+
 cdef class _BucketSums:
     """One table's row hashes summed by bucket (the changes of one transaction)."""
 
     cdef int bits
     cdef int shift
-    cdef unsigned long long* totals
-    cdef long long* counts
+    cdef _Bucket* sums
     cdef int* touched  # the buckets summed into, in the order first touched
     cdef int touched_count
     cdef unsigned char* seen
@@ -782,11 +790,10 @@ cdef class _BucketSums:
         cdef Py_ssize_t size = 1 << bits
         self.bits = bits
         self.shift = 64 - bits
-        self.totals = <unsigned long long*>PyMem_Malloc(size * sizeof(unsigned long long))
-        self.counts = <long long*>PyMem_Malloc(size * sizeof(long long))
+        self.sums = <_Bucket*>PyMem_Malloc(size * sizeof(_Bucket))
         self.touched = <int*>PyMem_Malloc(size * sizeof(int))
         self.seen = <unsigned char*>PyMem_Malloc(size)
-        if (self.totals == NULL or self.counts == NULL or self.touched == NULL
+        if (self.sums == NULL or self.touched == NULL
                 or self.seen == NULL):
             raise MemoryError()
         memset(self.seen, 0, size)
@@ -794,8 +801,7 @@ cdef class _BucketSums:
         self.truncated = False
 
     def __dealloc__(self):
-        PyMem_Free(self.totals)
-        PyMem_Free(self.counts)
+        PyMem_Free(self.sums)
         PyMem_Free(self.touched)
         PyMem_Free(self.seen)
 
@@ -804,12 +810,12 @@ cdef class _BucketSums:
         cdef int bucket = <int>(key_hash >> self.shift) if self.shift < 64 else 0
         if not self.seen[bucket]:
             self.seen[bucket] = 1
-            self.totals[bucket] = 0
-            self.counts[bucket] = 0
+            self.sums[bucket].total = 0
+            self.sums[bucket].count = 0
             self.touched[self.touched_count] = bucket
             self.touched_count += 1
-        self.totals[bucket] += row_hash if sign > 0 else -row_hash  # (modulo 2^64)
-        self.counts[bucket] += sign
+        self.sums[bucket].total += row_hash if sign > 0 else -row_hash  # (modulo 2^64)
+        self.sums[bucket].count += sign
 
     cdef void truncate(self) noexcept:
         self._clear()
@@ -831,33 +837,29 @@ cdef class _BucketSums:
         buckets = {}
         for index in range(self.touched_count):
             bucket = self.touched[index]
-            buckets[bucket] = (PyLong_FromUnsignedLongLong(self.totals[bucket]),
-                               self.counts[bucket])
+            buckets[bucket] = (PyLong_FromUnsignedLongLong(self.sums[bucket].total),
+                               self.sums[bucket].count)
         return buckets
 
-    def apply(self, list totals not None, list counts not None):
-        """The sums added into a digest's ``totals`` (mod 2^64) and ``counts``; the buckets
-        summed, as they became, packed as the digests' journal entries (u16 bucket, u64
-        total, i64 count, big-endian: ``digests._ENTRY``)."""
-        cdef Py_ssize_t size = <Py_ssize_t>1 << self.bits
-        cdef int index, bucket, shift
-        cdef unsigned long long total
-        cdef long long count
+    def apply(self, _Buckets digest not None):
+        """The sums added into ``digest`` (``RowHashes.kept``); the buckets summed, as they
+        became, packed as the digests' journal entries (u16 bucket, u64 total, i64 count,
+        big-endian: ``digests._ENTRY``)."""
+        cdef int index, bucket
+        cdef _Bucket* kept
         cdef unsigned char* at
-        if len(totals) != size or len(counts) != size:
-            raise ValueError(f"a digest of {size} buckets expected")
+        if digest.bits != self.bits:
+            raise ValueError(f"a digest of {self.bits} bits expected, not {digest.bits}")
         packed = PyBytes_FromStringAndSize(NULL, 18 * self.touched_count)
         at = <unsigned char*>PyBytes_AS_STRING(packed)
+        for index in range(self.touched_count):  # (scattered buckets: their misses overlap)
+            __builtin_prefetch(&digest.of[self.touched[index]], 1)
         for index in range(self.touched_count):
             bucket = self.touched[index]
-            total = PyLong_AsUnsignedLongLong(totals[bucket]) + self.totals[bucket]
-            count = PyLong_AsLongLong(counts[bucket]) + self.counts[bucket]
-            totals[bucket] = total
-            counts[bucket] = count
-            at[0], at[1] = <unsigned char>(bucket >> 8), <unsigned char>bucket
-            for shift in range(8):
-                at[2 + shift] = <unsigned char>(total >> (56 - 8 * shift))
-                at[10 + shift] = <unsigned char>(<unsigned long long>count >> (56 - 8 * shift))
+            kept = &digest.of[bucket]
+            kept.total += self.sums[bucket].total
+            kept.count += self.sums[bucket].count
+            _pack_entry(at, bucket, kept.total, kept.count)
             at += 18
         return packed
 
@@ -867,12 +869,98 @@ cdef class _BucketSums:
         buckets = {}
         for index in range(self.touched_count):
             bucket = self.touched[index]
-            buckets[bucket] = (PyLong_FromUnsignedLongLong(self.totals[bucket]),
-                               self.counts[bucket])
+            buckets[bucket] = (PyLong_FromUnsignedLongLong(self.sums[bucket].total),
+                               self.sums[bucket].count)
         taken = (self.truncated, buckets)
         self._clear()
         self.truncated = False
         return taken
+
+
+cdef inline void _pack_entry(unsigned char* at, int bucket, unsigned long long total,
+                             long long count) noexcept:
+    """A journal entry (``digests._ENTRY``): u16 bucket, u64 total, i64 count, big-endian."""
+    cdef int shift
+    at[0], at[1] = <unsigned char>(bucket >> 8), <unsigned char>bucket
+    for shift in range(8):
+        at[2 + shift] = <unsigned char>(total >> (56 - 8 * shift))
+        at[10 + shift] = <unsigned char>(<unsigned long long>count >> (56 - 8 * shift))
+
+
+cdef class _Buckets:
+    """A table's digest kept in C arrays (``_RowHashes.kept``), which ``_BucketSums.apply``
+    adds into without a Python int per bucket; ``totals`` and ``counts`` read and write it
+    as a ``TableDigest``'s lists."""
+
+    cdef readonly int bits
+    cdef Py_ssize_t size
+    cdef _Bucket* of
+
+    def __cinit__(self, int bits):
+        if not 0 <= bits <= 16:
+            raise ValueError(f"bits {bits}")
+        self.bits = bits
+        self.size = <Py_ssize_t>1 << bits
+        self.of = <_Bucket*>PyMem_Malloc(self.size * sizeof(_Bucket))
+        if self.of == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        PyMem_Free(self.of)
+
+    @property
+    def totals(self):
+        return _BucketColumn(self, False)
+
+    @property
+    def counts(self):
+        return _BucketColumn(self, True)
+
+    def entries(self):
+        """The buckets that are not empty packed as journal entries (``digests._ENTRY``),
+        in bucket order."""
+        cdef int bucket
+        cdef Py_ssize_t filled = 0
+        cdef unsigned char* at
+        for bucket in range(self.size):
+            if self.of[bucket].total or self.of[bucket].count:
+                filled += 1
+        packed = PyBytes_FromStringAndSize(NULL, 18 * filled)
+        at = <unsigned char*>PyBytes_AS_STRING(packed)
+        for bucket in range(self.size):
+            if self.of[bucket].total or self.of[bucket].count:
+                _pack_entry(at, bucket, self.of[bucket].total, self.of[bucket].count)
+                at += 18
+        return packed
+
+
+cdef class _BucketColumn:
+    """A ``_Buckets``' totals (u64) or counts (i64), indexed as a list of ints."""
+
+    cdef _Buckets buckets
+    cdef bint counts
+
+    def __cinit__(self, _Buckets buckets not None, bint counts):
+        self.buckets = buckets
+        self.counts = counts
+
+    def __len__(self):
+        return self.buckets.size
+
+    def __getitem__(self, Py_ssize_t bucket):
+        if not 0 <= bucket < self.buckets.size:
+            raise IndexError(bucket)
+        if self.counts:
+            return self.buckets.of[bucket].count
+        return PyLong_FromUnsignedLongLong(self.buckets.of[bucket].total)
+
+    def __setitem__(self, Py_ssize_t bucket, value):
+        if not 0 <= bucket < self.buckets.size:
+            raise IndexError(bucket)
+        if self.counts:
+            self.buckets.of[bucket].count = PyLong_AsLongLong(value)
+        else:
+            self.buckets.of[bucket].total = PyLong_AsUnsignedLongLong(value)
 
 
 cdef int _refused(void* statement) noexcept:
@@ -1278,6 +1366,18 @@ cdef class _RowHashes:
         self.spare = list(by_table.values())[:4]  # (the caller is done with them by the next)
         return {table_id: summed for table_id, summed in by_table.items()
                 if (<_BucketSums>summed).touched_count or (<_BucketSums>summed).truncated}
+
+    def kept(self, digest not None):
+        """A copy of the ``TableDigest`` ``digest`` in C arrays, for ``_BucketSums.apply``."""
+        cdef _Buckets buckets = _Buckets(digest.bits)
+        cdef Py_ssize_t bucket
+        totals, counts = digest.totals, digest.counts
+        if len(totals) != buckets.size or len(counts) != buckets.size:
+            raise ValueError(f"{buckets.size} buckets expected at {buckets.bits} bits")
+        for bucket in range(buckets.size):
+            buckets.of[bucket].total = PyLong_AsUnsignedLongLong(totals[bucket])
+            buckets.of[bucket].count = PyLong_AsLongLong(counts[bucket])
+        return buckets
 
     def clear(self):
         """Nothing logged (the transaction rolled back)."""
