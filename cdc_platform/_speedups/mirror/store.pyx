@@ -1074,23 +1074,14 @@ cdef bint _hash_values(StoredRowDigester stored, void** values, unsigned long lo
     False: a text ``wire_value`` turns back, or that is not UTF-8 (Python's sqlite3 refuses
     it): Python must hash the row. ``utf8_file``: the values are a UTF-8 file's, whose text
     is read as stored (see ``_text``). ``memo``: the last key hashed, used and updated."""
-    cdef RowDigester digester
-    cdef Py_ssize_t index, size
-    cdef const char* text
+    cdef RowDigester digester = stored._digester
     cdef _Out out
-    for index in range(stored._width):
-        if api.value_type(values[index]) == SQLITE_TEXT:
-            if stored._kinds[index] != KEEP:
-                return False
-            text = _text(values[index], utf8_file, &size)
-            if not valid_utf8(<const uint8_t*>text, size):
-                return False
-    digester = stored._digester
     _open(&out)
     try:
         if not digester._key_is_row:
-            _write_values(&out, digester, values, digester._key_sorted, digester._key_width,
-                          utf8_file)
+            if not _write_values(&out, stored, values, digester._key_sorted,
+                                 digester._key_width, utf8_file):
+                return False
             if memo != NULL and memo.size == out.size and memcmp(memo.data, out.data,
                                                                  out.size) == 0:
                 key_hash[0] = memo.hash
@@ -1102,7 +1093,8 @@ cdef bint _hash_values(StoredRowDigester stored, void** values, unsigned long lo
                         memcpy(memo.data, out.data, out.size)
                         memo.size, memo.hash = out.size, key_hash[0]
             out.size = 0
-        _write_values(&out, digester, values, NULL, digester._width, utf8_file)
+        if not _write_values(&out, stored, values, NULL, digester._width, utf8_file):
+            return False
         row_hash[0] = _hash64(out.data, out.size)
         if digester._key_is_row:
             key_hash[0] = row_hash[0]
@@ -1124,33 +1116,40 @@ cdef inline const char* _text(void* value, bint utf8_file, Py_ssize_t* size) noe
     return data if data != NULL else _EMPTY
 
 
-cdef int _write_values(_Out* out, RowDigester digester, void** values, Py_ssize_t* which,
-                       Py_ssize_t count, bint utf8_file) except -1:
+cdef bint _write_values(_Out* out, StoredRowDigester stored, void** values,
+                        Py_ssize_t* which, Py_ssize_t count, bint utf8_file) except -1:
     """The canonical bytes (wire/digest.py) of the sorted columns ``which[0..count)`` (NULL:
     every column) of the stored ``values`` (in the digester's given order): an INTEGER is
     an int, a REAL a float, a TEXT (of a column whose text is its wire value) a str, a BLOB
-    bytes, a NULL absent."""
-    cdef Py_ssize_t index, column, size
+    bytes, a NULL absent. False: a TEXT that ``wire_value`` turns back or that is not
+    UTF-8 (see ``_hash_values``)."""
+    cdef RowDigester digester = stored._digester
+    cdef Py_ssize_t index, given, size
     cdef void* value
     cdef int kind
     cdef const char* data
     for index in range(count):
-        column = which[index] if which != NULL else index
-        value = values[digester._given_of_sorted[column]]
+        given = digester._given_of_sorted[which[index] if which != NULL else index]
+        value = values[given]
         kind = api.value_type(value)
         if kind == SQLITE_NULL:
             continue
-        prefix = <bytes>digester._prefixes[column]
-        _put(out, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix))
+        prefix = <bytes>digester._prefixes[which[index] if which != NULL else index]
         if kind == SQLITE_INTEGER:
+            _put(out, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix))
             _put_int64(out, api.value_int64(value))
         elif kind == SQLITE_FLOAT:
+            _put(out, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix))
             _put_float(out, api.value_double(value))
         else:
             data = _text(value, utf8_file, &size)
+            if kind == SQLITE_TEXT and (stored._kinds[given] != KEEP or not valid_utf8(
+                    <const uint8_t*>data, size)):
+                return False
+            _put(out, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix))
             _put_sized(out, 83 if kind == SQLITE_TEXT else 66,  # 'S', 'B'
                        data, size)
-    return 0
+    return True
 
 
 cdef const char* _EMPTY = ""
