@@ -93,6 +93,10 @@ class DigestBuckets(Protocol):
         """The buckets that are not empty, packed as the digests' journal entries."""
         ...
 
+    def load(self, packed: bytes) -> int:
+        """Packed journal entries set into their buckets in order; how many."""
+        ...
+
 
 class BucketSums(Protocol):
     """One table's row hashes of a transaction, summed by bucket (``RowHashes.take``)."""
@@ -134,7 +138,7 @@ class RowHashes(Protocol):
 
     def take(self, bits: int) -> dict[int, BucketSums]: ...
 
-    def kept(self, digest: TableDigest) -> DigestBuckets: ...
+    def kept(self, bits: int, digest: TableDigest | None = None) -> DigestBuckets: ...
 
     def clear(self) -> None: ...
 

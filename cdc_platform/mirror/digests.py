@@ -95,14 +95,17 @@ def has_preupdate_hook(db: sqlite3.Connection) -> bool:
 
 def read_digest(db: sqlite3.Connection, table: str) -> TableDigest | None:
     """``table``'s stored digest, or None when it is not kept."""
-    return _read(db, table)[0]
+    digest = _ListBuckets(BITS)
+    if _read(db, table, digest) is None:
+        return None
+    return TableDigest(digest.bits, digest.totals, digest.counts)
 
 
-def _read(db: sqlite3.Connection, table: str) -> tuple[TableDigest | None, int]:
-    """(``table``'s stored digest or None, the entries of its journal)."""
+def _read(db: sqlite3.Connection, table: str, digest: DigestBuckets) -> int | None:
+    """``table``'s stored digest read into ``digest`` (empty): the entries of its journal;
+    None: not kept."""
     if db.execute(f"SELECT 1 FROM {KEPT_TABLE} WHERE wire_table = ?", (table,)).fetchone() is None:
-        return None, 0
-    digest = TableDigest(BITS)
+        return None
     totals, counts = digest.totals, digest.counts
     for bucket, total, count in db.execute(
             f"SELECT bucket, total, count FROM {DIGESTS_TABLE} WHERE wire_table = ?", (table,)):
@@ -111,10 +114,8 @@ def _read(db: sqlite3.Connection, table: str) -> tuple[TableDigest | None, int]:
     if db.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (JOURNAL_TABLE,)).fetchone():
         for (packed,) in db.execute(f"SELECT buckets FROM {JOURNAL_TABLE} WHERE wire_table = ?"
                                     " ORDER BY rowid", (table,)):
-            for bucket, total, count in _ENTRY.iter_unpack(packed):
-                totals[bucket], counts[bucket] = total, count
-                entries += 1
-    return digest, entries
+            entries += digest.load(packed)
+    return entries
 
 
 def scan_digest(db: sqlite3.Connection, shape: TableShape) -> TableDigest:
@@ -486,14 +487,17 @@ class DigestKeeper:
     def _digest(self, table: str) -> DigestBuckets:
         digest = self._digests.get(table)
         if digest is None:
-            stored, self._journaled[table] = _read(self._db, table)
-            digest = self._digests[table] = self._cached(stored or TableDigest(BITS))
+            digest = self._digests[table] = self._cached()
+            self._journaled[table] = _read(self._db, table, digest) or 0
         return digest
 
-    def _cached(self, digest: TableDigest) -> DigestBuckets:
-        """``digest`` as this keeper caches it (the hook's sums add into C arrays)."""
+    def _cached(self, digest: TableDigest | None = None) -> DigestBuckets:
+        """``digest`` (None: an empty one) as this keeper caches it: with the hook in C
+        arrays, which the fold adds into and a journal is read into in C."""
         if self._rows is not None:
-            return self._rows.kept(digest)
+            return self._rows.kept(BITS, digest)
+        if digest is None:
+            return _ListBuckets(BITS)
         return _ListBuckets(digest.bits, digest.totals, digest.counts)
 
     def _kept(self) -> set[str]:
@@ -545,13 +549,22 @@ class DigestKeeper:
 
 
 class _ListBuckets(TableDigest):
-    """A digest cached in its lists (without the hook)."""
+    """A digest in its lists (without the hook), read and written as journal entries."""
 
     def entries(self) -> bytes:
         """The non-empty buckets, packed as journal entries."""
         return b"".join([_ENTRY.pack(bucket, total, count) for bucket, (total, count)
                          in enumerate(zip(self.totals, self.counts, strict=True))
                          if total or count])
+
+    def load(self, packed: bytes) -> int:
+        """Packed journal entries set into their buckets in order; how many."""
+        totals, counts = self.totals, self.counts
+        entries = 0
+        for bucket, total, count in _ENTRY.iter_unpack(packed):
+            totals[bucket], counts[bucket] = total, count
+            entries += 1
+        return entries
 
 
 class _RowHasher:

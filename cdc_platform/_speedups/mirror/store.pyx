@@ -42,7 +42,7 @@ from cpython.long cimport (
     PyLong_AsUnsignedLongLong,
     PyLong_FromUnsignedLongLong,
 )
-from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.math cimport isnan
 from libc.string cimport memcmp, memcpy, memset, strcmp
@@ -901,7 +901,7 @@ cdef class _Buckets:
             raise ValueError(f"bits {bits}")
         self.bits = bits
         self.size = <Py_ssize_t>1 << bits
-        self.of = <_Bucket*>PyMem_Malloc(self.size * sizeof(_Bucket))
+        self.of = <_Bucket*>PyMem_Calloc(self.size, sizeof(_Bucket))
         if self.of == NULL:
             raise MemoryError()
 
@@ -915,6 +915,23 @@ cdef class _Buckets:
     @property
     def counts(self):
         return _BucketColumn(self, True)
+
+    def load(self, bytes packed not None):
+        """Packed journal entries (``digests._ENTRY``) set into their buckets, in order (a
+        later one wins); how many there were."""
+        cdef Py_ssize_t size = PyBytes_GET_SIZE(packed), count = size // 18, index
+        cdef const unsigned char* at = <const unsigned char*>PyBytes_AS_STRING(packed)
+        cdef int bucket
+        if size % 18:
+            raise ValueError(f"journal entries of 18 bytes expected, not {size} bytes")
+        for index in range(count):
+            bucket = at[0] << 8 | at[1]
+            if bucket >= self.size:
+                raise ValueError(f"bucket {bucket} of {self.size}")
+            self.of[bucket].total = _big_endian(at + 2)
+            self.of[bucket].count = <long long>_big_endian(at + 10)
+            at += 18
+        return count
 
     def entries(self):
         """The buckets that are not empty packed as journal entries (``digests._ENTRY``),
@@ -1366,10 +1383,13 @@ cdef class _RowHashes:
         return {table_id: summed for table_id, summed in by_table.items()
                 if (<_BucketSums>summed).touched_count or (<_BucketSums>summed).truncated}
 
-    def kept(self, digest not None):
-        """A copy of the ``TableDigest`` ``digest`` in C arrays, for ``_BucketSums.apply``."""
-        cdef _Buckets buckets = _Buckets(digest.bits)
+    def kept(self, int bits, digest=None):
+        """A digest of ``bits`` in C arrays, for ``_BucketSums.apply``: empty, or a copy of
+        the ``TableDigest`` ``digest``."""
+        cdef _Buckets buckets = _Buckets(bits)
         cdef Py_ssize_t bucket
+        if digest is None:
+            return buckets
         totals, counts = digest.totals, digest.counts
         if len(totals) != buckets.size or len(counts) != buckets.size:
             raise ValueError(f"{buckets.size} buckets expected at {buckets.bits} bits")
