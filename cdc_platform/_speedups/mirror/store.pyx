@@ -1141,32 +1141,40 @@ cdef bint _write_values(_Out* out, StoredRowDigester stored, void** values,
     bytes, a NULL absent. False: a TEXT that ``wire_value`` turns back or that is not
     UTF-8 (see ``_hash_values``)."""
     cdef RowDigester digester = stored._digester
-    cdef Py_ssize_t index, given, size
+    cdef Py_ssize_t index, column, given, size
     cdef void* value
     cdef int kind
     cdef const char* data
+    cdef PyObject* prefix  # (borrowed from the digester's tuple: no reference counted)
     for index in range(count):
-        given = digester._given_of_sorted[which[index] if which != NULL else index]
+        column = which[index] if which != NULL else index
+        given = digester._given_of_sorted[column]
         value = values[given]
         kind = api.value_type(value)
         if kind == SQLITE_NULL:
             continue
-        prefix = <bytes>digester._prefixes[which[index] if which != NULL else index]
+        prefix = _borrowed_item(digester._prefixes, column)
         if kind == SQLITE_INTEGER:
-            _put(out, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix))
+            _put(out, _bytes_data(prefix), _bytes_size(prefix))
             _put_int64(out, api.value_int64(value))
         elif kind == SQLITE_FLOAT:
-            _put(out, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix))
+            _put(out, _bytes_data(prefix), _bytes_size(prefix))
             _put_float(out, api.value_double(value))
         else:
             data = _text(value, utf8_file, &size)
             if kind == SQLITE_TEXT and (stored._kinds[given] != KEEP or not valid_utf8(
                     <const uint8_t*>data, size)):
                 return False
-            _put(out, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix))
+            _put(out, _bytes_data(prefix), _bytes_size(prefix))
             _put_sized(out, 83 if kind == SQLITE_TEXT else 66,  # 'S', 'B'
                        data, size)
     return True
+
+
+cdef extern from "Python.h":  # (the macros, on borrowed references)
+    PyObject* _borrowed_item "PyTuple_GET_ITEM" (object, Py_ssize_t)
+    const char* _bytes_data "PyBytes_AS_STRING" (PyObject*)
+    Py_ssize_t _bytes_size "PyBytes_GET_SIZE" (PyObject*)
 
 
 cdef const char* _EMPTY = ""
