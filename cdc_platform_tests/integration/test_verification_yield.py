@@ -43,13 +43,14 @@ pytestmark = pytest.mark.every_major
 ROWS = 3_000
 YIELD_LAG = 64 * 1024  # the test's threshold; its ballast writes ~20x that
 HOLD_SECONDS = 1.5  # how long the bridge stays behind
+NEARLY_SECONDS = 2.5  # how long it stays under the threshold, not caught up
 
 
-def _table(pg_admin, cdc_database) -> str:
+def _table(pg_admin, cdc_database, rows: int = ROWS) -> str:
     table = random_name("yielding")
     pg_admin.execute(f"CREATE TABLE {table} ({LIVE_TABLE_COLUMNS})")
     pg_admin.execute(f"INSERT INTO {table} SELECT i, i % 100, 'r' || i, now(), ARRAY['a'] "
-                     f"FROM generate_series(1, {ROWS}) i")
+                     f"FROM generate_series(1, {rows}) i")
     cdc_database.add_tables(pg_admin, table)
     return table
 
@@ -57,6 +58,17 @@ def _table(pg_admin, cdc_database) -> str:
 def _ballast(pg_admin, table: str) -> None:
     """WAL of the published table, well over YIELD_LAG, that a held slot has not confirmed."""
     pg_admin.execute(f"UPDATE {table} SET txt = txt || repeat('x', 200)")
+
+
+def _task_copying(pg_admin) -> bool:
+    """Whether a verification task's COPY runs (or waits, its socket full)."""
+    return pg_admin.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name "
+                            "= 'cdc_platform_verify' AND query LIKE 'COPY%%' AND state = "
+                            "'active'").fetchone()[0] > 0
+
+
+def _current_lsn(pg_admin) -> int:
+    return parse_lsn(pg_admin.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
 
 
 def _task_reading_the_lag(pg_admin) -> bool:
@@ -103,6 +115,38 @@ async def test_a_verification_waits_while_the_bridge_is_behind_and_not_longer(
                                 cdc_database.publication, table).folded(result.bits)
     assert (await digest_message(nats_client, result))[2] == buckets_of(expected)
     assert result.row_count == ROWS
+
+
+async def test_a_task_that_gave_way_waits_until_the_bridge_confirmed_what_was_written_then(
+        cdc_database, pg_admin, provisioned_nats):
+    """Once yielding, a task waits until the bridge has confirmed the WAL written when it
+    began to, not merely until the lag is under CDC_VERIFY_YIELD_LAG: a bridge catching up on
+    many transactions confirms as it goes, and a task going on at the limit would take the
+    cores back for the rest of the catch-up (before: it went on within a pause, 1 s at
+    most, of the bridge confirming the ballast). And it gave way before its COPY, not after
+    a first block (up to 4 MiB; the table's COPY text is ~10 MB)."""
+    table = _table(pg_admin, cdc_database, rows=40_000)
+    settings = _settings(cdc_database, provisioned_nats, max_yield=60)
+    one_task = SnapshotOptions(local_parallelism=1, ranges_per_core=1)
+    async with held_slot(settings) as held:
+        _ballast(pg_admin, table)
+        ballast_end = _current_lsn(pg_admin)
+        # WAL after the ballast, under the limit
+        pg_admin.execute("SELECT pg_logical_emit_message(false, 'cdc-test', repeat('x', %s))",
+                         (YIELD_LAG // 2,))
+        verifying = asyncio.create_task(verify_table(None, settings, table, options=one_task))
+        await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the task yielding")
+        assert not _task_copying(pg_admin)  # it gave way before it read a block
+        held.release(up_to=ballast_end)  # the bridge has caught up on the ballast
+        await wait_for(lambda: slot_confirmed(pg_admin, cdc_database.slot) >= ballast_end,
+                       what="the ballast confirmed")
+        assert _current_lsn(pg_admin) - ballast_end < YIELD_LAG
+        await asyncio.sleep(NEARLY_SECONDS)
+        assert not verifying.done()
+        held.release()
+        result = await asyncio.wait_for(verifying, 30)
+    assert result.yield_seconds >= NEARLY_SECONDS, result
+    assert result.row_count == 40_000
 
 
 async def test_a_verification_goes_on_once_it_has_yielded_its_most(
