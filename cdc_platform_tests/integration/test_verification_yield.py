@@ -6,8 +6,10 @@ bridge held behind is the real replication protocol confirming nothing (``held_s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import psycopg
@@ -24,6 +26,7 @@ from cdc_platform.verify.tasks import DigestSpec, digest_range
 from cdc_platform.verify.yielding import YieldPolicy
 from cdc_platform.wire.digest import MAX_BUCKET_BITS
 from cdc_platform_tests.fixtures.bridge import (
+    HeldSlot,
     held_slot,
     running_bridge,
     slot_confirmed,
@@ -200,33 +203,45 @@ async def test_a_cancelled_verification_stops_its_tasks_yielding_at_once(
     assert ended < 2.0
 
 
-async def test_an_interrupted_verification_process_ends_without_waiting_out_its_yield(
-        cdc_database, pg_admin, provisioned_nats):
-    """The process's side of it: SIGINT (what cancelling a Dagster run does to its step
-    process; here `cdc-platform verify`) ends it within a pause, where asyncio.run waited
-    for the tasks' threads for as long as they yielded."""
+@contextlib.asynccontextmanager
+async def _cli_yielding(cdc_database, pg_admin, provisioned_nats, **env: str
+                        ) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, HeldSlot]]:
+    """`cdc-platform verify` of a new table (settings ``env`` besides the test's), started
+    with the bridge held behind, once its tasks are yielding: (the process, the table, the
+    held slot). Killed if it still runs at the end; the slot released."""
     table = _table(pg_admin, cdc_database)
     settings = _settings(cdc_database, provisioned_nats, max_yield=60)
     env = {**bridge_env(cdc_database, provisioned_nats.url), "CDC_SLOT": cdc_database.slot,
            "CDC_PUBLICATION": cdc_database.publication, "CDC_VERIFY_WAIT": "30",
-           "CDC_VERIFY_YIELD_LAG": "64KiB", "CDC_VERIFY_MAX_YIELD": "60"}
+           "CDC_VERIFY_YIELD_LAG": "64KiB", **env}
     async with held_slot(settings) as held:
         _ballast(pg_admin, table)
         process = await asyncio.create_subprocess_exec(
             CLI, "verify", table, env=env, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE)
         try:
+            # yielding: its tasks are reading the bridge's lag, the bridge being behind
             await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the tasks yielding")
-            process.send_signal(signal.SIGINT)
-            interrupted = asyncio.get_running_loop().time()
-            async with asyncio.timeout(20):
-                await process.communicate()
-            ended = asyncio.get_running_loop().time() - interrupted
+            yield process, table, held
         finally:
             if process.returncode is None:
                 process.kill()
                 await process.wait()
             held.release()
+
+
+async def test_an_interrupted_verification_process_ends_without_waiting_out_its_yield(
+        cdc_database, pg_admin, provisioned_nats):
+    """The process's side of it: SIGINT (what cancelling a Dagster run does to its step
+    process; here `cdc-platform verify`) ends it within a pause, where asyncio.run waited
+    for the tasks' threads for as long as they yielded."""
+    async with _cli_yielding(cdc_database, pg_admin, provisioned_nats,
+                             CDC_VERIFY_MAX_YIELD="60") as (process, _, _):
+        process.send_signal(signal.SIGINT)
+        interrupted = asyncio.get_running_loop().time()
+        async with asyncio.timeout(20):
+            await process.communicate()
+        ended = asyncio.get_running_loop().time() - interrupted
     assert process.returncode != 0 and ended < 2.0, ended
     assert _verification_connections(pg_admin) == 0
 
@@ -293,26 +308,12 @@ def _nice_values(pid: int) -> set[int]:
 
 async def test_the_cli_verifies_niced_and_yielding_as_its_settings_say(
         cdc_database, pg_admin, provisioned_nats):
-    table = _table(pg_admin, cdc_database)
-    settings = _settings(cdc_database, provisioned_nats, max_yield=60)
-    env = {**bridge_env(cdc_database, provisioned_nats.url), "CDC_SLOT": cdc_database.slot,
-           "CDC_PUBLICATION": cdc_database.publication, "CDC_VERIFY_WAIT": "30",
-           "CDC_VERIFY_YIELD_LAG": "64KiB", "CDC_VERIFY_NICE": "7"}
-    async with held_slot(settings) as held:
-        _ballast(pg_admin, table)
-        process = await asyncio.create_subprocess_exec(
-            CLI, "verify", table, env=env, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE)
-        try:
-            # yielding: its tasks are reading the bridge's lag, the bridge being behind
-            await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the tasks yielding")
-            nice = _nice_values(process.pid)
-            held.release()
-            out, err = await asyncio.wait_for(process.communicate(), 60)
-        finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+    async with _cli_yielding(cdc_database, pg_admin, provisioned_nats,
+                             CDC_VERIFY_NICE="7") as (process, table, held):
+        nice = _nice_values(process.pid)
+        held.release()
+        async with asyncio.timeout(60):
+            out, err = await process.communicate()
     assert process.returncode == 0, err.decode()
     assert nice == {7}  # every thread, the tasks' included
     assert "yielding" in err.decode() and f"of {table}: {ROWS:,} rows" in out.decode()
