@@ -89,17 +89,22 @@ cdef const char* _DIGIT_PAIRS = (b"000102030405060708091011121314151617181920212
                                  b"93949596979899")
 
 
+cdef unsigned long long _POWERS_OF_TEN[20]  # 10^0 to 10^19: digits counted, no division
+_POWERS_OF_TEN[:] = [1, 10, 100, 1000, 10000, 100000, 1000000, 10000000,
+                     100000000, 1000000000, 10000000000, 100000000000, 1000000000000, 10000000000000,
+                     100000000000000, 1000000000000000, 10000000000000000, 100000000000000000,
+                     1000000000000000000, 10000000000000000000]
+
+
 cdef int _put_int64(_Out* out, long long number) except -1:
     """'I', u32 length, the decimal digits of ``number``: written in place, from the last
     digit back, once their count is known (no copy, no size checks per digit)."""
     cdef unsigned long long magnitude = (<unsigned long long>(-(number + 1)) + 1 if number < 0
                                          else <unsigned long long>number)
-    cdef unsigned long long rest = magnitude
     cdef int length = 1
     cdef int pair
     cdef char* at
-    while rest >= 10:
-        rest //= 10
+    while length < 20 and magnitude >= _POWERS_OF_TEN[length]:
         length += 1
     if number < 0:
         length += 1
