@@ -55,6 +55,9 @@ NEGATIVE_NAN = struct.unpack(">d", b"\xff\xf8\x00\x00\x00\x00\x00\x01")[0]
 scalars = st.one_of(
     st.integers(), st.integers(-(2**70), 2**70),
     st.sampled_from([0, -1, 2**63 - 1, -(2**63), 2**63, 2**64 - 1, -(2**64), 10**40]),
+    # (where the compiled writer's decimal digits change count or pair up)
+    st.sampled_from([sign * (10**power + step) for power in range(19) for step in (-1, 0, 1)
+                     for sign in (1, -1)]),
     st.floats(), st.sampled_from([math.nan, NEGATIVE_NAN, -0.0, 0.0, math.inf, -math.inf,
                                   5e-324, 1.7976931348623157e308]),
     st.text(max_size=12), st.sampled_from(["", "é", "\U0001f600 astral", "NaN", "\\x00"]),

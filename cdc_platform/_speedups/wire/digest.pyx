@@ -82,22 +82,54 @@ cdef int _put_int(_Out* out, object value) except -1:
     return _put_int64(out, number)
 
 
+# "00" to "99": two decimal digits a division (half the divisions of one digit a time)
+cdef const char* _DIGIT_PAIRS = (b"00010203040506070809101112131415161718192021222324252627282930"
+                                 b"31323334353637383940414243444546474849505152535455565758596061"
+                                 b"62636465666768697071727374757677787980818283848586878889909192"
+                                 b"93949596979899")
+
+
+cdef unsigned long long _POWERS_OF_TEN[20]  # 10^0 to 10^19: digits counted, no division
+_POWERS_OF_TEN[:] = [1, 10, 100, 1000, 10000, 100000, 1000000, 10000000,
+                     100000000, 1000000000, 10000000000, 100000000000, 1000000000000, 10000000000000,
+                     100000000000000, 1000000000000000, 10000000000000000, 100000000000000000,
+                     1000000000000000000, 10000000000000000000]
+
+
 cdef int _put_int64(_Out* out, long long number) except -1:
-    """'I', u32 length, the decimal digits of ``number``."""
+    """'I', u32 length, the decimal digits of ``number``: written in place, from the last
+    digit back, once their count is known (no copy, no size checks per digit)."""
     cdef unsigned long long magnitude = (<unsigned long long>(-(number + 1)) + 1 if number < 0
                                          else <unsigned long long>number)
-    cdef char digits[24]
-    cdef int start = 24
-    while True:
-        start -= 1
-        digits[start] = 48 + <char>(magnitude % 10)
-        magnitude //= 10
-        if magnitude == 0:
-            break
+    cdef int length = 1
+    cdef int pair
+    cdef char* at
+    while length < 20 and magnitude >= _POWERS_OF_TEN[length]:
+        length += 1
     if number < 0:
-        start -= 1
-        digits[start] = 45  # '-'
-    return _put_sized(out, 73, digits + start, 24 - start)  # 'I'
+        length += 1
+    if out.size + 5 + length > out.capacity:
+        _grow(out, 5 + length)
+    at = out.data + out.size
+    at[0] = 73  # 'I'
+    _u32_at(at + 1, length)
+    if number < 0:
+        at[5] = 45  # '-'
+    at += 5 + length
+    while magnitude >= 100:
+        pair = <int>(magnitude % 100) * 2
+        magnitude //= 100
+        at -= 2
+        at[0], at[1] = _DIGIT_PAIRS[pair], _DIGIT_PAIRS[pair + 1]
+    if magnitude >= 10:
+        pair = <int>magnitude * 2
+        at -= 2
+        at[0], at[1] = _DIGIT_PAIRS[pair], _DIGIT_PAIRS[pair + 1]
+    else:
+        at -= 1
+        at[0] = 48 + <char>magnitude
+    out.size += 5 + length
+    return 0
 
 
 cdef int _put_float(_Out* out, double value) except -1:
