@@ -237,7 +237,7 @@ async def taken_again(take: Callable[[str], Awaitable[_T]], first_id: str, retri
             if not_carried > WATERMARK_RETRIES:
                 raise WatermarkNotCarried(
                     f"{what}: {exc}, {not_carried} times in a row: is something dropping or "
-                    "replacing the slot? Nothing was published") from None
+                    "replacing the slot? Given up, publishing no meta or digest") from None
             log.warning("%s %s: %s; taking it again under a new id (attempt %d)",
                         what, attempt_id, exc, attempt + 2)
         attempt += 1

@@ -21,7 +21,7 @@ from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import MirrorSettings
 from cdc_platform.snapshot import SnapshotOptions, snapshot_table
 from cdc_platform.verify import verify_table
-from cdc_platform.wire import watermark_subject
+from cdc_platform.wire import verify_digest_subject, watermark_subject
 from cdc_platform_tests.exactness import bridge_caught_up, mirror_rows, source_rows
 from cdc_platform_tests.fixtures.bridge import bridge_ready, running_bridge, wait_for
 from cdc_platform_tests.fixtures.responder import snapshot_responder
@@ -150,6 +150,38 @@ async def test_a_snapshot_whose_slot_is_replaced_as_it_marks_is_marked_again(
         pg_admin, table)
 
 
+async def test_a_snapshot_whose_slot_is_replaced_after_its_watermark_is_taken_again(
+        cdc_database, pg_admin, provisioned_nats, nats_client):
+    # the bridge is stopped; its slot is replaced after the watermark was checked, before the
+    # bridge stored the marker (as a slot lost and replaced meanwhile): the check before the
+    # meta finds it. Before: published, with a marker the new slot never carries
+    table = _table(pg_admin, cdc_database)
+    cdc_database.create_slot(pg_admin)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    calls = []
+
+    def replace() -> None:
+        pg_admin.execute("SELECT pg_drop_replication_slot(%s)", (cdc_database.slot,))
+        cdc_database.create_slot(pg_admin)
+
+    def replace_after_the_watermark() -> None:  # at the snapshot's next wait, after the check
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            asyncio.get_running_loop().call_soon(replace)
+    result = await snapshot_table(
+        None, settings, table, snapshot_id=f"snap-{table}",
+        options=SnapshotOptions(watermark_wait_seconds=0.2,
+                                before_watermark=replace_after_the_watermark))
+    assert len(calls) == 2 and result.snapshot_id == f"snap-{table}-r1"
+    _writes_after(pg_admin, table)
+    async with running_bridge(settings):
+        await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
+    assert await stored_seq(nats_client, watermark_subject(f"snap-{table}")) is None
+    marker_seq = await stored_seq(nats_client, result.watermark_subject)
+    assert marker_seq is not None
+    assert await _rebuilt(nats_client, table, result, marker_seq) == _source(pg_admin, table)
+
+
 async def test_a_snapshot_whose_slot_is_replaced_at_every_mark_fails_clearly_publishing_nothing(
         cdc_database, pg_admin, provisioned_nats, nats_client):
     table = _table(pg_admin, cdc_database)
@@ -160,7 +192,7 @@ async def test_a_snapshot_whose_slot_is_replaced_at_every_mark_fails_clearly_pub
         with pytest.raises(WatermarkNotCarried, match=(
                 rf"snapshot of {table}: the watermark snap-{table}-r2 at \S+ is in no slot's "
                 r"stream: .* 3 times in a row: is something dropping or replacing the slot\? "
-                "Nothing was published")) as raised:
+                "Given up, publishing no meta or digest")) as raised:
             await snapshot_table(None, settings, table, snapshot_id=f"snap-{table}",
                                  options=SnapshotOptions(before_watermark=drop))
     assert "\n" not in str(raised.value) and len(calls) == 3
@@ -185,6 +217,39 @@ async def test_a_verification_whose_slot_is_replaced_as_it_marks_is_made_again(
                                     options=SnapshotOptions(before_watermark=drop))
     assert len(calls) == 2 and result.verification_id == f"{verification_id}-r1"
     assert await stored_seq(nats_client, watermark_subject(verification_id)) is None
+    marker_seq = await stored_seq(nats_client, result.marker_subject)
+    assert marker_seq is not None and marker_seq < result.digest_seq
+
+
+async def test_a_verification_whose_slot_is_replaced_after_its_marker_is_made_again(
+        cdc_database, pg_admin, provisioned_nats, nats_client):
+    # the slot replaced after the marker was checked (the bridge stopped, starting on the
+    # new slot): the new slot confirms the digest's lsn, but never carried the marker. Before:
+    # the digest was published, not comparable for every mirror
+    table = _table(pg_admin, cdc_database)
+    cdc_database.create_slot(pg_admin)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    calls, replaced = [], asyncio.Event()
+
+    def replace() -> None:
+        pg_admin.execute("SELECT pg_drop_replication_slot(%s)", (cdc_database.slot,))
+        cdc_database.create_slot(pg_admin)
+        replaced.set()
+
+    def replace_after_the_marker() -> None:  # at the verification's next wait, after the check
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            asyncio.get_running_loop().call_soon(replace)
+    verification_id = f"verify-{table}"
+    verifying = asyncio.create_task(verify_table(
+        None, settings, table, verification_id=verification_id,
+        options=SnapshotOptions(before_watermark=replace_after_the_marker)))
+    await asyncio.wait_for(replaced.wait(), 30)
+    async with running_bridge(settings):
+        result = await asyncio.wait_for(verifying, 60)
+    assert len(calls) == 2 and result.verification_id == f"{verification_id}-r1"
+    assert await stored_seq(nats_client, watermark_subject(verification_id)) is None
+    assert await stored_seq(nats_client, verify_digest_subject(table, verification_id)) is None
     marker_seq = await stored_seq(nats_client, result.marker_subject)
     assert marker_seq is not None and marker_seq < result.digest_seq
 
