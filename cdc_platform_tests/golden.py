@@ -75,7 +75,8 @@ def table_schema() -> TableSchema:
             CatalogColumn(name=name, position=index + 1, data_type=values_type,
                           is_nullable=not key, column_default="7" if name == "score" else None,
                           type_oid=oid, type_modifier=-1, is_key=key, is_primary_key=key,
-                          missing_value=7.0 if name == "score" else None, attnum=index + 1)
+                          missing_value=7.0 if name == "score" else None, attnum=index + 1,
+                          is_array=values.TypeRegistry().is_array(oid))
             for index, ((name, oid, key), values_type) in enumerate(zip(
                 _COLUMNS, ["integer", "text", "double precision", "bytea", "integer[]",
                            "jsonb"], strict=True))),

@@ -169,7 +169,8 @@ class CdcBridge:
 
     async def _stoppable_sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.stop_requested.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await self.stop_requested.wait()
 
     async def _connect_nats(self):
         """The NATS connection, waiting for NATS with backoff (one line per attempt) until a
@@ -355,7 +356,8 @@ class CdcBridge:
         self.metrics.confirmed_lsn = reader.confirmed_lsn
         self.metrics.last_ack_lsn.set(reader.confirmed_lsn)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(reader.close(), self._shutdown_left(10.0))
+            async with asyncio.timeout(self._shutdown_left(10.0)):
+                await reader.close()
 
     # -- the hot loop ------------------------------------------------------------------------
     async def _stream(self, reader: SlotReader) -> None:
@@ -400,7 +402,8 @@ class CdcBridge:
             metrics.current_lsn = reader.received_lsn
         # graceful stop: drain what is in flight (bounded), then the final ack in finally
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(publisher.flush(), self._drain_left())
+            async with asyncio.timeout(self._drain_left()):
+                await publisher.flush()
         self._confirm_stored(reader)
 
     async def _publish(self, reader: SlotReader, messages, position) -> None:

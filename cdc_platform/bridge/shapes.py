@@ -205,8 +205,9 @@ def schema_from_relation(relation: Relation, current: TableSchema | None,
                          types: TypeRegistry | None = None) -> TableSchema:
     """The Relation message's shape (authoritative for the columns at this point of the WAL)
     with what the catalog adds for each column it identifies: nullability, default, missing
-    value, primary key membership. A column's base type is the catalog's, or for a column it
-    does not identify what ``types`` resolves (without them: its type)."""
+    value, primary key membership. A column's base type (and whether it is an array type) is
+    the catalog's, or for a column it does not identify what ``types`` resolves (without
+    them: its type)."""
     types = types or TypeRegistry()
     by_attnum = {c.attnum: c for c in current.columns} if current else {}
     columns = []
@@ -226,7 +227,8 @@ def schema_from_relation(relation: Relation, current: TableSchema | None,
             missing_value=known.missing_value if known else None,
             attnum=attnum,
             base_type_oid=known.base_type_oid if known else types.base_type_oid(
-                column.type_oid)))
+                column.type_oid),
+            is_array=known.is_array if known else types.is_array(column.type_oid)))
     return dataclasses.replace(
         TableSchema(relation.namespace, relation.name, relation.relation_id,
                     relation.replica_identity, tuple(columns)),

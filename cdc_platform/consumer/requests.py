@@ -185,7 +185,8 @@ class SnapshotRequester:
                     raise
                 self.report(f"{exc}; asking again in {exc.retry_after:.0f}s")
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), exc.retry_after)
+                    async with asyncio.timeout(exc.retry_after):
+                        await stop.wait()
             finally:
                 with contextlib.suppress(Exception):
                     await subscription.unsubscribe()
@@ -201,7 +202,8 @@ class SnapshotRequester:
         last_report = last_look = time.monotonic()
         while not stop.is_set():
             try:
-                message = await asyncio.wait_for(replies.get(), 1.0)
+                async with asyncio.timeout(1.0):
+                    message = await replies.get()
             except TimeoutError:
                 now = time.monotonic()
                 if now - last_look >= LOOK_FOR_SNAPSHOT_SECONDS:
@@ -260,7 +262,8 @@ class SnapshotRequester:
                             f"({exc.description}: full, a flood?); asking again in "
                             f"{LOOK_FOR_SNAPSHOT_SECONDS:.0f}s")
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), LOOK_FOR_SNAPSHOT_SECONDS)
+                    async with asyncio.timeout(LOOK_FOR_SNAPSHOT_SECONDS):
+                        await stop.wait()
         return False
 
 

@@ -117,7 +117,8 @@ async def close_nats(client: Any, timeout: float) -> None:
     the client reconnecting forever (its reconnect and subscription tasks alive in a process
     that goes on, such as a Dagster worker). So past the timeout, those tasks are cancelled."""
     try:
-        await asyncio.wait_for(client.close(), timeout)
+        async with asyncio.timeout(timeout):
+            await client.close()
         return
     except Exception as exc:  # noqa: BLE001 - a timeout, or the connection already broken
         log.debug("NATS close did not finish (%r): cancelling the client's tasks", exc)

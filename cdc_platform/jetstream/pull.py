@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -201,10 +202,9 @@ class PullReader:
             if left <= 0:
                 return []
             self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), left)
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._arrived.wait()
         self._check()
         count = min(limit, len(self._received))
         taken = [self._received.popleft() for _ in range(count)]

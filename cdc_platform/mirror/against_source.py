@@ -16,7 +16,6 @@ buckets to be repaired (``repaired``), or says the table is bootstrapped again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import sqlite3
@@ -189,9 +188,7 @@ async def _until_settled(checks: list[SourceCheck], path: str | Path,
 
 def _read_results(path: str | Path, checks: list[SourceCheck]) -> None:
     """Each check as the file holds it now, in one read transaction."""
-    uri = f"{Path(path).resolve().as_uri()}?mode=ro"
-    with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
-        db.execute("BEGIN")
+    with positions.reading_file(path) as db:
         for check in checks:
             try:
                 row = db.execute(

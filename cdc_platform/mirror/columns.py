@@ -26,7 +26,8 @@ domains, enums, extension types        (none)       the wire value as it is (no 
 
 The declared type follows the column's own type (``type_oid``), so a domain's column has no
 affinity; what its values need (a NaN's text, an xid8's digits, an array's JSON, JSON's
-base64 and non-finite floats) follows its base type (``base_type_oid``).
+base64 and non-finite floats) follows its base type (``base_type_oid``), and whether they
+are arrays the schema's ``is_array`` (a domain over ``mood[]``: its base type is no builtin).
 """
 
 from __future__ import annotations
@@ -119,6 +120,16 @@ def quote(identifier: str) -> str:
     return '"' + identifier.replace('"', '""') + '"'
 
 
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def sqlite_folded(identifier: str) -> str:
+    """What SQLite compares of ``identifier``: its names ignore ASCII case, quoted or not
+    (``"Users"`` and ``users`` are one table, ``"Z"`` and ``z`` one column), while
+    PostgreSQL's quoted names do not; other letters are kept as they are."""
+    return identifier.translate(_ASCII_LOWER)
+
+
 def insert_statement(table: str, names: Sequence[str]) -> str:
     """An INSERT of ``names`` into ``table``, one parameter per name."""
     return (f"INSERT INTO {quote(table)} ({', '.join(quote(n) for n in names)}) "
@@ -157,10 +168,20 @@ class MirroredColumn:
     base_type_oid: int = field(init=False)  # what its values are: a domain's base type
     attnum: int = field(init=False)  # the source column's identity, kept by a RENAME (0: not known)
     is_primary_key: bool = field(init=False)
+    # its values are arrays, stored as their JSON text: the schema says so (``is_array``), or,
+    # where a schema written before that field does not, its base type is a builtin array
+    # type (a domain over one has no affinity) or ``sqlite_type`` declared it TEXT for an
+    # array (it declares TEXT for arrays and the builtin text types, so a TEXT column whose
+    # type alone is not TEXT holds arrays)
+    holds_arrays: bool = field(init=False)
 
     def __post_init__(self) -> None:
         for name in ("name", "type_oid", "base_type_oid", "attnum", "is_primary_key"):
             object.__setattr__(self, name, getattr(self.column, name))
+        object.__setattr__(self, "holds_arrays", self.column.is_array
+                           or self.base_type_oid in BUILTIN_ARRAY_OIDS
+                           or (self.sqlite_type == "TEXT"
+                               and sqlite_type(self.type_oid, "") != "TEXT"))
 
     @property
     def bound_as_is(self) -> bool:
@@ -177,14 +198,16 @@ class MirroredColumn:
         return self.base_type_oid == _BOOL_OID
 
 
-def _stored_column(position: int, name: str, sqlite_type: str, is_primary_key: bool,
-                   type_oid: int = 0, attnum: int = 0, base_type_oid: int = 0
-                   ) -> MirroredColumn:
+def _stored_column(position: int, name: str, declared: str, is_primary_key: bool,
+                   type_oid: int = 0, attnum: int = 0, base_type_oid: int = 0,
+                   is_array: bool = False) -> MirroredColumn:
     """A column as :meth:`TableShape.to_json_text` keeps it (files written before type_oid,
-    attnum and base_type_oid were kept: 0, not known; the base type then is the type)."""
+    attnum, base_type_oid and is_array were kept: 0, not known; the base type then is the
+    type; not known to be an array)."""
     return MirroredColumn(Column(name, position, "", True, None, type_oid, False,
-                                 is_primary_key, attnum=attnum, base_type_oid=base_type_oid),
-                          sqlite_type)
+                                 is_primary_key, attnum=attnum, base_type_oid=base_type_oid,
+                                 is_array=bool(is_array)),
+                          declared)
 
 
 @dataclass(frozen=True)
@@ -221,6 +244,14 @@ class TableShape:
                                   f"be mapped to SQLite: {exc!r}") from exc
         if len({c.name for c in columns}) != len(columns):
             raise MirrorError(f"schema of {table!r} names a column twice")
+        folded: dict[str, str] = {}
+        for name in (c.name for c in columns):
+            other = folded.setdefault(sqlite_folded(name), name)
+            if other != name:
+                raise MirrorError(
+                    f"{table}: columns {other!r} and {name!r} differ only in case, "
+                    "and SQLite's names ignore case: this table cannot be mirrored into "
+                    "SQLite while it has both (rename one in PostgreSQL)")
         if not primary_key <= {c.name for c in columns}:
             raise MirrorError(f"schema of {table!r}: primary key {sorted(primary_key)} names "
                               "a column it does not have")
@@ -231,7 +262,8 @@ class TableShape:
         back (the form is stable: files written by earlier versions read it)."""
         return json.dumps({"table": self.table, "fingerprint": self.fingerprint,
                            "columns": [[c.name, c.sqlite_type, c.is_primary_key, c.type_oid,
-                                        c.attnum, c.base_type_oid] for c in self.columns]})
+                                        c.attnum, c.base_type_oid, c.column.is_array]
+                                       for c in self.columns]})
 
     @classmethod
     def from_json_text(cls, text: str) -> TableShape:
@@ -244,20 +276,28 @@ class TableShape:
             for position, column in enumerate(data["columns"], start=1)))
 
     def learning_base_types(self, other: TableShape) -> TableShape:
-        """This shape with the base types ``other`` (the same table's, a snapshot's) says for
-        the columns it kept none for (a shape kept before base types were: domains as
-        themselves); this shape itself when there is nothing to learn."""
-        bases = {column.name: column.base_type_oid for column in other.columns}
-        learned = {column.name: bases[column.name] for column in self.columns
-                   if column.base_type_oid == column.type_oid
-                   and bases.get(column.name, column.type_oid) != column.type_oid}
+        """This shape with what ``other`` (the same table's, a snapshot's) says of the values
+        of the columns it kept nothing for: their base types (a shape kept before base types
+        were: domains as themselves) and that they are arrays (kept before ``is_array`` was:
+        a domain over an array of a non-builtin type as text); this shape itself when there
+        is nothing to learn."""
+        theirs = {column.name: column.column for column in other.columns}
+        learned = {}
+        for column in self.columns:
+            their = theirs.get(column.name)
+            if their is None:
+                continue
+            base = (their.base_type_oid if column.base_type_oid == column.type_oid
+                    else column.base_type_oid)
+            is_array = column.column.is_array or their.is_array
+            if (base, is_array) != (column.base_type_oid, column.column.is_array):
+                learned[column.name] = dataclasses.replace(column.column, base_type_oid=base,
+                                                           is_array=is_array)
         if not learned:
             return self
         return dataclasses.replace(self, columns=tuple(
-            MirroredColumn(dataclasses.replace(column.column,
-                                               base_type_oid=learned[column.name]),
-                           column.sqlite_type) if column.name in learned else column
-            for column in self.columns))
+            MirroredColumn(learned[column.name], column.sqlite_type)
+            if column.name in learned else column for column in self.columns))
 
     @functools.cached_property
     def key_columns(self) -> list[str]:

@@ -34,7 +34,7 @@ from nats.js.errors import NoStreamResponseError
 
 from cdc_platform.lsn import format_lsn
 from cdc_platform.mirror.consistency import shadow_name
-from cdc_platform.mirror.positions import CONSISTENT_TABLE, STATE_TABLE
+from cdc_platform.mirror.positions import CONSISTENT_TABLE, STATE_TABLE, reading_file
 from cdc_platform.mirror.repair import resyncing as resyncing_tables
 from cdc_platform.wire import (
     MirrorStateValue,
@@ -97,9 +97,7 @@ def file_state(path: str | Path, tables: Sequence[str]
                ) -> tuple[int | None, dict[str, MirrorTableState]]:
     """(the consistent LSN, each of ``tables`` as the file holds it), read in one read
     transaction on a connection of its own: what the follower committed, nothing open."""
-    uri = f"{Path(path).resolve().as_uri()}?mode=ro"
-    with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
-        db.execute("BEGIN")
+    with reading_file(path) as db:
         names = [*tables, *(shadow_name(table) for table in tables)]
         states = {row[0]: row[1:] for row in db.execute(
             f"SELECT wire_table, status, snapshot_id, cutover_lsn, applied_commit_lsn "
@@ -177,7 +175,8 @@ class MirrorStateReporter:
                 self._wake.clear()
                 await self.publish_once(js)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.interval_seconds)
+                    async with asyncio.timeout(self.interval_seconds):
+                        await self._wake.wait()
         finally:
             self._wake = self._loop = None
 
@@ -190,8 +189,8 @@ class MirrorStateReporter:
         """Publish the last value, saying the mirror stopped on purpose (after :meth:`run`
         ended: nothing publishes after it). Bounded: NATS away must not hold a stop up."""
         try:
-            await asyncio.wait_for(self.publish_once(js, stopped_at=time.time()),
-                                   _PUBLISH_TIMEOUT_SECONDS)
+            async with asyncio.timeout(_PUBLISH_TIMEOUT_SECONDS):
+                await self.publish_once(js, stopped_at=time.time())
         except TimeoutError:
             log.warning("mirror %s: its last state (stopped) was not published within %.0fs",
                         self.mirror_id, _PUBLISH_TIMEOUT_SECONDS)

@@ -51,7 +51,7 @@ from cdc_platform.jetstream.connection import close_nats, connect_nats
 from cdc_platform.jetstream.kv import kv_values
 from cdc_platform.jetstream.pull import PulledMessage, PullReader
 from cdc_platform.lsn import format_lsn, parse_lsn_cached
-from cdc_platform.mirror.columns import TableShape
+from cdc_platform.mirror.columns import TableShape, sqlite_folded
 from cdc_platform.mirror.consistency import (
     IDLE_SWAP_SECONDS,
     consistent_point,
@@ -72,7 +72,7 @@ from cdc_platform.mirror.repair import (
     why_not_repaired,
 )
 from cdc_platform.mirror.snapshots import BootstrapProgress, decode_chunk, read_chunks
-from cdc_platform.mirror.store import MirrorStore
+from cdc_platform.mirror.store import SHADOW_PREFIX, MirrorStore
 from cdc_platform.mirror.transactions import StreamGap, TransactionCollector
 from cdc_platform.mirror.verifications import VerificationResult
 from cdc_platform.naming import parse_wire_name
@@ -121,6 +121,25 @@ class _Restart(Exception):
     """Leave the follow loop: bootstrap what is stale, then follow again."""
 
 
+def check_sqlite_names(tables: Sequence[str], in_file: Sequence[str]) -> None:
+    """MirrorError unless each of ``tables`` has a SQLite name of its own in a file that holds
+    ``in_file``: SQLite's names ignore ASCII case (PostgreSQL's quoted names do not), so
+    ``Users`` and ``users`` would be one table, each bootstrap replacing the other's rows;
+    and names starting ``sqlite_`` or ``_cdc_`` are SQLite's own and the mirror's."""
+    mirrored = {sqlite_folded(name): name for name in in_file
+                if not name.startswith((SHADOW_PREFIX, REPAIR_PREFIX))}
+    for table in tables:
+        folded = sqlite_folded(table)
+        if folded.startswith(("sqlite_", "_cdc_")):
+            raise MirrorError(f"{table}: SQLite keeps names starting sqlite_ for itself and the "
+                              "mirror names starting _cdc_: a table so named cannot be mirrored")
+        other = mirrored.setdefault(folded, table)
+        if other != table:
+            raise MirrorError(
+                f"tables {other!r} and {table!r} differ only in case, and SQLite's names ignore "
+                "case: they cannot be mirrored into one file (mirror them into separate files)")
+
+
 class Mirror:
     """Keeps ``tables`` of the platform mirrored in the SQLite file ``sqlite_path``."""
 
@@ -138,6 +157,7 @@ class Mirror:
             except ValueError:
                 raise MirrorError(f"{table!r} is not a wire table name (public tables: "
                                   "users; others: schema/table, with =XX escapes)") from None
+        check_sqlite_names(self.tables, ())
         self.path = Path(sqlite_path)
         self.durable = durable
         self.options = options or MirrorSettings()
@@ -199,6 +219,7 @@ class Mirror:
     async def _run(self, stop: asyncio.Event, until_caught_up: bool) -> None:
         # a corrupt file is an error before anything else
         store = MirrorStore(self.path, digests=self.options.digests)
+        check_sqlite_names(self.tables, store.tables())
         store.most_logged = self.options.verify_log_rows
         self.meetings = Meetings(store, scan=self.options.verify_scan == "at_marker",
                                  report=self.report, on_verification=self._verified)
@@ -505,7 +526,8 @@ class Mirror:
                             f"of snapshot {meta.snapshot_id} to {meta.cdc_stream} (the bridge "
                             f"is behind; {time.monotonic() - started:.0f}s)")
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), pause)
+                async with asyncio.timeout(pause):
+                    await stop.wait()
                 return None
             pause = min(pause * 2, 10.0)
 
@@ -723,7 +745,8 @@ class Mirror:
                 if self._loaded.is_set():
                     raise _Restart
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._loaded.wait(), 0.5)
+                    async with asyncio.timeout(0.5):
+                        await self._loaded.wait()
             return False
         followed = list(local)
         start = store.resume_seq([*local.values(),

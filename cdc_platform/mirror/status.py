@@ -3,34 +3,25 @@
 
 from __future__ import annotations
 
-import contextlib
 import sqlite3
 from pathlib import Path
 
 from cdc_platform.lsn import format_lsn
-from cdc_platform.mirror.errors import MirrorError
-from cdc_platform.mirror.positions import CONSISTENT_TABLE, STATE_TABLE
+from cdc_platform.mirror.positions import CONSISTENT_TABLE, STATE_TABLE, reading_file
 from cdc_platform.mirror.repair import REPAIR_PREFIX
 from cdc_platform.mirror.store import SHADOW_PREFIX
 
 
 def status_lines(path: str | Path) -> list[str]:
     """One line per table and one for the LSN every streaming table is consistent at."""
-    if not Path(path).exists():
-        raise MirrorError(f"{path}: no such file")
-    uri = f"{Path(path).resolve().as_uri()}?mode=ro"
-    try:
-        with contextlib.closing(sqlite3.connect(uri, uri=True)) as db:
-            db.execute("BEGIN")  # one read transaction: tables and the LSN agree
-            rows = db.execute(
-                f"SELECT wire_table, status, snapshot_id, cutover_lsn, applied_commit_lsn,"
-                f" stream_seq, reason FROM {STATE_TABLE}").fetchall()
-            try:
-                consistent = db.execute(f"SELECT lsn FROM {CONSISTENT_TABLE}").fetchone()
-            except sqlite3.OperationalError:  # (a file an older mirror wrote)
-                consistent = None
-    except sqlite3.DatabaseError as exc:
-        raise MirrorError(f"{path} is not a mirror database ({exc})") from exc
+    with reading_file(path) as db:  # (tables and the LSN agree)
+        rows = db.execute(
+            f"SELECT wire_table, status, snapshot_id, cutover_lsn, applied_commit_lsn,"
+            f" stream_seq, reason FROM {STATE_TABLE}").fetchall()
+        try:
+            consistent = db.execute(f"SELECT lsn FROM {CONSISTENT_TABLE}").fetchone()
+        except sqlite3.OperationalError:  # (a file an older mirror wrote)
+            consistent = None
     shown = []
     for table, status, snapshot_id, cutover, applied, seq, reason in rows:
         if table.startswith(SHADOW_PREFIX):

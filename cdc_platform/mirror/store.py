@@ -148,7 +148,8 @@ class MirrorStore:
         if change is not SchemaChange.NEEDS_BOOTSTRAP:
             self._digests.follow(shape, created=change is SchemaChange.CREATED,
                                  rehash=change is SchemaChange.ALTERED
-                                 and rehashes(before, shape, added_values))
+                                 and rehashes(before, shape, added_values)
+                                 or reads_back_otherwise(before, shape))
         return change
 
     def shape(self, table: str) -> TableShape:
@@ -626,10 +627,11 @@ class MirrorStore:
 
     def _learn_base_types(self, kept: TableShape, snapshot: TableShape) -> TableShape:
         """``kept`` with the base types of ``snapshot``'s columns (the same fingerprint's)
-        where it kept none, recorded with the table. A file shaped before base types were
-        kept reads a domain's values as its type's: its rows holding a NaN, an xid8 past
-        2^63 or an array differ from the source's, so a repair of their buckets comes, and
-        from it the table reads them as its base type's. The rows outside the buckets hash
+        where it kept none, and their ``is_array`` where it kept none, recorded with the
+        table. A file shaped before base types (or ``is_array``) were kept reads a domain's
+        values as its type's: its rows holding a NaN, an xid8 past 2^63 or an array differ
+        from the source's, so a repair of their buckets comes, and from it the table reads
+        them as its base type's. The rows outside the buckets hash
         the same either way (else they would differ too), so their digests stand."""
         shape = kept.learning_base_types(snapshot)
         if shape is kept:
@@ -710,6 +712,19 @@ def rehashes(before: TableShape | None, after: TableShape,
             return True
     return any((added_values or {}).get(name) is not None
                for name in now.keys() - {column.name for column in before.columns})
+
+
+def reads_back_otherwise(before: TableShape | None, after: TableShape) -> bool:
+    """Whether ``after`` turns the stored values of a column ``before`` has too back into
+    other wire values (``stored_values.wire_value``): its base type or whether it holds
+    arrays differ, as when a shape kept before those were learns them. Its rows hash
+    otherwise from then on."""
+    if before is None:
+        return False
+    kept = {column.name: column for column in before.columns}
+    return any((kept[column.name].base_type_oid, kept[column.name].holds_arrays)
+               != (column.base_type_oid, column.holds_arrays)
+               for column in after.columns if column.name in kept)
 
 
 class LoadsChunks(Protocol):

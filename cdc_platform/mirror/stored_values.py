@@ -3,10 +3,11 @@ mirror computes a row's digest (``cdc_platform.wire.digest``) from its own file 
 source computes it from PostgreSQL (docs/verification.md, "What the mirror stores").
 
 ``to_sqlite`` changes a value in four ways, each undone here from the column's base type
-(``base_type_oid``: a domain's is the type it is over): an int above 2^63-1 is stored as its
-decimal text (xid8), a NaN float as the text ``NaN``, an array as the JSON text of its nested
-lists (bytes as ``\\x`` hex strings, non-finite floats as ``NaN``/``Infinity``/
-``-Infinity``), a bool as 0/1 (left as it is: the digest hashes a bool as that integer).
+(``base_type_oid``: a domain's is the type it is over) and whether it holds arrays
+(``MirroredColumn.holds_arrays``): an int above 2^63-1 is stored as its decimal text (xid8),
+a NaN float as the text ``NaN``, an array as the JSON text of its nested lists (bytes as
+``\\x`` hex strings, non-finite floats as ``NaN``/``Infinity``/``-Infinity``), a bool as 0/1
+(left as it is: the digest hashes a bool as that integer).
 """
 
 from __future__ import annotations
@@ -17,27 +18,16 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cdc_platform.mirror.columns import (
-    BUILTIN_ARRAY_OIDS,
     NON_FINITE_FLOATS,
     REAL_OIDS,
     WIDE_INTEGER_OIDS,
     MirroredColumn,
-    sqlite_type,
 )
 from cdc_platform.speedups import compiled_twin
 from cdc_platform.wire.digest import RowDigester, TableDigest
 
 _FLOAT_ARRAYS = frozenset({1021, 1022})
 _BYTEA_ARRAY = 1001
-
-
-def is_array(column: MirroredColumn) -> bool:
-    """Whether the column holds arrays: its base type is a builtin array type (a domain over
-    one has no affinity), or ``sqlite_type`` declared it TEXT for an array (of any type: it
-    declares TEXT for arrays and for the builtin text types, so a TEXT column whose type alone
-    is not TEXT holds arrays)."""
-    return column.base_type_oid in BUILTIN_ARRAY_OIDS or (
-        column.sqlite_type == "TEXT" and sqlite_type(column.type_oid, "") != "TEXT")
 
 
 def wire_value(stored: Any, column: MirroredColumn) -> Any:
@@ -50,7 +40,7 @@ def wire_value(stored: Any, column: MirroredColumn) -> Any:
         return math.nan if stored == "NaN" else stored
     if oid in WIDE_INTEGER_OIDS:
         return int(stored) if stored.isascii() and stored.isdigit() else stored
-    if is_array(column) and stored.startswith("["):
+    if column.holds_arrays and stored.startswith("["):
         try:
             items = json.loads(stored)
         except ValueError:

@@ -171,7 +171,8 @@ def _schema_from_rows(schema: str, table: str, rows: list,
     columns = tuple(CatalogColumn(name, attnum, data_type, nullable, default, type_oid,
                                   bool(is_key), bool(is_pk),
                                   missing_value(missing, delimiter, type_oid, types), attnum,
-                                  types.base_type_oid(type_oid), type_modifier=typmod)
+                                  types.base_type_oid(type_oid), types.is_array(type_oid),
+                                  type_modifier=typmod)
                     for (name, attnum, data_type, nullable, default, type_oid, typmod, _,
                          is_key, is_pk, _, missing, delimiter, _, _, _) in rows)
     first = rows[0]

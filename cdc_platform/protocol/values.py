@@ -377,6 +377,12 @@ class TypeRegistry:
         return (_BUILTIN_ARRAY_OF.get(base_element) or (info.array_oid if info else 0)
                 or resolved)
 
+    def is_array(self, oid: int) -> bool:
+        """Whether ``oid``'s values are arrays (KV ``schemas``' ``is_array``): its base type
+        (:meth:`base_type_oid`) is an array type, builtin or not (a domain over ``mood[]``,
+        whose base type a consumer cannot tell from a scalar's without the catalog)."""
+        return bool(self._element_of(self.base_type_oid(oid)))
+
     def _resolve_domain(self, oid: int, depth: int) -> int:
         info = self._catalog.get(oid)
         if info is None or info.kind != "d" or not info.base_oid or depth > 16:

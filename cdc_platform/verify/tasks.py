@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -69,18 +70,21 @@ class DigestSpec:
         return self.select.replace("{range}", block_range.predicate().as_string(None))
 
 
-async def digest_range(spec: DigestSpec, block_range: BlockRange) -> dict[str, Any]:
+async def digest_range(spec: DigestSpec, block_range: BlockRange,
+                       stop: threading.Event | None = None) -> dict[str, Any]:
     """One range's digest: ``{partition, rows, seconds, yielded (seconds given way to the
     bridge), error, error_kind, totals (packed as in a digest message), counts}``. A
     malformed COPY row is returned as ``error`` (a retry cannot fix it); anything else
-    raises, and Spark retries the task."""
+    raises, and Spark retries the task. ``stop`` set: the verification ended, the task
+    raises between blocks or in a pause (:class:`BridgeGate`)."""
     started = time.monotonic()
     chunker = Chunker(spec.layout, converters_for(spec.type_rows, spec.columns),
                       block_range.index)
     digester = RowDigester(spec.layout.columns, spec.key_columns)
     digest = TableDigest(spec.bits)
     gate = BridgeGate(spec.yield_policy, spec.conninfo, spec.qualified_table,
-                      f"verification {spec.layout.snapshot_id} range {block_range.index}")
+                      f"verification {spec.layout.snapshot_id} range {block_range.index}",
+                      stop)
     rows = 0
     error = error_kind = None
     try:
@@ -102,10 +106,12 @@ async def digest_range(spec: DigestSpec, block_range: BlockRange) -> dict[str, A
             "totals": pack_totals(digest.totals), "counts": digest.counts}
 
 
-def digest_partition(spec: DigestSpec, ranges: Iterable[BlockRange]) -> Iterator[dict[str, Any]]:
-    """``mapPartitions`` body: one result per range (one range per partition)."""
+def digest_partition(spec: DigestSpec, ranges: Iterable[BlockRange],
+                     stop: threading.Event | None = None) -> Iterator[dict[str, Any]]:
+    """``mapPartitions`` body: one result per range (one range per partition); ``stop``: see
+    :func:`digest_range` (in-process tasks only: Spark's are cancelled with their job)."""
     for block_range in ranges:
-        yield asyncio.run(digest_range(spec, block_range))
+        yield asyncio.run(digest_range(spec, block_range, stop))
 
 
 def summed_digest(results: Sequence[dict[str, Any]], bits: int, verification_id: str

@@ -31,16 +31,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
 import psycopg
+
+from cdc_platform.errors import VerificationError
 
 log = logging.getLogger(__name__)
 
 CHECK_SECONDS = 0.2  # a reading task reads the bridge's lag at most this often
 FIRST_PAUSE_SECONDS = 0.05  # a yield's first pause; each next one twice as long ...
 LONGEST_PAUSE_SECONDS = 1.0  # ... up to this: the bridge caught up is noticed within it
+STOP_CHECK_SECONDS = 0.05  # a pausing task sees its verification stopped within this
 
 # One row of pg_replication_slots: cheap (the slots are in shared memory). A slot that no
 # bridge streams from is not active; lag NULL: a slot that has confirmed nothing yet. And
@@ -70,10 +74,14 @@ class YieldPolicy:
 
 class BridgeGate:
     """One task's yielding: ``await gate.give_way()`` between blocks of rows,
-    ``await gate.close()`` at the end. ``yielded_seconds``: how long it waited in all."""
+    ``await gate.close()`` at the end. ``yielded_seconds``: how long it waited in all.
+    ``stop``, once set (the verification ended: cancelled, or another task failed), makes
+    ``give_way`` raise :class:`VerificationError` at once, also in a pause: a task running
+    in a thread, which no cancellation reaches, then ends instead of holding the exported
+    snapshot it imported for up to its share of ``CDC_VERIFY_MAX_YIELD``."""
 
     def __init__(self, policy: YieldPolicy | None, conninfo: str, table: str,
-                 what: str) -> None:
+                 what: str, stop: threading.Event | None = None) -> None:
         self.policy = policy
         self.yielded_seconds = 0.0
         self._conninfo = conninfo
@@ -83,10 +91,12 @@ class BridgeGate:
         self._next_check = 0.0  # the first block is checked at once
         self._lock_waiting = False  # a lock request for the table was seen (said once)
         self._conn: psycopg.AsyncConnection | None = None
+        self._stop = stop
 
     async def give_way(self) -> None:
         """Return at once unless a check is due; else wait while the bridge is behind, within
         what is left of the task's share."""
+        self._raise_if_stopped()
         if self._off or time.monotonic() < self._next_check:
             return
         assert self.policy is not None
@@ -106,13 +116,24 @@ class BridgeGate:
                          "yielding", self._what, _mib(lag), self.policy.slot,
                          _mib(self.policy.lag_bytes))
             wait = min(pause, left)
-            await asyncio.sleep(wait)
+            await self._pause(wait)
             episode += wait
             self.yielded_seconds += wait
             pause = min(pause * 2, LONGEST_PAUSE_SECONDS)
         if episode and not self._off:
             log.info("%s: the bridge caught up after %.1fs", self._what, episode)
         self._next_check = time.monotonic() + CHECK_SECONDS
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, looking at ``stop`` every STOP_CHECK_SECONDS."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(left if self._stop is None else min(left, STOP_CHECK_SECONDS))
+            self._raise_if_stopped()
+
+    def _raise_if_stopped(self) -> None:
+        if self._stop is not None and self._stop.is_set():
+            raise VerificationError(f"{self._what}: stopped, the verification ended")
 
     async def _lag(self) -> int | None:
         """Bytes of WAL the bridge has not confirmed; None: no bridge streams the slot, or

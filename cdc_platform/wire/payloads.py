@@ -68,6 +68,8 @@ class Column:
     # the type whose values the column's are: ``type_oid`` with domains resolved (an array of
     # a domain: the array type of the resolved element); 0 given: ``type_oid`` (no domain)
     base_type_oid: int = 0
+    # its values are arrays (nested lists): ``base_type_oid`` is an array type, builtin or not
+    is_array: bool = False
 
     def __post_init__(self) -> None:
         if not self.base_type_oid:
@@ -78,8 +80,8 @@ class Column:
         """A ``columns`` element read from the wire: KeyError, TypeError or ValueError when it
         is not one. Only ``name``, ``type_oid`` and ``data_type`` are required (what consumers
         read to store a column); the others read as unknown when absent: position 0, nullable,
-        no default, not in a key, no missing value, attnum 0, and ``base_type_oid`` (absent
-        from a schema an older bridge wrote) as ``type_oid``."""
+        no default, not in a key, no missing value, attnum 0, and ``base_type_oid`` and
+        ``is_array`` (absent from a schema an older bridge wrote) as ``type_oid`` and false."""
         name = column["name"]
         if not isinstance(name, str) or not name:
             raise ValueError(f"name {name!r}")
@@ -91,7 +93,8 @@ class Column:
                    None if default is None else str(default), type_oid,
                    bool(column.get("is_key")), bool(column.get("is_primary_key")),
                    column.get("missing_value"), int(column.get("attnum") or 0),
-                   int(column.get("base_type_oid") or type_oid))
+                   int(column.get("base_type_oid") or type_oid),
+                   bool(column.get("is_array")))
 
     def to_wire(self) -> dict[str, Value]:
         return {name: getattr(self, name) for name in COLUMN_FIELDS}

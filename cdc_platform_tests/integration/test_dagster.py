@@ -1081,11 +1081,13 @@ async def test_mirrors_equal_source_turns_red_when_a_mirror_differs_and_green_on
             asset_key="table_verification", partition=table,
             metadata={"verification_id": "verify-2", "lsn": "0/2"}))
         launched: set[str] = set()
+        cursor = None
 
         async def tick():
+            nonlocal cursor
             before = len(launched)
-            await asyncio.to_thread(report_sensor_tick, defs, instance,
-                                    "mirror_fleet_sensor", None, launched)
+            cursor = (await asyncio.to_thread(report_sensor_tick, defs, instance,
+                                              "mirror_fleet_sensor", cursor, launched)).cursor
             return len(launched) - before, latest_check_evaluation(
                 instance, "table_verification", "mirrors_equal_source", partition=table)
 
@@ -1118,6 +1120,55 @@ async def test_mirrors_equal_source_turns_red_when_a_mirror_differs_and_green_on
                                                    limit=10).records) == 1
 
 
+async def test_mirrors_equal_source_passes_again_when_a_verdict_it_showed_before_returns(
+        dagster_env, state_bucket):
+    """pass -> warn -> pass under one verification: a mirror that was away reports its
+    older verification (pending: WARN), then catches up through the stream and meets the
+    table's latest one `equal`. The verdict is the first one again, and the check must show
+    it again, not keep the WARN. (Ticks carry the sensor's cursor, as the daemon does.)"""
+    from cdc_platform.definitions import build_definitions
+
+    table = random_name("returned")
+    defs = build_definitions()
+
+    def verified(verification_id: str) -> dict:
+        return {"verification_id": verification_id, "lsn": "0/2", "status": "equal",
+                "buckets_differing": 0, "rows_repaired": 0, "at": None}
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("published_tables", [table])
+        instance.report_runless_asset_event(dg.AssetMaterialization(
+            asset_key="table_verification", partition=table,
+            metadata={"verification_id": "verify-2", "lsn": "0/2"}))
+        launched: set[str] = set()
+        cursor = None
+
+        async def tick():
+            nonlocal cursor
+            before = len(launched)
+            cursor = (await asyncio.to_thread(report_sensor_tick, defs, instance,
+                                              "mirror_fleet_sensor", cursor, launched)).cursor
+            return len(launched) - before, latest_check_evaluation(
+                instance, "table_verification", "mirrors_equal_source", partition=table)
+
+        await state_bucket.put("edge1", _mirror_state("edge1", 1.0, {table: verified(
+            "verify-2")}))
+        runs, check = await tick()
+        assert runs == 1 and check.passed, check.description
+        await state_bucket.put("edge2", _mirror_state("edge2", 1.0, {table: verified(
+            "verify-1")}))
+        runs, check = await tick()
+        assert runs == 1 and not check.passed
+        assert check.severity == dg.AssetCheckSeverity.WARN
+        assert (await tick())[0] == 0  # the same verdict: no second run
+        await state_bucket.put("edge2", _mirror_state("edge2", 1.0, {table: verified(
+            "verify-2")}))
+        runs, check = await tick()
+        assert runs == 1 and check.passed, check.description
+        assert check.metadata["mirrors"].value == {"edge1": "equal", "edge2": "equal"}
+        assert (await tick())[0] == 0
+
+
 async def test_a_mirror_stopped_on_purpose_stays_listed_and_green_and_a_resyncing_one_warns(
         dagster_env, state_bucket):
     """`mirrors_fresh`: a mirror whose last state says it stopped (`--once`, SIGTERM) is
@@ -1139,10 +1190,12 @@ async def test_a_mirror_stopped_on_purpose_stays_listed_and_green_and_a_resyncin
             asset_key="table_verification", partition=table,
             metadata={"verification_id": "verify-2", "lsn": "0/2"}))
         launched: set[str] = set()
+        cursor = None
 
         async def tick():
-            await asyncio.to_thread(report_sensor_tick, defs, instance,
-                                    "mirror_fleet_sensor", None, launched)
+            nonlocal cursor
+            cursor = (await asyncio.to_thread(report_sensor_tick, defs, instance,
+                                              "mirror_fleet_sensor", cursor, launched)).cursor
             return (latest_check_evaluation(instance, "mirror_fleet", "mirrors_fresh"),
                     latest_check_evaluation(instance, "table_verification",
                                             "mirrors_equal_source", partition=table))

@@ -539,3 +539,42 @@ async def test_a_snapshot_whose_chunks_cannot_be_used_gives_way_to_a_newer_one(
     assert len(taken) == 2 and taken[1].snapshot_id != damaged
     assert mirror_rows(db, table, ["id", "v"]) == source_rows(
         cdc_database.server.superuser_conninfo(), table, ["id", "v"])
+
+
+async def test_a_column_sqlite_cannot_name_stops_its_table_only(
+        cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path):
+    """SQLite's names ignore case: a column ``"Z"`` added beside ``z`` cannot be mirrored.
+    The table says so in one line and waits; the other table goes on; renaming the column
+    in PostgreSQL lets the table bootstrap again and equal its source."""
+    clashing = random_name("clashing")
+    pg_admin.execute(f"CREATE TABLE {clashing} (id int PRIMARY KEY, z text)")
+    pg_admin.execute(f"INSERT INTO {clashing} SELECT g, 'z' || g FROM generate_series(1, 5) g")
+    cdc_database.add_tables(pg_admin, clashing)
+    bystander = _published_table(pg_admin, cdc_database, "bystander", 5)
+    settings = platform_settings(cdc_database, provisioned_nats.url)
+    conninfo = cdc_database.server.superuser_conninfo()
+    db = tmp_path / "m.db"
+    lines: list[str] = []
+    async with running_bridge(settings), snapshot_responder(settings, max_age_seconds=0):
+        await bridge_ready(pg_admin, cdc_database, settings, [clashing, bystander])
+        stop = asyncio.Event()
+        mirror = Mirror(settings, [clashing, bystander], db, options=FAST, report=lines.append)
+        task = await _following(mirror, stop, lines, nats_client)
+        pg_admin.execute(f'ALTER TABLE {clashing} ADD COLUMN "Z" text DEFAULT \'big\'')
+        pg_admin.execute(f"INSERT INTO {clashing} VALUES (6, 'z6', 'Z6')")
+        pg_admin.execute(f"UPDATE {bystander} SET v = 'after' WHERE id <= 3")
+        await wait_for(lambda: task.done() or mirror_rows(db, bystander, ["id", "v"])
+                       == source_rows(conninfo, bystander, ["id", "v"]), timeout=60,
+                       what="the bystander's update")
+        await wait_for(lambda: task.done() or any(
+            "differ only in case" in line for line in lines), timeout=60,
+            what="the clash said")
+        assert not task.done(), task.exception()
+        pg_admin.execute(f'ALTER TABLE {clashing} RENAME COLUMN "Z" TO z_big')
+        await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
+        await wait_for(lambda: task.done() or mirror_rows(db, clashing, ["id", "z", "z_big"])
+                       == source_rows(conninfo, clashing, ["id", "z", "z_big"]), timeout=90,
+                       what="the renamed table mirrored")
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    assert mirror_rows(db, bystander, ["id", "v"]) == source_rows(conninfo, bystander, ["id", "v"])

@@ -33,29 +33,48 @@ pytestmark = pytest.mark.every_major  # domains, xid8 and float output are the s
 
 FAST = MirrorSettings(status_interval_seconds=1.0, snapshot_wait_seconds=120.0)
 
-# (id, f, x, b, ia, fa, ba): values a mirror reading by the domain's own type got wrong
+# (id, f, x, b, ia, fa, ba, mo, pa, fe): values a mirror reading by the domain's own type
+# got wrong (mo, pa, fe: a domain directly over an array of an enum, of a composite type and
+# of a domain over the enum, whose base type is no builtin array type)
 _ROWS = [
     r"""(1, 'NaN', '18446744073709551615', '\x00ff', '{1,NULL,3}', '{NaN,Infinity,-0}',
-         '{"\\x00ff",NULL}')""",
+         '{"\\x00ff",NULL}', '{sad,NULL,"so, so"}', '{"(1,x)",NULL}', '{ok}')""",
     r"""(2, 'Infinity', '9223372036854775808', '\x', '{{1,2},{3,4}}', '{-Infinity,1.5}',
-         '{"\\x"}')""",
-    "(3, '-Infinity', '0', 'plain', '{}', '{}', '{}')",
-    "(4, '-0', '42', NULL, NULL, '{NULL,NaN}', NULL)",
-    r"""(5, '1e-320', NULL, '\xdeadbeef', '{7}', NULL, '{"\\xab","\\x"}')""",
+         '{"\\x"}', '{{sad,ok},{ok,sad}}', '{"(2,\"y, z\")"}', '{sad,NULL}')""",
+    "(3, '-Infinity', '0', 'plain', '{}', '{}', '{}', '{}', '{}', '{}')",
+    "(4, '-0', '42', NULL, NULL, '{NULL,NaN}', NULL, '{ok}', NULL, NULL)",
+    r"""(5, '1e-320', NULL, '\xdeadbeef', '{7}', NULL, '{"\\xab","\\x"}', NULL,
+         '{"(,)"}', '{"so, so"}')""",
 ]
 
 
 def _create(pg_admin, table: str) -> None:
     """``table`` with a column of a domain over float8, xid8, bytea and int4[], an array of
     the float8 domain and an array of the bytea domain (the float8 domain gets a column
-    more later)."""
+    more later), and of domains over an enum's array, a composite's array and the array of
+    a domain over the enum."""
     pg_admin.execute(f"CREATE DOMAIN {table}_f8 AS float8")
     pg_admin.execute(f"CREATE DOMAIN {table}_x8 AS xid8")
     pg_admin.execute(f"CREATE DOMAIN {table}_by AS bytea")
     pg_admin.execute(f"CREATE DOMAIN {table}_ia AS int4[]")
+    pg_admin.execute(f"CREATE TYPE {table}_mood AS ENUM ('sad', 'ok', 'so, so')")
+    pg_admin.execute(f"CREATE DOMAIN {table}_moods AS {table}_mood[]")
+    pg_admin.execute(f"CREATE TYPE {table}_pair AS (a int, b text)")
+    pg_admin.execute(f"CREATE DOMAIN {table}_pairs AS {table}_pair[]")
+    pg_admin.execute(f"CREATE DOMAIN {table}_feeling AS {table}_mood")
+    pg_admin.execute(f"CREATE DOMAIN {table}_feelings AS {table}_feeling[]")
     pg_admin.execute(
         f"CREATE TABLE {table} (id int PRIMARY KEY, f {table}_f8, x {table}_x8, b {table}_by, "
-        f"ia {table}_ia, fa {table}_f8[], ba {table}_by[])")
+        f"ia {table}_ia, fa {table}_f8[], ba {table}_by[], mo {table}_moods, pa {table}_pairs, "
+        f"fe {table}_feelings)")
+
+
+def _array_types(conninfo: str, table: str) -> dict[str, int]:
+    """The array types of ``table``'s enum and composite type, by their names' ends."""
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        return {name: conn.execute("SELECT typarray::int FROM pg_type WHERE typname = %s",
+                                   (f"{table}_{name}",)).fetchone()[0]
+                for name in ("mood", "pair")}
 
 
 def _row_hashes_of_source(conninfo: str, publication: str, table: str) -> dict[int, int]:
@@ -98,7 +117,8 @@ async def test_domain_columns_come_back_from_the_mirror_and_verify_equal(
         # the stream's: inserted, updated from one edge value to another, and a domain
         # column added (the schema event's shape, from the Relation message)
         pg_admin.execute(f"INSERT INTO {table} VALUES {', '.join(_ROWS[3:])}")
-        pg_admin.execute(f"UPDATE {table} SET f = 'NaN', fa = '{{-0,NaN}}' WHERE id = 2")
+        pg_admin.execute(f"UPDATE {table} SET f = 'NaN', fa = '{{-0,NaN}}', "
+                         f"mo = '{{\"so, so\",NULL}}' WHERE id = 2")
         pg_admin.execute(f"ALTER TABLE {table} ADD COLUMN g {table}_f8")
         pg_admin.execute(f"UPDATE {table} SET g = '-Infinity' WHERE id IN (1, 4)")
         await bridge_caught_up(pg_admin, cdc_database.slot)
@@ -116,11 +136,16 @@ async def test_domain_columns_come_back_from_the_mirror_and_verify_equal(
                                    for r in results), timeout=60, what="the verification met")
         stop.set()
         await asyncio.wait_for(running, 30)
-    # KV says each column's base type: its own where it is no domain
+    # KV says each column's base type (its own where it is no domain) and whether its
+    # values are arrays
+    arrays = _array_types(conninfo, table)
     assert {c["name"]: c["base_type_oid"] for c in schema["columns"]} == {
-        "id": 23, "f": 701, "x": 5069, "b": 17, "ia": 1007, "fa": 1022, "ba": 1001, "g": 701}
+        "id": 23, "f": 701, "x": 5069, "b": 17, "ia": 1007, "fa": 1022, "ba": 1001,
+        "mo": arrays["mood"], "pa": arrays["pair"], "fe": arrays["mood"], "g": 701}
     assert [c["name"] for c in schema["columns"] if c["type_oid"] == c["base_type_oid"]] == [
         "id"]
+    assert [c["name"] for c in schema["columns"] if c["is_array"]] == [
+        "ia", "fa", "ba", "mo", "pa", "fe"]
     met = next(r for r in results if r.verification_id == digest["verification_id"])
     source = _row_hashes_of_source(conninfo, cdc_database.publication, table)
     assert len(source) == len(_ROWS)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from pathlib import Path
 
 import psycopg
@@ -122,6 +123,68 @@ async def test_a_verification_goes_on_once_it_has_yielded_its_most(
     assert 1.0 <= result.yield_seconds < 1.01
     assert result.digest_seconds < 4
     assert "yielding" in caplog.text
+
+
+def _verification_connections(pg_admin) -> int:
+    """Connections of a verification's driver and tasks (reading COPY, reading the lag)."""
+    return pg_admin.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name "
+                            "IN ('cdc_platform_verify', 'cdc_platform_verify_lag')"
+                            ).fetchone()[0]
+
+
+async def test_a_cancelled_verification_stops_its_tasks_yielding_at_once(
+        cdc_database, pg_admin, provisioned_nats):
+    """A verification run cancelled (a Dagster run's cancellation cancels it so) while its
+    in-process tasks give way to a bridge far behind: the tasks, threads the cancellation
+    does not reach, stop within a pause, not after their share of CDC_VERIFY_MAX_YIELD,
+    releasing the exported snapshot they imported (and the step's process, which waits for
+    them)."""
+    table = _table(pg_admin, cdc_database)
+    settings = _settings(cdc_database, provisioned_nats, max_yield=60)
+    async with held_slot(settings) as held:
+        _ballast(pg_admin, table)
+        verifying = asyncio.create_task(verify_table(None, settings, table))
+        await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the tasks yielding")
+        verifying.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await verifying
+        cancelled = asyncio.get_running_loop().time()
+        await wait_for(lambda: _verification_connections(pg_admin) == 0, timeout=10,
+                       what="the tasks to end")
+        ended = asyncio.get_running_loop().time() - cancelled
+        held.release()
+    assert ended < 2.0
+
+
+async def test_an_interrupted_verification_process_ends_without_waiting_out_its_yield(
+        cdc_database, pg_admin, provisioned_nats):
+    """The process's side of it: SIGINT (what cancelling a Dagster run does to its step
+    process; here `cdc-platform verify`) ends it within a pause, where asyncio.run waited
+    for the tasks' threads for as long as they yielded."""
+    table = _table(pg_admin, cdc_database)
+    settings = _settings(cdc_database, provisioned_nats, max_yield=60)
+    env = {**bridge_env(cdc_database, provisioned_nats.url), "CDC_SLOT": cdc_database.slot,
+           "CDC_PUBLICATION": cdc_database.publication, "CDC_VERIFY_WAIT": "30",
+           "CDC_VERIFY_YIELD_LAG": "64KiB", "CDC_VERIFY_MAX_YIELD": "60"}
+    async with held_slot(settings) as held:
+        _ballast(pg_admin, table)
+        process = await asyncio.create_subprocess_exec(
+            CLI, "verify", table, env=env, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        try:
+            await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the tasks yielding")
+            process.send_signal(signal.SIGINT)
+            interrupted = asyncio.get_running_loop().time()
+            async with asyncio.timeout(20):
+                await process.communicate()
+            ended = asyncio.get_running_loop().time() - interrupted
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            held.release()
+    assert process.returncode != 0 and ended < 2.0, ended
+    assert _verification_connections(pg_admin) == 0
 
 
 def _add_column(conninfo: str, table: str) -> None:

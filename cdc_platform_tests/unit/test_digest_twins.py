@@ -222,14 +222,15 @@ def _pure_copy(name: str) -> ModuleType:
 
 
 PURE_STORED = _pure_copy("cdc_platform.mirror.stored_values")
-# (name, type oid, data_type[, base type oid: a domain's column])
+# (name, type oid, data_type[, base type oid: a domain's column]); dmoods: a domain over an
+# enum's array (its base type no builtin: an array by the schema's is_array alone)
 STORED_COLUMNS = (("id", 20, "bigint"), ("score", 701, "double precision"),
                   ("xid", 5069, "xid8"), ("floats", 1022, "double precision[]"),
                   ("blobs", 1001, "bytea[]"), ("tags", 1009, "text[]"), ("doc", 3802, "jsonb"),
                   ("price", 1700, "numeric"), ("odd", 16384, "mood"), ("data", 17, "bytea"),
                   ("dscore", 16390, "score", 701), ("dxid", 16391, "txid", 5069),
                   ("dints", 16392, "ints", 1007), ("dfloats", 16393, "score[]", 1022),
-                  ("dblobs", 16394, "blob[]", 1001))
+                  ("dblobs", 16394, "blob[]", 1001), ("dmoods", 16395, "moods", 16396))
 json_items = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=6),
               st.sampled_from(["NaN", "Infinity", "\\x00ff", "\\x", "\\xzz", "é😀"])),
@@ -254,7 +255,8 @@ def _stored_shape() -> Any:
     return TableShape.from_schema({
         "table": "t", "fingerprint": "f", "primary_key": ["id", "xid"],
         "columns": [{"name": name, "type_oid": oid, "data_type": data_type, "attnum": n,
-                     "base_type_oid": base[0] if base else oid}
+                     "base_type_oid": base[0] if base else oid,
+                     "is_array": data_type.endswith("[]") or name in ("dints", "dmoods")}
                     for n, (name, oid, data_type, *base) in enumerate(STORED_COLUMNS, start=1)]})
 
 
@@ -291,7 +293,7 @@ def test_stored_rows_hash_as_their_pure_wire_values_do(rows, key, bits):
 
 def test_a_stored_row_of_another_width_is_a_clear_error():
     digester = StoredRowDigester(_stored_shape().columns, ["id"])
-    with pytest.raises(ValueError, match="15 values expected, not 2"):
+    with pytest.raises(ValueError, match="16 values expected, not 2"):
         digester.hashes((1, 2))
-    with pytest.raises(ValueError, match="15 values expected, not 2"):
+    with pytest.raises(ValueError, match="16 values expected, not 2"):
         digest_stored_rows(TableDigest(0), digester, [(1, 2)])

@@ -107,7 +107,7 @@ def test_a_column_reads_back_from_the_wire_as_it_was_written():
 def test_a_columns_base_type_is_written_and_read_and_a_column_without_one_is_its_type():
     # written on every column, after attnum: the golden columns (no domain) say their own type
     columns = golden.table_schema().to_wire()["columns"]
-    assert [list(column)[-2:] for column in columns] == [["attnum", "base_type_oid"]] * 6
+    assert [list(column)[-3:-1] for column in columns] == [["attnum", "base_type_oid"]] * 6
     assert all(column["base_type_oid"] == column["type_oid"] for column in columns)
     # a domain's column: its base type read back as written
     domain = {**columns[2], "type_oid": 16500, "data_type": "score", "base_type_oid": 701}
@@ -119,12 +119,27 @@ def test_a_columns_base_type_is_written_and_read_and_a_column_without_one_is_its
     assert payloads.Column.from_wire({**domain, "base_type_oid": None}).base_type_oid == 16500
 
 
-def test_the_fingerprint_does_not_cover_the_base_type():
+def test_whether_a_columns_values_are_arrays_is_written_and_read_and_absent_is_not():
+    # written on every column, after base_type_oid: the golden int4[] column's are arrays
+    columns = golden.table_schema().to_wire()["columns"]
+    assert [list(column)[-1] for column in columns] == ["is_array"] * 6
+    assert [column["name"] for column in columns if column["is_array"]] == ["tags"]
+    # a domain over an enum's array: its base type (the enum's array type) is no builtin
+    domain = {**columns[4], "type_oid": 16510, "data_type": "moods", "base_type_oid": 16501}
+    assert payloads.Column.from_wire(domain).is_array is True
+    assert payloads.Column.from_wire(domain).to_wire() == domain
+    # a schema an older bridge wrote has none: not known to be an array
+    older = {name: value for name, value in domain.items() if name != "is_array"}
+    assert payloads.Column.from_wire(older).is_array is False
+
+
+def test_the_fingerprint_does_not_cover_the_base_type_nor_is_array():
     schema = golden.table_schema()
-    retyped = dataclasses.replace(schema, columns=tuple(
-        dataclasses.replace(column, base_type_oid=16500) for column in schema.columns))
-    assert retyped.to_wire()["columns"] != schema.to_wire()["columns"]
-    assert retyped.fingerprint == schema.fingerprint
+    for change in ({"base_type_oid": 16500}, {"is_array": True}):
+        retyped = dataclasses.replace(schema, columns=tuple(
+            dataclasses.replace(column, **change) for column in schema.columns))
+        assert retyped.to_wire()["columns"] != schema.to_wire()["columns"]
+        assert retyped.fingerprint == schema.fingerprint
 
 
 @pytest.mark.parametrize(("column", "error"), [

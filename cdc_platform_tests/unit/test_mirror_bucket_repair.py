@@ -162,3 +162,39 @@ def test_a_table_shaped_before_base_types_were_kept_learns_them_from_its_repair(
         assert kept.folded(BITS) == expected
     finally:
         again.close()
+
+
+def test_a_table_shaped_before_is_array_was_kept_learns_it_from_its_repair(tmp_path):
+    def moods(table: str, is_array: bool | None) -> dict:
+        # a domain over mood[] (16510), whose base type (16504) is an enum's array type
+        given = schema(table, (("id", 23, "integer", True), ("mo", 16510, "moods", False)))
+        given["columns"][1]["base_type_oid"] = 16504
+        if is_array is not None:  # (an earlier mirror kept none: the arrays read as text)
+            given["columns"][1]["is_array"] = is_array
+        return given
+
+    source = {key: ["sad", None] if key in (3, 17) else None for key in range(1, 41)}
+    rows = [{"id": key, "mo": value} for key, value in source.items()]
+    store = MirrorStore(tmp_path / "mirror.db")
+    bootstrapped(store, moods("users", None), loaded=rows)
+    expected = table_digest(rows, RowDigester(["id", "mo"], ["id"]), BITS)
+    differing = read_digest(store._db, "users").folded(BITS).differing(expected)
+    assert differing == sorted({_bucket(3), _bucket(17)})  # the arrays, read back as text
+    shadow = repair_shadow_name("users")
+    bootstrapped(store, moods(shadow, True),
+                 loaded=[row for row in rows if _bucket(row["id"]) in differing])
+    record(store._db, VerificationResult("verify-1", "users", 0x300, "differ", bits=BITS,
+                                         buckets_differing={b: (0, 0) for b in differing}))
+    store.replace_buckets("users", shadow, BITS, differing, "verify-1", 0x300)
+    store.close()
+
+    again = MirrorStore(tmp_path / "mirror.db")
+    try:
+        shape = again.shape("users")
+        assert [(c.base_type_oid, c.holds_arrays) for c in shape.columns] == [
+            (23, False), (16504, True)]  # kept in the file
+        kept = read_digest(again._db, "users")
+        assert kept == scan_digest(again._db, shape)
+        assert kept.folded(BITS) == expected
+    finally:
+        again.close()

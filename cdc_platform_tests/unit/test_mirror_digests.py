@@ -474,6 +474,31 @@ def test_a_table_whose_columns_the_file_orders_otherwise_keeps_its_digest(tmp_pa
     store.close()
 
 
+@pytest.mark.parametrize("change", ["altered", "unchanged"])
+def test_a_schema_that_turns_a_columns_values_back_otherwise_recomputes_the_digest(
+        tmp_path, change):
+    """A table shaped before base types and is_array were kept (a domain over float8, a
+    domain over an enum's array: NaN and arrays read back as text) learns them from a
+    schema event: its rows hash otherwise from then on, so its kept digest is recomputed
+    (else the upkeep would take out hashes it never added)."""
+    store = MirrorStore(tmp_path / "m.db")
+    columns = [("id", 20, "bigint", 1), ("f", 16500, "score", 2), ("mo", 16510, "moods", 3)]
+    store.begin_bootstrap(TableShape.from_schema(_schema(columns)), "s", 0x100)
+    store.load_rows("t", [{"id": 1, "f": float("nan"), "mo": ["sad", None]},
+                          {"id": 2, "f": 1.5, "mo": [["ok"], ["sad"]]}])
+    store.finish_bootstrap("t", stream_seq=1)
+    before = _assert_kept(store)
+    known = _schema(columns + [("extra", 23, "integer", 4)] * (change == "altered"),
+                    fingerprint="f2" if change == "altered" else "f1")
+    for column, base in zip(known["columns"][1:3], (701, 16504), strict=True):
+        column.update(base_type_oid=base, is_array=column["name"] == "mo")
+    store.apply_transaction([schema_event("0/200", 0, known), event(
+        "UPDATE", "0/200", 1, data={"id": 1, "f": 2.5, "mo": ["ok"]}, table="t")], 2)
+    assert _assert_kept(store) != before
+    assert [c.holds_arrays for c in store.shape("t").columns][:3] == [False, False, True]
+    store.close()
+
+
 def test_a_commits_buckets_are_journaled_and_written_back_once_the_journal_fills(
         tmp_path, monkeypatch):
     """A commit appends the buckets it touched to the table's journal (one row) instead of

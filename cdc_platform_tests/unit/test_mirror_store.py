@@ -11,10 +11,12 @@ import pytest
 
 from cdc_platform.mirror.columns import BUILTIN_ARRAY_OIDS, TableShape, sqlite_type, to_sqlite
 from cdc_platform.mirror.errors import DivergenceError, MirrorError
+from cdc_platform.mirror.follower import Mirror, check_sqlite_names
 from cdc_platform.mirror.store import MirrorStore
 from cdc_platform.mirror.stored_values import wire_value
 from cdc_platform.mirror.tables import SchemaChange
 from cdc_platform.protocol import values
+from cdc_platform.settings import PlatformSettings
 from cdc_platform_tests.fixtures.mirror_events import bootstrapped, event, schema, schema_event
 
 
@@ -46,25 +48,32 @@ def test_the_mirror_knows_the_builtin_array_types_the_platform_converts():
 
 def test_a_domain_columns_base_type_is_kept_with_its_shape_and_turns_its_values_back(tmp_path):
     given = schema(columns=(("id", 23, "integer", True), ("f", 16500, "score", False),
-                            ("fs", 16501, "score[]", False), ("ints", 16502, "ints", False)))
-    bases = {"f": 701, "fs": 1022, "ints": 1007}  # over float8; its array; over int4[]
+                            ("fs", 16501, "score[]", False), ("ints", 16502, "ints", False),
+                            ("moods", 16510, "moods", False)))
+    # over float8; its array; over int4[]; over mood[] (an enum's array: no builtin)
+    bases = {"f": 701, "fs": 1022, "ints": 1007, "moods": 16504}
     for column in given["columns"]:
         column["base_type_oid"] = bases.get(column["name"], column["type_oid"])
+        column["is_array"] = column["name"] in ("fs", "ints", "moods")
     store = MirrorStore(tmp_path / "m.db")
     bootstrapped(store, given, loaded=[
-        {"id": 1, "f": math.nan, "fs": [math.inf, -0.0, None], "ints": [[1, None], [3, 4]]}])
+        {"id": 1, "f": math.nan, "fs": [math.inf, -0.0, None], "ints": [[1, None], [3, 4]],
+         "moods": [["sad", None], ["ok", "so, so"]]}])
     store.close()
     again = MirrorStore(tmp_path / "m.db")
     kept = again.shape("users")
-    stored = again._db.execute("SELECT id, f, fs, ints FROM users").fetchone()
+    stored = again._db.execute("SELECT id, f, fs, ints, moods FROM users").fetchone()
     again.close()
     # declared by the type (a domain has no affinity), read back by the base type
-    assert [(c.sqlite_type, c.type_oid, c.base_type_oid) for c in kept.columns] == [
-        ("INTEGER", 23, 23), ("", 16500, 701), ("TEXT", 16501, 1022), ("", 16502, 1007)]
+    assert [(c.sqlite_type, c.type_oid, c.base_type_oid, c.holds_arrays)
+            for c in kept.columns] == [
+        ("INTEGER", 23, 23, False), ("", 16500, 701, False), ("TEXT", 16501, 1022, True),
+        ("", 16502, 1007, True), ("", 16510, 16504, True)]
     back = [wire_value(value, column) for value, column in zip(stored, kept.columns,
                                                                strict=True)]
     assert back[0] == 1 and math.isnan(back[1]) and back[3] == [[1, None], [3, 4]]
     assert back[2] == [math.inf, -0.0, None] and math.copysign(1.0, back[2][1]) == -1.0
+    assert back[4] == [["sad", None], ["ok", "so, so"]]
 
 
 def test_values_keep_their_type_in_sqlite(store):
@@ -196,7 +205,10 @@ def test_positions_survive_reopening(tmp_path):
 
 
 @pytest.mark.parametrize("columns", [
-    # as written now: name, SQLite type, in the key, type oid, attnum, base type oid
+    # as written now: name, SQLite type, in the key, type oid, attnum, base type oid, is_array
+    ('[["id", "INTEGER", true, 23, 1, 23, false], ["name", "TEXT", false, 25, 2, 25, false], '
+     '["f", "", false, 701, 3, 701, false]]'),
+    # before is_array was kept
     ('[["id", "INTEGER", true, 23, 1, 23], ["name", "TEXT", false, 25, 2, 25], '
      '["f", "", false, 701, 3, 701]]'),
     # as 0.4.0 wrote it: name, SQLite type, in the key, type oid, attnum
@@ -217,9 +229,10 @@ def test_a_shape_written_by_an_earlier_version_opens(tmp_path, columns):
     assert [(c.name, c.sqlite_type, c.is_primary_key) for c in shape.columns] == [
         ("id", "INTEGER", True), ("name", "TEXT", False), ("f", "", False)]
     assert shape.key_columns == ["id"]
-    if "23" in columns:  # written back as it was (a type its own base type where none was)
+    if "23" in columns:  # written back as it was (a type its own base type where none was,
+        # not an array where nothing said so)
         assert json.loads(shape.to_json_text())["columns"] == [
-            [*column[:5], column[3]] for column in json.loads(columns)]
+            [*column[:5], column[3], False] for column in json.loads(columns)]
     again.apply_transaction([event("INSERT", "1/0", 0, data={"id": 2, "name": "b", "f": -0.0})],
                             stream_seq=11)
     assert rows(again) == [(2, "b", -0.0)]
@@ -623,3 +636,31 @@ def test_a_change_the_table_cannot_hold_is_a_divergence_of_its_table(store, chan
     assert rows(store) == [(1, "a")]
     assert store._db.execute("SELECT name FROM sqlite_master WHERE name = 'orders'"
                              ).fetchall() == []
+
+
+def test_tables_whose_names_sqlite_takes_for_one_are_refused_before_anything_is_written(
+        tmp_path):
+    """SQLite's names ignore ASCII case: mirrored into one file, ``Users`` would replace
+    ``users``' rows (what the store did before the check). Asked together, or one asked of a
+    file that holds the other: a clear error. Non-ASCII case is SQLite's own business (it does
+    not fold it), and a table asked again under its own name is no clash."""
+    store = MirrorStore(tmp_path / "m.db")
+    bootstrapped(store, schema("users"), loaded=[{"id": 1, "name": "a"}])
+    with pytest.raises(MirrorError, match="'users' and 'Users' differ only in case"):
+        Mirror(PlatformSettings(), ["users", "Users"], tmp_path / "other.db")
+    with pytest.raises(MirrorError, match="'users' and 'Users' differ only in case"):
+        check_sqlite_names(["Users"], store.tables())
+    check_sqlite_names(["users", "sales/Users", "é", "É"], store.tables())
+    for reserved in ("sqlite_stat1", "_CDC_mirror_tables", "_cdc_bootstrap users"):
+        with pytest.raises(MirrorError, match="cannot be mirrored"):
+            check_sqlite_names([reserved], ())
+    assert store._db.execute("SELECT id, name FROM users").fetchall() == [(1, "a")]
+
+
+def test_columns_whose_names_sqlite_takes_for_one_make_a_clear_error():
+    clashing = schema("t", (("id", 23, "integer", True), ("z", 25, "text", False),
+                            ("Z", 25, "text", False)))
+    with pytest.raises(MirrorError, match="t: columns 'z' and 'Z' differ only in case"):
+        TableShape.from_schema(clashing)
+    TableShape.from_schema(schema("t", (("id", 23, "integer", True), ("é", 25, "text", False),
+                                        ("É", 25, "text", False))))

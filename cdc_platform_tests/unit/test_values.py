@@ -68,13 +68,21 @@ def test_a_types_base_type_resolves_domains_and_the_elements_of_arrays():
         (16708, "feeling", "public", "d", "E", 0, 16700, ",", 16709),  # over an enum
         (16709, "_feeling", "public", "b", "A", 16708, 0, ",", 0),
         (16710, "scores", "public", "d", "A", 0, 16703, ",", 0),  # over an array of a domain
+        (16711, "moods", "public", "d", "A", 0, 16701, ",", 0),  # over an enum's array
+        (16712, "feelings", "public", "d", "A", 0, 16709, ",", 0),  # over _feeling
     ])
-    assert {oid: registry.base_type_oid(oid) for oid in range(16700, 16711)} == {
+    assert {oid: registry.base_type_oid(oid) for oid in range(16700, 16713)} == {
         16700: 16700, 16701: 16701,  # no domain: itself
         16702: 701, 16703: 1022, 16704: 701, 16705: 1022,
         16706: 1007, 16707: 1007,  # an array of an array domain: the array type
         16708: 16700, 16709: 16701,  # an enum's array from the catalog
-        16710: 1022}
+        16710: 1022, 16711: 16701, 16712: 16701}
+    # whether the values are arrays: the base type is an array type, builtin or not
+    assert {oid for oid in range(16700, 16713) if registry.is_array(oid)} == {
+        16701, 16703, 16705, 16706, 16707, 16709, 16710, 16711, 16712}
+    assert [registry.is_array(oid) for oid in (23, 1007, 17, 99999)] == [False, True, False,
+                                                                         False]
+    assert registry.converter(16712)('{ok,NULL}') == ["ok", None]
     # builtins, and what the registry does not know, are themselves
     assert [registry.base_type_oid(oid) for oid in (23, 1007, 17, 99999)] == [23, 1007, 17, 99999]
     # the converter resolves as the base type says: a NaN of the domain over float8

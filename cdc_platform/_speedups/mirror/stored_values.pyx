@@ -13,11 +13,9 @@ from libc.string cimport memcmp, memcpy, memset
 
 from cdc_platform._speedups.wire.digest cimport _Target
 
-from cdc_platform.mirror.columns import BUILTIN_ARRAY_OIDS as _BUILTIN_ARRAY_OIDS
 from cdc_platform.mirror.columns import NON_FINITE_FLOATS as _NON_FINITE_FLOATS
 from cdc_platform.mirror.columns import REAL_OIDS as _REAL_OIDS
 from cdc_platform.mirror.columns import WIDE_INTEGER_OIDS as _WIDE_INTEGER_OIDS
-from cdc_platform.mirror.columns import sqlite_type as _sqlite_type
 
 cdef extern from "Python.h":
     bint PyUnicode_IS_COMPACT_ASCII(object o)
@@ -38,8 +36,7 @@ cdef Kind _kind_of(column) except *:
         return REAL
     if oid in _WIDE_INTEGER_OIDS:
         return WIDE_INTEGER
-    if oid in _BUILTIN_ARRAY_OIDS or (  # is_array
-            column.sqlite_type == "TEXT" and _sqlite_type(column.type_oid, "") != "TEXT"):
+    if column.holds_arrays:
         if oid in _FLOAT_ARRAYS:
             return FLOAT_ARRAY
         if oid == _BYTEA_ARRAY:

@@ -89,22 +89,30 @@ def _verdict(judgement: Judgement) -> str:
          failing, judgement.metadata["resyncing"]], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _equality_runs(fleet: Fleet, instance: dg.DagsterInstance) -> list[dg.RunRequest]:
-    """A run of mirrors_equal_source for each table whose verdict is new (the run key names
-    the verdict: the daemon launches a key once). Only tables that are partitions: the table
+def _equality_runs(fleet: Fleet, instance: dg.DagsterInstance,
+                   verdicts: dict[str, list]) -> tuple[list[dg.RunRequest], dict[str, list]]:
+    """A run of mirrors_equal_source for each table whose verdict changed since the last
+    tick (``verdicts``, the cursor's: table -> [verdict, when it became the verdict, in ns]),
+    and the verdicts now. The run key names the verdict and when it became one: the daemon
+    launches a key once, and a verdict the check showed before and shows again (pass, warn,
+    pass under one verification) is a new key. Only tables that are partitions: the table
     names in KV were written by readers."""
     followed = {table for state in fleet.states.values() for table in state.tables}
     published = set(instance.get_dynamic_partitions(PUBLISHED_TABLES))
-    runs = []
+    runs, current = [], {}
     for table in sorted(followed & published):
         judgement = judge_equality(fleet, instance, table)
-        if judgement is not None:
-            runs.append(dg.RunRequest(
-                run_key=f"{MIRRORS_EQUAL_SOURCE}-{table}-{_verdict(judgement)}",
-                partition_key=table, asset_selection=[],
-                asset_check_keys=[dg.AssetCheckKey(table_verification.key,
-                                                   MIRRORS_EQUAL_SOURCE)]))
-    return runs
+        if judgement is None:
+            continue
+        verdict = _verdict(judgement)
+        known = verdicts.get(table)
+        current[table] = known if known and known[0] == verdict else [verdict, time.time_ns()]
+        runs.append(dg.RunRequest(
+            run_key=f"{MIRRORS_EQUAL_SOURCE}-{table}-{verdict}-{current[table][1]}",
+            partition_key=table, asset_selection=[],
+            asset_check_keys=[dg.AssetCheckKey(table_verification.key,
+                                               MIRRORS_EQUAL_SOURCE)]))
+    return runs, current
 
 
 def build_mirror_fleet_sensor(equality_job) -> dg.SensorDefinition:
@@ -132,8 +140,10 @@ def build_mirror_fleet_sensor(equality_job) -> dg.SensorDefinition:
         if (shown != observed.get("shown")
                 or now - observed.get("at", 0.0) >= OBSERVE_AT_LEAST_SECONDS):
             events.insert(0, _observation(fleet, seen, stopped))
-            observed = {"shown": shown, "at": now}
-        return dg.SensorResult(run_requests=_equality_runs(fleet, context.instance),
-                               asset_events=events, cursor=json.dumps(observed))
+            observed.update(shown=shown, at=now)
+        runs, observed["verdicts"] = _equality_runs(fleet, context.instance,
+                                                    observed.get("verdicts", {}))
+        return dg.SensorResult(run_requests=runs, asset_events=events,
+                               cursor=json.dumps(observed))
 
     return mirror_fleet_sensor
