@@ -26,6 +26,8 @@ from cdc_platform.jetstream.kv import kv_values
 PASSING = ("equal", "repaired")
 # a table's status while it may lack changes the bridge's lost slot took (not verified since)
 RESYNCING = "resyncing"
+# a table's status while its schema cannot be mirrored as it is (it needs the source changed)
+WAITING_FOR_SCHEMA = "waiting"
 # a mirror's outcome that fails nothing yet (WARN): it has not met the verification, or it is
 # resyncing
 WAITING = (*PASSING, "pending", RESYNCING)
@@ -39,6 +41,7 @@ class MirroredTable:
     verification_status: str | None
     buckets_differing: int = 0
     rows_repaired: int = 0
+    reason: str | None = None  # why it is stale or waiting
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class MirrorState:
         return {"lag_seconds": self.lag_seconds, "lag_bytes": self.lag_bytes,
                 "updated_at": self.updated_at, "stopped_at": self.stopped_at,
                 "tables": {name: {"status": table.status, "applied_lsn": table.applied_lsn,
+                                  "reason": table.reason,
                                   "last_verification": None if table.verification_id is None
                                   else {"verification_id": table.verification_id,
                                         "status": table.verification_status,
@@ -118,7 +122,8 @@ def parse_state(mirror_id: str, data: bytes) -> MirrorState:
             verification_id=_text(verification.get("verification_id")),
             verification_status=_text(verification.get("status")),
             buckets_differing=_count(verification.get("buckets_differing")),
-            rows_repaired=_count(verification.get("rows_repaired")))
+            rows_repaired=_count(verification.get("rows_repaired")),
+            reason=_text(table.get("reason")))
     lag_bytes = value.get("lag_bytes")
     return MirrorState(mirror_id, float(lag), lag_bytes if isinstance(lag_bytes, int) else None,
                        _text(value.get("updated_at")), parsed, _text(value.get("stopped_at")))
@@ -169,15 +174,24 @@ def stopped_since(last_stopped: Mapping[str, str], fleet: Fleet,
 def freshness(fleet: Fleet, last_seen: Mapping[str, float], lag_critical_seconds: float,
               stopped: Mapping[str, str] | None = None) -> Judgement:
     """``mirrors_fresh``: failed when a mirror is more than ``lag_critical_seconds`` behind
-    the source, when one that was seen (``last_seen``) is gone, or when one's state is
-    unreadable. A mirror that stopped on purpose (``stopped``: :func:`stopped_since`) is
-    neither gone nor judged by its lag (it follows nothing until started again)."""
+    the source, when one has a table waiting (its schema cannot be mirrored: it follows
+    nothing of it until the source changes), when one that was seen (``last_seen``) is gone,
+    or when one's state is unreadable. A mirror that stopped on purpose (``stopped``:
+    :func:`stopped_since`) is neither gone nor judged by its lag (it follows nothing until
+    started again)."""
     stopped = stopped or {}
     lagging = {mirror_id: state.lag_seconds for mirror_id, state in fleet.states.items()
                if state.lag_seconds > lag_critical_seconds and mirror_id not in stopped}
+    waiting = {mirror_id: {name: table.reason for name, table in sorted(state.tables.items())
+                           if table.status == WAITING_FOR_SCHEMA}
+               for mirror_id, state in fleet.states.items() if mirror_id not in stopped}
+    waiting = {mirror_id: tables for mirror_id, tables in waiting.items() if tables}
     gone = sorted(set(last_seen) - fleet.mirror_ids - set(stopped))
     problems = [f"{len(lagging)} behind by more than {lag_critical_seconds:.0f}s"] * bool(
-        lagging) + [f"{len(gone)} gone"] * bool(gone) + [
+        lagging) + [f"{len(waiting)} with a table waiting for a schema it can mirror ("
+                    + "; ".join(f"{mirror_id}: {', '.join(tables)}"
+                                for mirror_id, tables in list(waiting.items())[:5])
+                    + ")"] * bool(waiting) + [f"{len(gone)} gone"] * bool(gone) + [
         f"{len(fleet.unreadable)} unreadable"] * bool(fleet.unreadable)
     lags = [state.lag_seconds for mirror_id, state in fleet.states.items()
             if mirror_id not in stopped]
@@ -188,7 +202,7 @@ def freshness(fleet: Fleet, last_seen: Mapping[str, float], lag_critical_seconds
                      else f"{running} mirror(s) within {lag_critical_seconds:.0f}s of the "
                      "source") + (f"; {len(stopped)} stopped" if stopped else ""),
         metadata={"mirrors": len(fleet.mirror_ids), "max_lag_seconds": max(lags, default=0.0),
-                  "lagging": lagging, "gone": gone, "unreadable": fleet.unreadable,
+                  "lagging": lagging, "waiting": waiting, "gone": gone, "unreadable": fleet.unreadable,
                   "stopped": dict(sorted(stopped.items()))})
 
 

@@ -15,3 +15,8 @@ class DivergenceError(MirrorError):
     that table again."""
 
     table: str | None = None  # set for a batch flushed at commit (no event names it there)
+
+
+class SchemaNotMirrorable(MirrorError):
+    """A snapshot's schema that SQLite cannot hold (two columns differing only in case, a
+    column it cannot map): its table waits for the next schema; the others go on."""

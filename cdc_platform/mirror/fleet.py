@@ -24,7 +24,7 @@ import re
 import socket
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -93,14 +93,15 @@ def _verification(row: Sequence[Any]) -> MirrorVerification:
         rows_repaired=repaired if isinstance(repaired, int) else 0, at=when)
 
 
-def file_state(path: str | Path, tables: Sequence[str]
+def file_state(path: str | Path, tables: Sequence[str], waiting: Mapping[str, str] | None = None
                ) -> tuple[int | None, dict[str, MirrorTableState]]:
     """(the consistent LSN, each of ``tables`` as the file holds it), read in one read
-    transaction on a connection of its own: what the follower committed, nothing open."""
+    transaction on a connection of its own: what the follower committed, nothing open.
+    ``waiting``: the tables the follower holds back (table -> why), whatever the file says."""
     with reading_file(path) as db:
         names = [*tables, *(shadow_name(table) for table in tables)]
         states = {row[0]: row[1:] for row in db.execute(
-            f"SELECT wire_table, status, snapshot_id, cutover_lsn, applied_commit_lsn "
+            f"SELECT wire_table, status, snapshot_id, cutover_lsn, applied_commit_lsn, reason "
             f"FROM {STATE_TABLE} WHERE wire_table IN ({', '.join('?' * len(names))})", names)}
         consistent = db.execute(f"SELECT lsn_int FROM {CONSISTENT_TABLE}").fetchone()
         resyncing: set[str] = set()
@@ -117,16 +118,19 @@ def file_state(path: str | Path, tables: Sequence[str]
     for table in tables:
         own = states.get(table)
         # a table whose snapshot is loading or catching up in its shadow is bootstrapping
-        status, snapshot_id, cutover, applied = own or (
-            ("bootstrapping", *states[shadow_name(table)][1:]) if shadow_name(table) in states
-            else ("bootstrapping", None, 0, 0))
+        status, snapshot_id, cutover, applied, reason = own or (
+            ("bootstrapping", *states[shadow_name(table)][1:4], None)
+            if shadow_name(table) in states else ("bootstrapping", None, 0, 0, None))
         if status == "streaming" and table in resyncing:
             # streaming, its changes made to fit, until a verification after the bridge's
             # lost slot finds it equal (docs/verification.md "Item 6")
             status = "resyncing"
+        if waiting and table in waiting:
+            status, reason = "waiting", waiting[table]
         shown[table] = MirrorTableState(
             status=status, snapshot_id=snapshot_id, cutover_lsn=_lsn_text(cutover),
-            applied_lsn=_lsn_text(applied), last_verification=verified.get(table))
+            applied_lsn=_lsn_text(applied), last_verification=verified.get(table),
+            reason=reason if status in ("stale", "waiting") else None)
     return (consistent[0] if consistent else None), shown
 
 
@@ -136,13 +140,15 @@ class MirrorStateReporter:
     def __init__(self, mirror_id: str, sqlite_path: str | Path, tables: Sequence[str], *,
                  bucket: str, interval_seconds: float,
                  lag_seconds: Callable[[], float],
-                 stream_last_lsn: Callable[[JetStreamContext], Awaitable[int | None]]) -> None:
+                 stream_last_lsn: Callable[[JetStreamContext], Awaitable[int | None]],
+                 waiting: Mapping[str, str] | None = None) -> None:
         self.mirror_id = mirror_id
         self.path = Path(sqlite_path)
         self.tables = list(tables)
         self.interval_seconds = interval_seconds
         self._lag_seconds = lag_seconds
         self._stream_last_lsn = stream_last_lsn
+        self._waiting = waiting  # (the follower's own mapping, read as it is at each report)
         # READERS' import (deploy/nats); a server of one account (the dev stack) has no
         # import, and the bucket's own subject there
         self.subjects = (mirror_state_subject(mirror_id), f"$KV.{bucket}.{mirror_id}")
@@ -225,7 +231,8 @@ class MirrorStateReporter:
             await js.publish(self._subject, body, timeout=_PUBLISH_TIMEOUT_SECONDS)
 
     async def value(self, js: JetStreamContext) -> MirrorStateValue:
-        consistent, tables = await asyncio.to_thread(file_state, self.path, self.tables)
+        consistent, tables = await asyncio.to_thread(file_state, self.path, self.tables,
+                                                     dict(self._waiting or {}))
         last = await self._stream_last_lsn(js)
         return in_field_order(MirrorStateValue, {  # type: ignore[return-value]
             "mirror_id": self.mirror_id, "host": socket.gethostname(), "pid": os.getpid(),

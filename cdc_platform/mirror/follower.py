@@ -33,7 +33,7 @@ from nats.js.errors import NotFoundError
 
 from cdc_platform.consumer.claim_checks import resolve_payload
 from cdc_platform.consumer.requests import SnapshotRequester, SnapshotRequestFailed
-from cdc_platform.consumer.schemas import schema_relation_id
+from cdc_platform.consumer.schemas import schema_relation_id, schema_value
 from cdc_platform.consumer.snapshots import (
     MarkerNotInCdcYet,
     NoMetaThere,
@@ -60,7 +60,7 @@ from cdc_platform.mirror.consistency import (
     shadow_name,
     table_point,
 )
-from cdc_platform.mirror.errors import DivergenceError, MirrorError
+from cdc_platform.mirror.errors import DivergenceError, MirrorError, SchemaNotMirrorable
 from cdc_platform.mirror.fleet import MirrorStateReporter, default_mirror_id
 from cdc_platform.mirror.lock import holding
 from cdc_platform.mirror.meetings import Meetings, OnVerification
@@ -115,6 +115,8 @@ _KV_CATCH_UP_SECONDS = 30.0
 # for past the last one's cutover LSN, so a new one is taken each time).
 _UNUSABLE_SNAPSHOTS = 3
 _CONTROL_PREFIX = f"{CDC_PREFIX}.{CONTROL_TOKEN}."  # markers, digest messages
+# how often a table whose schema SQLite cannot hold looks for a new one in KV
+_SCHEMA_POLL_SECONDS = 5.0
 
 
 class _Restart(Exception):
@@ -183,6 +185,9 @@ class Mirror:
         # tables not streaming in the file yet (loading, or caught up in a shadow, or stale)
         self.bootstrapping: set[str] = set(self.tables)
         self._loaded = asyncio.Event()  # a shadow is loaded: follow it from the next pass
+        # table -> why its snapshot's schema cannot be mirrored (it waits for the next one)
+        self.waiting: dict[str, str] = {}
+        self._until_caught_up = False  # (set by run())
         self.pending_events = 0  # events not applied yet, as last looked up
         # table -> its repair under way (mirror/repair.py), and the task loading it
         self.repairs: dict[str, Repair] = {}
@@ -204,7 +209,7 @@ class Mirror:
             bucket=settings.topology.mirrors.bucket,
             interval_seconds=self.options.state_interval_seconds,
             lag_seconds=lambda: self.lag_seconds(self.pending_events),
-            stream_last_lsn=self.stream_last_lsn)
+            stream_last_lsn=self.stream_last_lsn, waiting=self.waiting)
 
     # -- top level ---------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event | None = None, *,
@@ -217,6 +222,7 @@ class Mirror:
             await self._run(stop or asyncio.Event(), until_caught_up)
 
     async def _run(self, stop: asyncio.Event, until_caught_up: bool) -> None:
+        self._until_caught_up = until_caught_up
         # a corrupt file is an error before anything else
         store = MirrorStore(self.path, digests=self.options.digests)
         check_sqlite_names(self.tables, store.tables())
@@ -337,8 +343,12 @@ class Mirror:
         transaction of its own between the follower's (the other tables keep following);
         then the shadow follows the stream until it is swapped in (mirror/consistency.py).
         A snapshot whose chunks cannot be used (gone from `INIT`, unreadable, not adding up
-        to its meta) gives way to a newer one, a few times in a row at most."""
-        for attempt in range(1, _UNUSABLE_SNAPSHOTS + 1):
+        to its meta) gives way to a newer one, a few times in a row at most. One whose
+        schema SQLite cannot hold makes the table wait for its next schema in KV (a run
+        until caught up ends on it: it would wait for good)."""
+        attempt = 0
+        while attempt < _UNUSABLE_SNAPSHOTS:
+            attempt += 1
             meta, start_seq = await self._snapshot(nc, js, table, min_lsn, stop)
             if meta is None or stop.is_set():
                 return  # stopped while waiting
@@ -349,6 +359,19 @@ class Mirror:
                         return  # stopped while waiting
                 await self._load_snapshot(js, store, table, meta, start_seq, stop)
                 return
+            except SchemaNotMirrorable as exc:
+                if self._until_caught_up:
+                    raise  # (a run that ends once caught up would wait for good)
+                # (its other tables go on; a snapshot asked for at once would be as unusable)
+                self.report(f"{table}: {exc}; waiting for its schema to change")
+                self.waiting[table] = str(exc)
+                self.fleet.report_now()
+                try:
+                    if not await self._schema_changed(js, table, meta.schema_fingerprint, stop):
+                        return  # stopped while waiting
+                finally:
+                    self.waiting.pop(table, None)
+                attempt, min_lsn = 0, max(min_lsn, meta.lsn + 1)
             except SnapshotUnusable as exc:
                 if attempt == _UNUSABLE_SNAPSHOTS:
                     raise MirrorError(f"{table}: {_UNUSABLE_SNAPSHOTS} snapshots in a row are "
@@ -359,6 +382,22 @@ class Mirror:
                 # shadow's rows so far go with the next begin_bootstrap)
                 min_lsn = max(min_lsn, meta.lsn + 1)
 
+    async def _schema_changed(self, js: JetStreamContext, table: str, fingerprint: str,
+                              stop: asyncio.Event) -> bool:
+        """Until ``table``'s schema in KV `schemas` is another than ``fingerprint`` (False:
+        stopped first). Read every few seconds: one KV get, the bridge's own schema value."""
+        bucket = self.settings.topology.schemas.bucket
+        while not stop.is_set():
+            with contextlib.suppress(NatsError, TimeoutError, ValueError, TypeError,
+                                     AttributeError):
+                value = await schema_value(js, bucket, table, self.verifier)
+                if value is not None and decode_any(value).get("fingerprint") != fingerprint:
+                    return True
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_SCHEMA_POLL_SECONDS):
+                    await stop.wait()
+        return False
+
     async def _load_snapshot(self, js: JetStreamContext, store: MirrorStore, table: str,
                              meta: SnapshotMeta, start_seq: int, stop: asyncio.Event,
                              shadow: str | None = None) -> bool:
@@ -368,7 +407,10 @@ class Mirror:
         assert meta.table_schema is not None  # (_snapshot returns only metas that carry it)
         repairing = shadow is not None
         shadow = shadow or shadow_name(table)
-        shape = dataclasses.replace(TableShape.from_schema(meta.table_schema), table=shadow)
+        try:
+            shape = dataclasses.replace(TableShape.from_schema(meta.table_schema), table=shadow)
+        except MirrorError as exc:
+            raise SchemaNotMirrorable(str(exc)) from exc
         await _between_transactions(store)
         store.begin_bootstrap(shape, meta.snapshot_id, meta.lsn)
         progress = BootstrapProgress(table, meta.row_count, meta.batch_count, time.monotonic())

@@ -205,12 +205,14 @@ class MirrorTableState(TypedDict):
     """One table of a :class:`MirrorStateValue`, as the mirror's file holds it."""
 
     # "bootstrapping" | "streaming" | "stale" | "resyncing" (streaming, but not verified since
-    # the bridge lost its slot: it may lack changes)
+    # the bridge lost its slot: it may lack changes) | "waiting" (its schema cannot be
+    # mirrored as it is: it waits for the table's next schema)
     status: str
     snapshot_id: str | None
     cutover_lsn: str | None
     applied_lsn: str | None  # the last applied commit LSN (null: nothing applied yet)
     last_verification: MirrorVerification | None
+    reason: str | None  # why a table is stale or waiting (null otherwise)
 
 
 class MirrorStateValue(TypedDict):

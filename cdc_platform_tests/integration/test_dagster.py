@@ -16,10 +16,12 @@ import yaml
 from cdc_platform.lsn import parse_lsn
 from cdc_platform.replication.slots import read_slot
 from cdc_platform_tests.fixtures.dagster import (
+    FleetSensor,
     dagster_resources,
-    latest_check_evaluation,
-    report_sensor_tick,
+    fleet_sensor_for,
+    record_verification,
     request_sensor_tick,
+    verified,
 )
 from cdc_platform_tests.fixtures.services import TEST_SECRETS, random_name, read_subjects
 
@@ -1005,19 +1007,15 @@ async def test_mirror_fleet_sensor_shows_lagging_gone_and_unreadable_mirrors_red
     from cdc_platform.definitions import build_definitions
 
     defs = build_definitions()
-    verification = {"verification_id": "verify-1", "lsn": "0/2", "status": "equal",
-                    "buckets_differing": 0, "rows_repaired": 0, "at": None}
-    await state_bucket.put("team_a.edge1", _mirror_state("team_a.edge1", 2.5,
-                                                         {"users": verification}))
+    await state_bucket.put("team_a.edge1", _mirror_state(
+        "team_a.edge1", 2.5, {"users": verified(verification_id="verify-1")}))
     await state_bucket.put("edge2", _mirror_state("edge2", 0.0, {"users": None}))
     with dg.instance_for_test() as instance:
-        cursor = None
+        sensor = FleetSensor(defs, instance)
 
         async def tick():
-            nonlocal cursor
-            cursor = (await asyncio.to_thread(report_sensor_tick, defs, instance,
-                                              "mirror_fleet_sensor", cursor)).cursor
-            return latest_check_evaluation(instance, "mirror_fleet", "mirrors_fresh")
+            await sensor.tick()
+            return sensor.freshness()
 
         def observations() -> int:
             return len(instance.fetch_observations(dg.AssetKey("mirror_fleet"),
@@ -1064,32 +1062,12 @@ async def test_mirrors_equal_source_turns_red_when_a_mirror_differs_and_green_on
     table's latest verification (its materialization's `verification_id`) changes: met
     `equal` or `repaired` by every mirror following it passes; `differ` fails (ERROR) with
     the buckets; a mirror that has not met it yet warns. Each new verdict is run once."""
-    from cdc_platform.definitions import build_definitions
-
     table = random_name("verified")
-    defs = build_definitions()
-
-    def verified(status: str, verification_id: str = "verify-2", differing: int = 0,
-                 repaired: int = 0) -> dict:
-        return {"verification_id": verification_id, "lsn": "0/2", "status": status,
-                "buckets_differing": differing, "rows_repaired": repaired, "at": None}
-
-    with dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions("published_tables", [table])
-        # what a verification_job run records (defs/verification/assets.py)
-        instance.report_runless_asset_event(dg.AssetMaterialization(
-            asset_key="table_verification", partition=table,
-            metadata={"verification_id": "verify-2", "lsn": "0/2"}))
-        launched: set[str] = set()
-        cursor = None
+    with fleet_sensor_for(table) as sensor:
+        instance = sensor.instance
 
         async def tick():
-            nonlocal cursor
-            before = len(launched)
-            cursor = (await asyncio.to_thread(report_sensor_tick, defs, instance,
-                                              "mirror_fleet_sensor", cursor, launched)).cursor
-            return len(launched) - before, latest_check_evaluation(
-                instance, "table_verification", "mirrors_equal_source", partition=table)
+            return await sensor.tick(), sensor.equality(table)
 
         await state_bucket.put("edge1", _mirror_state("edge1", 1.0, {table: verified("equal")}))
         await state_bucket.put("edge2", _mirror_state("edge2", 1.0, {
@@ -1126,43 +1104,23 @@ async def test_mirrors_equal_source_passes_again_when_a_verdict_it_showed_before
     older verification (pending: WARN), then catches up through the stream and meets the
     table's latest one `equal`. The verdict is the first one again, and the check must show
     it again, not keep the WARN. (Ticks carry the sensor's cursor, as the daemon does.)"""
-    from cdc_platform.definitions import build_definitions
-
     table = random_name("returned")
-    defs = build_definitions()
-
-    def verified(verification_id: str) -> dict:
-        return {"verification_id": verification_id, "lsn": "0/2", "status": "equal",
-                "buckets_differing": 0, "rows_repaired": 0, "at": None}
-
-    with dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions("published_tables", [table])
-        instance.report_runless_asset_event(dg.AssetMaterialization(
-            asset_key="table_verification", partition=table,
-            metadata={"verification_id": "verify-2", "lsn": "0/2"}))
-        launched: set[str] = set()
-        cursor = None
-
+    with fleet_sensor_for(table) as sensor:
         async def tick():
-            nonlocal cursor
-            before = len(launched)
-            cursor = (await asyncio.to_thread(report_sensor_tick, defs, instance,
-                                              "mirror_fleet_sensor", cursor, launched)).cursor
-            return len(launched) - before, latest_check_evaluation(
-                instance, "table_verification", "mirrors_equal_source", partition=table)
+            return await sensor.tick(), sensor.equality(table)
 
         await state_bucket.put("edge1", _mirror_state("edge1", 1.0, {table: verified(
-            "verify-2")}))
+            "equal", "verify-2")}))
         runs, check = await tick()
         assert runs == 1 and check.passed, check.description
         await state_bucket.put("edge2", _mirror_state("edge2", 1.0, {table: verified(
-            "verify-1")}))
+            "equal", "verify-1")}))
         runs, check = await tick()
         assert runs == 1 and not check.passed
         assert check.severity == dg.AssetCheckSeverity.WARN
         assert (await tick())[0] == 0  # the same verdict: no second run
         await state_bucket.put("edge2", _mirror_state("edge2", 1.0, {table: verified(
-            "verify-2")}))
+            "equal", "verify-2")}))
         runs, check = await tick()
         assert runs == 1 and check.passed, check.description
         assert check.metadata["mirrors"].value == {"edge1": "equal", "edge2": "equal"}
@@ -1179,26 +1137,18 @@ async def test_a_mirror_stopped_on_purpose_stays_listed_and_green_and_a_resyncin
 
     table = random_name("resynced")
     defs = build_definitions()
-    equal = {"verification_id": "verify-2", "lsn": "0/2", "status": "equal",
-             "buckets_differing": 0, "rows_repaired": 0, "at": None}
+    equal = verified()
     await state_bucket.put("edge1", _mirror_state("edge1", 1.0, {table: equal}))
     await state_bucket.put("cron1", _mirror_state("cron1", 900.0, {table: equal},
                                                   stopped_at="2026-11-26T05:01:00Z"))
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("published_tables", [table])
-        instance.report_runless_asset_event(dg.AssetMaterialization(
-            asset_key="table_verification", partition=table,
-            metadata={"verification_id": "verify-2", "lsn": "0/2"}))
-        launched: set[str] = set()
-        cursor = None
+        record_verification(instance, table, "verify-2")
+        sensor = FleetSensor(defs, instance)
 
         async def tick():
-            nonlocal cursor
-            cursor = (await asyncio.to_thread(report_sensor_tick, defs, instance,
-                                              "mirror_fleet_sensor", cursor, launched)).cursor
-            return (latest_check_evaluation(instance, "mirror_fleet", "mirrors_fresh"),
-                    latest_check_evaluation(instance, "table_verification",
-                                            "mirrors_equal_source", partition=table))
+            await sensor.tick()
+            return sensor.freshness(), sensor.equality(table)
 
         fresh, equality = await tick()
         assert fresh.passed, fresh.description
@@ -1217,9 +1167,7 @@ async def test_a_mirror_stopped_on_purpose_stays_listed_and_green_and_a_resyncin
         assert not equality.passed and equality.severity == dg.AssetCheckSeverity.WARN
         assert equality.metadata["resyncing"].value == ["edge1"]
         # the next verification (the one the resync sensor starts) met equal ends it
-        instance.report_runless_asset_event(dg.AssetMaterialization(
-            asset_key="table_verification", partition=table,
-            metadata={"verification_id": "verify-3", "lsn": "0/3"}))
+        record_verification(instance, table, "verify-3")
         await state_bucket.put("edge1", _mirror_state("edge1", 1.0, {
             table: {**equal, "verification_id": "verify-3"}}))
         _, equality = await tick()

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sqlite3
 
 import msgpack
 import pytest
 
 from cdc_platform.consumer.snapshots import latest_meta
+from cdc_platform.fleet import MirroredTable, read_fleet
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.mirror.errors import MirrorError
 from cdc_platform.mirror.follower import Mirror
@@ -543,38 +545,90 @@ async def test_a_snapshot_whose_chunks_cannot_be_used_gives_way_to_a_newer_one(
 
 async def test_a_column_sqlite_cannot_name_stops_its_table_only(
         cdc_database, pg_admin, provisioned_nats, nats_client, tmp_path):
-    """SQLite's names ignore case: a column ``"Z"`` added beside ``z`` cannot be mirrored.
-    The table says so in one line and waits; the other table goes on; renaming the column
-    in PostgreSQL lets the table bootstrap again and equal its source."""
+    """SQLite's names ignore case: columns ``z`` and ``"Z"`` cannot both be mirrored. From
+    the first snapshot, or added mid-stream, the table says so in one line and waits for its
+    schema to change (a run until caught up ends on it, one line); the other table goes on;
+    once one column is renamed or dropped (and
+    the table's next change brings its new schema to KV) the table bootstraps again and
+    equals its source."""
     clashing = random_name("clashing")
-    pg_admin.execute(f"CREATE TABLE {clashing} (id int PRIMARY KEY, z text)")
-    pg_admin.execute(f"INSERT INTO {clashing} SELECT g, 'z' || g FROM generate_series(1, 5) g")
+    pg_admin.execute(f'CREATE TABLE {clashing} (id int PRIMARY KEY, z text, "Z" text)')
+    pg_admin.execute(f"INSERT INTO {clashing} SELECT g, 'z' || g, 'Z' || g "
+                     "FROM generate_series(1, 5) g")
     cdc_database.add_tables(pg_admin, clashing)
     bystander = _published_table(pg_admin, cdc_database, "bystander", 5)
     settings = platform_settings(cdc_database, provisioned_nats.url)
     conninfo = cdc_database.server.superuser_conninfo()
     db = tmp_path / "m.db"
     lines: list[str] = []
+
+    def equal(table: str, columns: list[str]) -> bool:
+        try:
+            return task.done() or mirror_rows(db, table, columns) == source_rows(
+                conninfo, table, columns)
+        except sqlite3.OperationalError:  # (not bootstrapped yet)
+            return False
+
+    def bystander_equal() -> bool:
+        return equal(bystander, ["id", "v"])
+
+    def said(text: str, after: int = 0) -> bool:
+        return task.done() or any(text in line for line in lines[after:])
+
     async with running_bridge(settings), snapshot_responder(settings, max_age_seconds=0):
         await bridge_ready(pg_admin, cdc_database, settings, [clashing, bystander])
+        with pytest.raises(MirrorError, match="columns 'z' and 'Z' differ only in case"):
+            await asyncio.wait_for(Mirror(settings, [clashing, bystander], db, options=FAST,
+                                          report=lines.append).run(until_caught_up=True), 60)
         stop = asyncio.Event()
         mirror = Mirror(settings, [clashing, bystander], db, options=FAST, report=lines.append)
-        task = await _following(mirror, stop, lines, nats_client)
-        pg_admin.execute(f'ALTER TABLE {clashing} ADD COLUMN "Z" text DEFAULT \'big\'')
-        pg_admin.execute(f"INSERT INTO {clashing} VALUES (6, 'z6', 'Z6')")
+        task = asyncio.create_task(mirror.run(stop))
+        await wait_for(lambda: said("waiting for its schema to change"), timeout=60,
+                       what="the clash said")
+        await wait_for(bystander_equal, timeout=60, what="the bystander bootstrapped")
         pg_admin.execute(f"UPDATE {bystander} SET v = 'after' WHERE id <= 3")
-        await wait_for(lambda: task.done() or mirror_rows(db, bystander, ["id", "v"])
-                       == source_rows(conninfo, bystander, ["id", "v"]), timeout=60,
-                       what="the bystander's update")
-        await wait_for(lambda: task.done() or any(
-            "differ only in case" in line for line in lines), timeout=60,
-            what="the clash said")
+        await wait_for(bystander_equal, timeout=60, what="the bystander's update")
         assert not task.done(), task.exception()
+        assert "differ only in case" in next(line for line in lines if "waiting for" in line)
+        shown = await _fleet_table(nats_client, settings, clashing, "waiting")
+        assert "differ only in case" in (shown.reason or ""), shown
+
         pg_admin.execute(f'ALTER TABLE {clashing} RENAME COLUMN "Z" TO z_big')
-        await bridge_caught_up(pg_admin, cdc_database.slot, timeout=60)
-        await wait_for(lambda: task.done() or mirror_rows(db, clashing, ["id", "z", "z_big"])
-                       == source_rows(conninfo, clashing, ["id", "z", "z_big"]), timeout=90,
+        # (PostgreSQL sends a table's new shape with its next change: KV has it from then)
+        pg_admin.execute(f"UPDATE {clashing} SET z = 'renamed' WHERE id = 1")
+        columns = ["id", "z", "z_big"]
+        await wait_for(lambda: equal(clashing, columns), timeout=90,
                        what="the renamed table mirrored")
+
+        said_before = len(lines)
+        pg_admin.execute(f'ALTER TABLE {clashing} ADD COLUMN "Z_BIG" text DEFAULT \'big\'')
+        pg_admin.execute(f"INSERT INTO {clashing} VALUES (6, 'z6', 'Z6', 'BIG')")
+        await wait_for(lambda: said("differ only in case", said_before), timeout=60,
+                       what="the clash mid-stream said")
+        pg_admin.execute(f"UPDATE {bystander} SET v = 'later' WHERE id <= 3")
+        await wait_for(bystander_equal, timeout=60, what="the bystander's later update")
+        assert not task.done(), task.exception()
+        pg_admin.execute(f'ALTER TABLE {clashing} DROP COLUMN "Z_BIG"')
+        pg_admin.execute(f"UPDATE {clashing} SET z = 'dropped' WHERE id = 2")
+        await wait_for(lambda: equal(clashing, columns), timeout=90,
+                       what="the table mirrored again")
+        shown = await _fleet_table(nats_client, settings, clashing, "streaming")
+        assert shown.reason is None, shown
         stop.set()
         await asyncio.wait_for(task, 30)
-    assert mirror_rows(db, bystander, ["id", "v"]) == source_rows(conninfo, bystander, ["id", "v"])
+
+
+async def _fleet_table(nats_client, settings, table: str, status: str) -> MirroredTable:
+    """``table`` as the fleet (KV `mirrors`) shows it, once it shows it ``status``."""
+    shown: list[MirroredTable] = []
+
+    async def showing() -> bool:
+        fleet = await read_fleet(nats_client.jetstream(), settings.topology.mirrors.bucket)
+        shown[:] = [state.tables[table] for state in fleet.states.values()
+                    if table in state.tables]
+        return bool(shown) and shown[0].status == status
+    deadline = asyncio.get_running_loop().time() + 30
+    while not await showing():
+        assert asyncio.get_running_loop().time() < deadline, f"{table} never {status}: {shown}"
+        await asyncio.sleep(0.2)
+    return shown[0]

@@ -73,6 +73,22 @@ def test_freshness_fails_for_lag_gone_and_unreadable_mirrors():
     assert freshness(fleet, {"a": 0.0}, 400).passed
 
 
+def test_a_table_waiting_for_a_schema_it_can_mirror_fails_freshness_with_why():
+    """A waiting table follows nothing until the source changes: red, naming mirror, table
+    and why, however small the mirror's lag (its other tables stream)."""
+    value = json.loads(_state("a", 0.0, t=None, u=None))
+    value["tables"]["t"].update(status="waiting", reason="t: columns 'z' and 'Z' differ")
+    fleet = Fleet(states={"a": parse_state("a", json.dumps(value).encode()),
+                          "b": parse_state("b", _state("b", 0.0, t=None))})
+    assert fleet.states["a"].tables["t"].reason == "t: columns 'z' and 'Z' differ"
+    assert fleet.states["a"].tables["u"].reason is None
+    judged = freshness(fleet, {}, 300)
+    assert not judged.passed and not judged.warning_only
+    assert "1 with a table waiting for a schema it can mirror (a: t)" in judged.description
+    assert judged.metadata["waiting"] == {"a": {"t": "t: columns 'z' and 'Z' differ"}}
+    assert freshness(fleet, {}, 300, stopped={"a": "2026-11-26T00:00:00Z"}).passed
+
+
 def test_a_gone_mirror_is_remembered_for_the_keep_time_only():
     fleet = Fleet(states={"a": parse_state("a", _state("a"))})
     seen = seen_since({"a": 10.0, "b": 50.0, "c": 5.0}, fleet, now=100.0, keep_seconds=60)

@@ -9,6 +9,7 @@ import sqlite3
 
 import pytest
 
+from cdc_platform.mirror.columns import TableShape
 from cdc_platform.mirror.digests import read_digest, scan_digest
 from cdc_platform.mirror.errors import DivergenceError
 from cdc_platform.mirror.repair import (
@@ -131,22 +132,19 @@ def test_an_event_is_of_the_buckets_by_its_old_key_or_its_new_one(store):
     assert not buckets.holds(event("UPDATE", "0/200", 0, data={"name": "no key"}))
 
 
-def test_a_table_shaped_before_base_types_were_kept_learns_them_from_its_repair(tmp_path):
-    def scored(table: str, base: int | None) -> dict:
-        given = schema(table, (("id", 23, "integer", True), ("f", 16500, "score", False)))
-        if base is not None:  # (an earlier mirror kept none: the domain read as itself)
-            given["columns"][1]["base_type_oid"] = base
-        return given
-
-    source = {key: float("nan") if key in (3, 17) else float(key) for key in range(1, 41)}
-    rows = [{"id": key, "f": value} for key, value in source.items()]
+def _repaired_after_learning(tmp_path, shaped, rows) -> TableShape:
+    """``rows`` bootstrapped as an earlier mirror shaped the table (``shaped(table, False)``:
+    the values of keys 3 and 17 read back otherwise than the source's), the buckets that
+    differ repaired from a shadow shaped as now (``shaped(shadow, True)``); the file reopened
+    keeps a digest equal to a scan and to the source's. The table's shape, as kept."""
     store = MirrorStore(tmp_path / "mirror.db")
-    bootstrapped(store, scored("users", None), loaded=rows)
-    expected = table_digest(rows, RowDigester(["id", "f"], ["id"]), BITS)
+    bootstrapped(store, shaped("users", False), loaded=rows)
+    names = [column["name"] for column in shaped("users", False)["columns"]]
+    expected = table_digest(rows, RowDigester(names, ["id"]), BITS)
     differing = read_digest(store._db, "users").folded(BITS).differing(expected)
-    assert differing == sorted({_bucket(3), _bucket(17)})  # the NaNs, read back as text
+    assert differing == sorted({_bucket(3), _bucket(17)})  # read back as text
     shadow = repair_shadow_name("users")
-    bootstrapped(store, scored(shadow, 701),
+    bootstrapped(store, shaped(shadow, True),
                  loaded=[row for row in rows if _bucket(row["id"]) in differing])
     record(store._db, VerificationResult("verify-1", "users", 0x300, "differ", bits=BITS,
                                          buckets_differing={b: (0, 0) for b in differing}))
@@ -156,45 +154,38 @@ def test_a_table_shaped_before_base_types_were_kept_learns_them_from_its_repair(
     again = MirrorStore(tmp_path / "mirror.db")
     try:
         shape = again.shape("users")
-        assert [c.base_type_oid for c in shape.columns] == [23, 701]  # kept in the file
         kept = read_digest(again._db, "users")
         assert kept == scan_digest(again._db, shape)
         assert kept.folded(BITS) == expected
+        return shape
     finally:
         again.close()
+
+
+def test_a_table_shaped_before_base_types_were_kept_learns_them_from_its_repair(tmp_path):
+    def scored(table: str, learned: bool) -> dict:
+        given = schema(table, (("id", 23, "integer", True), ("f", 16500, "score", False)))
+        if learned:  # (an earlier mirror kept none: the domain read as itself)
+            given["columns"][1]["base_type_oid"] = 701
+        return given
+
+    rows = [{"id": key, "f": float("nan") if key in (3, 17) else float(key)}
+            for key in range(1, 41)]
+    shape = _repaired_after_learning(tmp_path, scored, rows)
+    assert [c.base_type_oid for c in shape.columns] == [23, 701]  # kept in the file
 
 
 def test_a_table_shaped_before_is_array_was_kept_learns_it_from_its_repair(tmp_path):
-    def moods(table: str, is_array: bool | None) -> dict:
+    def moods(table: str, learned: bool) -> dict:
         # a domain over mood[] (16510), whose base type (16504) is an enum's array type
         given = schema(table, (("id", 23, "integer", True), ("mo", 16510, "moods", False)))
         given["columns"][1]["base_type_oid"] = 16504
-        if is_array is not None:  # (an earlier mirror kept none: the arrays read as text)
-            given["columns"][1]["is_array"] = is_array
+        if learned:  # (an earlier mirror kept none: the arrays read as text)
+            given["columns"][1]["is_array"] = True
         return given
 
-    source = {key: ["sad", None] if key in (3, 17) else None for key in range(1, 41)}
-    rows = [{"id": key, "mo": value} for key, value in source.items()]
-    store = MirrorStore(tmp_path / "mirror.db")
-    bootstrapped(store, moods("users", None), loaded=rows)
-    expected = table_digest(rows, RowDigester(["id", "mo"], ["id"]), BITS)
-    differing = read_digest(store._db, "users").folded(BITS).differing(expected)
-    assert differing == sorted({_bucket(3), _bucket(17)})  # the arrays, read back as text
-    shadow = repair_shadow_name("users")
-    bootstrapped(store, moods(shadow, True),
-                 loaded=[row for row in rows if _bucket(row["id"]) in differing])
-    record(store._db, VerificationResult("verify-1", "users", 0x300, "differ", bits=BITS,
-                                         buckets_differing={b: (0, 0) for b in differing}))
-    store.replace_buckets("users", shadow, BITS, differing, "verify-1", 0x300)
-    store.close()
-
-    again = MirrorStore(tmp_path / "mirror.db")
-    try:
-        shape = again.shape("users")
-        assert [(c.base_type_oid, c.holds_arrays) for c in shape.columns] == [
-            (23, False), (16504, True)]  # kept in the file
-        kept = read_digest(again._db, "users")
-        assert kept == scan_digest(again._db, shape)
-        assert kept.folded(BITS) == expected
-    finally:
-        again.close()
+    rows = [{"id": key, "mo": ["sad", None] if key in (3, 17) else None}
+            for key in range(1, 41)]
+    shape = _repaired_after_learning(tmp_path, moods, rows)
+    assert [(c.base_type_oid, c.holds_arrays) for c in shape.columns] == [
+        (23, False), (16504, True)]  # kept in the file
