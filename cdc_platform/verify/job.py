@@ -7,7 +7,7 @@ this order, the steps of a snapshot (:mod:`cdc_platform.snapshot.job`) where the
 1. **Validate**: the table must be in the publication (``describe_table``); anything else
    raises :class:`SnapshotRequestRefused` before any marker, slot or task.
 2. **Verify marker**: once the bridge's slot exists (else no slot decodes the marker: at most
-   ``CDC_VERIFY_WAIT``, then :class:`BridgeBehindError`), the snapshot's watermark with the
+   ``CDC_VERIFY_WAIT``, then :class:`BridgeBehindError`), a snapshot's watermark with the
    verification id (``verify-...``; ``emit_carried_watermark``): the bridge publishes it as a
    watermark marker on ``cdc.cdc-platform.watermark.verify-...``. A marker the slot will not
    decode (the slot replaced as it was written) makes the run be taken again under a new id.
