@@ -21,7 +21,9 @@ Starts its own PostgreSQL and nats-server in a temp dir, a ``--rows``-row table,
    applied): how fast this machine's nats-server and client deliver them, the bound on apply.
 4. digests (``--digest both``, the default): the apply phase runs on two copies of the
    bootstrapped file, without the digests' upkeep and with it (docs/verification.md item 7:
-   <= 10 % slower); then ``mirror verify``'s recompute of the table's digest from the file
+   <= 10 % slower); ``--digest-runs N`` alternates N of each, each on a fresh copy, and
+   prints each pair and the medians (one pair swings by tens of percent on a shared
+   machine). Then ``mirror verify``'s recompute of the table's digest from the file
    against a plain ``SELECT *`` of the same table through ``sqlite3`` (target >= 0.5x).
 
 Targets (issue 12): bootstrap >= 0.7 x baseline, apply >= 50K events/s, RSS <= 200 MB.
@@ -49,6 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 import psycopg
 
@@ -112,6 +115,9 @@ async def main() -> None:
                         help="the bridge's message mode for the apply phase")
     parser.add_argument("--digest", choices=["on", "off", "both"], default="both",
                         help="apply with the digests' upkeep, without, or both (same run)")
+    parser.add_argument("--digest-runs", type=int, default=1,
+                        help="apply phases of each kind, alternating (each on a fresh copy "
+                             "of the bootstrapped file): the digests' figures are medians")
     parser.add_argument("--save-replay", type=Path,
                         help="keep the bootstrapped database and the apply phase's messages "
                              "in this directory, for benchmarks/mirror_replay.py")
@@ -247,16 +253,18 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
             source.backup(copy)
     upkeep = {"on": [True], "off": [False], "both": [False, True]}[args.digest]
     copies = {}
-    for digests in upkeep:  # (each on its own copy of the bootstrapped file)
-        copies[digests] = work / f"apply-digests-{'on' if digests else 'off'}.db"
-        with sqlite3.connect(db) as source, sqlite3.connect(copies[digests]) as copy:
-            source.backup(copy)
-    rates, cpus = {}, {}
-    for digests in upkeep:
-        mirror, apply_rate, apply_seconds, whole_seconds, cpu_seconds = await _apply(
-            args, settings, copies[digests], digests)
-        rates[digests] = apply_rate
-        cpus[digests] = cpu_seconds / max(1, mirror.applied_events) * 1e6
+    rates: dict[bool, list[float]] = {digests: [] for digests in upkeep}
+    cpus: dict[bool, list[float]] = {digests: [] for digests in upkeep}
+    for _ in range(max(1, args.digest_runs)):
+        for digests in upkeep:  # (each on its own copy of the bootstrapped file)
+            copies[digests] = work / f"apply-digests-{'on' if digests else 'off'}.db"
+            copies[digests].unlink(missing_ok=True)
+            with sqlite3.connect(db) as source, sqlite3.connect(copies[digests]) as copy:
+                source.backup(copy)
+            mirror, apply_rate, apply_seconds, whole_seconds, cpu_seconds = await _apply(
+                args, settings, copies[digests], digests)
+            rates[digests].append(apply_rate)
+            cpus[digests].append(cpu_seconds / max(1, mirror.applied_events) * 1e6)
     kept: list | None = [] if args.save_replay else None
     read_rate, read_cpu = await _read_ceiling(client, kept)
     if args.save_replay:
@@ -287,11 +295,7 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
           f"dropping them: {read_rate:,.0f} msgs/s, {read_cpu:.1f} µs CPU per message; the "
           f"mirror applies at {apply_rate / read_rate:.2f} of it")
     if len(rates) == 2:
-        print(f"digests: apply without upkeep {rates[False]:,.0f} events/s, with "
-              f"{rates[True]:,.0f} events/s: {100 * (1 - rates[True] / rates[False]):.1f} % "
-              f"slower (target <= 10 %); mirror CPU {cpus[False]:.1f} µs per event without, "
-              f"{cpus[True]:.1f} with: {100 * (cpus[True] / cpus[False] - 1):.1f} % more "
-              "(steadier on a shared machine)")
+        _digest_figures(rates, cpus)
     if True in copies:
         _verify_figure(copies[True])
 
@@ -323,6 +327,21 @@ async def _apply(args, settings: PlatformSettings, db: Path, digests: bool):
     print(f"apply, digests {'on' if digests else 'off'}: {apply_rate:,.0f} events/s",
           flush=True)
     return mirror, apply_rate, apply_seconds, whole_seconds, cpu_seconds
+
+
+def _digest_figures(rates: dict[bool, list[float]], cpus: dict[bool, list[float]]) -> None:
+    """The apply with the digests' upkeep against without it: each pair of runs (one
+    after the other) and the medians over pairs."""
+    slower = [100 * (1 - on / off) for off, on in zip(rates[False], rates[True], strict=True)]
+    more = [100 * (on / off - 1) for off, on in zip(cpus[False], cpus[True], strict=True)]
+    print(f"digests: apply without upkeep {median(rates[False]):,.0f} events/s, with "
+          f"{median(rates[True]):,.0f} events/s: {median(slower):.1f} % slower (target <= 10 "
+          f"%); mirror CPU {median(cpus[False]):.1f} µs per event without, "
+          f"{median(cpus[True]):.1f} with: {median(more):.1f} % more (steadier on a shared "
+          "machine)" + (" (medians)" if len(slower) > 1 else ""))
+    if len(slower) > 1:
+        print(f"digests, each pair of runs: {', '.join(f'{x:.1f}' for x in slower)} % slower; "
+              f"CPU {', '.join(f'{x:.1f}' for x in more)} % more")
 
 
 def _verify_figure(db: Path) -> None:

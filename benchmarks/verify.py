@@ -4,31 +4,38 @@
 
     .venv/bin/python benchmarks/verify.py [--rows 1000000] [--cores 2] [--runs 3] [--profile]
                                           [--phases throughput,bridge] [--backlog 200000]
-                                          [--mode per-change] [--verify-nice N]
+                                          [--backlog-transactions 200] [--mode per-change]
+                                          [--kinds not-yielding,yielding] [--verify-nice N]
 
 Starts its own PostgreSQL and nats-server (temp dir), the 9-column table of ``snapshot.py``
 (its builder) with ``--rows`` rows, a bridge in this process (the digest waits until the
 bridge has stored every transaction below its lsn; the table is idle, so the bridge is too),
-and measures in the same run, best of ``--runs``:
+and measures in the same run, ``--runs`` times each, alternated:
 
-* the baseline: ``psql -c "COPY (SELECT <same columns>) TO STDOUT" > /dev/null``;
+* the baseline: ``psql -c "COPY (SELECT <same columns>) TO STDOUT" > /dev/null``, run
+  before each verification;
 * ``verify_table`` in this process (``--cores`` range tasks in threads) and as a Spark job on
   ``local[--cores]`` (Spark startup excluded): rows/s of the tasks reading and hashing
-  (``digest_seconds``) and of the whole verification, and the ratio to COPY (target >= 0.5);
+  (``digest_seconds``) and of the whole verification, and the ratio to the COPY run just
+  before it (target >= 0.5): each, their median, and the best against the best;
 * with ``--profile``: a cProfile of one range task digesting the whole table in this thread
   (where the time goes);
 * the ``bridge`` phase: the bridge's catch-up rate over a backlog of ``--backlog`` changes
-  to one table (``cdc.py``'s table and measure: ``cdc-platform bridge`` as a subprocess, from
+  to one table in ``--backlog-transactions`` transactions (the bridge confirms each as it
+  stores it, so its lag falls as it catches up; 1: confirmed only at the end)
+  (``cdc.py``'s table and measure: ``cdc-platform bridge`` as a subprocess, from
   its slot becoming active to its ``confirmed_flush_lsn`` passing the backlog's end), (a)
   alone and (b) while verifications of the 9-column table run in this process
   (``local_parallelism`` ``--cores``), each started once the one before has read the
   table, from before the bridge starts (once the first one is reading) until it caught up,
   so that one is reading at every moment of the catch-up: (b-) not yielding to the bridge (``CDC_VERIFY_YIELD_LAG=0``, as
   before verifications yielded) and (b+) with the default yielding, alternated
-  (a, b-, a, b+) ``--runs`` times (with ``--verify-nice N`` also a, b- with the
-  verification's threads at nice N), then (c) a verification with the bridge idle; prints
-  b/a against the mean of the a runs beside it (target >= 0.9), the cores each process used
-  during the catch-up, the machine's busy cores (every user's), each verification's own
+  (a, b-, a, b+) ``--runs`` times (``--kinds`` picks b- and b+; with ``--verify-nice N``
+  also a, b- with the verification's threads at nice N), then (c) a verification with the
+  bridge idle; prints b/a against the mean of the a runs beside it (target >= 0.9; each,
+  median, range), each a against the a runs beside it (the noise floor), the cores each
+  process used during the catch-up, the machine's busy cores (every user's) and those of
+  other users' processes (the machine's less this benchmark's), each verification's own
   time (whole, its tasks, their yielding), and how long the last one went on after the
   catch-up beside c's whole time. The backlog's WAL must exceed
   ``CDC_VERIFY_YIELD_LAG`` (16 MiB; printed) for b+ to yield.
@@ -44,8 +51,10 @@ import cProfile
 import io
 import os
 import pstats
+import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -60,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # snapshot.py's and cd
 
 import cdc
 from snapshot import (
+    COLUMNS,
     PASSWORD,
     PUBLICATION,
     ROLE,
@@ -84,18 +94,49 @@ from cdc_platform.verify.tasks import DigestSpec, digest_range
 from cdc_platform.wire.digest import MAX_BUCKET_BITS
 
 
-async def best_verification(spark, settings: PlatformSettings, options: SnapshotOptions,
-                            runs: int) -> VerificationResult:
-    """The run with the shortest tasks, of ``runs`` verifications with a bridge running."""
+async def alternated_verifications(spark, settings: PlatformSettings,
+                                   options: SnapshotOptions, runs: int, pg, rows: int
+                                   ) -> list[tuple[float, VerificationResult]]:
+    """``runs`` verifications with a bridge running, each after a ``psql COPY`` of the same
+    table (alternated: the shared machine's speed drifts): (the COPY's rows/s, the result)."""
     bridge = CdcBridge(settings)
     bridge_task = asyncio.create_task(bridge.run())
+    pairs = []
+    postmaster = postmaster_pid(pg)
     try:
-        results = [await verify_table(spark, settings, TABLE, options=options)
-                   for _ in range(runs)]
+        for _ in range(runs):
+            server = postgres_cpu_seconds(postmaster)
+            psql = resource.getrusage(resource.RUSAGE_CHILDREN)
+            copy_seconds = await asyncio.to_thread(psql_copy, pg)
+            psql_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            copy_cpu = (postgres_cpu_seconds(postmaster) - server,
+                        psql_after.ru_utime + psql_after.ru_stime - psql.ru_utime
+                        - psql.ru_stime)
+            server, client = postgres_cpu_seconds(postmaster), time.process_time()
+            result = await verify_table(spark, settings, TABLE, options=options)
+            verify_cpu = (postgres_cpu_seconds(postmaster) - server, time.process_time() - client)
+            pairs.append((rows / copy_seconds, result))
+            print(f"  CPU seconds, PostgreSQL / client: psql COPY {copy_cpu[0]:.2f} / "
+                  f"{copy_cpu[1]:.2f}; verification {verify_cpu[0]:.2f} / "
+                  + (f"{verify_cpu[1]:.2f} (this process)" if spark is None
+                     else "(Spark's workers, not counted)"))
     finally:
         bridge.request_stop()
         await asyncio.wait_for(bridge_task, 60)
-    return min(results, key=lambda result: result.digest_seconds)
+    return pairs
+
+
+def psql_copy(pg) -> float:
+    """Seconds of one ``psql COPY > /dev/null`` of the table (``snapshot.py``'s baseline)."""
+    psql = shutil.which("psql") or str(pg.bin_dir / "psql")
+    command = [psql, "-h", str(pg.socket_dir), "-p", str(pg.port), "-U", "postgres",
+               "-d", "postgres", "-X", "-q", "-c",
+               f"COPY (SELECT {COLUMNS} FROM {TABLE}) TO STDOUT"]
+    env = {**os.environ, "PGOPTIONS": "-c DateStyle=ISO,YMD -c TimeZone=UTC "
+           "-c extra_float_digits=3 -c IntervalStyle=iso_8601 -c bytea_output=hex"}
+    started = time.perf_counter()
+    subprocess.run(command, stdout=subprocess.DEVNULL, check=True, env=env)
+    return time.perf_counter() - started
 
 
 def in_process(parallelism: int) -> SnapshotOptions:
@@ -105,11 +146,49 @@ def in_process(parallelism: int) -> SnapshotOptions:
 
 def busy_cores_counter() -> float:
     """Seconds of CPU every process on this machine used so far (all users: the other
-    work sharing the machine shows here too)."""
+    work sharing the machine shows here too; not the time the hypervisor stole)."""
     fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0]
               .split()[1:]]
     idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    return (sum(fields[:7]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def postmaster_pid(pg) -> int:
+    return int((pg.data_dir / "postmaster.pid").read_text().split("\n", 1)[0])
+
+
+def postgres_cpu_seconds(postmaster: int) -> float:
+    """CPU seconds (user + system) PostgreSQL used so far: the postmaster, the backends it
+    reaped, its live backends (the walsender, COPY backends)."""
+    total = _cpu_of(postmaster, with_reaped=True)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        if int(fields[1]) == postmaster:
+            total += _cpu_of(int(stat.parent.name), with_reaped=False)
+    return total
+
+
+def _cpu_of(pid: int, *, with_reaped: bool) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    ticks = int(fields[11]) + int(fields[12])
+    if with_reaped:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def insert_backlog(admin: psycopg.Connection, first_id: int, changes: int,
+                   transactions: int) -> None:
+    """``changes`` inserts into ``cdc.py``'s table in ``transactions`` transactions: the
+    bridge confirms each as it stores it, so its lag falls as it catches up."""
+    size = -(-changes // transactions)
+    for start in range(first_id, first_id + changes, size):
+        cdc.insert_rows(admin, start, min(size, first_id + changes - start))
 
 
 def start_verifications(settings: PlatformSettings, conninfo: str, parallelism: int,
@@ -171,6 +250,7 @@ def bridge_beside_verification(pg, nats, settings: PlatformSettings, args,
     runs: list[dict] = []
     alone: list[VerificationResult] = []
     next_id = [1]
+    postmaster = postmaster_pid(pg)
     with psycopg.connect(pg.superuser_conninfo(), autocommit=True) as admin:
         cdc.create_events_table(admin)
         provision_database(admin, publication=PUBLICATION, role=ROLE,
@@ -179,7 +259,9 @@ def bridge_beside_verification(pg, nats, settings: PlatformSettings, args,
                          (slot,)).fetchone() is None:
             cdc.create_slots(admin, slot)
         # (verification's threads' nice value, whether it yields); None: the bridge alone
-        kinds: list[tuple[int, bool] | None] = [None, (0, False), None, (0, True)]
+        kinds: list[tuple[int, bool] | None] = []
+        for kind in args.kinds.split(","):
+            kinds += [None, (0, kind == "yielding")]
         if args.verify_nice:
             kinds += [None, (args.verify_nice, False)]
         for round_ in range(args.runs):
@@ -187,7 +269,7 @@ def bridge_beside_verification(pg, nats, settings: PlatformSettings, args,
                 while cdc.slot_state(admin, slot)[0]:  # the last bridge is still leaving
                     time.sleep(0.05)
                 start_lsn = cdc.current_lsn(admin)
-                cdc.insert_rows(admin, next_id[0], args.backlog)
+                insert_backlog(admin, next_id[0], args.backlog, args.backlog_transactions)
                 next_id[0] += args.backlog
                 end_lsn = cdc.current_lsn(admin)
                 run: dict = {"kind": kind, "wal": end_lsn - start_lsn}
@@ -199,13 +281,18 @@ def bridge_beside_verification(pg, nats, settings: PlatformSettings, args,
                         settings if yielding else not_yielding, pg.superuser_conninfo(),
                         args.cores, nice, stop)
                     verification_reading(admin, verifying)
-                # the machine's busy cores from the bridge's start to its catch-up
-                run["busy"], run["started"] = busy_cores_counter(), time.monotonic()
+                # the machine's busy cores from the bridge's start to its catch-up, and
+                # those of the processes of others (the VM is shared)
+                run["busy"], run["postgres"] = (busy_cores_counter(),
+                                                postgres_cpu_seconds(postmaster))
+                run["started"] = time.monotonic()
 
                 def caught_up(run=run, verifying=verifying, stop=stop) -> None:
                     run["caught_up"] = time.monotonic()
-                    run["machine"] = (busy_cores_counter() - run["busy"]) / (
-                        run["caught_up"] - run["started"])
+                    seconds = run["caught_up"] - run["started"]
+                    run["machine"] = (busy_cores_counter() - run["busy"]) / seconds
+                    run["postgres"] = (postgres_cpu_seconds(postmaster) - run["postgres"]
+                                       ) / seconds
                     stop.set()
                     if verifying is not None:  # the bridge confirms the last one's lsn
                         run["verifications"] = verifying.result()
@@ -215,6 +302,10 @@ def bridge_beside_verification(pg, nats, settings: PlatformSettings, args,
                     admin, pg, nats, args.mode, slot, end_lsn, args.backlog, log, None,
                     env=bridge_settings, also_using={"verify": os.getpid()},
                     after_catch_up=caught_up)
+                cores = run["cores"]
+                # what the processes of others used: the machine less this benchmark's
+                run["others"] = run["machine"] - run["postgres"] - cores["bridge"] - cores[
+                    "nats-server"] - cores["verify"]
                 runs.append(run)
                 print_bridge_run(run, args.backlog)
             while cdc.slot_state(admin, slot)[0]:
@@ -257,7 +348,9 @@ def print_bridge_run(run: dict, backlog: int) -> None:
     line = (f"  {kind_label(run):44s} {run['rate']:>9,.0f} ev/s ({run['wal'] / 1024**2:.0f} MiB"
             f" of WAL) | cores bridge {cores['bridge']:.2f} walsender "
             f"{cores['walsender']:.2f} nats {cores['nats-server']:.2f} verification (this "
-            f"process) {cores['verify']:.2f}, machine busy {run['machine']:.2f}")
+            f"process) {cores['verify']:.2f} PostgreSQL but the walsender "
+            f"{run['postgres'] - cores['walsender']:.2f}, machine busy {run['machine']:.2f} "
+            f"(others' processes {run['others']:.2f})")
     if run["kind"] is not None:
         line += (f" | done {run['verified'] - run['caught_up']:.2f}s after the catch-up: "
                  + "; ".join(map(verification_times, run["verifications"])))
@@ -283,7 +376,18 @@ def print_bridge_ratios(runs: list[dict], alone: list[VerificationResult], args)
     for label, ratios in by_kind.items():
         print(f"  {label}: "
               + ", ".join(f"{ratio:.2f}" for ratio in ratios)
-              + f" (median {statistics.median(ratios):.2f})")
+              + f" (median {statistics.median(ratios):.2f}, range {min(ratios):.2f}-"
+              f"{max(ratios):.2f})")
+    # the noise floor: each alone run against the alone runs beside it
+    rates = [run["rate"] for run in runs if run["kind"] is None]
+    floor = [rate / statistics.mean(rates[max(0, i - 1):i] + rates[i + 1:i + 2])
+             for i, rate in enumerate(rates) if len(rates) > 1]
+    if floor:
+        print("  alone against the alone runs beside it (the noise): "
+              + ", ".join(f"{ratio:.2f}" for ratio in floor)
+              + f" (median {statistics.median(floor):.2f})")
+    print("  others' processes during the runs, cores: "
+          + ", ".join(f"{run['others']:.2f}" for run in runs))
     # A digest is published once the bridge stored its lsn, and every verification here
     # began behind the backlog: none ends before the catch-up. What yielding costs is the
     # reading not done meanwhile: how long the last one went on after the catch-up (against
@@ -296,13 +400,21 @@ def print_bridge_ratios(runs: list[dict], alone: list[VerificationResult], args)
               + " | " + ", ".join(map(str, finished[label])))
 
 
-def report(label: str, result: VerificationResult, copy_rate: float) -> None:
-    whole = result.rows_read / result.duration_seconds
-    print(f"  {label:11s}: tasks {result.digest_seconds:.2f}s {result.rows_per_second:,.0f} "
-          f"rows/s, ratio to COPY {result.rows_per_second / copy_rate:.2f} | whole "
-          f"verification {result.duration_seconds:.2f}s ({whole:,.0f} rows/s; waited "
-          f"{result.wait_seconds:.2f}s for the bridge) | {result.partitions} ranges, "
-          f"{result.row_count:,} rows at {result.bits} bits")
+def report(label: str, pairs: list[tuple[float, VerificationResult]]) -> None:
+    """Each verification against the COPY run just before it, and the best of each."""
+    ratios = [result.rows_per_second / copy_rate for copy_rate, result in pairs]
+    for copy_rate, result in pairs:
+        whole = result.rows_read / result.duration_seconds
+        print(f"  {label:11s}: COPY {copy_rate:,.0f} rows/s, tasks "
+              f"{result.digest_seconds:.2f}s {result.rows_per_second:,.0f} rows/s, ratio to "
+              f"COPY {result.rows_per_second / copy_rate:.2f} | whole verification "
+              f"{result.duration_seconds:.2f}s ({whole:,.0f} rows/s; waited "
+              f"{result.wait_seconds:.2f}s for the bridge) | {result.partitions} ranges, "
+              f"{result.row_count:,} rows at {result.bits} bits")
+    best = max(result.rows_per_second for _, result in pairs) / max(
+        copy_rate for copy_rate, _ in pairs)
+    print(f"  {label:11s}: ratio to the COPY before it {', '.join(f'{r:.2f}' for r in ratios)}"
+          f" (median {statistics.median(ratios):.2f}); best / best {best:.2f}")
 
 
 def profile_task(settings: PlatformSettings) -> None:
@@ -335,7 +447,12 @@ def main() -> None:
     # its WAL (~170 bytes a change) well over CDC_VERIFY_YIELD_LAG's 16 MiB
     parser.add_argument("--backlog", type=int, default=200_000,
                         help="changes the bridge catches up on in the bridge phase")
+    parser.add_argument("--backlog-transactions", type=int, default=200,
+                        help="the backlog's transactions (1: one transaction, confirmed "
+                             "only at its end)")
     parser.add_argument("--mode", default="per-change", help="the bridge's message mode")
+    parser.add_argument("--kinds", default="not-yielding,yielding",
+                        help="bridge phase: the verifications beside the bridge, in turn")
     parser.add_argument("--verify-nice", type=int, default=0,
                         help="bridge phase: also a verification whose threads run at this "
                              "nice value")
@@ -346,27 +463,26 @@ def main() -> None:
     try:
         asyncio.run(_provision(nats))
         create_table(pg, args.rows)
-        copy_seconds, copy_bytes = baseline(pg, max(3, args.runs))
-        copy_rate = args.rows / copy_seconds
+        copy_seconds, copy_bytes = baseline(pg, 1)
         print(f"{args.rows:,} rows, COPY text {copy_bytes / 1e6:.1f} MB, {os.cpu_count()} CPUs")
-        print(f"baseline psql COPY > /dev/null: {copy_seconds:.2f}s {copy_rate:,.0f} rows/s")
+        print(f"a first psql COPY > /dev/null: {copy_seconds:.2f}s "
+              f"{args.rows / copy_seconds:,.0f} rows/s")
         # an idle slot moves on the bridge's heartbeat: keep the wait for it short
         settings = platform_settings(pg, nats).model_copy(update={"bridge": BridgeSettings(
             http_port=0, heartbeat_interval_seconds=1.0)})
         phases = args.phases.split(",")
         if "throughput" in phases:
-            here = asyncio.run(best_verification(None, settings, in_process(args.cores),
-                                                 args.runs))
-            report("in-process", here, copy_rate)
+            report("in-process", asyncio.run(alternated_verifications(
+                None, settings, in_process(args.cores), args.runs, pg, args.rows)))
             spark, created, warmup = spark_session(args.cores)
             print(f"Spark local[{args.cores}]: session {created:.2f}s, first job "
                   f"{warmup:.2f}s [startup, excluded]")
             try:
-                on_spark = asyncio.run(best_verification(
-                    spark, settings, SnapshotOptions(small_table_bytes=0), args.runs))
+                report("Spark", asyncio.run(alternated_verifications(
+                    spark, settings, SnapshotOptions(small_table_bytes=0), args.runs, pg,
+                    args.rows)))
             finally:
                 spark.stop()
-            report("Spark", on_spark, copy_rate)
         if args.profile:
             profile_task(settings)
         if "bridge" in phases:

@@ -501,8 +501,10 @@ class VerifySettings(_Settings):
     yield_lag_bytes: Bytes = Field(
         16 * 1024**2, ge=0, validation_alias=_env("CDC_VERIFY_YIELD_LAG"),
         description="A verification gives way to CDC: its tasks pause between blocks of "
-        "rows while the bridge's slot has more than this much WAL unconfirmed "
-        "(pg_current_wal_lsn() - confirmed_flush_lsn, read at most every 0.2 s). Above "
+        "rows once the bridge's slot has more than this much WAL unconfirmed "
+        "(pg_current_wal_lsn() - confirmed_flush_lsn, read at most every 0.05 s), until the "
+        "bridge has caught up: confirmed the WAL flushed when they began to pause, or "
+        "down to a sixteenth of this behind. Above "
         "what a keeping-up bridge shows between its confirmations (the WAL written in ~1 s "
         "at peak), below CDC_LAG_WARN. 0: never pause. No slot, or no bridge streaming it: "
         "no pause.")

@@ -42,7 +42,7 @@ PURE_PYTHON = os.environ.get("CDC_PLATFORM_PURE_PYTHON", "").strip().lower() in 
 TWINNED = ("bridge.events", "jetstream.frames", "jetstream.pull", "mirror.snapshots",
            "mirror.store", "mirror.stored_values", "protocol.changes", "protocol.pgoutput",
            "protocol.values", "publishing.framing", "publishing.publisher", "snapshot.chunks",
-           "wire.digest", "wire.encoding")
+           "snapshot.copy_out", "wire.digest", "wire.encoding")
 
 
 

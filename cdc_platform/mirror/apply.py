@@ -13,12 +13,21 @@ import contextlib
 import math
 import operator
 import sqlite3
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    Callable,
+    Collection,
+    Iterable,
+    Iterator,
+    Mapping,
+    MutableSequence,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cdc_platform.mirror.columns import TableShape, insert_statement, quote, to_sqlite
 from cdc_platform.mirror.errors import DivergenceError, MirrorError
+from cdc_platform.wire.digest import TableDigest
 
 # What a change's content can make applying it raise (a column the table lacks, a value no
 # type maps, a malformed field or schema): the change does not fit; see from_the_change.
@@ -67,6 +76,28 @@ class _Prepared:
     compiled: tuple | None
 
 
+class DigestBuckets(Protocol):
+    """A table's bucket digests as a ``TableDigest`` holds them: its lists, or C arrays
+    (``RowHashes.kept``) read and written the same way."""
+
+    @property
+    def bits(self) -> int: ...
+
+    @property
+    def totals(self) -> MutableSequence[int]: ...
+
+    @property
+    def counts(self) -> MutableSequence[int]: ...
+
+    def entries(self) -> bytes:
+        """The buckets that are not empty, packed as the digests' journal entries."""
+        ...
+
+    def load(self, packed: bytes) -> int:
+        """Packed journal entries set into their buckets in order; how many."""
+        ...
+
+
 class BucketSums(Protocol):
     """One table's row hashes of a transaction, summed by bucket (``RowHashes.take``)."""
 
@@ -75,7 +106,7 @@ class BucketSums(Protocol):
 
     def buckets(self) -> dict[int, tuple[int, int]]: ...
 
-    def apply(self, totals: list[int], counts: list[int]) -> bytes: ...
+    def apply(self, digest: DigestBuckets) -> bytes: ...
 
 
 class RowHashes(Protocol):
@@ -106,6 +137,8 @@ class RowHashes(Protocol):
     def resume(self) -> None: ...
 
     def take(self, bits: int) -> dict[int, BucketSums]: ...
+
+    def kept(self, bits: int, digest: TableDigest | None = None) -> DigestBuckets: ...
 
     def clear(self) -> None: ...
 

@@ -23,9 +23,10 @@ Two ways to record, the same hashes:
   ``ROLLBACK TO`` takes back by itself.
 
 The buckets a commit touched are appended to the table's journal (one row: they are scattered
-over the whole buckets table, whose pages each commit would otherwise rewrite) and written
-back into the buckets table once the journal holds ``JOURNAL_ENTRIES``; :func:`read_digest`
-reads both.
+over the whole buckets table, whose pages each commit would otherwise rewrite); once it holds
+``JOURNAL_ENTRIES`` the journal is compacted into one row of the table's non-empty buckets.
+:func:`read_digest` reads the buckets table (which files written before hold) and the journal.
+With the hook, the cached digests are C arrays (``RowHashes.kept``) the fold adds into.
 
 A schema change drops the table's triggers (they name its columns) and installs new ones;
 one that changes rows' hashes (a column dropped, renamed, or added with a value) recomputes
@@ -40,22 +41,26 @@ import struct
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from cdc_platform.mirror.apply import BucketSums, RowHashes, Statements
+from cdc_platform.mirror.apply import BucketSums, DigestBuckets, RowHashes, Statements
 from cdc_platform.mirror.columns import TableShape, quote
 from cdc_platform.mirror.errors import DivergenceError
 from cdc_platform.mirror.stored_values import StoredRowDigester, digest_stored_rows
 from cdc_platform.wire.digest import HASH_BITS, MAX_BUCKET_BITS, TableDigest
 
-DIGESTS_TABLE = "_cdc_mirror_digests"  # (wire_table, bucket, total, count): non-empty buckets
+# (wire_table, bucket, total, count): non-empty buckets, as written before the journal was
+# compacted into itself (read, emptied at a table's next compaction)
+DIGESTS_TABLE = "_cdc_mirror_digests"
 KEPT_TABLE = "_cdc_mirror_digest_tables"  # the tables whose digests are kept current
-# (wire_table, buckets): per commit and table, the buckets it touched as they became (packed
-# _ENTRY records, the later row winning), until they are written back into DIGESTS_TABLE
+# (wire_table, buckets): a table's non-empty buckets (its last compaction), then per commit
+# the buckets it touched as they became (packed _ENTRY records, the later row winning)
 JOURNAL_TABLE = "_cdc_mirror_digest_journal"
 BITS = MAX_BUCKET_BITS  # a mirror keeps 16,384 buckets and folds to what a source sends
 # A commit's buckets are scattered over the whole DIGESTS_TABLE (100 changes touched ~60 of its
 # pages, each written to the WAL: half the upkeep's cost); appended to the journal they are one
-# row. A table's journal is written back once it holds this many entries (~4.7 MB: read in
-# ~50 ms; a write-back, ~35 ms, comes every ~200K changes: ~0.2 us a change).
+# row. A table's journal is compacted once it holds this many entries (~4.7 MB: read in
+# ~50 ms into lists, a few ms into the hook's C arrays; a compaction, ~9 ms, is mostly
+# SQLite deleting the journal's rows, where writing 16,384 rows back into DIGESTS_TABLE
+# cost ~35 ms).
 JOURNAL_ENTRIES = 16 << BITS
 
 _CHANGES = "_cdc_digest_changes"  # TEMP: (table id, sign, hashes) of the open transaction
@@ -70,11 +75,6 @@ _KINDS = ("insert", "update", "delete")
 
 # a bucket's change in one transaction: (total added mod 2^64, rows added)
 Deltas = dict[int, tuple[int, int]]
-
-
-def signed(total: int) -> int:
-    """A bucket total (unsigned 64 bits) as SQLite's INTEGER holds it."""
-    return total - (1 << HASH_BITS) if total >> (HASH_BITS - 1) else total
 
 
 def create_tables(db: sqlite3.Connection) -> None:
@@ -96,14 +96,17 @@ def has_preupdate_hook(db: sqlite3.Connection) -> bool:
 
 def read_digest(db: sqlite3.Connection, table: str) -> TableDigest | None:
     """``table``'s stored digest, or None when it is not kept."""
-    return _read(db, table)[0]
+    digest = _ListBuckets(BITS)
+    if _read(db, table, digest) is None:
+        return None
+    return TableDigest(digest.bits, digest.totals, digest.counts)
 
 
-def _read(db: sqlite3.Connection, table: str) -> tuple[TableDigest | None, int]:
-    """(``table``'s stored digest or None, the entries of its journal)."""
+def _read(db: sqlite3.Connection, table: str, digest: DigestBuckets) -> int | None:
+    """``table``'s stored digest read into ``digest`` (empty): the entries of its journal;
+    None: not kept."""
     if db.execute(f"SELECT 1 FROM {KEPT_TABLE} WHERE wire_table = ?", (table,)).fetchone() is None:
-        return None, 0
-    digest = TableDigest(BITS)
+        return None
     totals, counts = digest.totals, digest.counts
     for bucket, total, count in db.execute(
             f"SELECT bucket, total, count FROM {DIGESTS_TABLE} WHERE wire_table = ?", (table,)):
@@ -112,10 +115,8 @@ def _read(db: sqlite3.Connection, table: str) -> tuple[TableDigest | None, int]:
     if db.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (JOURNAL_TABLE,)).fetchone():
         for (packed,) in db.execute(f"SELECT buckets FROM {JOURNAL_TABLE} WHERE wire_table = ?"
                                     " ORDER BY rowid", (table,)):
-            for bucket, total, count in _ENTRY.iter_unpack(packed):
-                totals[bucket], counts[bucket] = total, count
-                entries += 1
-    return digest, entries
+            entries += digest.load(packed)
+    return entries
 
 
 def scan_digest(db: sqlite3.Connection, shape: TableShape) -> TableDigest:
@@ -148,7 +149,8 @@ class DigestKeeper:
         # the open transaction made before a schema change are still its table's
         self._tables: dict[int, str] = {}
         self._next_id = 1
-        self._digests: dict[str, TableDigest] = {}  # as committed (and folded), cached
+        # as committed (and folded), cached: in C arrays with the hook (RowHashes.kept)
+        self._digests: dict[str, DigestBuckets] = {}
         self._journaled: dict[str, int] = {}  # a cached digest's table -> its journal entries
         create_tables(db)
         if not enabled:
@@ -381,7 +383,7 @@ class DigestKeeper:
             if table in deltas_of:
                 deltas[table] = table_sums.buckets()
             digest = self._digest(table)
-            self._journal(table, digest, table_sums.apply(digest.totals, digest.counts))
+            self._journal(table, digest, table_sums.apply(digest))
         return deltas
 
     def _taken(self, rows: RowHashes) -> dict[int, BucketSums]:
@@ -483,12 +485,21 @@ class DigestKeeper:
             f"CREATE TEMP TRIGGER {quote(_trigger(table, kind))} AFTER {kind.upper()} ON "
             f"main.{quote(table)} BEGIN INSERT INTO {_CHANGES} VALUES {rows}; END")
 
-    def _digest(self, table: str) -> TableDigest:
+    def _digest(self, table: str) -> DigestBuckets:
         digest = self._digests.get(table)
         if digest is None:
-            stored, self._journaled[table] = _read(self._db, table)
-            digest = self._digests[table] = stored or TableDigest(BITS)
+            digest = self._digests[table] = self._cached()
+            self._journaled[table] = _read(self._db, table, digest) or 0
         return digest
+
+    def _cached(self, digest: TableDigest | None = None) -> DigestBuckets:
+        """``digest`` (None: an empty one) as this keeper caches it: with the hook in C
+        arrays, which the fold adds into and a journal is read into in C."""
+        if self._rows is not None:
+            return self._rows.kept(BITS, digest)
+        if digest is None:
+            return _ListBuckets(BITS)
+        return _ListBuckets(digest.bits, digest.totals, digest.counts)
 
     def _kept(self) -> set[str]:
         return {row[0] for row in self._db.execute(f"SELECT wire_table FROM {KEPT_TABLE}")}
@@ -507,35 +518,54 @@ class DigestKeeper:
         """``table``'s digest is ``digest`` (from its rows, or empty) from now on."""
         self._drop_changes(table)
         self._db.execute(f"INSERT OR REPLACE INTO {KEPT_TABLE} VALUES (?, ?)", (table, BITS))
-        self._store(table, digest)
-        self._digests[table] = digest
+        self._digests[table] = cached = self._cached(digest)
+        self._store(table, cached)
 
-    def _store(self, table: str, digest: TableDigest) -> None:
-        """Every bucket of ``table`` written into DIGESTS_TABLE, its journal emptied."""
+    def _store(self, table: str, digest: DigestBuckets) -> None:
+        """``table``'s non-empty buckets as its only journal row (its rows in DIGESTS_TABLE
+        deleted: an empty bucket has no entry to override one)."""
         for bookkeeping in (DIGESTS_TABLE, JOURNAL_TABLE):
             self._db.execute(f"DELETE FROM {bookkeeping} WHERE wire_table = ?", (table,))
-        self._db.executemany(
-            f"INSERT INTO {DIGESTS_TABLE} VALUES (?, ?, ?, ?)",
-            ((table, bucket, signed(total), count) for bucket, (total, count)
-             in enumerate(zip(digest.totals, digest.counts, strict=True)) if total or count))
-        self._journaled[table] = 0
+        entries = digest.entries()
+        if entries:
+            self._db.execute(f"INSERT INTO {JOURNAL_TABLE} VALUES (?, ?)", (table, entries))
+        self._journaled[table] = len(entries) // _ENTRY.size
 
-    def _write(self, table: str, digest: TableDigest, buckets: Collection[int]) -> None:
+    def _write(self, table: str, digest: DigestBuckets, buckets: Collection[int]) -> None:
         """``buckets`` of ``table`` (whose digest is cached) as they are now: into its
-        journal, or, when that is full, every bucket back into DIGESTS_TABLE."""
+        journal, or, when that is full, the journal compacted."""
         totals, counts = digest.totals, digest.counts
         self._journal(table, digest, b"".join(
             [_ENTRY.pack(bucket, totals[bucket], counts[bucket]) for bucket in buckets]))
 
-    def _journal(self, table: str, digest: TableDigest, entries: bytes) -> None:
+    def _journal(self, table: str, digest: DigestBuckets, entries: bytes) -> None:
         """Packed ``entries`` (of ``table``'s buckets as they are now) into its journal, or,
-        when that is full, every bucket back into DIGESTS_TABLE."""
+        when that is full, the journal compacted."""
         journaled = self._journaled.get(table, 0) + len(entries) // _ENTRY.size
         if journaled > JOURNAL_ENTRIES:
             self._store(table, digest)
             return
         self._db.execute(f"INSERT INTO {JOURNAL_TABLE} VALUES (?, ?)", (table, entries))
         self._journaled[table] = journaled
+
+
+class _ListBuckets(TableDigest):
+    """A digest in its lists (without the hook), read and written as journal entries."""
+
+    def entries(self) -> bytes:
+        """The non-empty buckets, packed as journal entries."""
+        return b"".join([_ENTRY.pack(bucket, total, count) for bucket, (total, count)
+                         in enumerate(zip(self.totals, self.counts, strict=True))
+                         if total or count])
+
+    def load(self, packed: bytes) -> int:
+        """Packed journal entries set into their buckets in order; how many."""
+        totals, counts = self.totals, self.counts
+        entries = 0
+        for bucket, total, count in _ENTRY.iter_unpack(packed):
+            totals[bucket], counts[bucket] = total, count
+            entries += 1
+        return entries
 
 
 class _RowHasher:

@@ -94,7 +94,9 @@ digest_fields: Callable[[TableDigest, RowDigester, list[str], int, int, tuple[in
                          tuple[Converter, ...], Callable[[str], str]], int] | None = None
 #: ``(digest, digester, text, width, kinds, converters, unescape) -> rows``: a block's COPY
 #: text hashed into a table digest without a Python str per field (:meth:`Chunker.digest`
-#: of :meth:`Chunker.parse`'s fields); None hands a malformed block back. Compiled only.
+#: of :meth:`Chunker.parse`'s fields), the GIL released while it hashes rows whose fields
+#: need no Python (the range tasks of one process hash at once); None hands a malformed
+#: block back. Compiled only.
 digest_block: Callable[[TableDigest, RowDigester, str, int, tuple[int, ...],
                         tuple[Converter, ...], Callable[[str], str]], int | None] | None = None
 

@@ -52,6 +52,7 @@ from cdc_platform.publishing.claim_check import ClaimChecks
 from cdc_platform.settings import NatsSettings
 from cdc_platform.snapshot.buckets import BucketFilter, BucketSelection
 from cdc_platform.snapshot.chunks import Chunk, Chunker, ChunkLayout
+from cdc_platform.snapshot.copy_out import ENDED, WAIT, read_copy_data
 from cdc_platform.snapshot.plan import BlockRange
 from cdc_platform.wire import HEADER_MSG_ID, MessageSigner
 
@@ -146,12 +147,15 @@ def _raise_for(result: PGresultType, what: str) -> None:
     raise SnapshotError(f"{what} failed: {message}")
 
 
-async def copy_blocks(pgconn: PGconnType, command: str) -> AsyncIterator[bytearray]:
+async def copy_blocks(pgconn: PGconnType, command: str, *, block_bytes: int = _BLOCK_BYTES,
+                      min_block_bytes: int = _MIN_BLOCK_BYTES) -> AsyncIterator[bytearray]:
     """Run ``COPY ... TO STDOUT`` (text) and yield blocks of complete lines (each ending with
-    ``\\n``) of 64 to 512 KiB (the last one may be smaller).
+    ``\\n``) of ``min_block_bytes`` to ``block_bytes`` (64 to 512 KiB; the last one may be
+    smaller).
 
-    Rows are appended to one ``bytearray`` as they come (``PQgetCopyData`` hands out one row
-    per call): joining them later would cost twice as much.
+    Rows are appended to one ``bytearray`` as they come, every row libpq has received in one
+    call (:func:`~cdc_platform.snapshot.copy_out.read_copy_data`; ``PQgetCopyData`` hands
+    out one row at a time): joining them later would cost twice as much.
     """
     pgconn.send_query(command.encode())
     while pgconn.flush():
@@ -167,25 +171,13 @@ async def copy_blocks(pgconn: PGconnType, command: str) -> AsyncIterator[bytearr
             _raise_for(result, "COPY")
         raise SnapshotError("COPY returned no result")
     buffer = bytearray()
-    get_copy_data = pgconn.get_copy_data
-    done = False
-    while not done:
-        while True:
-            nbytes, data = get_copy_data(1)
-            if nbytes > 0:
-                buffer += data
-                if len(buffer) >= _BLOCK_BYTES:
-                    break
-            elif nbytes == 0:
-                break
-            else:
-                done = True
-                break
+    while True:
+        state = read_copy_data(pgconn, buffer, block_bytes)
         # Hand on a block when it is full, and also when libpq has nothing more right now
         # and the block is worth a call: converting it lets PostgreSQL refill the socket
         # meanwhile, where waiting would leave both sides idle in turn.
-        if len(buffer) >= _BLOCK_BYTES or (buffer and (done or (
-                nbytes == 0 and len(buffer) >= _MIN_BLOCK_BYTES))):
+        if len(buffer) >= block_bytes or (buffer and (
+                state == ENDED or len(buffer) >= min_block_bytes)):
             # PostgreSQL sends one row per CopyData message, but the protocol does not
             # promise it: hand on complete lines only.
             end = buffer.rfind(b"\n") + 1
@@ -196,9 +188,10 @@ async def copy_blocks(pgconn: PGconnType, command: str) -> AsyncIterator[bytearr
                 block = buffer[:end]
                 del buffer[:end]
                 yield block
-        if not done and nbytes == 0:
+        if state == ENDED:
+            break
+        if state == WAIT:
             await _readable(pgconn)
-            pgconn.consume_input()
     if buffer:
         raise SnapshotError("COPY output ended inside a row")
     while (result := pgconn.get_result()) is not None:

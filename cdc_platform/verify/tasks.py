@@ -3,7 +3,8 @@ snapshot task does (:mod:`cdc_platform.snapshot.reader`: same session, same ``CO
 converters), and digest the rows instead of publishing them: :meth:`Chunker.digest_block`
 hashes the COPY text straight into the digest where the compiled twin is built, else the
 converted columns.
-Between blocks it gives way to the bridge while that is behind (:mod:`.yielding`).
+Before its COPY and between blocks it gives way to the bridge while that is behind
+(:mod:`.yielding`).
 A task returns its buckets' (total, count) pairs to the driver, never rows."""
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from cdc_platform.verify.yielding import BridgeGate, YieldPolicy
 from cdc_platform.wire.digest import HASH_BITS, RowDigester, TableDigest, pack_totals
 
 _MASK = (1 << HASH_BITS) - 1
+# COPY text a task digests at a time, at most and (unless the COPY has ended) at least:
+# blocks 8x a snapshot's, as the compiled digest hashes them without the GIL (~10 % less
+# CPU a row than 512 KiB blocks, measured: fewer waits for the socket and calls per row)
+_BLOCK_BYTES = 4 * 1024**2
+_MIN_BLOCK_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +97,10 @@ async def digest_range(spec: DigestSpec, block_range: BlockRange,
         with imported_snapshot(spec.conninfo, spec.snapshot_name,
                                qualified_table=spec.qualified_table,
                                lock_timeout_ms=spec.lock_timeout_ms) as conn:
-            async for block in copy_blocks(conn.pgconn, spec.copy_command(block_range)):
+            await gate.give_way()  # before a first block: it may be megabytes
+            async for block in copy_blocks(conn.pgconn, spec.copy_command(block_range),
+                                           block_bytes=_BLOCK_BYTES,
+                                           min_block_bytes=_MIN_BLOCK_BYTES):
                 await gate.give_way()
                 # hashed from the COPY text, no row maps; a value no converter takes stays
                 # text, as in a snapshot chunk

@@ -4,13 +4,27 @@ A verification is background work; the bridge is not. On a machine where both wa
 cores, a verification's tasks (reading COPY and hashing it, and PostgreSQL producing that
 COPY) take CPU the bridge, its walsender and nats-server need, and the bridge falls behind.
 So, as Vitess's VReplication streams (VDiff's among them) consult the tablet throttler and
-gh-ost and pt-table-checksum check replica lag between chunks, a task reads between blocks of
-rows how far the bridge is behind (its slot's ``confirmed_flush_lsn`` against
+gh-ost and pt-table-checksum check replica lag between chunks, a task reads before its COPY
+and between blocks of rows how far the bridge is behind (its slot's ``confirmed_flush_lsn`` against
 ``pg_current_wal_lsn()``, at most every :data:`CHECK_SECONDS`, on a connection of its own)
-and, while that is more than ``CDC_VERIFY_YIELD_LAG``, waits, backing off from
-:data:`FIRST_PAUSE_SECONDS` to :data:`LONGEST_PAUSE_SECONDS`. Its COPY waits with it:
+and, once that is more than ``CDC_VERIFY_YIELD_LAG``, waits until the bridge has caught up:
+it has confirmed the WAL that was flushed when the task began to wait
+(``pg_current_wal_flush_lsn()`` then), or its lag is down to :data:`CAUGHT_UP_SHARE` of the
+limit (the tail of the WAL, a record not flushed whole yet, can stay unsent for seconds, and
+the bridge cannot confirm what it was not sent), backing off
+from :data:`FIRST_PAUSE_SECONDS` to :data:`LONGEST_PAUSE_SECONDS`. Its COPY waits with it:
 PostgreSQL's sending backend blocks on the full socket, so the source's side of the work
 pauses too.
+
+Why wait until then rather than only until the lag is under the limit again: a bridge
+catching up on many transactions confirms as it goes, so its lag falls steadily; a task going
+on at the limit took both cores back (the compiled digest reads and hashes without the GIL)
+for the rest of the catch-up, and kept the bridge about that far behind for as long as the
+verification read. And why not only until the lag is that small: a bridge keeping up with a
+heavy load always shows some lag (it confirms about once a second), which may never be that
+small; the point flushed when the task began to wait is reached by any bridge that catches
+up, whatever is written meanwhile. What was written meanwhile starts a new wait only if it is
+again more than the limit.
 
 Unlike those tools a task yields for a bounded total only (its share of
 ``CDC_VERIFY_MAX_YIELD``): it holds an exported snapshot (VACUUM cannot remove rows deleted
@@ -38,19 +52,26 @@ from dataclasses import dataclass
 import psycopg
 
 from cdc_platform.errors import VerificationError
+from cdc_platform.lsn import format_lsn
 
 log = logging.getLogger(__name__)
 
-CHECK_SECONDS = 0.2  # a reading task reads the bridge's lag at most this often
+# A reading task reads the bridge's lag at most this often: a bridge that fell behind gets
+# the cores back within it (a check is one query of shared memory, ~0.2 ms)
+CHECK_SECONDS = 0.05
+CAUGHT_UP_SHARE = 1 / 16  # a lag this share of the limit is caught up (1 MiB by default)
 FIRST_PAUSE_SECONDS = 0.05  # a yield's first pause; each next one twice as long ...
 LONGEST_PAUSE_SECONDS = 1.0  # ... up to this: the bridge caught up is noticed within it
 STOP_CHECK_SECONDS = 0.05  # a pausing task sees its verification stopped within this
 
 # One row of pg_replication_slots: cheap (the slots are in shared memory). A slot that no
-# bridge streams from is not active; lag NULL: a slot that has confirmed nothing yet. And
-# whether a lock request waits for the table (its locks, in pg_locks).
+# bridge streams from is not active; confirmed NULL: a slot that has confirmed nothing yet.
+# The lag, and the WAL flushed and confirmed as bytes from 0/0. And whether a lock request
+# waits for the table (its locks, in pg_locks).
 _LAG_QUERY = """
 SELECT active, pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint,
+       pg_wal_lsn_diff(pg_current_wal_flush_lsn(), '0/0')::bigint,
+       pg_wal_lsn_diff(confirmed_flush_lsn, '0/0')::bigint,
        EXISTS (SELECT FROM pg_locks WHERE locktype = 'relation' AND NOT granted
                AND database = (SELECT oid FROM pg_database
                                WHERE datname = current_database())
@@ -102,7 +123,14 @@ class BridgeGate:
         assert self.policy is not None
         pause = FIRST_PAUSE_SECONDS
         episode = 0.0
-        while (lag := await self._lag()) is not None and lag > self.policy.lag_bytes:
+        caught_up_at = 0  # the WAL flushed when the task began to wait
+        while (position := await self._position()) is not None:
+            lag, flushed, confirmed = position
+            if not episode and lag <= self.policy.lag_bytes:
+                break
+            if episode and (confirmed >= caught_up_at
+                            or lag <= self.policy.lag_bytes * CAUGHT_UP_SHARE):
+                break
             left = self.policy.budget_seconds - self.yielded_seconds
             if left <= 0:
                 log.warning("%s: yielded %.1fs in all to the bridge, its share of "
@@ -112,9 +140,10 @@ class BridgeGate:
                 self._off = True
                 break
             if not episode:
+                caught_up_at = flushed
                 log.info("%s: the bridge is %s behind (slot %s; CDC_VERIFY_YIELD_LAG %s): "
-                         "yielding", self._what, _mib(lag), self.policy.slot,
-                         _mib(self.policy.lag_bytes))
+                         "yielding until it has confirmed %s", self._what, _mib(lag),
+                         self.policy.slot, _mib(self.policy.lag_bytes), format_lsn(flushed))
             wait = min(pause, left)
             await self._pause(wait)
             episode += wait
@@ -135,9 +164,10 @@ class BridgeGate:
         if self._stop is not None and self._stop.is_set():
             raise VerificationError(f"{self._what}: stopped, the verification ended")
 
-    async def _lag(self) -> int | None:
-        """Bytes of WAL the bridge has not confirmed; None: no bridge streams the slot, or
-        a lock request waits for the table (or the lag cannot be read: then the task stops
+    async def _position(self) -> tuple[int, int, int] | None:
+        """(bytes of WAL the bridge has not confirmed, the WAL flushed, what the bridge
+        confirmed), positions in bytes from 0/0; None: no bridge streams the slot, or a lock
+        request waits for the table (or they cannot be read: then the task stops
         checking)."""
         assert self.policy is not None
         try:
@@ -155,14 +185,15 @@ class BridgeGate:
             return None
         if row is None:
             return None
-        active, lag, lock_waiting = row
+        active, lag, flushed, confirmed, lock_waiting = row
         if lock_waiting:
             if not self._lock_waiting:
                 log.info("%s: a lock request (DDL?) waits for the table: reading on, not "
                          "yielding", self._what)
             self._lock_waiting = True
             return None
-        return int(lag) if active and lag is not None else None
+        return (int(lag), int(flushed), int(confirmed)) if active and confirmed is not None \
+            else None
 
     async def close(self) -> None:
         if self._conn is not None:

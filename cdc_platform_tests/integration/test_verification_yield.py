@@ -6,8 +6,10 @@ bridge held behind is the real replication protocol confirming nothing (``held_s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import psycopg
@@ -24,6 +26,7 @@ from cdc_platform.verify.tasks import DigestSpec, digest_range
 from cdc_platform.verify.yielding import YieldPolicy
 from cdc_platform.wire.digest import MAX_BUCKET_BITS
 from cdc_platform_tests.fixtures.bridge import (
+    HeldSlot,
     held_slot,
     running_bridge,
     slot_confirmed,
@@ -43,13 +46,14 @@ pytestmark = pytest.mark.every_major
 ROWS = 3_000
 YIELD_LAG = 64 * 1024  # the test's threshold; its ballast writes ~20x that
 HOLD_SECONDS = 1.5  # how long the bridge stays behind
+NEARLY_SECONDS = 2.5  # how long it stays under the threshold, not caught up
 
 
-def _table(pg_admin, cdc_database) -> str:
+def _table(pg_admin, cdc_database, rows: int = ROWS) -> str:
     table = random_name("yielding")
     pg_admin.execute(f"CREATE TABLE {table} ({LIVE_TABLE_COLUMNS})")
     pg_admin.execute(f"INSERT INTO {table} SELECT i, i % 100, 'r' || i, now(), ARRAY['a'] "
-                     f"FROM generate_series(1, {ROWS}) i")
+                     f"FROM generate_series(1, {rows}) i")
     cdc_database.add_tables(pg_admin, table)
     return table
 
@@ -57,6 +61,17 @@ def _table(pg_admin, cdc_database) -> str:
 def _ballast(pg_admin, table: str) -> None:
     """WAL of the published table, well over YIELD_LAG, that a held slot has not confirmed."""
     pg_admin.execute(f"UPDATE {table} SET txt = txt || repeat('x', 200)")
+
+
+def _task_copying(pg_admin) -> bool:
+    """Whether a verification task's COPY runs (or waits, its socket full)."""
+    return pg_admin.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name "
+                            "= 'cdc_platform_verify' AND query LIKE 'COPY%%' AND state = "
+                            "'active'").fetchone()[0] > 0
+
+
+def _current_lsn(pg_admin) -> int:
+    return parse_lsn(pg_admin.execute("SELECT pg_current_wal_lsn()::text").fetchone()[0])
 
 
 def _task_reading_the_lag(pg_admin) -> bool:
@@ -103,6 +118,38 @@ async def test_a_verification_waits_while_the_bridge_is_behind_and_not_longer(
                                 cdc_database.publication, table).folded(result.bits)
     assert (await digest_message(nats_client, result))[2] == buckets_of(expected)
     assert result.row_count == ROWS
+
+
+async def test_a_task_that_gave_way_waits_until_the_bridge_confirmed_what_was_written_then(
+        cdc_database, pg_admin, provisioned_nats):
+    """Once yielding, a task waits until the bridge has confirmed the WAL written when it
+    began to, not merely until the lag is under CDC_VERIFY_YIELD_LAG: a bridge catching up on
+    many transactions confirms as it goes, and a task going on at the limit would take the
+    cores back for the rest of the catch-up (before: it went on within a pause, 1 s at
+    most, of the bridge confirming the ballast). And it gave way before its COPY, not after
+    a first block (up to 4 MiB; the table's COPY text is ~10 MB)."""
+    table = _table(pg_admin, cdc_database, rows=40_000)
+    settings = _settings(cdc_database, provisioned_nats, max_yield=60)
+    one_task = SnapshotOptions(local_parallelism=1, ranges_per_core=1)
+    async with held_slot(settings) as held:
+        _ballast(pg_admin, table)
+        ballast_end = _current_lsn(pg_admin)
+        # WAL after the ballast, under the limit
+        pg_admin.execute("SELECT pg_logical_emit_message(false, 'cdc-test', repeat('x', %s))",
+                         (YIELD_LAG // 2,))
+        verifying = asyncio.create_task(verify_table(None, settings, table, options=one_task))
+        await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the task yielding")
+        assert not _task_copying(pg_admin)  # it gave way before it read a block
+        held.release(up_to=ballast_end)  # the bridge has caught up on the ballast
+        await wait_for(lambda: slot_confirmed(pg_admin, cdc_database.slot) >= ballast_end,
+                       what="the ballast confirmed")
+        assert _current_lsn(pg_admin) - ballast_end < YIELD_LAG
+        await asyncio.sleep(NEARLY_SECONDS)
+        assert not verifying.done()
+        held.release()
+        result = await asyncio.wait_for(verifying, 30)
+    assert result.yield_seconds >= NEARLY_SECONDS, result
+    assert result.row_count == 40_000
 
 
 async def test_a_verification_goes_on_once_it_has_yielded_its_most(
@@ -156,33 +203,45 @@ async def test_a_cancelled_verification_stops_its_tasks_yielding_at_once(
     assert ended < 2.0
 
 
-async def test_an_interrupted_verification_process_ends_without_waiting_out_its_yield(
-        cdc_database, pg_admin, provisioned_nats):
-    """The process's side of it: SIGINT (what cancelling a Dagster run does to its step
-    process; here `cdc-platform verify`) ends it within a pause, where asyncio.run waited
-    for the tasks' threads for as long as they yielded."""
+@contextlib.asynccontextmanager
+async def _cli_yielding(cdc_database, pg_admin, provisioned_nats, **env: str
+                        ) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, HeldSlot]]:
+    """`cdc-platform verify` of a new table (settings ``env`` besides the test's), started
+    with the bridge held behind, once its tasks are yielding: (the process, the table, the
+    held slot). Killed if it still runs at the end; the slot released."""
     table = _table(pg_admin, cdc_database)
     settings = _settings(cdc_database, provisioned_nats, max_yield=60)
     env = {**bridge_env(cdc_database, provisioned_nats.url), "CDC_SLOT": cdc_database.slot,
            "CDC_PUBLICATION": cdc_database.publication, "CDC_VERIFY_WAIT": "30",
-           "CDC_VERIFY_YIELD_LAG": "64KiB", "CDC_VERIFY_MAX_YIELD": "60"}
+           "CDC_VERIFY_YIELD_LAG": "64KiB", **env}
     async with held_slot(settings) as held:
         _ballast(pg_admin, table)
         process = await asyncio.create_subprocess_exec(
             CLI, "verify", table, env=env, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE)
         try:
+            # yielding: its tasks are reading the bridge's lag, the bridge being behind
             await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the tasks yielding")
-            process.send_signal(signal.SIGINT)
-            interrupted = asyncio.get_running_loop().time()
-            async with asyncio.timeout(20):
-                await process.communicate()
-            ended = asyncio.get_running_loop().time() - interrupted
+            yield process, table, held
         finally:
             if process.returncode is None:
                 process.kill()
                 await process.wait()
             held.release()
+
+
+async def test_an_interrupted_verification_process_ends_without_waiting_out_its_yield(
+        cdc_database, pg_admin, provisioned_nats):
+    """The process's side of it: SIGINT (what cancelling a Dagster run does to its step
+    process; here `cdc-platform verify`) ends it within a pause, where asyncio.run waited
+    for the tasks' threads for as long as they yielded."""
+    async with _cli_yielding(cdc_database, pg_admin, provisioned_nats,
+                             CDC_VERIFY_MAX_YIELD="60") as (process, _, _):
+        process.send_signal(signal.SIGINT)
+        interrupted = asyncio.get_running_loop().time()
+        async with asyncio.timeout(20):
+            await process.communicate()
+        ended = asyncio.get_running_loop().time() - interrupted
     assert process.returncode != 0 and ended < 2.0, ended
     assert _verification_connections(pg_admin) == 0
 
@@ -249,26 +308,12 @@ def _nice_values(pid: int) -> set[int]:
 
 async def test_the_cli_verifies_niced_and_yielding_as_its_settings_say(
         cdc_database, pg_admin, provisioned_nats):
-    table = _table(pg_admin, cdc_database)
-    settings = _settings(cdc_database, provisioned_nats, max_yield=60)
-    env = {**bridge_env(cdc_database, provisioned_nats.url), "CDC_SLOT": cdc_database.slot,
-           "CDC_PUBLICATION": cdc_database.publication, "CDC_VERIFY_WAIT": "30",
-           "CDC_VERIFY_YIELD_LAG": "64KiB", "CDC_VERIFY_NICE": "7"}
-    async with held_slot(settings) as held:
-        _ballast(pg_admin, table)
-        process = await asyncio.create_subprocess_exec(
-            CLI, "verify", table, env=env, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE)
-        try:
-            # yielding: its tasks are reading the bridge's lag, the bridge being behind
-            await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the tasks yielding")
-            nice = _nice_values(process.pid)
-            held.release()
-            out, err = await asyncio.wait_for(process.communicate(), 60)
-        finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+    async with _cli_yielding(cdc_database, pg_admin, provisioned_nats,
+                             CDC_VERIFY_NICE="7") as (process, table, held):
+        nice = _nice_values(process.pid)
+        held.release()
+        async with asyncio.timeout(60):
+            out, err = await process.communicate()
     assert process.returncode == 0, err.decode()
     assert nice == {7}  # every thread, the tasks' included
     assert "yielding" in err.decode() and f"of {table}: {ROWS:,} rows" in out.decode()

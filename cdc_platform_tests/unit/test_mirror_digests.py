@@ -499,11 +499,11 @@ def test_a_schema_that_turns_a_columns_values_back_otherwise_recomputes_the_dige
     store.close()
 
 
-def test_a_commits_buckets_are_journaled_and_written_back_once_the_journal_fills(
+def test_a_commits_buckets_are_journaled_and_compacted_once_the_journal_fills(
         tmp_path, monkeypatch):
     """A commit appends the buckets it touched to the table's journal (one row) instead of
-    rewriting them in the buckets table; a full journal is written back. The file's digest
-    (buckets and journal read together) is the kept one throughout, also after a reopen."""
+    rewriting them in the buckets table; a full journal is compacted into one row of the
+    non-empty buckets. The file's digest is the kept one throughout, also after a reopen."""
     monkeypatch.setattr(digests, "JOURNAL_ENTRIES", 20)
     store = MirrorStore(tmp_path / "m.db")
     store.begin_bootstrap(TableShape.from_schema(_schema([("id", 20, "bigint", 1)])), "s",
@@ -512,9 +512,9 @@ def test_a_commits_buckets_are_journaled_and_written_back_once_the_journal_fills
     store.finish_bootstrap("t", stream_seq=1)
     db = store._db
 
-    def journaled() -> int:
-        return db.execute(f"SELECT count(*) FROM {JOURNAL_TABLE}").fetchone()[0]
-    buckets = db.execute(f"SELECT * FROM {DIGESTS_TABLE} ORDER BY bucket").fetchall()
+    def journaled() -> list[int]:  # each row's entries
+        return [length // digests._ENTRY.size for (length,) in db.execute(
+            f"SELECT length(buckets) FROM {JOURNAL_TABLE} ORDER BY rowid")]
     lsn = 0x200
     for key in (100, 105):  # (the loaded chunk made 5 entries) 10, then 15
         lsn += 0x10
@@ -522,23 +522,51 @@ def test_a_commits_buckets_are_journaled_and_written_back_once_the_journal_fills
                                        data={"id": key + ordinal}, table="t")
                                  for ordinal in range(5)], lsn)
         _assert_kept(store)
-    assert journaled() == 3
-    assert db.execute(f"SELECT * FROM {DIGESTS_TABLE} ORDER BY bucket").fetchall() == buckets
+    assert journaled() == [5, 5, 5]
     store.apply_transaction([event("DELETE", "0/400", ordinal, data={"id": key},
                                    old={"id": key}, table="t")
                              for ordinal, key in enumerate(range(100, 108))], 3)
-    assert journaled() == 0  # (23 entries: every bucket written back)
-    kept = _assert_kept(store)
-    assert sorted(db.execute(f"SELECT bucket, count FROM {DIGESTS_TABLE}")) == [
-        (bucket, count) for bucket, count in enumerate(kept.counts) if count]
+    kept = _assert_kept(store)  # (23 entries: compacted into the 7 rows' buckets)
+    assert journaled() == [sum(1 for count in kept.counts if count)] == [7]
+    assert db.execute(f"SELECT count(*) FROM {DIGESTS_TABLE}").fetchone() == (0,)
     store.apply_transaction([event("INSERT", "0/500", 0, data={"id": 999}, table="t")], 4)
-    assert journaled() == 1
+    assert journaled() == [7, 1]
     kept = _assert_kept(store)
     store.close()
     again = MirrorStore(tmp_path / "m.db")
     assert again.digest("t") == kept
     assert sum(kept.counts) == 8
     again.close()
+
+
+def test_a_file_whose_buckets_were_written_back_reads_and_compacts_them(tmp_path,
+                                                                          monkeypatch):
+    """A file written before compaction holds its buckets in the buckets table and what
+    changed since in the journal: read together; compacted, a bucket emptied since has no
+    entry, so the table's rows in the buckets table go (else they would say it is not)."""
+    store = MirrorStore(tmp_path / "m.db")
+    store.begin_bootstrap(TableShape.from_schema(_schema([("id", 20, "bigint", 1)])), "s",
+                          0x100)
+    store.load_rows("t", [{"id": key} for key in range(6)])
+    store.finish_bootstrap("t", stream_seq=1)
+    kept = _assert_kept(store)
+    db = store._db
+    with db:  # (as a mirror before compaction wrote the buckets back)
+        db.execute(f"DELETE FROM {JOURNAL_TABLE}")
+        db.executemany(f"INSERT INTO {DIGESTS_TABLE} VALUES ('t', ?, ?, ?)",
+                       [(bucket, total - (1 << 64) if total >> 63 else total, count)
+                        for bucket, (total, count) in enumerate(zip(kept.totals, kept.counts))
+                        if count])
+    store.close()
+    monkeypatch.setattr(digests, "JOURNAL_ENTRIES", 3)
+    store = MirrorStore(tmp_path / "m.db")
+    assert store.digest("t") == kept
+    store.apply_transaction([event("DELETE", "0/200", ordinal, data={"id": key},
+                                   old={"id": key}, table="t")
+                             for ordinal, key in enumerate(range(4))], 2)
+    assert store._db.execute(f"SELECT count(*) FROM {JOURNAL_TABLE}").fetchone() == (1,)
+    assert sum(_assert_kept(store).counts) == 2
+    store.close()
 
 
 def test_the_compiled_row_hashes_are_the_python_ones(tmp_path, monkeypatch, recording):
@@ -589,6 +617,33 @@ def test_the_compiled_row_hashes_are_the_python_ones(tmp_path, monkeypatch, reco
     for _, packed in by_python:
         by_python_digest.add(*digests._pair.unpack(packed))
     assert _assert_kept(store) == by_python_digest
+    store.close()
+
+
+def test_a_utf16_files_text_is_hashed_as_the_text_it_holds(tmp_path):
+    """The preupdate hook reads a UTF-8 file's text as stored (no copy); a file made UTF-16
+    elsewhere holds text the hook must read as UTF-8 (SQLite converts it): the kept digest
+    is the recomputed one either way, for the store's writes and the chunk loader's."""
+    with contextlib.closing(sqlite3.connect(tmp_path / "m.db")) as made:
+        made.execute("PRAGMA encoding = 'UTF-16le'")
+        made.execute("CREATE TABLE made_elsewhere (x)")
+    store = _hooked(MirrorStore(tmp_path / "m.db"), "hook")
+    assert store._db.execute("PRAGMA encoding").fetchone()[0] == "UTF-16le"
+    columns = [("id", 20, "bigint", 1), ("name", 25, "text", 2)]
+    store.begin_bootstrap(TableShape.from_schema(_schema(columns)), "s", 0x100)
+    with store.chunk_loader("t", ("id", "name")) as load:
+        rows = [{"id": key, "name": f"é{key}\U0001f600"} for key in range(10)]
+        if load is not None:
+            assert load(msgpack.packb({"chunk": 0, "data": rows}), set()) == (0, 10)
+        else:
+            store.load_rows("t", rows)
+    store.finish_bootstrap("t", stream_seq=1)
+    store.apply_transaction([
+        event("INSERT", "0/200", 0, data={"id": 20, "name": "ünï"}, table="t"),
+        event("UPDATE", "0/200", 1, data={"id": 3, "name": "ça"}, table="t"),
+        event("UPDATE", "0/200", 2, data={"id": 30, "name": "z"}, old={"id": 4}, table="t")],
+        stream_seq=2)
+    assert sum(_assert_kept(store).counts) == 11
     store.close()
 
 

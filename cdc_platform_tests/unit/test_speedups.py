@@ -14,6 +14,8 @@ import os
 import struct
 import subprocess
 import sys
+import threading
+import time
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
@@ -577,7 +579,8 @@ copy_fields = {
         st.sampled_from(["\\\\N", "\\101\\x41", "", "é\\tü"])),
     701: st.one_of(st.floats().map(repr).map(
         lambda r: {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}.get(r, r)),
-        st.sampled_from(["1e999", "-0", "1.5"])),
+        st.sampled_from(["1e999", "-0", "1.5", "1e-400", "-1.5E+10", "1.", ".5", "1e", "+1",
+                         "infinity", "nan", "-NaN", "0x1p3", "1.5e+"])),
     16: st.sampled_from(["t", "f"]),
     1184: st.one_of(pg_timestamptz, st.just("2025-01-02 03:04:05.123456+00")),
     1700: st.sampled_from(["12.50", "NaN", "-0.001", "Infinity"]),
@@ -660,6 +663,42 @@ def test_a_malformed_block_digests_with_the_pure_errors():
             assert digest.counts == [0]
     compiled_chunker, _ = _chunkers(SNAPSHOT_COLUMNS)
     assert compiled_chunker.digest_block(TableDigest(0), RowDigester(names), b"") == 0
+
+
+@compiled
+def test_a_block_is_hashed_with_the_gil_released():
+    """The range tasks of one process hash at once: the compiled block digest releases the GIL
+    while it hashes rows whose fields C writes alone. A thread waiting for the GIL runs during
+    the call, where the switch interval (100 s here) would otherwise keep it waiting."""
+    from cdc_platform.wire.digest import RowDigester, TableDigest
+
+    names = [name for name, _ in SNAPSHOT_COLUMNS]
+    row = ("12\t7\tsome name\t1.5\tt\t2025-01-02 03:04:05.5+00\t12.50\t{}\t\\N\t\\N"
+           "\t2025-01-02\n")
+    text = (row * 20_000).encode()
+    chunker, _ = _chunkers(SNAPSHOT_COLUMNS)
+    waiting, ran = threading.Lock(), []
+    waiting.acquire()
+
+    def other() -> None:
+        with waiting:
+            ran.append(True)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100)
+    thread = threading.Thread(target=other)
+    try:
+        thread.start()
+        time.sleep(0.05)  # (it blocks on the lock)
+        waiting.release()
+        until = time.monotonic() + 0.1
+        while time.monotonic() < until:  # the GIL held: it wakes and waits for the GIL
+            pass
+        assert chunker.digest_block(TableDigest(4), RowDigester(names, ["id"]), text) == 20_000
+        assert ran, "the other thread did not run while the block was hashed"
+    finally:
+        sys.setswitchinterval(interval)
+        thread.join()
 
 
 def _chunk_everything(chunker, text: bytes):

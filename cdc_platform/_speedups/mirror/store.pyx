@@ -42,10 +42,10 @@ from cpython.long cimport (
     PyLong_AsUnsignedLongLong,
     PyLong_FromUnsignedLongLong,
 )
-from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.mem cimport PyMem_Calloc, PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.math cimport isnan
-from libc.string cimport memset, strcmp
+from libc.string cimport memcmp, memcpy, memset, strcmp
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from posix.dlfcn cimport RTLD_NOW, dlopen, dlsym
 
@@ -766,13 +766,21 @@ cdef class Statements:
         return changed
 
 
+cdef struct _Bucket:  # a bucket's digest (or a transaction's sums in it)
+    unsigned long long total  # row hashes, modulo 2^64
+    long long count  # rows
+
+
+cdef extern from *:
+    void __builtin_prefetch(const void* address, int write) nogil
+
+
 cdef class _BucketSums:
     """One table's row hashes summed by bucket (the changes of one transaction)."""
 
     cdef int bits
     cdef int shift
-    cdef unsigned long long* totals
-    cdef long long* counts
+    cdef _Bucket* sums
     cdef int* touched  # the buckets summed into, in the order first touched
     cdef int touched_count
     cdef unsigned char* seen
@@ -782,11 +790,10 @@ cdef class _BucketSums:
         cdef Py_ssize_t size = 1 << bits
         self.bits = bits
         self.shift = 64 - bits
-        self.totals = <unsigned long long*>PyMem_Malloc(size * sizeof(unsigned long long))
-        self.counts = <long long*>PyMem_Malloc(size * sizeof(long long))
+        self.sums = <_Bucket*>PyMem_Malloc(size * sizeof(_Bucket))
         self.touched = <int*>PyMem_Malloc(size * sizeof(int))
         self.seen = <unsigned char*>PyMem_Malloc(size)
-        if (self.totals == NULL or self.counts == NULL or self.touched == NULL
+        if (self.sums == NULL or self.touched == NULL
                 or self.seen == NULL):
             raise MemoryError()
         memset(self.seen, 0, size)
@@ -794,8 +801,7 @@ cdef class _BucketSums:
         self.truncated = False
 
     def __dealloc__(self):
-        PyMem_Free(self.totals)
-        PyMem_Free(self.counts)
+        PyMem_Free(self.sums)
         PyMem_Free(self.touched)
         PyMem_Free(self.seen)
 
@@ -804,12 +810,12 @@ cdef class _BucketSums:
         cdef int bucket = <int>(key_hash >> self.shift) if self.shift < 64 else 0
         if not self.seen[bucket]:
             self.seen[bucket] = 1
-            self.totals[bucket] = 0
-            self.counts[bucket] = 0
+            self.sums[bucket].total = 0
+            self.sums[bucket].count = 0
             self.touched[self.touched_count] = bucket
             self.touched_count += 1
-        self.totals[bucket] += row_hash if sign > 0 else -row_hash  # (modulo 2^64)
-        self.counts[bucket] += sign
+        self.sums[bucket].total += row_hash if sign > 0 else -row_hash  # (modulo 2^64)
+        self.sums[bucket].count += sign
 
     cdef void truncate(self) noexcept:
         self._clear()
@@ -831,33 +837,29 @@ cdef class _BucketSums:
         buckets = {}
         for index in range(self.touched_count):
             bucket = self.touched[index]
-            buckets[bucket] = (PyLong_FromUnsignedLongLong(self.totals[bucket]),
-                               self.counts[bucket])
+            buckets[bucket] = (PyLong_FromUnsignedLongLong(self.sums[bucket].total),
+                               self.sums[bucket].count)
         return buckets
 
-    def apply(self, list totals not None, list counts not None):
-        """The sums added into a digest's ``totals`` (mod 2^64) and ``counts``; the buckets
-        summed, as they became, packed as the digests' journal entries (u16 bucket, u64
-        total, i64 count, big-endian: ``digests._ENTRY``)."""
-        cdef Py_ssize_t size = <Py_ssize_t>1 << self.bits
-        cdef int index, bucket, shift
-        cdef unsigned long long total
-        cdef long long count
+    def apply(self, _Buckets digest not None):
+        """The sums added into ``digest`` (``RowHashes.kept``); the buckets summed, as they
+        became, packed as the digests' journal entries (u16 bucket, u64 total, i64 count,
+        big-endian: ``digests._ENTRY``)."""
+        cdef int index, bucket
+        cdef _Bucket* kept
         cdef unsigned char* at
-        if len(totals) != size or len(counts) != size:
-            raise ValueError(f"a digest of {size} buckets expected")
+        if digest.bits != self.bits:
+            raise ValueError(f"a digest of {self.bits} bits expected, not {digest.bits}")
         packed = PyBytes_FromStringAndSize(NULL, 18 * self.touched_count)
         at = <unsigned char*>PyBytes_AS_STRING(packed)
+        for index in range(self.touched_count):  # (scattered buckets: their misses overlap)
+            __builtin_prefetch(&digest.of[self.touched[index]], 1)
         for index in range(self.touched_count):
             bucket = self.touched[index]
-            total = PyLong_AsUnsignedLongLong(totals[bucket]) + self.totals[bucket]
-            count = PyLong_AsLongLong(counts[bucket]) + self.counts[bucket]
-            totals[bucket] = total
-            counts[bucket] = count
-            at[0], at[1] = <unsigned char>(bucket >> 8), <unsigned char>bucket
-            for shift in range(8):
-                at[2 + shift] = <unsigned char>(total >> (56 - 8 * shift))
-                at[10 + shift] = <unsigned char>(<unsigned long long>count >> (56 - 8 * shift))
+            kept = &digest.of[bucket]
+            kept.total += self.sums[bucket].total
+            kept.count += self.sums[bucket].count
+            _pack_entry(at, bucket, kept.total, kept.count)
             at += 18
         return packed
 
@@ -867,12 +869,115 @@ cdef class _BucketSums:
         buckets = {}
         for index in range(self.touched_count):
             bucket = self.touched[index]
-            buckets[bucket] = (PyLong_FromUnsignedLongLong(self.totals[bucket]),
-                               self.counts[bucket])
+            buckets[bucket] = (PyLong_FromUnsignedLongLong(self.sums[bucket].total),
+                               self.sums[bucket].count)
         taken = (self.truncated, buckets)
         self._clear()
         self.truncated = False
         return taken
+
+
+cdef inline void _pack_entry(unsigned char* at, int bucket, unsigned long long total,
+                             long long count) noexcept:
+    """A journal entry (``digests._ENTRY``): u16 bucket, u64 total, i64 count, big-endian."""
+    cdef int shift
+    at[0], at[1] = <unsigned char>(bucket >> 8), <unsigned char>bucket
+    for shift in range(8):
+        at[2 + shift] = <unsigned char>(total >> (56 - 8 * shift))
+        at[10 + shift] = <unsigned char>(<unsigned long long>count >> (56 - 8 * shift))
+
+
+cdef class _Buckets:
+    """A table's digest kept in C arrays (``_RowHashes.kept``), which ``_BucketSums.apply``
+    adds into without a Python int per bucket; ``totals`` and ``counts`` read and write it
+    as a ``TableDigest``'s lists."""
+
+    cdef readonly int bits
+    cdef Py_ssize_t size
+    cdef _Bucket* of
+
+    def __cinit__(self, int bits):
+        if not 0 <= bits <= 16:
+            raise ValueError(f"bits {bits}")
+        self.bits = bits
+        self.size = <Py_ssize_t>1 << bits
+        self.of = <_Bucket*>PyMem_Calloc(self.size, sizeof(_Bucket))
+        if self.of == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        PyMem_Free(self.of)
+
+    @property
+    def totals(self):
+        return _BucketColumn(self, False)
+
+    @property
+    def counts(self):
+        return _BucketColumn(self, True)
+
+    def load(self, bytes packed not None):
+        """Packed journal entries (``digests._ENTRY``) set into their buckets, in order (a
+        later one wins); how many there were."""
+        cdef Py_ssize_t size = PyBytes_GET_SIZE(packed), count = size // 18, index
+        cdef const unsigned char* at = <const unsigned char*>PyBytes_AS_STRING(packed)
+        cdef int bucket
+        if size % 18:
+            raise ValueError(f"journal entries of 18 bytes expected, not {size} bytes")
+        for index in range(count):
+            bucket = at[0] << 8 | at[1]
+            if bucket >= self.size:
+                raise ValueError(f"bucket {bucket} of {self.size}")
+            self.of[bucket].total = _big_endian(at + 2)
+            self.of[bucket].count = <long long>_big_endian(at + 10)
+            at += 18
+        return count
+
+    def entries(self):
+        """The buckets that are not empty packed as journal entries (``digests._ENTRY``),
+        in bucket order."""
+        cdef int bucket
+        cdef Py_ssize_t filled = 0
+        cdef unsigned char* at
+        for bucket in range(self.size):
+            if self.of[bucket].total or self.of[bucket].count:
+                filled += 1
+        packed = PyBytes_FromStringAndSize(NULL, 18 * filled)
+        at = <unsigned char*>PyBytes_AS_STRING(packed)
+        for bucket in range(self.size):
+            if self.of[bucket].total or self.of[bucket].count:
+                _pack_entry(at, bucket, self.of[bucket].total, self.of[bucket].count)
+                at += 18
+        return packed
+
+
+cdef class _BucketColumn:
+    """A ``_Buckets``' totals (u64) or counts (i64), indexed as a list of ints."""
+
+    cdef _Buckets buckets
+    cdef bint counts
+
+    def __cinit__(self, _Buckets buckets not None, bint counts):
+        self.buckets = buckets
+        self.counts = counts
+
+    def __len__(self):
+        return self.buckets.size
+
+    def __getitem__(self, Py_ssize_t bucket):
+        if not 0 <= bucket < self.buckets.size:
+            raise IndexError(bucket)
+        if self.counts:
+            return self.buckets.of[bucket].count
+        return PyLong_FromUnsignedLongLong(self.buckets.of[bucket].total)
+
+    def __setitem__(self, Py_ssize_t bucket, value):
+        if not 0 <= bucket < self.buckets.size:
+            raise IndexError(bucket)
+        if self.counts:
+            self.buckets.of[bucket].count = PyLong_AsLongLong(value)
+        else:
+            self.buckets.of[bucket].total = PyLong_AsUnsignedLongLong(value)
 
 
 cdef int _refused(void* statement) noexcept:
@@ -968,28 +1073,45 @@ cdef bint _hash_row(object hasher, int argc, void** argv, unsigned char* packed)
     return True
 
 
+DEF _MEMO_BYTES = 128  # (longer keys are hashed each time)
+
+
+cdef struct _KeyMemo:
+    # the last key hashed by a preupdate hook: its canonical bytes and hash (an UPDATE that
+    # keeps its key hashes it once; equal bytes, equal hash, whatever the table)
+    Py_ssize_t size  # -1: none
+    unsigned long long hash
+    char data[_MEMO_BYTES]
+
+
 cdef bint _hash_values(StoredRowDigester stored, void** values, unsigned long long* key_hash,
-                       unsigned long long* row_hash) except -1:
+                       unsigned long long* row_hash, bint utf8_file=False,
+                       _KeyMemo* memo=NULL) except -1:
     """The hashes of a stored row (``values``: one per column, in ``stored``'s order);
     False: a text ``wire_value`` turns back, or that is not UTF-8 (Python's sqlite3 refuses
-    it): Python must hash the row."""
-    cdef RowDigester digester
-    cdef Py_ssize_t index
+    it): Python must hash the row. ``utf8_file``: the values are a UTF-8 file's, whose text
+    is read as stored (see ``_text``). ``memo``: the last key hashed, used and updated."""
+    cdef RowDigester digester = stored._digester
     cdef _Out out
-    for index in range(stored._width):
-        if api.value_type(values[index]) == SQLITE_TEXT and (
-                stored._kinds[index] != KEEP or not valid_utf8(
-                    <const uint8_t*>api.value_text(values[index]),
-                    api.value_bytes(values[index]))):
-            return False
-    digester = stored._digester
     _open(&out)
     try:
         if not digester._key_is_row:
-            _write_values(&out, digester, values, digester._key_sorted, digester._key_width)
-            key_hash[0] = _hash64(out.data, out.size)
+            if not _write_values(&out, stored, values, digester._key_sorted,
+                                 digester._key_width, utf8_file):
+                return False
+            if memo != NULL and memo.size == out.size and memcmp(memo.data, out.data,
+                                                                 out.size) == 0:
+                key_hash[0] = memo.hash
+            else:
+                key_hash[0] = _hash64(out.data, out.size)
+                if memo != NULL:
+                    memo.size = -1
+                    if out.size <= _MEMO_BYTES:
+                        memcpy(memo.data, out.data, out.size)
+                        memo.size, memo.hash = out.size, key_hash[0]
             out.size = 0
-        _write_values(&out, digester, values, NULL, digester._width)
+        if not _write_values(&out, stored, values, NULL, digester._width, utf8_file):
+            return False
         row_hash[0] = _hash64(out.data, out.size)
         if digester._key_is_row:
             key_hash[0] = row_hash[0]
@@ -998,36 +1120,61 @@ cdef bint _hash_values(StoredRowDigester stored, void** values, unsigned long lo
     return True
 
 
-cdef int _write_values(_Out* out, RowDigester digester, void** values, Py_ssize_t* which,
-                       Py_ssize_t count) except -1:
+cdef inline const char* _text(void* value, bint utf8_file, Py_ssize_t* size) noexcept:
+    """A TEXT or BLOB value's bytes (never NULL) and their size. A TEXT of a UTF-8 file is
+    read as a blob: its bytes as stored, where ``sqlite3_value_text`` copies a value that
+    is not NUL-terminated (most: read from a record, or bound) to add the NUL."""
+    cdef const char* data
+    if utf8_file or api.value_type(value) != SQLITE_TEXT:
+        data = <const char*>api.value_blob(value)
+    else:
+        data = <const char*>api.value_text(value)
+    size[0] = api.value_bytes(value)
+    return data if data != NULL else _EMPTY
+
+
+cdef bint _write_values(_Out* out, StoredRowDigester stored, void** values,
+                        Py_ssize_t* which, Py_ssize_t count, bint utf8_file) except -1:
     """The canonical bytes (wire/digest.py) of the sorted columns ``which[0..count)`` (NULL:
     every column) of the stored ``values`` (in the digester's given order): an INTEGER is
     an int, a REAL a float, a TEXT (of a column whose text is its wire value) a str, a BLOB
-    bytes, a NULL absent."""
-    cdef Py_ssize_t index, column
+    bytes, a NULL absent. False: a TEXT that ``wire_value`` turns back or that is not
+    UTF-8 (see ``_hash_values``)."""
+    cdef RowDigester digester = stored._digester
+    cdef Py_ssize_t index, column, given, size
     cdef void* value
     cdef int kind
     cdef const char* data
+    cdef PyObject* prefix  # (borrowed from the digester's tuple: no reference counted)
     for index in range(count):
         column = which[index] if which != NULL else index
-        value = values[digester._given_of_sorted[column]]
+        given = digester._given_of_sorted[column]
+        value = values[given]
         kind = api.value_type(value)
         if kind == SQLITE_NULL:
             continue
-        prefix = <bytes>digester._prefixes[column]
-        _put(out, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix))
+        prefix = _borrowed_item(digester._prefixes, column)
         if kind == SQLITE_INTEGER:
+            _put(out, _bytes_data(prefix), _bytes_size(prefix))
             _put_int64(out, api.value_int64(value))
         elif kind == SQLITE_FLOAT:
+            _put(out, _bytes_data(prefix), _bytes_size(prefix))
             _put_float(out, api.value_double(value))
-        else:  # (an empty TEXT or BLOB may come as NULL)
-            data = <const char*>(api.value_text(value) if kind == SQLITE_TEXT
-                                 else api.value_blob(value))
-            if data == NULL:
-                data = _EMPTY
+        else:
+            data = _text(value, utf8_file, &size)
+            if kind == SQLITE_TEXT and (stored._kinds[given] != KEEP or not valid_utf8(
+                    <const uint8_t*>data, size)):
+                return False
+            _put(out, _bytes_data(prefix), _bytes_size(prefix))
             _put_sized(out, 83 if kind == SQLITE_TEXT else 66,  # 'S', 'B'
-                       data, api.value_bytes(value))
-    return 0
+                       data, size)
+    return True
+
+
+cdef extern from "Python.h":  # (the macros, on borrowed references)
+    PyObject* _borrowed_item "PyTuple_GET_ITEM" (object, Py_ssize_t)
+    const char* _bytes_data "PyBytes_AS_STRING" (PyObject*)
+    Py_ssize_t _bytes_size "PyBytes_GET_SIZE" (PyObject*)
 
 
 cdef const char* _EMPTY = ""
@@ -1098,8 +1245,22 @@ cdef _RowHashes _hooked_rows(void* db, object connection, object hasher):
     rows.db = db
     rows.connection = connection
     rows.hasher = hasher
+    rows.utf8_file = _utf8_file(db)
     rows.resume()
     return rows
+
+
+cdef bint _utf8_file(void* db) except -1:
+    """Whether the file of ``db``'s main database holds its text as UTF-8 (SQLite's default;
+    a file made elsewhere may be UTF-16)."""
+    cdef void* statement = NULL
+    cdef bint utf8 = False
+    if api.prepare_v2(db, b"PRAGMA main.encoding", -1, &statement, NULL) != SQLITE_OK:
+        return False
+    if api.step(statement) == SQLITE_ROW and api.column_bytes(statement, 0) == 5:
+        utf8 = memcmp(api.column_blob(statement, 0), b"UTF-8", 5) == 0
+    api.finalize(statement)
+    return utf8
 
 
 @cython.no_gc_clear  # (__dealloc__ takes the hook back from the connection)
@@ -1119,6 +1280,8 @@ cdef class _RowHashes:
     cdef bint hooked
     cdef object failed  # (table id, what) of the first row that could not be hashed
     cdef Py_ssize_t failed_at  # (the changes logged before it)
+    cdef bint utf8_file
+    cdef _KeyMemo memo
 
     def __cinit__(self):
         self.followed = {}
@@ -1126,6 +1289,7 @@ cdef class _RowHashes:
         self.changes = NULL
         self.count = self.capacity = 0
         self.hooked = False
+        self.memo.size = -1
 
     def __dealloc__(self):
         self._unhook()
@@ -1227,6 +1391,21 @@ cdef class _RowHashes:
         return {table_id: summed for table_id, summed in by_table.items()
                 if (<_BucketSums>summed).touched_count or (<_BucketSums>summed).truncated}
 
+    def kept(self, int bits, digest=None):
+        """A digest of ``bits`` in C arrays, for ``_BucketSums.apply``: empty, or a copy of
+        the ``TableDigest`` ``digest``."""
+        cdef _Buckets buckets = _Buckets(bits)
+        cdef Py_ssize_t bucket
+        if digest is None:
+            return buckets
+        totals, counts = digest.totals, digest.counts
+        if len(totals) != buckets.size or len(counts) != buckets.size:
+            raise ValueError(f"{buckets.size} buckets expected at {buckets.bits} bits")
+        for bucket in range(buckets.size):
+            buckets.of[bucket].total = PyLong_AsUnsignedLongLong(totals[bucket])
+            buckets.of[bucket].count = PyLong_AsLongLong(counts[bucket])
+        return buckets
+
     def clear(self):
         """Nothing logged (the transaction rolled back)."""
         self.count = 0
@@ -1263,7 +1442,8 @@ cdef class _RowHashes:
                 raise sqlite3.OperationalError(f"{followed.name.decode(errors='replace')} "
                                                f"has no column {index}")
         if type(followed.digester) is not StoredRowDigester or not _hash_values(
-                <StoredRowDigester>followed.digester, followed.values, &key_hash, &row_hash):
+                <StoredRowDigester>followed.digester, followed.values, &key_hash, &row_hash,
+                self.utf8_file, &self.memo):
             pair = self.hasher(followed.table_id, *[_python_value(followed.values[index])
                                                     for index in range(followed.width)])
             if type(pair) is not bytes or PyBytes_GET_SIZE(pair) != 16:

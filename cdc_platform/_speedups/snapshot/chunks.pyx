@@ -7,7 +7,9 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
-from libc.string cimport memchr, memcpy
+from libc.stdlib cimport free, malloc, realloc
+from libc.stdint cimport uint64_t
+from libc.string cimport memchr, memcmp, memcpy
 
 from cdc_platform._speedups.wire.digest cimport (
     RowDigester,
@@ -36,6 +38,22 @@ from cdc_platform._speedups.writer cimport (
     reserve,
 )
 
+cdef extern from "../sha256.h":
+    uint64_t cdc_sha256_head64(const unsigned char* data, size_t size) nogil
+
+cdef extern from "<locale.h>":
+    ctypedef void* locale_t
+    int LC_NUMERIC_MASK
+    locale_t newlocale(int category_mask, const char* locale, locale_t base)
+
+cdef extern from "<stdlib.h>":
+    double strtod_l(const char* text, char** end, locale_t locale) nogil
+
+# floats read as PostgreSQL prints them, whatever locale the process set
+cdef locale_t _c_numeric = newlocale(LC_NUMERIC_MASK, b"C", NULL)
+if _c_numeric == NULL:
+    raise ImportError("no C locale for reading floats")
+
 cdef extern from "Python.h":
     object PyObject_CallOneArg(object callable, object arg)
     object PyUnicode_DecodeUTF8(const char* data, Py_ssize_t size, const char* errors)
@@ -49,6 +67,12 @@ ROW_FLOAT = 2
 ROW_BOOL = 3
 ROW_TIMESTAMPTZ = 4
 ROW_CALL = 5
+# the same, for the code that runs without the GIL
+DEF _KEEP = 0
+DEF _INT = 1
+DEF _FLOAT = 2
+DEF _BOOL = 3
+DEF _TIMESTAMPTZ = 4
 
 
 
@@ -175,7 +199,7 @@ cdef int _put_converted(_Out* out, bytes prefix, object value) except -1:
     return _put_value(out, value)
 
 
-cdef bint _canonical_int(const char* chars, Py_ssize_t size) noexcept:
+cdef bint _canonical_int(const char* chars, Py_ssize_t size) noexcept nogil:
     """Whether the text is what ``str(int(text))`` gives (``-?(0|[1-9][0-9]{0,17})``)."""
     cdef Py_ssize_t i = 1 if size > 0 and chars[0] == 45 else 0  # '-'
     if size - i < 1 or size - i > 18 or chars[i] < 48 or chars[i] > 57:
@@ -308,22 +332,253 @@ def digest_fields(digest, digester, list fields not None, Py_ssize_t count, Py_s
         PyMem_Free(hashes)
 
 
+# -- the same, the GIL released ---------------------------------------------------------------
+# digest_block hashes a block's rows without the GIL where every field is of a kind written in
+# C alone, so that the range tasks of one process hash at once, a core each; a row with a field
+# that needs Python (an escape, a converter, a float or an integer not in PostgreSQL's plain
+# form) is hashed afterwards by ``_put_field``, with the GIL. Both write the same bytes.
+cdef struct _Raw:  # canonical bytes written without the GIL (malloc'd)
+    char* data
+    Py_ssize_t size
+    Py_ssize_t capacity
+
+
+cdef inline int _raw_put(_Raw* out, const char* data, Py_ssize_t size) noexcept nogil:
+    """``data`` appended; -1 when memory runs out."""
+    cdef char* grown
+    cdef Py_ssize_t capacity
+    if out.size + size > out.capacity:
+        capacity = max(out.capacity * 2, out.size + size)
+        grown = <char*>realloc(out.data, capacity)
+        if grown == NULL:
+            return -1
+        out.data, out.capacity = grown, capacity
+    memcpy(out.data + out.size, data, size)
+    out.size += size
+    return 0
+
+
+cdef inline int _raw_sized(_Raw* out, const char* prefix, Py_ssize_t prefix_size, char tag,
+                           const char* data, Py_ssize_t size) noexcept nogil:
+    """The column's name, ``tag``, u32 ``size`` and ``data``; 1 for a size past u32 (the GIL
+    path raises what the pure code raises), -1 when memory runs out."""
+    cdef char head[5]
+    if (<unsigned long long>size) >> 32:
+        return 1
+    head[0] = tag
+    head[1] = <char>(size >> 24)
+    head[2] = <char>(size >> 16)
+    head[3] = <char>(size >> 8)
+    head[4] = <char>size
+    if _raw_put(out, prefix, prefix_size) or _raw_put(out, head, 5):
+        return -1
+    return _raw_put(out, data, size)
+
+
+cdef bint _plain_float(const char* chars, Py_ssize_t size) noexcept nogil:
+    """Whether the text is ``-?[0-9]+(.[0-9]+)?([eE][+-]?[0-9]+)?``, how PostgreSQL prints a
+    finite float: strtod and Python's float() read it to the same double (both round
+    correctly)."""
+    cdef Py_ssize_t i = 1 if size > 0 and chars[0] == 45 else 0  # '-'
+    cdef Py_ssize_t digits = i
+    while i < size and 48 <= chars[i] <= 57:
+        i += 1
+    if i == digits:
+        return False
+    if i < size and chars[i] == 46:  # '.'
+        i += 1
+        digits = i
+        while i < size and 48 <= chars[i] <= 57:
+            i += 1
+        if i == digits:
+            return False
+    if i < size and (chars[i] == 101 or chars[i] == 69):  # 'e', 'E'
+        i += 1
+        if i < size and (chars[i] == 43 or chars[i] == 45):  # '+', '-'
+            i += 1
+        digits = i
+        while i < size and 48 <= chars[i] <= 57:
+            i += 1
+        if i == digits:
+            return False
+    return i == size
+
+
+cdef int _raw_float(_Raw* out, const char* prefix, Py_ssize_t prefix_size,
+                    const char* chars, Py_ssize_t size) noexcept nogil:
+    """A float column as ``_put_field`` writes it, for PostgreSQL's plain forms and
+    ``NaN``/``Infinity``/``-Infinity``; 1 for any other text."""
+    cdef double value
+    cdef unsigned long long bits
+    cdef char packed[9]
+    cdef int i
+    if size == 3 and memcmp(chars, b"NaN", 3) == 0:
+        bits = 0x7FF8000000000000
+    elif size == 8 and memcmp(chars, b"Infinity", 8) == 0:
+        bits = 0x7FF0000000000000
+    elif size == 9 and memcmp(chars, b"-Infinity", 9) == 0:
+        bits = 0xFFF0000000000000
+    elif size < 64 and _plain_float(chars, size):
+        value = strtod_l(chars, NULL, _c_numeric)  # it stops at the tab or newline after it
+        memcpy(&bits, &value, 8)
+    else:
+        return 1
+    packed[0] = 70  # 'F'
+    for i in range(8):
+        packed[1 + i] = <char>(bits >> (56 - 8 * i))
+    if _raw_put(out, prefix, prefix_size):
+        return -1
+    return _raw_put(out, packed, 9)
+
+
+cdef int _raw_field(_Raw* out, const char* prefix, Py_ssize_t prefix_size,
+                    const char* chars, Py_ssize_t size, int kind) noexcept nogil:
+    """One COPY field's column as ``_put_field`` writes it, for the fields it writes in C
+    alone; 1 for a field that needs Python, -1 when memory runs out."""
+    cdef Py_ssize_t i
+    if size == 2 and chars[0] == 92 and chars[1] == 78:  # \N
+        return 0
+    if memchr(chars, 92, size) != NULL:  # an escape
+        return 1
+    if kind == _KEEP:
+        return _raw_sized(out, prefix, prefix_size, 83, chars, size)  # 'S'
+    if kind == _INT:
+        if _canonical_int(chars, size):
+            return _raw_sized(out, prefix, prefix_size, 73, chars, size)  # 'I'
+        return 1
+    if kind == _BOOL:
+        if _raw_put(out, prefix, prefix_size):
+            return -1
+        return _raw_put(out, b"I\x00\x00\x00\x011" if size == 1 and chars[0] == 116
+                        else b"I\x00\x00\x00\x010", 6)
+    if kind == _FLOAT:
+        return _raw_float(out, prefix, prefix_size, chars, size)
+    if kind == _TIMESTAMPTZ:
+        # ``2025-12-08 13:45:21.5+00`` -> ``2025-12-08T13:45:21.5Z`` (as _put_field)
+        if 14 < size < 64 and date_then_space(chars) and chars[size - 3] == 43 \
+                and chars[size - 2] == 48 and chars[size - 1] == 48:
+            for i in range(size):
+                if <unsigned char>chars[i] > 127:
+                    return 1
+            if _raw_sized(out, prefix, prefix_size, 83, chars, size - 2):
+                return -1
+            out.data[out.size - (size - 2) + 10] = 84  # 'T'
+            out.data[out.size - 1] = 90  # 'Z'
+            return 0
+    return 1
+
+
+cdef struct _Shape:  # what the GIL-free pass reads of the digester and the columns
+    Py_ssize_t columns
+    Py_ssize_t key_width
+    bint key_is_row
+    Py_ssize_t* given_of_sorted
+    Py_ssize_t* key_sorted
+    const char** prefixes  # per sorted column
+    Py_ssize_t* prefix_sizes
+    int* kinds  # per given column
+
+
+cdef inline void _field_starts(const char* line, Py_ssize_t* starts, Py_ssize_t width
+                               ) noexcept nogil:
+    """Where each field of a checked line starts, and ``starts[width]`` one past its end (as
+    after a tab)."""
+    cdef Py_ssize_t at = 0, index = 0
+    starts[0] = 0
+    while line[at] != 10:
+        if line[at] == 9:
+            index += 1
+            starts[index] = at + 1
+        at += 1
+    starts[width] = at + 1
+
+
+cdef int _raw_columns(_Raw* out, const _Shape* shape, const char* line,
+                      const Py_ssize_t* starts, bint key) noexcept nogil:
+    """The canonical bytes of a row's key columns (``key``) or of all its columns into
+    ``out``: 0, 1 (a field needs Python) or -1 (out of memory)."""
+    cdef Py_ssize_t index, sorted_index, column
+    cdef int done
+    out.size = 0
+    for index in range(shape.key_width if key else shape.columns):
+        sorted_index = shape.key_sorted[index] if key else index
+        column = shape.given_of_sorted[sorted_index]
+        done = _raw_field(out, shape.prefixes[sorted_index], shape.prefix_sizes[sorted_index],
+                          line + starts[column], starts[column + 1] - starts[column] - 1,
+                          shape.kinds[column])
+        if done:
+            return done
+    return 0
+
+
+cdef int _raw_rows(const char* chars, Py_ssize_t count, Py_ssize_t width,
+                   const _Shape* shape, unsigned long long* hashes,
+                   Py_ssize_t* later, Py_ssize_t* later_count) noexcept nogil:
+    """The GIL-free pass over a block of ``count`` checked lines: each row's key and row
+    hashes into ``hashes``, or (a field needs Python) its index and its line's offset into
+    ``later``; -1 when memory runs out."""
+    cdef _Raw out
+    cdef Py_ssize_t row, at = 0
+    cdef Py_ssize_t* starts = <Py_ssize_t*>malloc((width + 1) * sizeof(Py_ssize_t))
+    cdef const char* line
+    cdef int done = 0
+    out.size = 0
+    out.capacity = 1024
+    out.data = <char*>malloc(out.capacity)
+    if starts == NULL or out.data == NULL:
+        free(starts)
+        free(out.data)
+        return -1
+    later_count[0] = 0
+    for row in range(count):
+        line = chars + at
+        _field_starts(line, starts, width)
+        done = 0
+        if not shape.key_is_row:
+            done = _raw_columns(&out, shape, line, starts, True)
+            if not done:
+                hashes[2 * row] = cdc_sha256_head64(<const unsigned char*>out.data, out.size)
+        if not done:
+            done = _raw_columns(&out, shape, line, starts, False)
+            if not done:
+                hashes[2 * row + 1] = cdc_sha256_head64(<const unsigned char*>out.data,
+                                                        out.size)
+                if shape.key_is_row:
+                    hashes[2 * row] = hashes[2 * row + 1]
+        if done < 0:
+            break
+        if done:
+            later[2 * later_count[0]] = row
+            later[2 * later_count[0] + 1] = at
+            later_count[0] += 1
+            done = 0
+        at += starts[width]
+    free(starts)
+    free(out.data)
+    return done
+
+
 def digest_block(digest, digester, str text not None, Py_ssize_t width, tuple kinds not None,
                  tuple converters not None, object unescape):
     """``chunks.Chunker.parse`` + ``digest_fields`` fused: the rows of a block of complete
     COPY text lines hashed from the text itself (a field becomes a Python str only for a
-    converter); the number of rows added, or None when the block is not ``width`` fields on
-    every line ending with a newline (the pure code then parses it and says what is wrong).
-    A converter's exception propagates and adds nothing."""
+    converter; rows whose fields C writes alone are hashed with the GIL released); the number
+    of rows added, or None when the block is not ``width`` fields on every line ending with a
+    newline (the pure code then parses it and says what is wrong). A converter's exception
+    propagates and adds nothing."""
     cdef RowDigester compiled = digester
     cdef _Target target
+    cdef _Shape shape
     cdef Py_ssize_t columns = compiled._width
-    cdef Py_ssize_t size, at, count = 0, row, index, column, tabs = 0
+    cdef Py_ssize_t size, at, count = 0, row, index, column, tabs = 0, later_count = 0
     cdef const char* chars = PyUnicode_AsUTF8AndSize(text, &size)
     cdef const char* line
     cdef Py_ssize_t* starts
+    cdef Py_ssize_t* later
     cdef unsigned long long* hashes
     cdef int* column_kinds
+    cdef bint malformed = False
+    cdef int failed
     cdef _Out out
     if columns > width or len(kinds) != columns or len(converters) != columns:
         raise ValueError("digest_block: digester, kinds and converters do not agree")
@@ -331,52 +586,62 @@ def digest_block(digest, digester, str text not None, Py_ssize_t width, tuple ki
         return 0
     if chars[size - 1] != 10:
         return None
-    for at in range(size):  # every line must hold width fields
-        if chars[at] == 9:
-            tabs += 1
-        elif chars[at] == 10:
-            if tabs != width - 1:
-                return None
-            tabs = 0
-            count += 1
+    with nogil:
+        for at in range(size):  # every line must hold width fields
+            if chars[at] == 9:
+                tabs += 1
+            elif chars[at] == 10:
+                if tabs != width - 1:
+                    malformed = True
+                    break
+                tabs = 0
+                count += 1
+    if malformed:
+        return None
     target = _Target(digest)
     starts = <Py_ssize_t*>PyMem_Malloc((width + 1) * sizeof(Py_ssize_t))
     column_kinds = <int*>PyMem_Malloc(max(columns, 1) * sizeof(int))
     hashes = <unsigned long long*>PyMem_Malloc(count * 2 * sizeof(unsigned long long))
-    if starts == NULL or column_kinds == NULL or hashes == NULL:
-        PyMem_Free(starts)
-        PyMem_Free(column_kinds)
-        PyMem_Free(hashes)
-        raise MemoryError()
+    later = <Py_ssize_t*>PyMem_Malloc(count * 2 * sizeof(Py_ssize_t))
+    shape.prefixes = <const char**>PyMem_Malloc(max(columns, 1) * sizeof(char*))
+    shape.prefix_sizes = <Py_ssize_t*>PyMem_Malloc(max(columns, 1) * sizeof(Py_ssize_t))
     _open(&out)
     try:
+        if starts == NULL or column_kinds == NULL or hashes == NULL or later == NULL \
+                or shape.prefixes == NULL or shape.prefix_sizes == NULL:
+            raise MemoryError()
         for column in range(columns):
             column_kinds[column] = kinds[column]
-        at = 0
-        for row in range(count):  # every row hashed before any is added: all or nothing
-            line = chars + at
-            index = 0
-            starts[0] = 0
-            while chars[at] != 10:
-                if chars[at] == 9:
-                    index += 1
-                    starts[index] = at + 1 - (line - chars)
-                at += 1
-            starts[width] = at + 1 - (line - chars)  # (one past the field's end, as a tab)
-            at += 1
+            prefix = <bytes>PyTuple_GET_ITEM(compiled._prefixes, column)
+            shape.prefixes[column] = PyBytes_AS_STRING(prefix)
+            shape.prefix_sizes[column] = PyBytes_GET_SIZE(prefix)
+        shape.columns = columns
+        shape.key_width = compiled._key_width
+        shape.key_is_row = compiled._key_is_row
+        shape.given_of_sorted = compiled._given_of_sorted
+        shape.key_sorted = compiled._key_sorted
+        shape.kinds = column_kinds
+        with nogil:  # every row hashed before any is added: all or nothing
+            failed = _raw_rows(chars, count, width, &shape, hashes, later, &later_count)
+        if failed:
+            raise MemoryError()
+        for index in range(later_count):  # the rows with a field that needs Python
+            row = later[2 * index]
+            line = chars + later[2 * index + 1]
+            _field_starts(line, starts, width)
             if not compiled._key_is_row:
                 out.size = 0
-                for index in range(compiled._key_width):
-                    column = compiled._given_of_sorted[compiled._key_sorted[index]]
+                for at in range(compiled._key_width):
+                    column = compiled._given_of_sorted[compiled._key_sorted[at]]
                     _put_field(&out, <bytes>PyTuple_GET_ITEM(
-                        compiled._prefixes, compiled._key_sorted[index]), line + starts[column],
+                        compiled._prefixes, compiled._key_sorted[at]), line + starts[column],
                         starts[column + 1] - starts[column] - 1, None, column_kinds[column],
                         <object>PyTuple_GET_ITEM(converters, column), unescape)
                 hashes[2 * row] = _hash64(out.data, out.size)
             out.size = 0
-            for index in range(columns):
-                column = compiled._given_of_sorted[index]
-                _put_field(&out, <bytes>PyTuple_GET_ITEM(compiled._prefixes, index),
+            for at in range(columns):
+                column = compiled._given_of_sorted[at]
+                _put_field(&out, <bytes>PyTuple_GET_ITEM(compiled._prefixes, at),
                            line + starts[column], starts[column + 1] - starts[column] - 1,
                            None, column_kinds[column],
                            <object>PyTuple_GET_ITEM(converters, column), unescape)
@@ -391,3 +656,6 @@ def digest_block(digest, digester, str text not None, Py_ssize_t width, tuple ki
         PyMem_Free(starts)
         PyMem_Free(column_kinds)
         PyMem_Free(hashes)
+        PyMem_Free(later)
+        PyMem_Free(shape.prefixes)
+        PyMem_Free(shape.prefix_sizes)

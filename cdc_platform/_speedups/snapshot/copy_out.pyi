@@ -1,0 +1,3 @@
+from psycopg.pq.abc import PGconn
+
+def read_copy_data(pgconn: PGconn, buffer: bytearray, limit: int) -> int: ...
