@@ -68,6 +68,9 @@ def create_tables(pg: LocalPostgres, rows: int) -> None:
             conn.execute(f"VACUUM ANALYZE {table}")
         provision_database(conn, publication=PUBLICATION, role=ROLE, tables=list(TABLES),
                            role_password=PASSWORD)
+        # as a stopped bridge leaves it: a snapshot writes its watermark only where the
+        # bridge's slot will carry it into CDC (no bridge runs here)
+        conn.execute("SELECT pg_create_logical_replication_slot('bench_slot', 'pgoutput')")
 
 
 async def provision_nats(nats: LocalNatsServer) -> None:

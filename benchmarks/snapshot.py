@@ -106,6 +106,13 @@ def baseline(pg: LocalPostgres, runs: int) -> tuple[float, int]:
     return best, size
 
 
+def create_bridge_slot(pg: LocalPostgres) -> None:
+    """``bench_slot`` as a stopped bridge leaves it: a snapshot writes its watermark only
+    where the bridge's slot will carry it into CDC (no bridge runs here)."""
+    with psycopg.connect(pg.superuser_conninfo(), autocommit=True) as conn:
+        conn.execute("SELECT pg_create_logical_replication_slot('bench_slot', 'pgoutput')")
+
+
 def platform_settings(pg: LocalPostgres, nats: LocalNatsServer, **encoding) -> PlatformSettings:
     return PlatformSettings(
         postgres=PostgresSettings(host=pg.host, port=pg.port, database="postgres", user=ROLE,
@@ -307,6 +314,7 @@ def main() -> None:
     try:
         asyncio.run(_provision(nats))
         create_table(pg, args.rows)
+        create_bridge_slot(pg)
         copy_seconds, copy_bytes = baseline(pg, max(3, args.runs))  # best of 3 at least
         copy_rate = args.rows / copy_seconds
         mb = copy_bytes / 1e6

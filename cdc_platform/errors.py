@@ -62,6 +62,18 @@ class TableLockWaitError(SnapshotError):
     tasks or slot for the DDL)."""
 
 
+class WatermarkNotCarried(SnapshotError):
+    """A watermark (a snapshot's, or a verification's verify marker) was written where no
+    slot's stream will carry it into `CDC`: the bridge's slot was dropped, lost or replaced
+    by one whose start is past it. Its marker will never come, so the run is taken again
+    under a new id (a few times at most) rather than published."""
+
+
+class SlotMissingError(SnapshotError):
+    """The bridge's slot did not exist (or was lost) for as long as a snapshot waits for it:
+    a watermark written then would be in no slot's stream, so nothing was published."""
+
+
 class SnapshotRequestRefused(SnapshotError):
     """A snapshot was requested for a table that is unknown or not published."""
 

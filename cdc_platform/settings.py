@@ -142,6 +142,13 @@ class PostgresSettings(_Settings):
     connect_timeout: int = Field(10, ge=1, validation_alias=_env("CDC_PG_CONNECT_TIMEOUT"))
     publication: str = Field("cdc_pub", validation_alias=_env("CDC_PUBLICATION"))
     slot: str = Field("cdc_slot", validation_alias=_env("CDC_SLOT"))
+    slot_wait_seconds: Seconds = Field(
+        600.0, gt=0, validation_alias=_env("CDC_SLOT_WAIT"),
+        description="How long a snapshot waits for the bridge's slot (CDC_SLOT) to exist and "
+        "not be lost before it writes its watermark: one written while there is none (the "
+        "bridge not started yet, or replacing a lost slot) is in no slot's stream, and no "
+        "consumer could cut over. Then it fails, publishing nothing. A stopped bridge's slot "
+        "exists: no wait. (Verifications wait within CDC_VERIFY_WAIT.)")
 
     @field_validator("dsn")
     @classmethod

@@ -353,6 +353,10 @@ class Mirror:
             if meta is None or stop.is_set():
                 return  # stopped while waiting
             try:
+                if start_seq is None:
+                    start_seq = await self._cutover_point(js, table, meta, stop)
+                    if start_seq is None:
+                        return  # stopped while waiting
                 await self._load_snapshot(js, store, table, meta, start_seq, stop)
                 return
             except SchemaNotMirrorable as exc:
@@ -483,11 +487,12 @@ class Mirror:
         return True
 
     async def _snapshot(self, nc: NatsClient, js: JetStreamContext, table: str, min_lsn: int,
-                        stop: asyncio.Event) -> tuple[SnapshotMeta | None, int]:
-        """A snapshot to bootstrap from and the `CDC` sequence to follow from: a recent
-        one already in `INIT` (with a cutover LSN of at least ``min_lsn``: after what made
-        the table stale), by the rule the snapshot sensor answers requests with, or one
-        requested (and shared by whoever asks meanwhile)."""
+                        stop: asyncio.Event) -> tuple[SnapshotMeta | None, int | None]:
+        """A snapshot to bootstrap from and the `CDC` sequence to follow from (None: still to
+        be found, :meth:`_cutover_point`): a recent one already in `INIT` (with a cutover LSN
+        of at least ``min_lsn``: after what made the table stale), by the rule the snapshot
+        sensor answers requests with, or one requested (and shared by whoever asks
+        meanwhile). ``(None, None)``: stopped meanwhile."""
         init = self.settings.topology.init.name
         relation_id = await self._relation_id(js, table)
         reused = await reusable_snapshot(js, table, self.options.snapshot_max_age_seconds,
@@ -503,7 +508,7 @@ class Mirror:
         while True:
             reply = await self._request_snapshot(nc, js, table, min_lsn, relation_id, stop)
             if reply is None:
-                return None, 0
+                return None, None
             meta = await self._meta(js, table, reply)
             if meta is not None:
                 break
@@ -526,22 +531,33 @@ class Mirror:
                     "bridge was stopped? Start the mirror again once the bridge runs")
             await asyncio.sleep(1.0)
             relation_id = await self._relation_id(js, table)
-        start_seq = await self._cutover_point(js, table, meta, stop)
-        return (meta, start_seq) if start_seq is not None else (None, 0)
+        return meta, None
 
     async def _cutover_point(self, js: JetStreamContext, table: str, meta: SnapshotMeta,
                              stop: asyncio.Event) -> int | None:
         """The `CDC` sequence to follow ``meta``'s snapshot from (None: stopped meanwhile).
         Its watermark marker is not in `CDC` while the bridge is behind (or not running): a
         passing state, waited out with growing pauses and said in the progress line; a
-        person is needed only when it lasts ``snapshot_wait_seconds``."""
+        person is needed only when it lasts ``snapshot_wait_seconds``. But once `CDC` holds
+        a message committed at or past the snapshot's ``lsn`` (read before the marker is
+        looked for) and still no marker, the marker never comes: stream order is commit
+        order, and the watermark committed below ``lsn``, so a slot that decodes it stores
+        it first; that slot was lost or replaced after the watermark was written.
+        :class:`SnapshotUnusable` then (a newer snapshot is asked for)."""
         started = time.monotonic()
         last_report = -math.inf
         pause = 0.5
         while True:
+            stream_lsn = await self.stream_last_lsn(js)
             try:
                 return await cutover_start_seq(js, meta, self.verifier)
             except MarkerNotInCdcYet as exc:
+                if stream_lsn is not None and stream_lsn >= meta.lsn:
+                    raise SnapshotUnusable(
+                        f"{exc} and never will be: {meta.cdc_stream} holds a change committed "
+                        f"at {format_lsn(stream_lsn)}, past its cutover lsn "
+                        f"{format_lsn(meta.lsn)} (the bridge's slot was lost or replaced "
+                        "after its watermark)") from None
                 waited = time.monotonic() - started
                 if waited > self.options.snapshot_wait_seconds:
                     raise MirrorError(f"{exc} after {waited:.0f}s: is the CDC bridge "

@@ -8,19 +8,86 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import psycopg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from psycopg import sql
 
-from cdc_platform.errors import SnapshotError, TableLockWaitError
-from cdc_platform.lsn import format_lsn
+from cdc_platform.errors import CdcError, SnapshotError, TableLockWaitError, WatermarkNotCarried
+from cdc_platform.lsn import format_lsn, parse_lsn
 from cdc_platform.replication.connection import ReplicationConnection
+from cdc_platform.replication.slots import SlotState, read_slot
 from cdc_platform.settings import PostgresSettings
 from cdc_platform.snapshot.source import SourceTable, describe_table
-from cdc_platform.wire import WATERMARK_PREFIX
+from cdc_platform.wire import WATERMARK_PREFIX, watermark_subject
+
+_SLOT_POLL_SECONDS = 0.2
+
+
+async def wait_for_slot(control: psycopg.Connection, slot: str, wait_seconds: float, *,
+                        setting: str, error: type[CdcError]) -> None:
+    """Until slot ``slot`` exists and is not lost, at most ``wait_seconds`` (``setting`` names
+    where that comes from); ``error`` after that. A watermark written while it does not (the
+    bridge not started yet, or replacing a lost slot) is in no slot's stream: its marker
+    never reaches `CDC`. A stopped bridge's slot exists: no wait."""
+    deadline = time.monotonic() + wait_seconds
+    while (state := read_slot(control, slot)) is None or state.lost:
+        if time.monotonic() >= deadline:
+            raise error(
+                f"the bridge is behind: slot {slot} "
+                f"{'does not exist' if state is None else 'is lost'} after {wait_seconds:g}s "
+                f"({setting}): a watermark would be in no slot's stream; nothing is read or "
+                "published. Is the bridge running?")
+        await asyncio.sleep(_SLOT_POLL_SECONDS)
+
+
+def slot_will_decode(state: SlotState | None, lsn: int) -> bool:
+    """Whether the slot ``state`` describes will decode a transaction whose record is at
+    ``lsn`` (a watermark's message; its commit comes after it).
+
+    Decoding a slot resumes at its ``confirmed_flush_lsn`` (the bridge starts there, and
+    PostgreSQL moves any earlier start up to it): a transaction whose commit record starts
+    below it is skipped, one at or above it is decoded (a new slot's confirmed_flush_lsn is
+    its consistent point: a slot created after the watermark starts past it). Its
+    ``restart_lsn`` is only where WAL reading begins (at or below confirmed_flush_lsn, to
+    rebuild the snapshot and the transactions in progress), so it decides nothing here as
+    long as that WAL is kept: a lost slot (``wal_status`` lost) decodes nothing again.
+    Two-phase decoding changes nothing: the watermark commits directly, never prepared."""
+    return (state is not None and not state.lost
+            and state.confirmed_flush_lsn is not None and state.confirmed_flush_lsn <= lsn)
+
+
+async def watermark_carried(control: psycopg.Connection, js: JetStreamContext, stream: str,
+                            slot: str, mark_id: str, lsn: str) -> bool:
+    """Whether the watermark ``mark_id`` written at ``lsn`` is in `CDC` or will be: the slot
+    will decode it, or its marker is stored already. The slot is read first: a slot that
+    decoded the watermark confirmed past it only once its marker was stored (the bridge
+    acknowledges what JetStream stored), so a marker missing after that never comes."""
+    if slot_will_decode(read_slot(control, slot), parse_lsn(lsn)):
+        return True
+    return await marker_seq(js, stream, watermark_subject(mark_id)) is not None
+
+
+async def emit_carried_watermark(control: psycopg.Connection, js: JetStreamContext,
+                                 stream: str, slot: str, mark_id: str, wire_table: str, *,
+                                 wait_seconds: float, setting: str, error: type[CdcError],
+                                 before: Callable[[], None] | None = None) -> str:
+    """Step 3 where a slot's stream carries it: once the slot exists and is not lost
+    (:func:`wait_for_slot`), the watermark (:func:`emit_watermark`), then the check that the
+    slot still will decode it (it may have been dropped or replaced in between);
+    :class:`WatermarkNotCarried` if not (the run is taken again under a new id). Its LSN.
+    ``before`` (tests only) runs between the wait and the watermark."""
+    await wait_for_slot(control, slot, wait_seconds, setting=setting, error=error)
+    if before is not None:
+        before()
+    lsn = emit_watermark(control, mark_id, wire_table)
+    if not await watermark_carried(control, js, stream, slot, mark_id, lsn):
+        raise WatermarkNotCarried(
+            f"the watermark {mark_id} at {lsn} is in no slot's stream: slot {slot} was "
+            "dropped, lost or replaced as it was written")
+    return lsn
 
 
 def emit_watermark(control: psycopg.Connection, snapshot_id: str, wire_table: str) -> str:

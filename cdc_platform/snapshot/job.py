@@ -10,9 +10,13 @@ this order:
 2. **Dictionary** (``encoding.zstd`` and ``encoding.zstd_dictionary``): a zstd dictionary
    trained on a sample of the table, stored in KV ``zstd_dictionaries``
    (``settings.topology.dictionaries``).
-3. **Watermark**: ``pg_logical_emit_message(true, 'cdc_platform.watermark',
-   '{"snapshot_id": ..., "table": ...}')`` in its own transaction. The CDC bridge publishes it
-   as a marker on ``cdc.cdc-platform.watermark.{snapshot_id}``.
+3. **Watermark**: once the bridge's slot (``CDC_SLOT``) exists and is not lost (at most
+   ``CDC_SLOT_WAIT``, then :class:`SlotMissingError`, nothing published; a stopped bridge's
+   slot exists), ``pg_logical_emit_message(true, 'cdc_platform.watermark',
+   '{"snapshot_id": ..., "table": ...}')`` in its own transaction; then the slot is read
+   again: it must still decode it (``export.slot_will_decode``), else the run is taken
+   again under a new id (:class:`WatermarkNotCarried`). The CDC bridge publishes it as a
+   marker on ``cdc.cdc-platform.watermark.{snapshot_id}``.
 4. **Guard**: a transaction holding ``ACCESS SHARE`` on the table until the end, so no
    ``TRUNCATE``, ``VACUUM FULL``, ``CLUSTER`` or table rewrite (none of them MVCC-safe: an old
    snapshot would see the new, rewritten heap and ctid ranges would no longer match) can run
@@ -27,7 +31,9 @@ this order:
    forever (PostgreSQL sees no cycle), so the snapshot gives way then, as its tasks do.
 6. **Spark**: ctid block ranges (``plan``), one per partition, ``mapPartitions`` reads and
    publishes (``reader``); tasks return statistics only.
-7. **Meta** on ``init.meta.{table}`` once every chunk is acknowledged.
+7. **Meta** on ``init.meta.{table}`` once every chunk is acknowledged, and once the marker
+   is in ``CDC`` or the slot still will decode the watermark (it may have been lost or
+   replaced meanwhile: then the run is taken again under a new id, publishing no meta).
 
 A **repair snapshot** (``buckets=(bits, bucket_numbers)``, docs/verification.md Part 2, item
 4) is the same job keeping only the rows whose key hash falls in those buckets: selected by
@@ -49,8 +55,9 @@ with ``commit_lsn >= lsn``; PostgreSQL's snapshot builder guarantees that the ex
 snapshot sees exactly the transactions whose commit record precedes ``consistent_point``.
 ``cdc_start_seq`` is null when the bridge had not published the marker within
 ``watermark_wait_seconds`` (bridge stopped or lagging): look it up later with
-``js.get_last_msg(cdc_stream, watermark_subject)``. The bridge must have had its slot before
-the watermark was emitted, and the CDC stream must still hold the marker (its ``max_age``).
+``js.get_last_msg(cdc_stream, watermark_subject)``. The watermark is written only where the
+bridge's slot will decode it (step 3), and the CDC stream must still hold the marker (its
+``max_age``).
 """
 
 from __future__ import annotations
@@ -70,9 +77,11 @@ from nats.js import JetStreamContext
 from psycopg import sql
 
 from cdc_platform.errors import (
+    SlotMissingError,
     SnapshotError,
     SnapshotRequestRefused,
     TableLockWaitError,
+    WatermarkNotCarried,
 )
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.naming import qualified_name
@@ -85,10 +94,11 @@ from cdc_platform.settings import (
 from cdc_platform.snapshot import dictionary as dictionaries
 from cdc_platform.snapshot.buckets import BucketSelection
 from cdc_platform.snapshot.export import (
-    emit_watermark,
+    emit_carried_watermark,
     exported_snapshot,
     take_guard,
     wait_for_marker,
+    watermark_carried,
 )
 from cdc_platform.snapshot.meta import meta_subject, publish_meta, snapshot_meta
 from cdc_platform.snapshot.options import SnapshotOptions
@@ -116,6 +126,9 @@ log = logging.getLogger(__name__)
 
 _SNAPSHOT_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 REPAIR_ID_PREFIX = "repair-"
+# how many times a run is taken again because its watermark was in no slot's stream (the
+# slot replaced as it was written): once is a race, more is something replacing it on purpose
+WATERMARK_RETRIES = 2
 _T = TypeVar("_T")
 
 
@@ -194,29 +207,40 @@ async def snapshot_table(spark: Any, settings: PlatformSettings, table: str, *,
     snapshot_id = snapshot_id or (new_snapshot_id() if selection is None else new_repair_id())
     if not _SNAPSHOT_ID.fullmatch(snapshot_id):
         raise SnapshotError(f"snapshot id {snapshot_id!r} must match [A-Za-z0-9_-]{{1,64}}")
-    return await taken_again_after_ddl(
+    return await taken_again(
         lambda attempt_id: _snapshot_once(spark, settings, table, attempt_id, options, fault,
                                           selection),
         snapshot_id, options.lock_retries, f"snapshot of {table}")
 
 
-async def taken_again_after_ddl(take: Callable[[str], Awaitable[_T]], first_id: str,
-                                retries: int, what: str) -> _T:
-    """``take(id)``, taken again under a new id (up to ``retries`` times) when it gave way to
-    DDL (:class:`TableLockWaitError`): a new id per attempt, so the abandoned one's messages
-    (chunks without a meta, a marker without a digest) never mix in."""
-    attempt = 0
+async def taken_again(take: Callable[[str], Awaitable[_T]], first_id: str, retries: int,
+                      what: str) -> _T:
+    """``take(id)``, taken again under a new id when it gave way to DDL
+    (:class:`TableLockWaitError`, up to ``retries`` times) or its watermark is in no slot's
+    stream (:class:`WatermarkNotCarried`, up to ``WATERMARK_RETRIES`` times): a new id per
+    attempt, so the abandoned one's messages (chunks without a meta, a marker without a
+    digest) never mix in."""
+    attempt = gave_way = not_carried = 0
     while True:
         attempt_id = first_id if attempt == 0 else f"{first_id[:58]}-r{attempt}"
         try:
             return await take(attempt_id)
         except TableLockWaitError as exc:
-            attempt += 1
-            if attempt > retries:
+            gave_way += 1
+            if gave_way > retries:
                 raise
             log.warning("%s %s gave way to DDL (%s); taking it again (attempt %d)",
-                        what, attempt_id, exc, attempt + 1)
-            await asyncio.sleep(min(10.0, 0.5 * attempt))
+                        what, attempt_id, exc, attempt + 2)
+            await asyncio.sleep(min(10.0, 0.5 * gave_way))
+        except WatermarkNotCarried as exc:
+            not_carried += 1
+            if not_carried > WATERMARK_RETRIES:
+                raise WatermarkNotCarried(
+                    f"{what}: {exc}, {not_carried} times in a row: is something dropping or "
+                    "replacing the slot? Given up, publishing no meta or digest") from None
+            log.warning("%s %s: %s; taking it again under a new id (attempt %d)",
+                        what, attempt_id, exc, attempt + 2)
+        attempt += 1
 
 
 async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, snapshot_id: str,
@@ -245,8 +269,11 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
             trained, dictionary_key = (None, None) if selection else await _dictionary(
                 control, js, described, settings.encoding, settings.topology.dictionaries,
                 signer, snapshot_id, client.max_payload, options)
-            # 3. watermark; 4. guard
-            watermark_lsn = emit_watermark(control, snapshot_id, wire_table)
+            # 3. watermark (where the bridge's slot will carry it); 4. guard
+            watermark_lsn = await emit_carried_watermark(
+                control, js, cdc_stream, pg.slot, snapshot_id, wire_table,
+                wait_seconds=pg.slot_wait_seconds, setting="CDC_SLOT_WAIT",
+                error=SlotMissingError, before=options.before_watermark)
             described = take_guard(control, pg.publication, table, described)
             # 5. export
             async with exported_snapshot(pg, control) as (snapshot_name, lsn):
@@ -293,6 +320,13 @@ async def _snapshot_once(spark: Any, settings: PlatformSettings, table: str, sna
                 cdc_start_seq = await marker
             finally:
                 marker.cancel()
+            if cdc_start_seq is None and not await watermark_carried(
+                    control, js, cdc_stream, pg.slot, snapshot_id, watermark_lsn):
+                # the slot was lost or replaced since the watermark: no mirror would meet it
+                raise WatermarkNotCarried(
+                    f"the watermark {snapshot_id} at {watermark_lsn} is in no slot's stream "
+                    f"any more: slot {pg.slot} was dropped, lost or replaced before the bridge "
+                    "stored its marker")
 
             # 7. meta
             duration = time.monotonic() - started

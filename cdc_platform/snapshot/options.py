@@ -3,6 +3,7 @@ them)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cdc_platform.snapshot import dictionary as dictionaries
@@ -28,3 +29,6 @@ class SnapshotOptions:
     # statement queued behind the snapshot's lock, and is taken again (up to lock_retries).
     lock_timeout_ms: int = 5_000
     lock_retries: int = 5
+    # tests only: runs once the bridge's slot was found, just before each watermark is
+    # written (where a test replaces the slot, as a bridge replacing a lost one would)
+    before_watermark: Callable[[], None] | None = None

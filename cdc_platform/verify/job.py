@@ -7,9 +7,10 @@ this order, the steps of a snapshot (:mod:`cdc_platform.snapshot.job`) where the
 1. **Validate**: the table must be in the publication (``describe_table``); anything else
    raises :class:`SnapshotRequestRefused` before any marker, slot or task.
 2. **Verify marker**: once the bridge's slot exists (else no slot decodes the marker: at most
-   ``CDC_VERIFY_WAIT``, then :class:`BridgeBehindError`), ``emit_watermark`` with the
-   verification id (``verify-...``): the bridge publishes it as a watermark marker on
-   ``cdc.cdc-platform.watermark.verify-...``.
+   ``CDC_VERIFY_WAIT``, then :class:`BridgeBehindError`), a snapshot's watermark with the
+   verification id (``verify-...``; ``emit_carried_watermark``): the bridge publishes it as a
+   watermark marker on ``cdc.cdc-platform.watermark.verify-...``. A marker the slot will not
+   decode (the slot replaced as it was written) makes the run be taken again under a new id.
 3. **Guard and export**: ACCESS SHARE on the table, then a temporary slot exporting a
    snapshot; its consistent point is the digest's ``lsn``: the digest holds exactly the
    transactions whose commit precedes it. The marker committed before the slot was created,
@@ -25,7 +26,10 @@ this order, the steps of a snapshot (:mod:`cdc_platform.snapshot.job`) where the
    confirms only what JetStream stored), at most ``CDC_VERIFY_WAIT``; else
    :class:`BridgeBehindError` and nothing is published.
 6. **Digest message** on ``cdc.cdc-platform.verify.{table}.{id}``: stored after step 5, it
-   follows every transaction below ``lsn`` in stream order.
+   follows every transaction below ``lsn`` in stream order. Only if the verify marker is in
+   ``CDC`` by then: the slot that confirmed ``lsn`` stored it first if it decoded it, so a
+   marker missing then never comes (the slot was lost or replaced since step 2), and the run
+   is taken again under a new id rather than publish a digest no mirror can compare.
 """
 
 from __future__ import annotations
@@ -43,15 +47,20 @@ from typing import Any
 
 import psycopg
 
-from cdc_platform.errors import BridgeBehindError, VerificationError
+from cdc_platform.errors import BridgeBehindError, VerificationError, WatermarkNotCarried
 from cdc_platform.jetstream.connection import connect_nats
 from cdc_platform.lsn import format_lsn, parse_lsn
 from cdc_platform.naming import qualified_name
 from cdc_platform.replication.connection import SESSION_OPTIONS
 from cdc_platform.replication.slots import read_slot
 from cdc_platform.settings import PlatformSettings
-from cdc_platform.snapshot.export import emit_watermark, exported_snapshot, take_guard
-from cdc_platform.snapshot.job import new_snapshot_id, taken_again_after_ddl
+from cdc_platform.snapshot.export import (
+    emit_carried_watermark,
+    exported_snapshot,
+    marker_seq,
+    take_guard,
+)
+from cdc_platform.snapshot.job import new_snapshot_id, taken_again
 from cdc_platform.snapshot.options import SnapshotOptions
 from cdc_platform.snapshot.source import describe_table
 from cdc_platform.snapshot.tasks import plan_tasks, run_tasks, task_parallelism
@@ -144,7 +153,7 @@ async def verify_table(spark: Any, settings: PlatformSettings, table: str, *,
         raise VerificationError(f"verification id {verification_id!r} must be "
                                 f"{VERIFICATION_ID_PREFIX} and 1-57 of [A-Za-z0-9_-]")
     chosen = _checked_buckets(bits, buckets)
-    return await taken_again_after_ddl(
+    return await taken_again(
         lambda attempt_id: _verify_once(spark, settings, table, attempt_id, bits, chosen,
                                         options),
         verification_id, options.lock_retries, f"verification of {table}")
@@ -169,8 +178,12 @@ async def _verify_once(spark: Any, settings: PlatformSettings, table: str,
         client = await connect_nats(settings.nats, name=f"cdc-verify-{verification_id}")
         try:
             # 2. the verify marker (in the stream of the bridge's slot); 3. guard and export
-            await wait_for_slot(control, pg.slot, settings.verify.wait_seconds)
-            marker_lsn = emit_watermark(control, verification_id, wire_table)
+            js = client.jetstream()
+            cdc_stream = settings.topology.cdc.name
+            marker_lsn = await emit_carried_watermark(
+                control, js, cdc_stream, pg.slot, verification_id, wire_table,
+                wait_seconds=settings.verify.wait_seconds, setting="CDC_VERIFY_WAIT",
+                error=BridgeBehindError, before=options.before_watermark)
             described = take_guard(control, pg.publication, table, described)
             async with exported_snapshot(pg, control) as (snapshot_name, lsn):
                 spark, ranges = plan_tasks(spark, described, options)
@@ -210,15 +223,18 @@ async def _verify_once(spark: Any, settings: PlatformSettings, table: str,
             wait_started = time.monotonic()
             await wait_for_bridge(control, pg.slot, lsn, settings.verify.wait_seconds)
             wait_seconds = time.monotonic() - wait_started
+            if await marker_seq(js, cdc_stream, watermark_subject(verification_id)) is None:
+                raise WatermarkNotCarried(
+                    f"the verify marker {verification_id} at {marker_lsn} is not in "
+                    f"{cdc_stream} though slot {pg.slot} confirmed {lsn}: the slot was lost or "
+                    "replaced after the marker; the digest is not published")
             duration = time.monotonic() - started
             payload = digest_payload(
                 verification_id=verification_id, table=wire_table, lsn=lsn,
                 schema_fingerprint=described.schema.fingerprint, bits=final_bits,
                 totals=totals, counts=counts, buckets=buckets, duration=duration)
-            digest_seq = await publish_digest(client.jetstream(), payload,
-                                              settings.encoding.format,
-                                              settings.topology.cdc.name,
-                                              settings.bridge.signer(),
+            digest_seq = await publish_digest(js, payload, settings.encoding.format,
+                                              cdc_stream, settings.bridge.signer(),
                                               max_payload=client.max_payload)
         finally:
             await client.close()
@@ -238,22 +254,6 @@ async def _verify_once(spark: Any, settings: PlatformSettings, table: str,
              final_bits, lsn, digest_seq, duration, digest_seconds, result.rows_per_second,
              yield_seconds, wait_seconds)
     return result
-
-
-async def wait_for_slot(control: psycopg.Connection, slot: str, wait_seconds: float) -> None:
-    """Until slot ``slot`` exists and is not lost, at most ``wait_seconds``;
-    :class:`BridgeBehindError` after that. A marker written while it does not (the bridge
-    not started yet, or replacing a lost slot) is in no slot's stream: the digest after it
-    would be published and every mirror would find it "not comparable"."""
-    deadline = time.monotonic() + wait_seconds
-    while (state := read_slot(control, slot)) is None or state.lost:
-        if time.monotonic() >= deadline:
-            raise BridgeBehindError(
-                f"the bridge is behind: slot {slot} "
-                f"{'does not exist' if state is None else 'is lost'} after {wait_seconds:g}s "
-                "(CDC_VERIFY_WAIT): a verify marker would be in no slot's stream; nothing is "
-                "read or published. Is the bridge running?")
-        await asyncio.sleep(_BRIDGE_POLL_SECONDS)
 
 
 def yield_policy(settings: PlatformSettings, spark: Any, options: SnapshotOptions,

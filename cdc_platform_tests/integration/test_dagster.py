@@ -38,7 +38,7 @@ def dagster_env(cdc_database, provisioned_nats, monkeypatch, tmp_path):
         "CDC_PUBLICATION": cdc_database.publication, "CDC_SLOT": cdc_database.slot,
         "CDC_NATS_URL": provisioned_nats.url, "CDC_NATS_PASSWORD": "",
         "CDC_HTTP_PORT": "0", "CDC_OBSERVE_INTERVAL": "1", "CDC_LAG_CHECK_INTERVAL": "1",
-        "CDC_HEARTBEAT_INTERVAL": "1", "CDC_STATUS_INTERVAL": "0.5",
+        "CDC_HEARTBEAT_INTERVAL": "1", "CDC_STATUS_INTERVAL": "0.5", "CDC_SLOT_WAIT": "10",
         "DAGSTER_HOME": str(tmp_path / "dagster_home"),
     }
     (tmp_path / "dagster_home").mkdir()

@@ -70,6 +70,7 @@ async def test_edge_values_flow_through_cdc_and_the_stream_goes_on(
 async def test_edge_values_in_a_snapshot_equal_cdc(edge_table, cdc_database, pg_admin,
                                                    provisioned_nats, nats_client, spark_session):
     _insert_edges(pg_admin, edge_table)
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     settings = platform_settings(cdc_database, provisioned_nats.url)
     result = await snapshot_table(spark_session, settings, edge_table, options=NO_BRIDGE)
     (row,) = await snapshot_data(nats_client, result)

@@ -39,6 +39,7 @@ async def test_bootstrap_from_a_compressed_snapshot_equals_the_source(
     table = random_name("mirror_types")
     create_types_table(pg_admin, table, 5_000)
     cdc_database.add_tables(pg_admin, table)
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     settings = settings_for(cdc_database, provisioned_nats.url, format=fmt, zstd=True,
                             chunk_rows=500)
     result = await snapshot_table(spark_session, settings, table, options=NO_BRIDGE)

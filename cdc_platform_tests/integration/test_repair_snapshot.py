@@ -116,6 +116,7 @@ async def repair_meta(client, table):
 async def test_a_repair_snapshot_holds_exactly_the_rows_of_its_buckets(
         kind, cdc_database, pg_admin, provisioned_nats, nats_client):
     table, columns, key = _create(pg_admin, cdc_database, kind)
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     with psycopg.connect(cdc_database.server.superuser_conninfo(), autocommit=True,
                          options=SESSION_OPTIONS) as session:
         schema = describe_table(session, cdc_database.publication, table).schema
@@ -214,6 +215,7 @@ async def test_a_repair_follows_the_cutover_rule_and_leaves_the_full_snapshots_m
 async def test_spark_and_in_process_repairs_agree(kind, cdc_database, pg_admin, provisioned_nats,
                                                   nats_client, spark_session):
     table, columns, key = _create(pg_admin, cdc_database, kind)
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     settings = settings_for(cdc_database, provisioned_nats.url, chunk_rows=100)
     here = await snapshot_table(None, settings, table, options=IN_PROCESS,
                                 buckets=(BITS, BUCKETS))
@@ -238,6 +240,7 @@ async def test_a_consumer_reads_a_repair_with_the_checks_of_a_full_snapshot(
     seed_file.write_text(new_seed(os.urandom(32)))
     verifier = SignatureVerifier([MessageSigner(seed_file.read_text()).public_key])
     table, columns, key = _create(pg_admin, cdc_database, "timestamptz")
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     settings = settings_for(cdc_database, provisioned_nats.url, chunk_rows=100, zstd=True,
                             zstd_dictionary=True)
     settings = settings.model_copy(update={"bridge": BridgeSettings(
@@ -281,6 +284,7 @@ async def test_a_requester_asks_for_a_repair_and_asks_again_when_told_to(
     refused for now (a repair of the table ran moments ago) it asks again after retry_after
     and gets the second one."""
     table, columns, key = _create(pg_admin, cdc_database, "int8")
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     settings = settings_for(cdc_database, provisioned_nats.url)
     js = nats_client.jetstream()
     reports: list[str] = []
@@ -313,6 +317,7 @@ async def test_a_repair_of_more_buckets_than_a_meta_lists_carries_them_as_a_bitm
     # a union at 20 bits may hold 262,144 buckets: ~1.3 MB as a list, over max_payload; as
     # a bitmap 175 KB: under 1 MB, over a 64 KB server's limit, which fails in one line
     table, columns, key = _create(pg_admin, cdc_database, "int8")
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     many = (20, tuple(range(20_000)))  # past META_MAX_LISTED_BUCKETS (16,384)
     settings = settings_for(cdc_database, provisioned_nats.url)
     await snapshot_table(None, settings, table, options=IN_PROCESS, buckets=many)

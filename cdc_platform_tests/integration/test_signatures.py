@@ -264,6 +264,7 @@ async def test_spark_tasks_sign_chunks_and_a_forged_dictionary_is_not_used(
     table = random_name("zstd_signed")
     create_types_table(pg_admin, table, 3_000)
     cdc_database.add_tables(pg_admin, table)
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     settings = settings_for(cdc_database, provisioned_nats.url, zstd=True, chunk_rows=500)
     settings = settings.model_copy(update={"bridge": BridgeSettings(
         http_port=0, signing_key_seed=str(seed_file))})
@@ -328,6 +329,7 @@ async def test_a_chunk_id_taken_before_its_chunk_is_sent_loses_no_chunk(
     pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
     pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 10) g")
     cdc_database.add_tables(pg_admin, table)
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     settings = platform_settings(cdc_database, provisioned_nats.url,
                                  signing_key_seed=str(seed_file))
     snapshot_id, first = new_snapshot_id(), chunk_number(0, 0)

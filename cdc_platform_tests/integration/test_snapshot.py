@@ -92,6 +92,7 @@ async def test_200k_rows_of_every_type_round_trip_exactly(types_table, cdc_datab
                                                           provisioned_nats, nats_client,
                                                           spark_session):
     cdc_database.add_tables(pg_admin, types_table)
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     settings = settings_for(cdc_database, provisioned_nats.url)
     result = await snapshot_table(spark_session, settings, types_table, options=NO_BRIDGE)
     assert result.row_count == 200_000
@@ -164,6 +165,7 @@ async def test_200k_rows_of_every_type_round_trip_exactly(types_table, cdc_datab
 async def test_zstd_with_dictionary_round_trips(small_types_table, cdc_database, pg_admin,
                                                 provisioned_nats, nats_client, spark_session):
     cdc_database.add_tables(pg_admin, small_types_table)
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     settings = settings_for(cdc_database, provisioned_nats.url, format="json", zstd=True,
                             chunk_rows=2_000)
     result = await snapshot_table(spark_session, settings, small_types_table, options=NO_BRIDGE)
@@ -224,6 +226,7 @@ async def test_table_without_primary_key(cdc_database, pg_admin, provisioned_nat
                      "FROM generate_series(1, 30000) i")
     pg_admin.execute(f"DELETE FROM {table} WHERE a = 5")  # holes in the heap
     cdc_database.add_tables(pg_admin, table)
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     settings = settings_for(cdc_database, provisioned_nats.url, chunk_rows=3_000)
     result = await snapshot_table(spark_session, settings, table, options=NO_BRIDGE)
     rows = await snapshot_data(nats_client, result)
@@ -238,6 +241,7 @@ async def test_empty_table_gets_a_meta_with_no_chunks(cdc_database, pg_admin, pr
     table = random_name("empty")
     pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY)")
     cdc_database.add_tables(pg_admin, table)
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     settings = settings_for(cdc_database, provisioned_nats.url, zstd=True)  # no sample: no dict
     result = await snapshot_table(spark_session, settings, table, options=NO_BRIDGE)
     assert (result.row_count, result.batch_count, result.partitions) == (0, 0, 1)
@@ -257,6 +261,7 @@ async def test_chunks_fit_max_payload_and_an_oversized_row_is_a_claim_check(
     pg_admin.execute(f"INSERT INTO {table} SELECT i, repeat(md5(i::text), 30) "
                      "FROM generate_series(1, 3000) i")  # ~1 KB rows: 64 KB cuts, not 10K
     cdc_database.add_tables(pg_admin, table, nokey)
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     settings = settings_for(cdc_database, server.url)
     result = await snapshot_table(spark_session, settings, table, options=NO_BRIDGE)
     messages = await chunk_messages(client, result)
@@ -291,6 +296,7 @@ async def test_retried_task_does_not_duplicate_chunks(cdc_database, pg_admin, pr
     pg_admin.execute(f"INSERT INTO {table} SELECT i, md5(i::text) "
                      "FROM generate_series(1, 40000) i")
     cdc_database.add_tables(pg_admin, table)
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     settings = settings_for(cdc_database, provisioned_nats.url, chunk_rows=1_000)
     result = await snapshot_table(spark_session, settings, table, options=NO_BRIDGE,
                                   fault=TaskFault(partition=0, after_chunks=3))
@@ -399,6 +405,7 @@ async def test_a_small_table_is_read_without_spark_and_equals_the_spark_read(
     """Below small_table_bytes the same range tasks run in this process: no Spark session is
     created (the factory is never called) and the rows are the same."""
     cdc_database.add_tables(pg_admin, small_types_table)
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     settings = settings_for(cdc_database, provisioned_nats.url)
 
     def no_spark():
@@ -424,6 +431,7 @@ async def test_a_snapshot_gives_way_to_ddl_its_export_waits_for(
     pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
     pg_admin.execute(f"INSERT INTO {table} SELECT g, 'v' FROM generate_series(1, 10) g")
     cdc_database.add_tables(pg_admin, table)
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
     settings = platform_settings(cdc_database, provisioned_nats.url)
     with psycopg.connect(cdc_database.server.superuser_conninfo()) as migration:
         migration.execute(f"UPDATE {table} SET v = 'w' WHERE id = 1")  # (it has an xid)
