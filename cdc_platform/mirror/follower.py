@@ -116,7 +116,7 @@ _KV_CATCH_UP_SECONDS = 30.0
 _UNUSABLE_SNAPSHOTS = 3
 _CONTROL_PREFIX = f"{CDC_PREFIX}.{CONTROL_TOKEN}."  # markers, digest messages
 # how often a table whose schema SQLite cannot hold looks for a new one in KV
-_SCHEMA_POLL_SECONDS = 5.0
+_SCHEMA_POLL_SECONDS = 2.0
 
 
 class _Restart(Exception):
@@ -371,6 +371,7 @@ class Mirror:
                         return  # stopped while waiting
                 finally:
                     self.waiting.pop(table, None)
+                    self.fleet.report_now()
                 attempt, min_lsn = 0, max(min_lsn, meta.lsn + 1)
             except SnapshotUnusable as exc:
                 if attempt == _UNUSABLE_SNAPSHOTS:
@@ -1262,6 +1263,7 @@ class _Following:
         shown = format_lsn(lsn) if lsn is not None else "not known yet (the source is idle)"
         self.mirror.report(f"{', '.join(chosen)}: swapped in; every table consistent at lsn "
                            f"{shown}")
+        self.mirror.fleet.report_now()  # (streaming now: the fleet need not wait to show it)
 
     def finish_repairs(self, *, idle: bool = False) -> None:
         """Replace the buckets of each repair whose shadow has caught up, at the point the

@@ -618,17 +618,18 @@ async def test_a_column_sqlite_cannot_name_stops_its_table_only(
         await asyncio.wait_for(task, 30)
 
 
-async def _fleet_table(nats_client, settings, table: str, status: str) -> MirroredTable:
-    """``table`` as the fleet (KV `mirrors`) shows it, once it shows it ``status``."""
+async def _fleet_table(nats_client, settings, table: str, *statuses: str) -> MirroredTable:
+    """``table`` as the fleet (KV `mirrors`) shows it, once it shows it in one of
+    ``statuses``."""
     shown: list[MirroredTable] = []
 
     async def showing() -> bool:
         fleet = await read_fleet(nats_client.jetstream(), settings.topology.mirrors.bucket)
         shown[:] = [state.tables[table] for state in fleet.states.values()
                     if table in state.tables]
-        return bool(shown) and shown[0].status == status
+        return bool(shown) and shown[0].status in statuses
     deadline = asyncio.get_running_loop().time() + 30
     while not await showing():
-        assert asyncio.get_running_loop().time() < deadline, f"{table} never {status}: {shown}"
+        assert asyncio.get_running_loop().time() < deadline, f"{table} never {statuses}: {shown}"
         await asyncio.sleep(0.2)
     return shown[0]
