@@ -5,7 +5,6 @@ the end of the COPY, and psycopg's errors."""
 
 from __future__ import annotations
 
-import importlib.util
 import select
 from collections.abc import Callable
 
@@ -17,27 +16,15 @@ from cdc_platform import speedups
 from cdc_platform.snapshot import copy_out
 from cdc_platform.snapshot.copy_out import ENDED, FILLED, WAIT
 from cdc_platform_tests.fixtures.services import random_name
+from cdc_platform_tests.fixtures.twins import pure_copy
 
 Reader = Callable[[object, bytearray, int], int]
-
-
-def _pure_read_copy_data() -> Reader:
-    """The pure ``read_copy_data``, from a fresh copy of the module that binds no twin."""
-    spec = importlib.util.find_spec(copy_out.__name__)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    pure, speedups.PURE_PYTHON = speedups.PURE_PYTHON, True
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        speedups.PURE_PYTHON = pure
-    return module.read_copy_data
 
 
 @pytest.fixture(params=["compiled", "pure"])
 def read_copy_data(request) -> Reader:
     if request.param == "pure":
-        return _pure_read_copy_data()
+        return pure_copy(copy_out.__name__).read_copy_data
     twin = speedups.compiled_twin(copy_out.__name__)
     if twin is None:
         pytest.skip("the compiled twin is not built (or pure Python asked for)")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import importlib.util
 import json
 import math
 import random
@@ -20,7 +19,6 @@ import struct
 import subprocess
 from decimal import Decimal
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -28,11 +26,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import cdc_platform
-from cdc_platform import speedups
 from cdc_platform.mirror.columns import TableShape
 from cdc_platform.mirror.stored_values import StoredRowDigester, digest_stored_rows, wire_value
 from cdc_platform.wire import digest
 from cdc_platform.wire.digest import RowDigester, TableDigest, digest_columns, digest_rows
+from cdc_platform_tests.fixtures.twins import pure_copy
 
 
 class _Number(enum.IntEnum):
@@ -211,20 +209,7 @@ def test_random_rows_of_a_wide_table_hash_as_the_pure_functions():
 
 
 # -- the mirror's stored rows ------------------------------------------------------------------
-def _pure_copy(name: str) -> ModuleType:
-    """A fresh copy of pure module ``name`` that binds no compiled twin (to compare with)."""
-    spec = importlib.util.find_spec(name)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    pure, speedups.PURE_PYTHON = speedups.PURE_PYTHON, True
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        speedups.PURE_PYTHON = pure
-    return module
-
-
-PURE_STORED = _pure_copy("cdc_platform.mirror.stored_values")
+PURE_STORED = pure_copy("cdc_platform.mirror.stored_values")
 # (name, type oid, data_type[, base type oid: a domain's column]); dmoods: a domain over an
 # enum's array (its base type no builtin: an array by the schema's is_array alone)
 STORED_COLUMNS = (("id", 20, "bigint"), ("score", 701, "double precision"),
