@@ -202,7 +202,8 @@ def freshness(fleet: Fleet, last_seen: Mapping[str, float], lag_critical_seconds
                      else f"{running} mirror(s) within {lag_critical_seconds:.0f}s of the "
                      "source") + (f"; {len(stopped)} stopped" if stopped else ""),
         metadata={"mirrors": len(fleet.mirror_ids), "max_lag_seconds": max(lags, default=0.0),
-                  "lagging": lagging, "waiting": waiting, "gone": gone, "unreadable": fleet.unreadable,
+                  "lagging": lagging, "waiting": waiting, "gone": gone,
+                  "unreadable": fleet.unreadable,
                   "stopped": dict(sorted(stopped.items()))})
 
 

@@ -90,10 +90,7 @@ cdef const char* _DIGIT_PAIRS = (b"000102030405060708091011121314151617181920212
 
 
 cdef unsigned long long _POWERS_OF_TEN[20]  # 10^0 to 10^19: digits counted, no division
-_POWERS_OF_TEN[:] = [1, 10, 100, 1000, 10000, 100000, 1000000, 10000000,
-                     100000000, 1000000000, 10000000000, 100000000000, 1000000000000, 10000000000000,
-                     100000000000000, 1000000000000000, 10000000000000000, 100000000000000000,
-                     1000000000000000000, 10000000000000000000]
+_POWERS_OF_TEN[:] = [10 ** exponent for exponent in range(20)]
 
 
 cdef int _put_int64(_Out* out, long long number) except -1:
