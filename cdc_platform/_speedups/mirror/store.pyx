@@ -47,11 +47,9 @@ from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
 from libc.math cimport isnan
 from libc.string cimport memcmp, memcpy, memset, strcmp
 from libc.stdint cimport int64_t, uint8_t, uint64_t
-from posix.dlfcn cimport RTLD_NOW, dlopen, dlsym
+from posix.dlfcn cimport RTLD_NOW, dlopen
 
-cdef extern from "<dlfcn.h>":
-    void* RTLD_DEFAULT  # (Python.h defines _GNU_SOURCE)
-
+from cdc_platform._speedups.library cimport exported
 from cdc_platform._speedups.mirror.stored_values cimport KEEP, StoredRowDigester
 from cdc_platform._speedups.msgpack_reader cimport (
     KIND_BIN,
@@ -172,16 +170,10 @@ cdef SqliteApi api
 
 
 cdef void* _symbol(void* library, const char* name, bint required=True) except? NULL:
-    cdef void* found = dlsym(library, name)
-    cdef void* in_global_scope = dlsym(RTLD_DEFAULT, name)
-    if found == NULL and not required:
-        return NULL
-    if found == NULL:
+    cdef void* found = exported(library, name, "SQLite", "the mirror loads snapshots the pure way")
+    if found == NULL and required:
         raise ImportError(f"Python's _sqlite3 does not export {name.decode()}: the mirror "
                           "loads snapshots the pure way")
-    if in_global_scope != NULL and in_global_scope != found:
-        raise ImportError(f"{name.decode()} is in the process twice (another SQLite copy): "
-                          "the mirror loads snapshots the pure way")
     return found
 
 

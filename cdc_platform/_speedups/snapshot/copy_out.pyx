@@ -15,10 +15,11 @@ from psycopg import pq as _pq
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy
-from posix.dlfcn cimport RTLD_NOW, dlopen, dlsym
+from posix.dlfcn cimport RTLD_NOW, dlopen
+
+from cdc_platform._speedups.library cimport exported
 
 cdef extern from "<dlfcn.h>":
-    void* RTLD_DEFAULT  # (Python.h defines _GNU_SOURCE)
     int RTLD_NOLOAD
 
 ctypedef int (*get_copy_data_f)(void* conn, char** buffer, int async_) noexcept nogil
@@ -51,14 +52,10 @@ def _libpq_path():
 
 
 cdef void* _symbol(void* library, const char* name) except NULL:
-    cdef void* found = dlsym(library, name)
-    cdef void* in_global_scope = dlsym(RTLD_DEFAULT, name)
+    cdef void* found = exported(library, name, "libpq", "COPY is read the pure way")
     if found == NULL:
         raise ImportError(f"psycopg's libpq does not export {name.decode()}: COPY is read "
                           "the pure way")
-    if in_global_scope != NULL and in_global_scope != found:
-        raise ImportError(f"{name.decode()} is in the process twice (another libpq copy): "
-                          "COPY is read the pure way")
     return found
 
 
