@@ -500,8 +500,8 @@ class VerifySettings(_Settings):
     wait_seconds: Seconds = Field(600.0, gt=0, validation_alias=_env("CDC_VERIFY_WAIT"))
     yield_lag_bytes: Bytes = Field(
         16 * 1024**2, ge=0, validation_alias=_env("CDC_VERIFY_YIELD_LAG"),
-        description="A verification gives way to CDC: its tasks pause between blocks of "
-        "rows once the bridge's slot has more than this much WAL unconfirmed "
+        description="A verification gives way to CDC: its tasks pause before and between "
+        "blocks of rows once the bridge's slot has more than this much WAL unconfirmed "
         "(pg_current_wal_lsn() - confirmed_flush_lsn, read at most every 0.05 s), until the "
         "bridge has caught up: confirmed the WAL flushed when they began to pause, or "
         "down to a sixteenth of this behind. Above "

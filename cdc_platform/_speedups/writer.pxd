@@ -1,7 +1,8 @@
 """What the compiled twins share, inlined into each (a header, no module of its own): the
-byte readers of the PostgreSQL protocol, ASCII text, LSN text, and a growable buffer with a
+byte readers of the PostgreSQL protocol, ASCII text, LSN text, a growable buffer with a
 msgpack writer that writes byte for byte what ``msgpack.packb`` writes for the types the
-platform produces (anything else goes to ``msgpack.packb`` itself, errors included)."""
+platform produces (anything else goes to ``msgpack.packb`` itself, errors included), and a
+growable buffer for code that runs without the GIL."""
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_Next
@@ -9,6 +10,7 @@ from cpython.float cimport PyFloat_AS_DOUBLE
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsUnsignedLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from cpython.object cimport PyObject
+from libc.stdlib cimport realloc
 from libc.string cimport memcpy
 
 
@@ -109,6 +111,28 @@ cdef inline int reserve(Buffer* out, Py_ssize_t extra) except -1:
 cdef inline int put(Buffer* out, const char* data, Py_ssize_t size) except -1:
     if out.size + size > out.capacity:
         reserve(out, size)
+    memcpy(out.data + out.size, data, size)
+    out.size += size
+    return 0
+
+
+cdef struct RawBuffer:  # a Buffer for code without the GIL: C's malloc/realloc, free()d
+    char* data
+    Py_ssize_t size
+    Py_ssize_t capacity
+
+
+cdef inline int raw_put(RawBuffer* out, const char* data, Py_ssize_t size) noexcept nogil:
+    """``data`` appended (grown as :func:`reserve` grows a Buffer); -1 when memory runs
+    out."""
+    cdef char* grown
+    cdef Py_ssize_t capacity
+    if out.size + size > out.capacity:
+        capacity = max(out.capacity * 2, out.size + size)
+        grown = <char*>realloc(out.data, capacity)
+        if grown == NULL:
+            return -1
+        out.data, out.capacity = grown, capacity
     memcpy(out.data + out.size, data, size)
     out.size += size
     return 0

@@ -7,7 +7,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport free, malloc
 from libc.stdint cimport uint64_t
 from libc.string cimport memchr, memcmp, memcpy
 
@@ -26,6 +26,7 @@ from cdc_platform._speedups.wire.digest cimport (
 )
 from cdc_platform._speedups.writer cimport (
     Buffer,
+    RawBuffer,
     PyList_GET_ITEM,
     PyUnicode_AsUTF8AndSize,
     PyUnicode_IS_COMPACT_ASCII,
@@ -35,6 +36,7 @@ from cdc_platform._speedups.writer cimport (
     put,
     put_head,
     put_length,
+    raw_put,
     reserve,
 )
 
@@ -60,19 +62,19 @@ cdef extern from "Python.h":
     double PyOS_string_to_double(const char* s, char** endptr,
                                  PyObject* overflow_exception) except? -1.0
 
-# Column kinds of pack_rows; anything else is CALL (the Python converter, then _pack).
-ROW_KEEP = 0  # the text is the value
-ROW_INT = 1
-ROW_FLOAT = 2
-ROW_BOOL = 3
-ROW_TIMESTAMPTZ = 4
-ROW_CALL = 5
-# the same, for the code that runs without the GIL
+# Column kinds of pack_rows; anything else is CALL (the Python converter, then _pack). As
+# compile-time constants too, for the code that runs without the GIL.
 DEF _KEEP = 0
 DEF _INT = 1
 DEF _FLOAT = 2
 DEF _BOOL = 3
 DEF _TIMESTAMPTZ = 4
+ROW_KEEP = _KEEP  # the text is the value
+ROW_INT = _INT
+ROW_FLOAT = _FLOAT
+ROW_BOOL = _BOOL
+ROW_TIMESTAMPTZ = _TIMESTAMPTZ
+ROW_CALL = 5
 
 
 
@@ -337,28 +339,7 @@ def digest_fields(digest, digester, list fields not None, Py_ssize_t count, Py_s
 # C alone, so that the range tasks of one process hash at once, a core each; a row with a field
 # that needs Python (an escape, a converter, a float or an integer not in PostgreSQL's plain
 # form) is hashed afterwards by ``_put_field``, with the GIL. Both write the same bytes.
-cdef struct _Raw:  # canonical bytes written without the GIL (malloc'd)
-    char* data
-    Py_ssize_t size
-    Py_ssize_t capacity
-
-
-cdef inline int _raw_put(_Raw* out, const char* data, Py_ssize_t size) noexcept nogil:
-    """``data`` appended; -1 when memory runs out."""
-    cdef char* grown
-    cdef Py_ssize_t capacity
-    if out.size + size > out.capacity:
-        capacity = max(out.capacity * 2, out.size + size)
-        grown = <char*>realloc(out.data, capacity)
-        if grown == NULL:
-            return -1
-        out.data, out.capacity = grown, capacity
-    memcpy(out.data + out.size, data, size)
-    out.size += size
-    return 0
-
-
-cdef inline int _raw_sized(_Raw* out, const char* prefix, Py_ssize_t prefix_size, char tag,
+cdef inline int _raw_sized(RawBuffer* out, const char* prefix, Py_ssize_t prefix_size, char tag,
                            const char* data, Py_ssize_t size) noexcept nogil:
     """The column's name, ``tag``, u32 ``size`` and ``data``; 1 for a size past u32 (the GIL
     path raises what the pure code raises), -1 when memory runs out."""
@@ -370,9 +351,9 @@ cdef inline int _raw_sized(_Raw* out, const char* prefix, Py_ssize_t prefix_size
     head[2] = <char>(size >> 16)
     head[3] = <char>(size >> 8)
     head[4] = <char>size
-    if _raw_put(out, prefix, prefix_size) or _raw_put(out, head, 5):
+    if raw_put(out, prefix, prefix_size) or raw_put(out, head, 5):
         return -1
-    return _raw_put(out, data, size)
+    return raw_put(out, data, size)
 
 
 cdef bint _plain_float(const char* chars, Py_ssize_t size) noexcept nogil:
@@ -404,7 +385,7 @@ cdef bint _plain_float(const char* chars, Py_ssize_t size) noexcept nogil:
     return i == size
 
 
-cdef int _raw_float(_Raw* out, const char* prefix, Py_ssize_t prefix_size,
+cdef int _raw_float(RawBuffer* out, const char* prefix, Py_ssize_t prefix_size,
                     const char* chars, Py_ssize_t size) noexcept nogil:
     """A float column as ``_put_field`` writes it, for PostgreSQL's plain forms and
     ``NaN``/``Infinity``/``-Infinity``; 1 for any other text."""
@@ -426,12 +407,12 @@ cdef int _raw_float(_Raw* out, const char* prefix, Py_ssize_t prefix_size,
     packed[0] = 70  # 'F'
     for i in range(8):
         packed[1 + i] = <char>(bits >> (56 - 8 * i))
-    if _raw_put(out, prefix, prefix_size):
+    if raw_put(out, prefix, prefix_size):
         return -1
-    return _raw_put(out, packed, 9)
+    return raw_put(out, packed, 9)
 
 
-cdef int _raw_field(_Raw* out, const char* prefix, Py_ssize_t prefix_size,
+cdef int _raw_field(RawBuffer* out, const char* prefix, Py_ssize_t prefix_size,
                     const char* chars, Py_ssize_t size, int kind) noexcept nogil:
     """One COPY field's column as ``_put_field`` writes it, for the fields it writes in C
     alone; 1 for a field that needs Python, -1 when memory runs out."""
@@ -447,9 +428,9 @@ cdef int _raw_field(_Raw* out, const char* prefix, Py_ssize_t prefix_size,
             return _raw_sized(out, prefix, prefix_size, 73, chars, size)  # 'I'
         return 1
     if kind == _BOOL:
-        if _raw_put(out, prefix, prefix_size):
+        if raw_put(out, prefix, prefix_size):
             return -1
-        return _raw_put(out, b"I\x00\x00\x00\x011" if size == 1 and chars[0] == 116
+        return raw_put(out, b"I\x00\x00\x00\x011" if size == 1 and chars[0] == 116
                         else b"I\x00\x00\x00\x010", 6)
     if kind == _FLOAT:
         return _raw_float(out, prefix, prefix_size, chars, size)
@@ -493,7 +474,7 @@ cdef inline void _field_starts(const char* line, Py_ssize_t* starts, Py_ssize_t 
     starts[width] = at + 1
 
 
-cdef int _raw_columns(_Raw* out, const _Shape* shape, const char* line,
+cdef int _raw_columns(RawBuffer* out, const _Shape* shape, const char* line,
                       const Py_ssize_t* starts, bint key) noexcept nogil:
     """The canonical bytes of a row's key columns (``key``) or of all its columns into
     ``out``: 0, 1 (a field needs Python) or -1 (out of memory)."""
@@ -517,7 +498,7 @@ cdef int _raw_rows(const char* chars, Py_ssize_t count, Py_ssize_t width,
     """The GIL-free pass over a block of ``count`` checked lines: each row's key and row
     hashes into ``hashes``, or (a field needs Python) its index and its line's offset into
     ``later``; -1 when memory runs out."""
-    cdef _Raw out
+    cdef RawBuffer out
     cdef Py_ssize_t row, at = 0
     cdef Py_ssize_t* starts = <Py_ssize_t*>malloc((width + 1) * sizeof(Py_ssize_t))
     cdef const char* line

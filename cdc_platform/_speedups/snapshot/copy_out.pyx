@@ -13,11 +13,12 @@ import psycopg
 from psycopg import pq as _pq
 
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE, PyByteArray_Resize
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 from posix.dlfcn cimport RTLD_NOW, dlopen
 
 from cdc_platform._speedups.library cimport exported
+from cdc_platform._speedups.writer cimport RawBuffer, raw_put
 
 cdef extern from "<dlfcn.h>":
     int RTLD_NOLOAD
@@ -75,31 +76,18 @@ cdef int _find_libpq() except -1:
 _find_libpq()
 
 
-cdef struct _Gathered:  # the messages of one call, before they join the caller's buffer
-    char* data
-    Py_ssize_t size
-    Py_ssize_t capacity
-
-
-cdef int _gather(void* conn, _Gathered* out, Py_ssize_t wanted) noexcept nogil:
+cdef int _gather(void* conn, RawBuffer* out, Py_ssize_t wanted) noexcept nogil:
     """``read_copy_data``'s loop (its pure code, step for step) into ``out`` until it holds
     ``wanted`` bytes: _FILLED, _WAIT, _ENDED, or an error."""
     cdef char* message = NULL
-    cdef char* grown
     cdef int nbytes
     cdef bint consumed = False
     while True:
         nbytes = _get_copy_data(conn, &message, 1)
         if nbytes > 0:
-            if out.size + nbytes > out.capacity:
-                out.capacity = max(out.capacity * 2, out.size + nbytes)
-                grown = <char*>realloc(out.data, out.capacity)
-                if grown == NULL:
-                    _freemem(message)
-                    return _NO_MEMORY
-                out.data = grown
-            memcpy(out.data + out.size, message, nbytes)
-            out.size += nbytes
+            if raw_put(out, message, nbytes):
+                _freemem(message)
+                return _NO_MEMORY
             _freemem(message)
             consumed = False
             if out.size >= wanted:
@@ -122,7 +110,7 @@ def read_copy_data(pgconn, bytearray buffer not None, Py_ssize_t limit):
     # closed: libpq's answer for no connection, as psycopg's get_copy_data gets it
     cdef void* conn = NULL if pointer is None else <void*><size_t>pointer
     cdef Py_ssize_t held = PyByteArray_GET_SIZE(buffer)
-    cdef _Gathered out
+    cdef RawBuffer out  # the messages of one call, before they join ``buffer``
     cdef int state
     out.size = 0
     out.capacity = max(limit - held, 65536)
