@@ -89,21 +89,28 @@ def create_table(pg: LocalPostgres, rows: int) -> None:
                            role_password=PASSWORD)
 
 
-def baseline(pg: LocalPostgres, runs: int) -> tuple[float, int]:
-    """Best seconds of ``psql COPY > /dev/null``, and the COPY text size in bytes."""
+def _psql_copy(pg: LocalPostgres, stdout: int) -> subprocess.CompletedProcess:
+    """``psql COPY`` of the table to ``stdout``, in the session settings the snapshot uses."""
     psql = shutil.which("psql") or str(pg.bin_dir / "psql")
     command = [psql, "-h", str(pg.socket_dir), "-p", str(pg.port), "-U", "postgres",
                "-d", "postgres", "-X", "-q", "-c",
                f"COPY (SELECT {COLUMNS} FROM {TABLE}) TO STDOUT"]
     env = {**os.environ, "PGOPTIONS": "-c DateStyle=ISO,YMD -c TimeZone=UTC "
            "-c extra_float_digits=3 -c IntervalStyle=iso_8601 -c bytea_output=hex"}
-    best = float("inf")
-    for _ in range(runs):
-        started = time.perf_counter()
-        subprocess.run(command, stdout=subprocess.DEVNULL, check=True, env=env)
-        best = min(best, time.perf_counter() - started)
-    size = len(subprocess.run(command, stdout=subprocess.PIPE, check=True, env=env).stdout)
-    return best, size
+    return subprocess.run(command, stdout=stdout, check=True, env=env)
+
+
+def psql_copy(pg: LocalPostgres) -> float:
+    """Seconds of one ``psql COPY > /dev/null`` of the table."""
+    started = time.perf_counter()
+    _psql_copy(pg, subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
+def baseline(pg: LocalPostgres, runs: int) -> tuple[float, int]:
+    """Best seconds of ``psql COPY > /dev/null``, and the COPY text size in bytes."""
+    best = min(psql_copy(pg) for _ in range(runs))
+    return best, len(_psql_copy(pg, subprocess.PIPE).stdout)
 
 
 def create_bridge_slot(pg: LocalPostgres) -> None:

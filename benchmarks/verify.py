@@ -54,7 +54,6 @@ import pstats
 import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -69,7 +68,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # snapshot.py's and cd
 
 import cdc
 from snapshot import (
-    COLUMNS,
     PASSWORD,
     PUBLICATION,
     ROLE,
@@ -78,6 +76,7 @@ from snapshot import (
     baseline,
     create_table,
     platform_settings,
+    psql_copy,
     spark_session,
     start_servers,
 )
@@ -125,18 +124,6 @@ async def alternated_verifications(spark, settings: PlatformSettings,
         await asyncio.wait_for(bridge_task, 60)
     return pairs
 
-
-def psql_copy(pg) -> float:
-    """Seconds of one ``psql COPY > /dev/null`` of the table (``snapshot.py``'s baseline)."""
-    psql = shutil.which("psql") or str(pg.bin_dir / "psql")
-    command = [psql, "-h", str(pg.socket_dir), "-p", str(pg.port), "-U", "postgres",
-               "-d", "postgres", "-X", "-q", "-c",
-               f"COPY (SELECT {COLUMNS} FROM {TABLE}) TO STDOUT"]
-    env = {**os.environ, "PGOPTIONS": "-c DateStyle=ISO,YMD -c TimeZone=UTC "
-           "-c extra_float_digits=3 -c IntervalStyle=iso_8601 -c bytea_output=hex"}
-    started = time.perf_counter()
-    subprocess.run(command, stdout=subprocess.DEVNULL, check=True, env=env)
-    return time.perf_counter() - started
 
 
 def in_process(parallelism: int) -> SnapshotOptions:
