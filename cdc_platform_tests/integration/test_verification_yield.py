@@ -45,6 +45,10 @@ pytestmark = pytest.mark.every_major
 
 ROWS = 3_000
 YIELD_LAG = 64 * 1024  # the test's threshold; its ballast writes ~20x that
+# a threshold leaving room for WAL the server writes of its own accord (autovacuum of earlier
+# tests' tables: ~210 KB in a CI run) where a test needs the lag under it; 40,000 rows'
+# ballast writes ~14x that
+WIDE_YIELD_LAG = 1024 * 1024
 HOLD_SECONDS = 1.5  # how long the bridge stays behind
 NEARLY_SECONDS = 2.5  # how long it stays under the threshold, not caught up
 
@@ -80,10 +84,33 @@ def _task_reading_the_lag(pg_admin) -> bool:
                             "= 'cdc_platform_verify_lag'").fetchone()[0] > 0
 
 
-def _settings(cdc_database, provisioned_nats, max_yield: float):
+def _settings(cdc_database, provisioned_nats, max_yield: float, yield_lag: int = YIELD_LAG):
     return platform_settings(cdc_database, provisioned_nats.url).model_copy(update={
-        "verify": VerifySettings(yield_lag_bytes=YIELD_LAG, max_yield_seconds=max_yield,
+        "verify": VerifySettings(yield_lag_bytes=yield_lag, max_yield_seconds=max_yield,
                                  wait_seconds=30)})
+
+
+def _verification_connections(pg_admin) -> int:
+    """Connections of a verification's driver and tasks (reading COPY, reading the lag)."""
+    return pg_admin.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name "
+                            "IN ('cdc_platform_verify', 'cdc_platform_verify_lag')"
+                            ).fetchone()[0]
+
+
+@contextlib.asynccontextmanager
+async def _verifying(pg_admin, *args, **kwargs) -> AsyncIterator[asyncio.Task]:
+    """``verify_table(*args, **kwargs)`` running as a task; if a failing assertion leaves it
+    running, cancelled and its tasks' connections gone before the next test counts them."""
+    verifying = asyncio.create_task(verify_table(*args, **kwargs))
+    try:
+        yield verifying
+    finally:
+        if not verifying.done():
+            verifying.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await verifying
+            await wait_for(lambda: _verification_connections(pg_admin) == 0, timeout=10,
+                           what="the cancelled verification's tasks to end")
 
 
 @pytest.mark.parametrize("on_spark", [False, pytest.param(True, marks=pytest.mark.spark)],
@@ -96,12 +123,12 @@ async def test_a_verification_waits_while_the_bridge_is_behind_and_not_longer(
     options = SnapshotOptions(small_table_bytes=0) if on_spark else None
     async with held_slot(settings) as held:
         _ballast(pg_admin, table)
-        verifying = asyncio.create_task(verify_table(spark, settings, table, options=options))
-        if on_spark:  # Spark's tasks start seconds later: hold from when one reads the lag
-            await wait_for(lambda: _task_reading_the_lag(pg_admin), what="a task yielding")
-        await asyncio.sleep(HOLD_SECONDS)  # the bridge behind for this long
-        held.release()
-        result = await asyncio.wait_for(verifying, 60)
+        async with _verifying(pg_admin, spark, settings, table, options=options) as verifying:
+            if on_spark:  # Spark's tasks start seconds later: hold from when one reads the lag
+                await wait_for(lambda: _task_reading_the_lag(pg_admin), what="a task yielding")
+            await asyncio.sleep(HOLD_SECONDS)  # the bridge behind for this long
+            held.release()
+            result = await asyncio.wait_for(verifying, 60)
     assert result.spark == on_spark
     if on_spark:  # the first two tasks, at once, each from its first block to the release
         assert result.yield_seconds >= HOLD_SECONDS, result
@@ -129,25 +156,27 @@ async def test_a_task_that_gave_way_waits_until_the_bridge_confirmed_what_was_wr
     most, of the bridge confirming the ballast). And it gave way before its COPY, not after
     a first block (up to 4 MiB; the table's COPY text is ~10 MB)."""
     table = _table(pg_admin, cdc_database, rows=40_000)
-    settings = _settings(cdc_database, provisioned_nats, max_yield=60)
+    settings = _settings(cdc_database, provisioned_nats, max_yield=60,
+                         yield_lag=WIDE_YIELD_LAG)
     one_task = SnapshotOptions(local_parallelism=1, ranges_per_core=1)
     async with held_slot(settings) as held:
         _ballast(pg_admin, table)
         ballast_end = _current_lsn(pg_admin)
-        # WAL after the ballast, under the limit
+        # WAL after the ballast, under the limit but over 1/16 of it (where a task goes on
+        # all the same)
         pg_admin.execute("SELECT pg_logical_emit_message(false, 'cdc-test', repeat('x', %s))",
-                         (YIELD_LAG // 2,))
-        verifying = asyncio.create_task(verify_table(None, settings, table, options=one_task))
-        await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the task yielding")
-        assert not _task_copying(pg_admin)  # it gave way before it read a block
-        held.release(up_to=ballast_end)  # the bridge has caught up on the ballast
-        await wait_for(lambda: slot_confirmed(pg_admin, cdc_database.slot) >= ballast_end,
-                       what="the ballast confirmed")
-        assert _current_lsn(pg_admin) - ballast_end < YIELD_LAG
-        await asyncio.sleep(NEARLY_SECONDS)
-        assert not verifying.done()
-        held.release()
-        result = await asyncio.wait_for(verifying, 30)
+                         (WIDE_YIELD_LAG // 4,))
+        async with _verifying(pg_admin, None, settings, table, options=one_task) as verifying:
+            await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the task yielding")
+            assert not _task_copying(pg_admin)  # it gave way before it read a block
+            held.release(up_to=ballast_end)  # the bridge has caught up on the ballast
+            await wait_for(lambda: slot_confirmed(pg_admin, cdc_database.slot) >= ballast_end,
+                           what="the ballast confirmed")
+            assert _current_lsn(pg_admin) - ballast_end < WIDE_YIELD_LAG
+            await asyncio.sleep(NEARLY_SECONDS)
+            assert not verifying.done()
+            held.release()
+            result = await asyncio.wait_for(verifying, 30)
     assert result.yield_seconds >= NEARLY_SECONDS, result
     assert result.row_count == 40_000
 
@@ -160,23 +189,16 @@ async def test_a_verification_goes_on_once_it_has_yielded_its_most(
     caplog.set_level(logging.INFO, logger="cdc_platform.verify.yielding")
     async with held_slot(settings) as held:
         _ballast(pg_admin, table)
-        verifying = asyncio.create_task(verify_table(None, settings, table, options=one_task))
-        # while the bridge is still behind, the task gives up yielding and reads on
-        await wait_for(lambda: "its share of CDC_VERIFY_MAX_YIELD; going on" in caplog.text,
-                       what="the task to go on")
-        held.release()  # so that the digest can be published
-        result = await asyncio.wait_for(verifying, 30)
+        async with _verifying(pg_admin, None, settings, table, options=one_task) as verifying:
+            # while the bridge is still behind, the task gives up yielding and reads on
+            await wait_for(lambda: "its share of CDC_VERIFY_MAX_YIELD; going on" in caplog.text,
+                           what="the task to go on")
+            held.release()  # so that the digest can be published
+            result = await asyncio.wait_for(verifying, 30)
     assert result.partitions == 1
     assert 1.0 <= result.yield_seconds < 1.01
     assert result.digest_seconds < 4
     assert "yielding" in caplog.text
-
-
-def _verification_connections(pg_admin) -> int:
-    """Connections of a verification's driver and tasks (reading COPY, reading the lag)."""
-    return pg_admin.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name "
-                            "IN ('cdc_platform_verify', 'cdc_platform_verify_lag')"
-                            ).fetchone()[0]
 
 
 async def test_a_cancelled_verification_stops_its_tasks_yielding_at_once(
@@ -190,15 +212,15 @@ async def test_a_cancelled_verification_stops_its_tasks_yielding_at_once(
     settings = _settings(cdc_database, provisioned_nats, max_yield=60)
     async with held_slot(settings) as held:
         _ballast(pg_admin, table)
-        verifying = asyncio.create_task(verify_table(None, settings, table))
-        await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the tasks yielding")
-        verifying.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await verifying
-        cancelled = asyncio.get_running_loop().time()
-        await wait_for(lambda: _verification_connections(pg_admin) == 0, timeout=10,
-                       what="the tasks to end")
-        ended = asyncio.get_running_loop().time() - cancelled
+        async with _verifying(pg_admin, None, settings, table) as verifying:
+            await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the tasks yielding")
+            verifying.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await verifying
+            cancelled = asyncio.get_running_loop().time()
+            await wait_for(lambda: _verification_connections(pg_admin) == 0, timeout=10,
+                           what="the tasks to end")
+            ended = asyncio.get_running_loop().time() - cancelled
         held.release()
     assert ended < 2.0
 
@@ -259,14 +281,14 @@ async def test_a_verification_stops_yielding_while_ddl_waits_for_its_table(
     one_task = SnapshotOptions(local_parallelism=1, ranges_per_core=1)
     async with held_slot(settings) as held:
         _ballast(pg_admin, table)
-        verifying = asyncio.create_task(verify_table(None, settings, table, options=one_task))
-        await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the task yielding")
-        # an ALTER queues behind the verification's lock (and every later query of the
-        # table behind it): the task reads on and lets it through, the bridge still behind
-        await asyncio.wait_for(asyncio.to_thread(
-            _add_column, cdc_database.server.superuser_conninfo(), table), 20)
-        held.release()
-        result = await asyncio.wait_for(verifying, 30)
+        async with _verifying(pg_admin, None, settings, table, options=one_task) as verifying:
+            await wait_for(lambda: _task_reading_the_lag(pg_admin), what="the task yielding")
+            # an ALTER queues behind the verification's lock (and every later query of the
+            # table behind it): the task reads on and lets it through, the bridge still behind
+            await asyncio.wait_for(asyncio.to_thread(
+                _add_column, cdc_database.server.superuser_conninfo(), table), 20)
+            held.release()
+            result = await asyncio.wait_for(verifying, 30)
     assert result.row_count == ROWS and result.yield_seconds < 20
 
 
