@@ -101,6 +101,73 @@ static void cdc_sha256_blocks_shani(uint32_t state[8], const unsigned char *data
     _mm_storeu_si128((__m128i *)&state[4], _mm_alignr_epi8(efgh, cdab, 8));     /* HGFE */
 }
 
+/* Two messages' blocks at once (``blocks`` of each), their rounds interleaved: each
+ * sha256rnds2 waits for the one before it in its own message only, so two messages keep
+ * the SHA unit busy where one leaves it idle between dependent rounds (measured on this
+ * project's AMD EPYC VM: ~21 ns a block each instead of ~41). */
+__attribute__((target("sha,sse4.1,ssse3")))
+static void cdc_sha256_blocks_shani_pair(uint32_t first_state[8],
+                                         const unsigned char *first_data,
+                                         uint32_t second_state[8],
+                                         const unsigned char *second_data, size_t blocks) {
+    const __m128i byteswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    __m128i cdab = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&first_state[0]), 0xB1);
+    __m128i efgh = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&first_state[4]), 0x1B);
+    __m128i abef1 = _mm_alignr_epi8(cdab, efgh, 8), cdgh1 = _mm_blend_epi16(efgh, cdab, 0xF0);
+    cdab = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&second_state[0]), 0xB1);
+    efgh = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&second_state[4]), 0x1B);
+    __m128i abef2 = _mm_alignr_epi8(cdab, efgh, 8), cdgh2 = _mm_blend_epi16(efgh, cdab, 0xF0);
+    while (blocks--) {
+        __m128i abef1_saved = abef1, cdgh1_saved = cdgh1, w1[4], sum1;
+        __m128i abef2_saved = abef2, cdgh2_saved = cdgh2, w2[4], sum2, k;
+        int group;
+#if defined(__clang__)
+#pragma unroll
+#else
+#pragma GCC unroll 16
+#endif
+        for (group = 0; group < 16; group++) {
+            __m128i *next1 = &w1[group & 3], *next2 = &w2[group & 3];
+            if (group < 4) {
+                *next1 = _mm_shuffle_epi8(
+                    _mm_loadu_si128((const __m128i *)(first_data + 16 * group)), byteswap);
+                *next2 = _mm_shuffle_epi8(
+                    _mm_loadu_si128((const __m128i *)(second_data + 16 * group)), byteswap);
+            } else {
+                *next1 = _mm_sha256msg2_epu32(
+                    _mm_add_epi32(_mm_sha256msg1_epu32(*next1, w1[(group + 1) & 3]),
+                                  _mm_alignr_epi8(w1[(group + 3) & 3], w1[(group + 2) & 3], 4)),
+                    w1[(group + 3) & 3]);
+                *next2 = _mm_sha256msg2_epu32(
+                    _mm_add_epi32(_mm_sha256msg1_epu32(*next2, w2[(group + 1) & 3]),
+                                  _mm_alignr_epi8(w2[(group + 3) & 3], w2[(group + 2) & 3], 4)),
+                    w2[(group + 3) & 3]);
+            }
+            k = _mm_loadu_si128((const __m128i *)&cdc_sha256_k[4 * group]);
+            sum1 = _mm_add_epi32(*next1, k);
+            sum2 = _mm_add_epi32(*next2, k);
+            cdgh1 = _mm_sha256rnds2_epu32(cdgh1, abef1, sum1);
+            cdgh2 = _mm_sha256rnds2_epu32(cdgh2, abef2, sum2);
+            abef1 = _mm_sha256rnds2_epu32(abef1, cdgh1, _mm_shuffle_epi32(sum1, 0x0E));
+            abef2 = _mm_sha256rnds2_epu32(abef2, cdgh2, _mm_shuffle_epi32(sum2, 0x0E));
+        }
+        abef1 = _mm_add_epi32(abef1, abef1_saved);
+        cdgh1 = _mm_add_epi32(cdgh1, cdgh1_saved);
+        abef2 = _mm_add_epi32(abef2, abef2_saved);
+        cdgh2 = _mm_add_epi32(cdgh2, cdgh2_saved);
+        first_data += 64;
+        second_data += 64;
+    }
+    cdab = _mm_shuffle_epi32(abef1, 0x1B);
+    efgh = _mm_shuffle_epi32(cdgh1, 0xB1);
+    _mm_storeu_si128((__m128i *)&first_state[0], _mm_blend_epi16(cdab, efgh, 0xF0));
+    _mm_storeu_si128((__m128i *)&first_state[4], _mm_alignr_epi8(efgh, cdab, 8));
+    cdab = _mm_shuffle_epi32(abef2, 0x1B);
+    efgh = _mm_shuffle_epi32(cdgh2, 0xB1);
+    _mm_storeu_si128((__m128i *)&second_state[0], _mm_blend_epi16(cdab, efgh, 0xF0));
+    _mm_storeu_si128((__m128i *)&second_state[4], _mm_alignr_epi8(efgh, cdab, 8));
+}
+
 static int cdc_sha256_has_shani(void) {
     unsigned int eax, ebx, ecx, edx;
     if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & bit_SSE4_1) || !(ecx & bit_SSSE3))
@@ -130,25 +197,78 @@ static const char *cdc_sha256_implementation(void) {
     return "portable";
 }
 
-/* The first 8 bytes of SHA-256(data[0..size)) as a big-endian integer. */
-static uint64_t cdc_sha256_head64(const unsigned char *data, size_t size) {
-    uint32_t state[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
-                         0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-    unsigned char tail[128];
+#define CDC_SHA256_INITIAL {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, \
+                            0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19}
+
+/* The last one or two blocks of a message of ``size`` bytes: its bytes past the whole blocks,
+ * the 0x80, zeros and the length in bits; how many blocks. */
+static size_t cdc_sha256_tail(unsigned char tail[128], const unsigned char *data, size_t size) {
     size_t whole = size / 64, rest = size % 64, padded = rest < 56 ? 64 : 128;
     uint64_t bits = (uint64_t)size * 8;
     int i;
-    if (cdc_sha256_blocks == NULL)
-        cdc_sha256_implementation();
-    if (whole)
-        cdc_sha256_blocks(state, data, whole);
     memcpy(tail, data + whole * 64, rest);
     tail[rest] = 0x80;
     memset(tail + rest + 1, 0, padded - rest - 1 - 8);
     for (i = 0; i < 8; i++)
         tail[padded - 1 - i] = (unsigned char)(bits >> (8 * i));
-    cdc_sha256_blocks(state, tail, padded / 64);
+    return padded / 64;
+}
+
+/* The first 8 bytes of SHA-256(data[0..size)) as a big-endian integer. */
+static uint64_t cdc_sha256_head64(const unsigned char *data, size_t size) {
+    uint32_t state[8] = CDC_SHA256_INITIAL;
+    unsigned char tail[128];
+    size_t whole = size / 64, tail_blocks = cdc_sha256_tail(tail, data, size);
+    if (cdc_sha256_blocks == NULL)
+        cdc_sha256_implementation();
+    if (whole)
+        cdc_sha256_blocks(state, data, whole);
+    cdc_sha256_blocks(state, tail, tail_blocks);
     return (uint64_t)state[0] << 32 | state[1];
+}
+
+/* The largest message cdc_sha256_head64_pair pads on its stack (a row's canonical bytes are
+ * ~100-300 bytes); longer ones are hashed one after the other. */
+#define CDC_SHA256_PAIR_MAX 1024
+
+/* cdc_sha256_head64 of two messages, ``first_hash`` and ``second_hash``: on SHA-NI the blocks
+ * they have in common are hashed together (cdc_sha256_blocks_shani_pair), the longer one's
+ * rest alone. */
+static inline void cdc_sha256_head64_pair(const unsigned char *first, size_t first_size,
+                                          const unsigned char *second, size_t second_size,
+                                          uint64_t *first_hash, uint64_t *second_hash) {
+#ifdef CDC_SHA256_SHANI
+    uint32_t first_state[8] = CDC_SHA256_INITIAL, second_state[8] = CDC_SHA256_INITIAL;
+    unsigned char first_padded[CDC_SHA256_PAIR_MAX + 128];
+    unsigned char second_padded[CDC_SHA256_PAIR_MAX + 128];
+    size_t first_blocks, second_blocks, common;
+    if (cdc_sha256_blocks == NULL)
+        cdc_sha256_implementation();
+    if (cdc_sha256_blocks == cdc_sha256_blocks_shani && first_size <= CDC_SHA256_PAIR_MAX &&
+            second_size <= CDC_SHA256_PAIR_MAX) {
+        /* each message whole and padded in one buffer, so that its blocks follow in one run */
+        memcpy(first_padded, first, first_size / 64 * 64);
+        first_blocks = first_size / 64 +
+            cdc_sha256_tail(first_padded + first_size / 64 * 64, first, first_size);
+        memcpy(second_padded, second, second_size / 64 * 64);
+        second_blocks = second_size / 64 +
+            cdc_sha256_tail(second_padded + second_size / 64 * 64, second, second_size);
+        common = first_blocks < second_blocks ? first_blocks : second_blocks;
+        cdc_sha256_blocks_shani_pair(first_state, first_padded, second_state, second_padded,
+                                     common);
+        if (first_blocks > common)
+            cdc_sha256_blocks_shani(first_state, first_padded + 64 * common,
+                                    first_blocks - common);
+        if (second_blocks > common)
+            cdc_sha256_blocks_shani(second_state, second_padded + 64 * common,
+                                    second_blocks - common);
+        *first_hash = (uint64_t)first_state[0] << 32 | first_state[1];
+        *second_hash = (uint64_t)second_state[0] << 32 | second_state[1];
+        return;
+    }
+#endif
+    *first_hash = cdc_sha256_head64(first, first_size);
+    *second_hash = cdc_sha256_head64(second, second_size);
 }
 
 #endif

@@ -159,18 +159,26 @@ SHA256_PROGRAM = r"""
 #include "sha256.h"
 #include <stdio.h>
 int main(void) {
-    static unsigned char data[600];
-    size_t size;
+    static unsigned char data[1200];
+    size_t size, other;
     int portable;
+    uint64_t first_hash, second_hash;
     for (size = 0; size < sizeof data; size++)
         data[size] = (unsigned char)(size * 131 + 7);
     for (portable = 0; portable < 2; portable++) {
         cdc_sha256_implementation();
         if (portable)
             cdc_sha256_blocks = cdc_sha256_blocks_portable;
-        for (size = 0; size <= sizeof data; size++)
+        for (size = 0; size <= 600; size++)
             printf("%zu %016llx\n", size,
                    (unsigned long long)cdc_sha256_head64(data, size));
+        for (size = 0; size <= sizeof data; size++) {  /* two at a time, of other lengths */
+            other = size * 37 % (sizeof data + 1);
+            cdc_sha256_head64_pair(data, size, data + sizeof data - other, other,
+                                   &first_hash, &second_hash);
+            printf("%zu %016llx %zu %016llx\n", size, (unsigned long long)first_hash,
+                   other, (unsigned long long)second_hash);
+        }
     }
     printf("%s\n", cdc_sha256_implementation());
     return 0;
@@ -181,18 +189,27 @@ int main(void) {
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 def test_the_bundled_sha256_equals_hashlib_for_every_length_across_blocks(tmp_path):
     """Both implementations of ``sha256.h`` (SHA-NI where the CPU has it, and portable C)
-    against hashlib for every length 0..600: every padding case, one to ten blocks."""
+    against hashlib for every length 0..600: every padding case, one to ten blocks; and two
+    messages hashed at once (``cdc_sha256_head64_pair``: their common blocks together on
+    SHA-NI), of every length 0..1200 (past what it pads on its stack) beside another."""
     header_dir = Path(cdc_platform.__file__).parent / "_speedups"
     (tmp_path / "check.c").write_text(SHA256_PROGRAM)
     subprocess.run(["cc", "-O2", "-I", str(header_dir), "-o", str(tmp_path / "check"),
                     str(tmp_path / "check.c")], check=True)
     lines = subprocess.run([str(tmp_path / "check")], capture_output=True, text=True,
                            check=True).stdout.splitlines()
-    data = bytes((size * 131 + 7) % 256 for size in range(600))
-    expected = [f"{size} {hashlib.sha256(data[:size]).hexdigest()[:16]}"
-                for size in range(601)]
+    data = bytes((size * 131 + 7) % 256 for size in range(1200))
+
+    def head(message: bytes) -> str:
+        return hashlib.sha256(message).hexdigest()[:16]
+
+    expected = [f"{size} {head(data[:size])}" for size in range(601)]
+    pairs = [f"{size} {head(data[:size])} {size * 37 % 1201} "
+             f"{head(data[1200 - size * 37 % 1201:])}" for size in range(1201)]
     assert lines[:601] == expected  # the CPU's choice
-    assert lines[601:1202] == expected  # portable C
+    assert lines[601:1802] == pairs
+    assert lines[1802:2403] == expected  # portable C
+    assert lines[2403:3604] == pairs
     assert lines[-1] in ("sha-ni", "portable")
 
 

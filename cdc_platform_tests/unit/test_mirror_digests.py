@@ -265,6 +265,36 @@ def test_a_batch_rolled_back_to_its_savepoint_takes_its_hashes_back(tmp_path, pu
     store.close()
 
 
+def test_a_transaction_past_the_hooks_pending_bytes_keeps_its_digest(tmp_path, recording):
+    """The hook keeps rows' canonical bytes to hash two at a time, and hashes what it holds
+    once that passes 1 MiB: a transaction of ~6 MiB of rows (inserts, updates that keep
+    their key and that change it, deletes, and a batch that gives up on a value past 64 bits
+    after the limit was passed, rolled back to its savepoint and written again row by row)
+    keeps the digest a recompute finds."""
+    store = _hooked(_open(tmp_path / "m.db", pure=False), recording)
+    columns = [("id", 20, "bigint", 1), ("n", 20, "bigint", 2), ("body", 25, "text", 3)]
+    store.begin_bootstrap(TableShape.from_schema(_schema(columns)), "s", 0x100)
+    store.load_rows("t", [{"id": key, "n": key, "body": "b"} for key in range(10)])
+    store.finish_bootstrap("t", stream_seq=1)
+
+    def row(key: int, n: int) -> dict:
+        return {"id": key, "n": n, "body": f"{key}:{n}:" + "x" * 600}
+
+    keys = range(100, 2100)
+    changes = [*(("INSERT", row(key, key), None) for key in keys),
+               *(("UPDATE", row(key, -key), None) for key in keys),  # (the key kept)
+               *(("UPDATE", row(key + 10_000, 1), {"id": key}) for key in keys[:500]),
+               *(("DELETE", {"id": key}, {"id": key}) for key in keys[500:1000]),
+               # (~1.3 MB: the limit is passed before the batch gives up)
+               *(("INSERT", row(key, 2**64 if key == 21_900 else key), None)
+                 for key in range(20_000, 22_000))]
+    store.apply_transaction([event(operation, "0/200", ordinal, data=data, old=old, table="t")
+                             for ordinal, (operation, data, old) in enumerate(changes)],
+                            stream_seq=2)
+    assert sum(_assert_kept(store).counts) == 10 + 2000 - 500 + 2000
+    store.close()
+
+
 @pytest.mark.parametrize("alone", [False, True])
 def test_a_row_that_cannot_be_hashed_is_its_tables_divergence(tmp_path, recording, alone):
     """A row written behind the mirror's back that cannot be hashed (text that is not UTF-8:

@@ -77,6 +77,11 @@ from cdc_platform._speedups.wire.digest cimport (
     _put_sized,
 )
 
+cdef extern from "../sha256.h":
+    void cdc_sha256_head64_pair(const unsigned char* first, size_t first_size,
+                                const unsigned char* second, size_t second_size,
+                                uint64_t* first_hash, uint64_t* second_hash) nogil
+
 # The stable SQLite C API (sqlite.org/c3ref), declared here rather than from sqlite3.h.
 ctypedef void (*destructor)(void*) noexcept
 ctypedef int (*open_v2_f)(const char*, void**, int, const char*) noexcept nogil
@@ -326,6 +331,7 @@ cdef class ChunkLoader:
         found = []
         if self.rows is None:
             return found
+        self.rows._resolve()
         for index in range(self.rows.count):
             change = &self.rows.changes[index]
             for shift in range(8):
@@ -1049,7 +1055,7 @@ cdef void _row_hashes(void* context, int argc, void** argv) noexcept with gil:
 
 cdef bint _hash_row(object hasher, int argc, void** argv, unsigned char* packed) except -1:
     """The row's packed hashes into ``packed``; False: the Python ``hasher`` must do it."""
-    cdef unsigned long long key_hash, row_hash
+    cdef unsigned long long key_hash = 0, row_hash = 0
     cdef Py_ssize_t index
     hasher.called = True
     if argc < 1:
@@ -1065,44 +1071,22 @@ cdef bint _hash_row(object hasher, int argc, void** argv, unsigned char* packed)
     return True
 
 
-DEF _MEMO_BYTES = 128  # (longer keys are hashed each time)
-
-
-cdef struct _KeyMemo:
-    # the last key hashed by a preupdate hook: its canonical bytes and hash (an UPDATE that
-    # keeps its key hashes it once; equal bytes, equal hash, whatever the table)
-    Py_ssize_t size  # -1: none
-    unsigned long long hash
-    char data[_MEMO_BYTES]
-
-
 cdef bint _hash_values(StoredRowDigester stored, void** values, unsigned long long* key_hash,
-                       unsigned long long* row_hash, bint utf8_file=False,
-                       _KeyMemo* memo=NULL) except -1:
+                       unsigned long long* row_hash) except -1:
     """The hashes of a stored row (``values``: one per column, in ``stored``'s order);
     False: a text ``wire_value`` turns back, or that is not UTF-8 (Python's sqlite3 refuses
-    it): Python must hash the row. ``utf8_file``: the values are a UTF-8 file's, whose text
-    is read as stored (see ``_text``). ``memo``: the last key hashed, used and updated."""
+    it): Python must hash the row."""
     cdef RowDigester digester = stored._digester
     cdef _Out out
     _open(&out)
     try:
         if not digester._key_is_row:
             if not _write_values(&out, stored, values, digester._key_sorted,
-                                 digester._key_width, utf8_file):
+                                 digester._key_width, False):
                 return False
-            if memo != NULL and memo.size == out.size and memcmp(memo.data, out.data,
-                                                                 out.size) == 0:
-                key_hash[0] = memo.hash
-            else:
-                key_hash[0] = _hash64(out.data, out.size)
-                if memo != NULL:
-                    memo.size = -1
-                    if out.size <= _MEMO_BYTES:
-                        memcpy(memo.data, out.data, out.size)
-                        memo.size, memo.hash = out.size, key_hash[0]
+            key_hash[0] = _hash64(out.data, out.size)
             out.size = 0
-        if not _write_values(&out, stored, values, NULL, digester._width, utf8_file):
+        if not _write_values(&out, stored, values, NULL, digester._width, False):
             return False
         row_hash[0] = _hash64(out.data, out.size)
         if digester._key_is_row:
@@ -1200,11 +1184,43 @@ DEF _TRUNCATED = 0  # a change's sign: every bucket of the table to zero
 DEF _RESTARTED = 2  # a change's sign: the table's changes logged before are not summed
 
 
+# Where a change's hash is (its ``key_at`` or ``row_at``): its canonical bytes at that offset
+# of the log's ``pending`` bytes, hashed by ``_resolve``; or one of these.
+DEF _KNOWN = -1  # the hash is set
+DEF _KEY_IS_ROW = -2  # (key_at) the table's key is the whole row: its key hash is its row hash
+DEF _KEY_OF_CHANGE = -3  # (key_at) the key's bytes are those of change ``key_size``'s key
+# The pending bytes hashed once they reach this much (a transaction of a million rows does not
+# hold each one's bytes until its commit): ~3,000 rows of the benchmark's 9 columns.
+DEF _PENDING_BYTES = 1 << 20
+
+
 cdef struct _Change:
     long long table_id
     long long sign  # +1 a row added, -1 a row taken away, or _TRUNCATED, _RESTARTED
     unsigned long long key_hash
     unsigned long long row_hash
+    Py_ssize_t key_at  # (see _KNOWN)
+    Py_ssize_t key_size
+    Py_ssize_t row_at
+    Py_ssize_t row_size
+
+
+cdef struct _HashQueue:  # a message waiting for another to be hashed with (_resolve)
+    const char* data  # NULL: none waits
+    Py_ssize_t size
+    unsigned long long* hash
+
+
+cdef inline void _queue_hash(_HashQueue* queue, const char* data, Py_ssize_t size,
+                             unsigned long long* hash) noexcept:
+    """``data``'s hash into ``hash``: at once with the message waiting, else it waits."""
+    if queue.data == NULL:
+        queue.data, queue.size, queue.hash = data, size, hash
+        return
+    cdc_sha256_head64_pair(<const unsigned char*>queue.data, queue.size,
+                           <const unsigned char*>data, size, <uint64_t*>queue.hash,
+                           <uint64_t*>hash)
+    queue.data = NULL
 
 
 cdef class _Followed:
@@ -1258,7 +1274,12 @@ cdef bint _utf8_file(void* db) except -1:
 @cython.no_gc_clear  # (__dealloc__ takes the hook back from the connection)
 cdef class _RowHashes:
     """The hashes of the rows the connection writes into the followed tables, logged in the
-    order written until :meth:`take` sums them (see ``Statements.hook_rows``)."""
+    order written until :meth:`take` sums them (see ``Statements.hook_rows``).
+
+    The hook writes a row's canonical bytes and hashes them later (``_resolve``), two
+    messages at a time: SHA-256's rounds of one message wait on each other, and two keep
+    the CPU's SHA unit busy (``cdc_sha256_head64_pair``). An UPDATE that keeps its key hashes
+    it once (the new key's bytes equal to the old's)."""
 
     cdef void* db
     cdef object connection  # (the handle lives as long as it does; None: a ChunkLoader's)
@@ -1273,7 +1294,9 @@ cdef class _RowHashes:
     cdef object failed  # (table id, what) of the first row that could not be hashed
     cdef Py_ssize_t failed_at  # (the changes logged before it)
     cdef bint utf8_file
-    cdef _KeyMemo memo
+    cdef _Out pending  # canonical bytes of the changes from ``resolved`` on, to hash
+    cdef Py_ssize_t resolved  # the changes before it have their hashes
+    cdef Py_ssize_t last_key  # the last change whose key's bytes are pending, or -1
 
     def __cinit__(self):
         self.followed = {}
@@ -1281,11 +1304,14 @@ cdef class _RowHashes:
         self.changes = NULL
         self.count = self.capacity = 0
         self.hooked = False
-        self.memo.size = -1
+        _open(&self.pending)
+        self.resolved = 0
+        self.last_key = -1
 
     def __dealloc__(self):
         self._unhook()
         PyMem_Free(self.changes)
+        _close(&self.pending)
 
     def __len__(self):
         return self.count
@@ -1316,6 +1342,9 @@ cdef class _RowHashes:
         """The changes logged since :meth:`mark` gave ``mark`` are gone (a ROLLBACK TO)."""
         if 0 <= mark <= self.count:  # (a failed row logs nothing: count may be the mark)
             self.count = mark
+            self.resolved = min(self.resolved, mark)
+            if self.last_key >= mark:
+                self.last_key = -1
             if self.failed is not None and self.failed_at >= mark:
                 self.failed = None
 
@@ -1361,6 +1390,7 @@ cdef class _RowHashes:
         cdef _BucketSums sums = None
         if not 0 <= bits <= 16:
             raise ValueError(f"bits {bits}")
+        self._resolve()
         spare = [sums for sums in self.spare if (<_BucketSums>sums).bits == bits]
         by_table = {}
         for index in range(self.count):
@@ -1377,8 +1407,7 @@ cdef class _RowHashes:
                 sums.reset()
             else:
                 sums.add(change.key_hash, change.row_hash, change.sign)
-        self.count = 0
-        self.failed = None
+        self._forget()
         self.spare = list(by_table.values())[:4]  # (the caller is done with them by the next)
         return {table_id: summed for table_id, summed in by_table.items()
                 if (<_BucketSums>summed).touched_count or (<_BucketSums>summed).truncated}
@@ -1400,8 +1429,41 @@ cdef class _RowHashes:
 
     def clear(self):
         """Nothing logged (the transaction rolled back)."""
-        self.count = 0
+        self._forget()
+
+    cdef void _forget(self) noexcept:
+        self.count = self.resolved = 0
+        self.pending.size = 0
+        self.last_key = -1
         self.failed = None
+
+    cdef int _resolve(self) except -1:
+        """The hashes of the changes logged with their bytes pending, two at a time."""
+        cdef Py_ssize_t index
+        cdef _Change* change
+        cdef _HashQueue queue
+        queue.data = NULL
+        for index in range(self.resolved, self.count):
+            change = &self.changes[index]
+            if change.key_at >= 0:
+                _queue_hash(&queue, self.pending.data + change.key_at, change.key_size,
+                            &change.key_hash)
+            if change.row_at >= 0:
+                _queue_hash(&queue, self.pending.data + change.row_at, change.row_size,
+                            &change.row_hash)
+        if queue.data != NULL:
+            queue.hash[0] = _hash64(queue.data, queue.size)
+        for index in range(self.resolved, self.count):  # (in order: a key of an earlier one)
+            change = &self.changes[index]
+            if change.key_at == _KEY_IS_ROW:
+                change.key_hash = change.row_hash
+            elif change.key_at == _KEY_OF_CHANGE:
+                change.key_hash = self.changes[change.key_size].key_hash
+            change.key_at = change.row_at = _KNOWN
+        self.resolved = self.count
+        self.pending.size = 0
+        self.last_key = -1
+        return 0
 
     cdef void _changed(self, void* db, int operation, const char* database,
                        const char* table) noexcept:
@@ -1427,26 +1489,70 @@ cdef class _RowHashes:
     cdef int _hash(self, void* db, _Followed followed, preupdate_value_f read,
                    long long sign) except -1:
         cdef Py_ssize_t index
-        cdef unsigned long long key_hash, row_hash
         cdef const unsigned char* packed
+        cdef _Change change
         for index in range(followed.width):
             if read(db, <int>index, &followed.values[index]) != SQLITE_OK:
                 raise sqlite3.OperationalError(f"{followed.name.decode(errors='replace')} "
                                                f"has no column {index}")
-        if type(followed.digester) is not StoredRowDigester or not _hash_values(
-                <StoredRowDigester>followed.digester, followed.values, &key_hash, &row_hash,
-                self.utf8_file, &self.memo):
-            pair = self.hasher(followed.table_id, *[_python_value(followed.values[index])
-                                                    for index in range(followed.width)])
-            if type(pair) is not bytes or PyBytes_GET_SIZE(pair) != 16:
-                raise TypeError(f"the row hasher gave {type(pair).__name__}, not 16 bytes")
-            packed = <const unsigned char*>PyBytes_AS_STRING(pair)
-            key_hash, row_hash = _big_endian(packed), _big_endian(packed + 8)
-        self._log(followed.table_id, sign, key_hash, row_hash)
+        change.table_id, change.sign = followed.table_id, sign
+        if type(followed.digester) is StoredRowDigester and self._write_pending(
+                <StoredRowDigester>followed.digester, followed.values, &change):
+            self._append(&change)
+            if change.key_at >= 0:
+                self.last_key = self.count - 1
+            if self.pending.size >= _PENDING_BYTES:
+                self._resolve()
+            return 0
+        pair = self.hasher(followed.table_id, *[_python_value(followed.values[index])
+                                                for index in range(followed.width)])
+        if type(pair) is not bytes or PyBytes_GET_SIZE(pair) != 16:
+            raise TypeError(f"the row hasher gave {type(pair).__name__}, not 16 bytes")
+        packed = <const unsigned char*>PyBytes_AS_STRING(pair)
+        self._log(followed.table_id, sign, _big_endian(packed), _big_endian(packed + 8))
         return 0
+
+    cdef bint _write_pending(self, StoredRowDigester stored, void** values,
+                             _Change* change) except -1:
+        """The stored row's key and row bytes (``values``: one per column, in ``stored``'s
+        order) appended to the pending bytes, where ``change`` says; False (nothing
+        appended): a text ``wire_value`` turns back, or that is not UTF-8 (Python's sqlite3
+        refuses it): Python must hash the row."""
+        cdef RowDigester digester = stored._digester
+        cdef Py_ssize_t start = self.pending.size
+        cdef _Change* last
+        change.key_at = _KEY_IS_ROW
+        if not digester._key_is_row:
+            if not _write_values(&self.pending, stored, values, digester._key_sorted,
+                                 digester._key_width, self.utf8_file):
+                self.pending.size = start
+                return False
+            change.key_at, change.key_size = start, self.pending.size - start
+            if self.last_key >= 0:  # (equal bytes, equal hash, whatever the table)
+                last = &self.changes[self.last_key]
+                if last.key_size == change.key_size and memcmp(
+                        self.pending.data + last.key_at, self.pending.data + start,
+                        change.key_size) == 0:
+                    self.pending.size = start
+                    change.key_at, change.key_size = _KEY_OF_CHANGE, self.last_key
+        change.row_at = self.pending.size
+        if not _write_values(&self.pending, stored, values, NULL, digester._width,
+                             self.utf8_file):
+            self.pending.size = start
+            return False
+        change.row_size = self.pending.size - change.row_at
+        return True
 
     cdef int _log(self, long long table_id, long long sign, unsigned long long key_hash,
                   unsigned long long row_hash) except -1:
+        """A change whose hashes are known."""
+        cdef _Change change
+        change.table_id, change.sign = table_id, sign
+        change.key_hash, change.row_hash = key_hash, row_hash
+        change.key_at = change.row_at = _KNOWN
+        return self._append(&change)
+
+    cdef int _append(self, _Change* change) except -1:
         cdef _Change* grown
         cdef Py_ssize_t capacity
         if self.count == self.capacity:
@@ -1455,7 +1561,7 @@ cdef class _RowHashes:
             if grown == NULL:
                 raise MemoryError()
             self.changes, self.capacity = grown, capacity
-        self.changes[self.count] = _Change(table_id, sign, key_hash, row_hash)
+        self.changes[self.count] = change[0]
         self.count += 1
         return 0
 
