@@ -42,6 +42,9 @@ from cdc_platform._speedups.writer cimport (
 
 cdef extern from "../sha256.h":
     uint64_t cdc_sha256_head64(const unsigned char* data, size_t size) nogil
+    void cdc_sha256_head64_pair(const unsigned char* first, size_t first_size,
+                                const unsigned char* second, size_t second_size,
+                                uint64_t* first_hash, uint64_t* second_hash) nogil
 
 cdef extern from "<locale.h>":
     ctypedef void* locale_t
@@ -496,19 +499,21 @@ cdef int _raw_rows(const char* chars, Py_ssize_t count, Py_ssize_t width,
                    const _Shape* shape, unsigned long long* hashes,
                    Py_ssize_t* later, Py_ssize_t* later_count) noexcept nogil:
     """The GIL-free pass over a block of ``count`` checked lines: each row's key and row
-    hashes into ``hashes``, or (a field needs Python) its index and its line's offset into
-    ``later``; -1 when memory runs out."""
-    cdef RawBuffer out
+    hashes into ``hashes`` (hashed together: ``cdc_sha256_head64_pair``), or (a field needs
+    Python) its index and its line's offset into ``later``; -1 when memory runs out."""
+    cdef RawBuffer out, key_out
     cdef Py_ssize_t row, at = 0
     cdef Py_ssize_t* starts = <Py_ssize_t*>malloc((width + 1) * sizeof(Py_ssize_t))
     cdef const char* line
     cdef int done = 0
-    out.size = 0
-    out.capacity = 1024
+    out.size = key_out.size = 0
+    out.capacity = key_out.capacity = 1024
     out.data = <char*>malloc(out.capacity)
-    if starts == NULL or out.data == NULL:
+    key_out.data = <char*>malloc(key_out.capacity)
+    if starts == NULL or out.data == NULL or key_out.data == NULL:
         free(starts)
         free(out.data)
+        free(key_out.data)
         return -1
     later_count[0] = 0
     for row in range(count):
@@ -516,16 +521,19 @@ cdef int _raw_rows(const char* chars, Py_ssize_t count, Py_ssize_t width,
         _field_starts(line, starts, width)
         done = 0
         if not shape.key_is_row:
-            done = _raw_columns(&out, shape, line, starts, True)
-            if not done:
-                hashes[2 * row] = cdc_sha256_head64(<const unsigned char*>out.data, out.size)
+            done = _raw_columns(&key_out, shape, line, starts, True)
         if not done:
             done = _raw_columns(&out, shape, line, starts, False)
-            if not done:
+        if not done:
+            if shape.key_is_row:
                 hashes[2 * row + 1] = cdc_sha256_head64(<const unsigned char*>out.data,
                                                         out.size)
-                if shape.key_is_row:
-                    hashes[2 * row] = hashes[2 * row + 1]
+                hashes[2 * row] = hashes[2 * row + 1]
+            else:
+                cdc_sha256_head64_pair(<const unsigned char*>key_out.data, key_out.size,
+                                       <const unsigned char*>out.data, out.size,
+                                       <uint64_t*>&hashes[2 * row],
+                                       <uint64_t*>&hashes[2 * row + 1])
         if done < 0:
             break
         if done:
@@ -536,6 +544,7 @@ cdef int _raw_rows(const char* chars, Py_ssize_t count, Py_ssize_t width,
         at += starts[width]
     free(starts)
     free(out.data)
+    free(key_out.data)
     return done
 
 
