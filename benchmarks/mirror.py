@@ -23,7 +23,9 @@ Starts its own PostgreSQL and nats-server in a temp dir, a ``--rows``-row table,
    bootstrapped file, without the digests' upkeep and with it (docs/verification.md item 7:
    <= 10 % slower); ``--digest-runs N`` alternates N of each, each on a fresh copy, and
    prints each pair and the medians (one pair swings by tens of percent on a shared
-   machine). Then ``mirror verify``'s recompute of the table's digest from the file
+   machine); ``--digest-together N`` also runs N pairs of mirrors at once, one with and
+   one without, in two processes (the same moments of the VM for both). Then ``mirror
+   verify``'s recompute of the table's digest from the file
    against a plain ``SELECT *`` of the same table through ``sqlite3`` (target >= 0.5x).
 
 Targets (issue 12): bootstrap >= 0.7 x baseline, apply >= 50K events/s, RSS <= 200 MB.
@@ -118,6 +120,10 @@ async def main() -> None:
     parser.add_argument("--digest-runs", type=int, default=1,
                         help="apply phases of each kind, alternating (each on a fresh copy "
                              "of the bootstrapped file): the digests' figures are medians")
+    parser.add_argument("--digest-together", type=int, default=0, metavar="N",
+                        help="also N runs of two mirrors at once, in two processes started "
+                             "together, one keeping the digests and one not: the same "
+                             "moments of a shared VM for both (see _side_by_side)")
     parser.add_argument("--save-replay", type=Path,
                         help="keep the bootstrapped database and the apply phase's messages "
                              "in this directory, for benchmarks/mirror_replay.py")
@@ -265,6 +271,7 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
                 args, settings, copies[digests], digests)
             rates[digests].append(apply_rate)
             cpus[digests].append(cpu_seconds / max(1, mirror.applied_events) * 1e6)
+    together = [_side_by_side(args, settings, db, work) for _ in range(args.digest_together)]
     kept: list | None = [] if args.save_replay else None
     read_rate, read_cpu = await _read_ceiling(client, kept)
     if args.save_replay:
@@ -296,6 +303,8 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
           f"mirror applies at {apply_rate / read_rate:.2f} of it")
     if len(rates) == 2:
         _digest_figures(rates, cpus)
+    if together:
+        _side_by_side_figures(together)
     if True in copies:
         _verify_figure(copies[True])
 
@@ -327,6 +336,56 @@ async def _apply(args, settings: PlatformSettings, db: Path, digests: bool):
     print(f"apply, digests {'on' if digests else 'off'}: {apply_rate:,.0f} events/s",
           flush=True)
     return mirror, apply_rate, apply_seconds, whole_seconds, cpu_seconds
+
+
+def _side_by_side(args, settings: PlatformSettings, db: Path, work: Path
+                  ) -> dict[bool, tuple[float, float]]:
+    """One apply phase by two mirrors at once, each in a child process forked here on its
+    own copy of the bootstrapped file, the one keeping the digests and the other not:
+    {digests: (events/s, CPU µs an event)}. Alternating runs compare moments seconds apart,
+    and another tenant of a shared VM changes its speed by tens of percent from one to the
+    next; two at once meet the same moments (each reads the stream with its own consumer;
+    they share the cores and nats-server, alike)."""
+    children = {}
+    for digests in (False, True):
+        copy_path = work / f"together-digests-{'on' if digests else 'off'}.db"
+        copy_path.unlink(missing_ok=True)
+        with sqlite3.connect(db) as source, sqlite3.connect(copy_path) as copy:
+            source.backup(copy)
+        readable, writable = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its own event loop and NATS connection (asyncio.run)
+            os.close(readable)
+            try:
+                mirror, rate, _, _, cpu = asyncio.run(_apply(args, settings, copy_path,
+                                                             digests))
+                result = (rate, cpu / max(1, mirror.applied_events) * 1e6)
+                os.write(writable, pickle.dumps(result))
+            finally:
+                os._exit(0)
+        os.close(writable)
+        children[digests] = (pid, readable)
+    results = {}
+    for digests, (pid, readable) in children.items():
+        with os.fdopen(readable, "rb") as pipe:
+            received = pipe.read()
+        os.waitpid(pid, 0)
+        if not received:
+            raise SystemExit(f"the side-by-side mirror with digests {digests} failed")
+        results[digests] = pickle.loads(received)
+    return results
+
+
+def _side_by_side_figures(runs: list[dict[bool, tuple[float, float]]]) -> None:
+    slower = [100 * (1 - run[True][0] / run[False][0]) for run in runs]
+    more = [100 * (run[True][1] / run[False][1] - 1) for run in runs]
+    print(f"digests, two mirrors at once ({len(runs)} runs): without "
+          f"{median(run[False][0] for run in runs):,.0f} events/s, with "
+          f"{median(run[True][0] for run in runs):,.0f}: {median(slower):.1f} % slower; CPU "
+          f"{median(run[False][1] for run in runs):.2f} µs per event without, "
+          f"{median(run[True][1] for run in runs):.2f} with: {median(more):.1f} % more "
+          f"(medians; each run: {', '.join(f'{x:.1f}' for x in slower)} % slower, CPU "
+          f"{', '.join(f'{x:.1f}' for x in more)} % more)")
 
 
 def _digest_figures(rates: dict[bool, list[float]], cpus: dict[bool, list[float]]) -> None:

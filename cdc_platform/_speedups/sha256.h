@@ -59,113 +59,107 @@ static void cdc_sha256_blocks_portable(uint32_t state[8], const unsigned char *d
 #include <immintrin.h>
 
 /* The blocks with the SHA extensions: the state held as ABEF/CDGH, four rounds a step, the
- * message schedule by sha256msg1/msg2 (Intel's "SHA extensions" white paper). */
-__attribute__((target("sha,sse4.1,ssse3")))
-static void cdc_sha256_blocks_shani(uint32_t state[8], const unsigned char *data,
-                                    size_t blocks) {
-    const __m128i byteswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+ * message schedule by sha256msg1/msg2 (Intel's "SHA extensions" white paper). The steps: */
+#define CDC_SHA256_SHANI_TARGET __attribute__((target("sha,sse4.1,ssse3")))
+#if defined(__clang__)
+#define CDC_SHA256_UNROLL _Pragma("unroll")
+#else
+#define CDC_SHA256_UNROLL _Pragma("GCC unroll 16")
+#endif
+
+/* state[8] (a..h) into the ABEF/CDGH registers */
+CDC_SHA256_SHANI_TARGET
+static inline void cdc_sha256_shani_load(const uint32_t state[8], __m128i *abef,
+                                         __m128i *cdgh) {
     __m128i cdab = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&state[0]), 0xB1);
     __m128i efgh = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&state[4]), 0x1B);
-    __m128i abef = _mm_alignr_epi8(cdab, efgh, 8);
-    __m128i cdgh = _mm_blend_epi16(efgh, cdab, 0xF0);
-    while (blocks--) {
-        __m128i abef_saved = abef, cdgh_saved = cdgh, w[4], sum;
+    *abef = _mm_alignr_epi8(cdab, efgh, 8);
+    *cdgh = _mm_blend_epi16(efgh, cdab, 0xF0);
+}
+
+/* ... and back */
+CDC_SHA256_SHANI_TARGET
+static inline void cdc_sha256_shani_store(uint32_t state[8], __m128i abef, __m128i cdgh) {
+    __m128i feba = _mm_shuffle_epi32(abef, 0x1B), dchg = _mm_shuffle_epi32(cdgh, 0xB1);
+    _mm_storeu_si128((__m128i *)&state[0], _mm_blend_epi16(feba, dchg, 0xF0)); /* DCBA */
+    _mm_storeu_si128((__m128i *)&state[4], _mm_alignr_epi8(dchg, feba, 8));     /* HGFE */
+}
+
+/* The block's message words ``4 * group`` to ``4 * group + 3`` (its own for the first four
+ * groups, then from the 16 before: ``words`` holds the last four groups), kept in ``words``. */
+CDC_SHA256_SHANI_TARGET
+static inline __m128i cdc_sha256_shani_words(__m128i words[4], int group,
+                                             const unsigned char *block) {
+    const __m128i byteswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    __m128i *next = &words[group & 3];
+    if (group < 4)
+        *next = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(block + 16 * group)),
+                                 byteswap);
+    else
+        *next = _mm_sha256msg2_epu32(
+            _mm_add_epi32(_mm_sha256msg1_epu32(*next, words[(group + 1) & 3]),
+                          _mm_alignr_epi8(words[(group + 3) & 3], words[(group + 2) & 3], 4)),
+            words[(group + 3) & 3]);
+    return *next;
+}
+
+/* Rounds ``4 * group`` to ``4 * group + 3`` with those words. */
+CDC_SHA256_SHANI_TARGET
+static inline void cdc_sha256_shani_rounds(__m128i *abef, __m128i *cdgh, __m128i words,
+                                           int group) {
+    __m128i sum = _mm_add_epi32(words, _mm_loadu_si128((const __m128i *)&cdc_sha256_k[4 * group]));
+    *cdgh = _mm_sha256rnds2_epu32(*cdgh, *abef, sum);
+    *abef = _mm_sha256rnds2_epu32(*abef, *cdgh, _mm_shuffle_epi32(sum, 0x0E));
+}
+
+CDC_SHA256_SHANI_TARGET
+static void cdc_sha256_blocks_shani(uint32_t state[8], const unsigned char *data,
+                                    size_t blocks) {
+    __m128i abef, cdgh;
+    cdc_sha256_shani_load(state, &abef, &cdgh);
+    for (; blocks; blocks--, data += 64) {
+        __m128i abef_saved = abef, cdgh_saved = cdgh, words[4];
         int group;
-#if defined(__clang__)
-#pragma unroll
-#else
-#pragma GCC unroll 16
-#endif
-        for (group = 0; group < 16; group++) {
-            __m128i *next = &w[group & 3];
-            if (group < 4)
-                *next = _mm_shuffle_epi8(
-                    _mm_loadu_si128((const __m128i *)(data + 16 * group)), byteswap);
-            else
-                *next = _mm_sha256msg2_epu32(
-                    _mm_add_epi32(_mm_sha256msg1_epu32(*next, w[(group + 1) & 3]),
-                                  _mm_alignr_epi8(w[(group + 3) & 3], w[(group + 2) & 3], 4)),
-                    w[(group + 3) & 3]);
-            sum = _mm_add_epi32(*next,
-                                _mm_loadu_si128((const __m128i *)&cdc_sha256_k[4 * group]));
-            cdgh = _mm_sha256rnds2_epu32(cdgh, abef, sum);
-            abef = _mm_sha256rnds2_epu32(abef, cdgh, _mm_shuffle_epi32(sum, 0x0E));
-        }
+        CDC_SHA256_UNROLL
+        for (group = 0; group < 16; group++)
+            cdc_sha256_shani_rounds(&abef, &cdgh, cdc_sha256_shani_words(words, group, data),
+                                    group);
         abef = _mm_add_epi32(abef, abef_saved);
         cdgh = _mm_add_epi32(cdgh, cdgh_saved);
-        data += 64;
     }
-    cdab = _mm_shuffle_epi32(abef, 0x1B);             /* FEBA */
-    efgh = _mm_shuffle_epi32(cdgh, 0xB1);             /* DCHG */
-    _mm_storeu_si128((__m128i *)&state[0], _mm_blend_epi16(cdab, efgh, 0xF0)); /* DCBA */
-    _mm_storeu_si128((__m128i *)&state[4], _mm_alignr_epi8(efgh, cdab, 8));     /* HGFE */
+    cdc_sha256_shani_store(state, abef, cdgh);
 }
 
 /* Two messages' blocks at once (``blocks`` of each), their rounds interleaved: each
  * sha256rnds2 waits for the one before it in its own message only, so two messages keep
  * the SHA unit busy where one leaves it idle between dependent rounds (measured on this
  * project's AMD EPYC VM: ~21 ns a block each instead of ~41). */
-__attribute__((target("sha,sse4.1,ssse3")))
+CDC_SHA256_SHANI_TARGET
 static void cdc_sha256_blocks_shani_pair(uint32_t first_state[8],
                                          const unsigned char *first_data,
                                          uint32_t second_state[8],
                                          const unsigned char *second_data, size_t blocks) {
-    const __m128i byteswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
-    __m128i cdab = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&first_state[0]), 0xB1);
-    __m128i efgh = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&first_state[4]), 0x1B);
-    __m128i abef1 = _mm_alignr_epi8(cdab, efgh, 8), cdgh1 = _mm_blend_epi16(efgh, cdab, 0xF0);
-    cdab = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&second_state[0]), 0xB1);
-    efgh = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&second_state[4]), 0x1B);
-    __m128i abef2 = _mm_alignr_epi8(cdab, efgh, 8), cdgh2 = _mm_blend_epi16(efgh, cdab, 0xF0);
-    while (blocks--) {
-        __m128i abef1_saved = abef1, cdgh1_saved = cdgh1, w1[4], sum1;
-        __m128i abef2_saved = abef2, cdgh2_saved = cdgh2, w2[4], sum2, k;
+    __m128i abef1, cdgh1, abef2, cdgh2;
+    cdc_sha256_shani_load(first_state, &abef1, &cdgh1);
+    cdc_sha256_shani_load(second_state, &abef2, &cdgh2);
+    for (; blocks; blocks--, first_data += 64, second_data += 64) {
+        __m128i abef1_saved = abef1, cdgh1_saved = cdgh1, words1[4];
+        __m128i abef2_saved = abef2, cdgh2_saved = cdgh2, words2[4];
         int group;
-#if defined(__clang__)
-#pragma unroll
-#else
-#pragma GCC unroll 16
-#endif
+        CDC_SHA256_UNROLL
         for (group = 0; group < 16; group++) {
-            __m128i *next1 = &w1[group & 3], *next2 = &w2[group & 3];
-            if (group < 4) {
-                *next1 = _mm_shuffle_epi8(
-                    _mm_loadu_si128((const __m128i *)(first_data + 16 * group)), byteswap);
-                *next2 = _mm_shuffle_epi8(
-                    _mm_loadu_si128((const __m128i *)(second_data + 16 * group)), byteswap);
-            } else {
-                *next1 = _mm_sha256msg2_epu32(
-                    _mm_add_epi32(_mm_sha256msg1_epu32(*next1, w1[(group + 1) & 3]),
-                                  _mm_alignr_epi8(w1[(group + 3) & 3], w1[(group + 2) & 3], 4)),
-                    w1[(group + 3) & 3]);
-                *next2 = _mm_sha256msg2_epu32(
-                    _mm_add_epi32(_mm_sha256msg1_epu32(*next2, w2[(group + 1) & 3]),
-                                  _mm_alignr_epi8(w2[(group + 3) & 3], w2[(group + 2) & 3], 4)),
-                    w2[(group + 3) & 3]);
-            }
-            k = _mm_loadu_si128((const __m128i *)&cdc_sha256_k[4 * group]);
-            sum1 = _mm_add_epi32(*next1, k);
-            sum2 = _mm_add_epi32(*next2, k);
-            cdgh1 = _mm_sha256rnds2_epu32(cdgh1, abef1, sum1);
-            cdgh2 = _mm_sha256rnds2_epu32(cdgh2, abef2, sum2);
-            abef1 = _mm_sha256rnds2_epu32(abef1, cdgh1, _mm_shuffle_epi32(sum1, 0x0E));
-            abef2 = _mm_sha256rnds2_epu32(abef2, cdgh2, _mm_shuffle_epi32(sum2, 0x0E));
+            __m128i next1 = cdc_sha256_shani_words(words1, group, first_data);
+            __m128i next2 = cdc_sha256_shani_words(words2, group, second_data);
+            cdc_sha256_shani_rounds(&abef1, &cdgh1, next1, group);
+            cdc_sha256_shani_rounds(&abef2, &cdgh2, next2, group);
         }
         abef1 = _mm_add_epi32(abef1, abef1_saved);
         cdgh1 = _mm_add_epi32(cdgh1, cdgh1_saved);
         abef2 = _mm_add_epi32(abef2, abef2_saved);
         cdgh2 = _mm_add_epi32(cdgh2, cdgh2_saved);
-        first_data += 64;
-        second_data += 64;
     }
-    cdab = _mm_shuffle_epi32(abef1, 0x1B);
-    efgh = _mm_shuffle_epi32(cdgh1, 0xB1);
-    _mm_storeu_si128((__m128i *)&first_state[0], _mm_blend_epi16(cdab, efgh, 0xF0));
-    _mm_storeu_si128((__m128i *)&first_state[4], _mm_alignr_epi8(efgh, cdab, 8));
-    cdab = _mm_shuffle_epi32(abef2, 0x1B);
-    efgh = _mm_shuffle_epi32(cdgh2, 0xB1);
-    _mm_storeu_si128((__m128i *)&second_state[0], _mm_blend_epi16(cdab, efgh, 0xF0));
-    _mm_storeu_si128((__m128i *)&second_state[4], _mm_alignr_epi8(efgh, cdab, 8));
+    cdc_sha256_shani_store(first_state, abef1, cdgh1);
+    cdc_sha256_shani_store(second_state, abef2, cdgh2);
 }
 
 static int cdc_sha256_has_shani(void) {
