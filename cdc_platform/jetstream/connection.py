@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,6 +38,11 @@ async def connect_nats(settings: NatsSettings, *, name: str = "cdc_platform",
     ``inbox_prefix``: where replies to this client go (a mirror's ``--inbox-prefix``).
     ``on_disconnect`` and ``on_reconnect`` are called on each disconnection (our own close
     included) and reconnection.
+
+    After a TLS handshake that failed on our side (the server's certificate not verified,
+    also a ``nats://`` URL to a TLS-only server, which nats-py upgrades) nats-py 2.16 waits
+    forever for the socket to close: such a failure ends the attempts at once, and the
+    attempts are bounded in time anyway (:func:`_start_bound`).
     """
     check_installed_nats_py()
     options = settings.connect_options()
@@ -52,6 +58,10 @@ async def connect_nats(settings: NatsSettings, *, name: str = "cdc_platform",
         errors_seen.append(exc)
         if client_ref:  # after the first connection: an outage, nats-py reconnects
             log.warning("NATS: %s", exc or type(exc).__name__)
+        elif isinstance(exc, ssl.SSLCertVerificationError):
+            # (nats-py awaits this callback in its attempt's except clause: raising here ends
+            # the attempts, before it waits for the socket to close)
+            raise _ServerNotVerified from exc
 
     client_ref: list[NatsClient] = []
 
@@ -68,21 +78,40 @@ async def connect_nats(settings: NatsSettings, *, name: str = "cdc_platform",
         log.info("NATS reconnected to %s", settings.describe())
 
     try:
-        client = await nats.connect(
-            allow_reconnect=True, error_cb=_on_error, disconnected_cb=_on_disconnect,
-            reconnected_cb=_on_reconnect, **options,
-        )
+        async with asyncio.timeout(_start_bound(options)):
+            client = await nats.connect(
+                allow_reconnect=True, error_cb=_on_error, disconnected_cb=_on_disconnect,
+                reconnected_cb=_on_reconnect, **options,
+            )
         client_ref.append(client)
         client.options["max_reconnect_attempts"] = -1 if reconnect_forever else 60
         return client
-    except (NoServersError, NatsError, OSError, TimeoutError) as exc:
+    except (NoServersError, NatsError, OSError, TimeoutError, _ServerNotVerified) as exc:
         if any(_is_auth_error(e) for e in [*errors_seen, exc]):
             raise NatsAuthError(
                 f"NATS at {settings.describe()} refused our credentials (check "
                 f"{_credential_variables(settings)})") from None
         cause = next((e for e in reversed(errors_seen) if str(e)), exc)
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            raise NatsUnreachable(
+                f"cannot reach NATS at {settings.describe()}: its TLS certificate was not "
+                f"verified ({cause.verify_message}); check {settings.variable('tls_ca_file')} "
+                "(without it, the system's CAs; a nats:// URL is upgraded to TLS when the "
+                "server requires it)") from None
         raise NatsUnreachable(f"cannot reach NATS at {settings.describe()}: "
                               f"{cause or type(cause).__name__}") from None
+
+
+class _ServerNotVerified(Exception):
+    """Ends nats-py's first connection attempts at a TLS certificate it could not verify."""
+
+
+def _start_bound(options: dict[str, Any]) -> float:
+    """Seconds the first connection may take: each server tried twice, each try its
+    ``connect_timeout`` and the wait before the next, and one more ``connect_timeout``."""
+    attempts = len(options["servers"]) * (options["max_reconnect_attempts"] + 1)
+    return (attempts * (options["connect_timeout"] + options["reconnect_time_wait"])
+            + options["connect_timeout"])
 
 
 def _credential_variables(settings: NatsSettings) -> str:

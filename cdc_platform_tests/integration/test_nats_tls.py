@@ -4,7 +4,9 @@ certificate is missing or unreadable."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,27 @@ async def test_without_its_certificate_the_client_is_refused_clearly(tls_nats):
     url, certs = tls_nats
     with pytest.raises(NatsUnreachable, match="cannot reach NATS"):
         await connect_nats(NatsSettings(url=url, tls_ca_file=str(certs / "ca.pem")))
+
+
+@pytest.mark.parametrize("mistake", ["another CA", "a nats:// URL"])
+async def test_a_server_certificate_not_verified_is_said_at_once(tls_nats, tmp_path, mistake):
+    """The server's certificate not verified on our side: its CA not the one given, or none
+    given with a ``nats://`` URL to a TLS-only server (nats-py upgrades to TLS, against the
+    system's CAs). nats-py 2.16 then waited forever for the socket to close."""
+    url, certs = tls_nats
+    if mistake == "another CA":
+        other = _certificates(tmp_path / "other")
+        settings = NatsSettings(url=url, tls_ca_file=str(other / "ca.pem"),
+                                tls_cert_file=str(certs / "client.pem"),
+                                tls_key_file=str(certs / "client.key"))
+    else:
+        settings = NatsSettings(url=url.replace("tls://", "nats://"))
+    started = time.monotonic()
+    with pytest.raises(NatsUnreachable, match="TLS certificate was not verified .* check "
+                                              "CDC_NATS_TLS_CA"):
+        async with asyncio.timeout(30):
+            await connect_nats(settings)
+    assert time.monotonic() - started < settings.connect_timeout
 
 
 def test_unreadable_or_half_given_certificates_are_config_errors(tmp_path):
