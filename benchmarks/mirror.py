@@ -254,19 +254,15 @@ async def _measure(args, work: Path, settings: PlatformSettings, bridge: CdcBrid
     await asyncio.shield(bridging)
     if args.save_replay:  # the database as bootstrapped, before any event is applied
         args.save_replay.mkdir(parents=True, exist_ok=True)
-        with sqlite3.connect(db) as source, sqlite3.connect(
-                args.save_replay / "mirror.db") as copy:
-            source.backup(copy)
+        _fresh_copy(db, args.save_replay / "mirror.db")
     upkeep = {"on": [True], "off": [False], "both": [False, True]}[args.digest]
     copies = {}
     rates: dict[bool, list[float]] = {digests: [] for digests in upkeep}
     cpus: dict[bool, list[float]] = {digests: [] for digests in upkeep}
     for _ in range(max(1, args.digest_runs)):
         for digests in upkeep:  # (each on its own copy of the bootstrapped file)
-            copies[digests] = work / f"apply-digests-{'on' if digests else 'off'}.db"
-            copies[digests].unlink(missing_ok=True)
-            with sqlite3.connect(db) as source, sqlite3.connect(copies[digests]) as copy:
-                source.backup(copy)
+            copies[digests] = _fresh_copy(
+                db, work / f"apply-digests-{'on' if digests else 'off'}.db")
             mirror, apply_rate, apply_seconds, whole_seconds, cpu_seconds = await _apply(
                 args, settings, copies[digests], digests)
             rates[digests].append(apply_rate)
@@ -338,6 +334,14 @@ async def _apply(args, settings: PlatformSettings, db: Path, digests: bool):
     return mirror, apply_rate, apply_seconds, whole_seconds, cpu_seconds
 
 
+def _fresh_copy(db: Path, path: Path) -> Path:
+    """``path``, a new copy of the bootstrapped file ``db``."""
+    path.unlink(missing_ok=True)
+    with sqlite3.connect(db) as source, sqlite3.connect(path) as copy:
+        source.backup(copy)
+    return path
+
+
 def _side_by_side(args, settings: PlatformSettings, db: Path, work: Path
                   ) -> dict[bool, tuple[float, float]]:
     """One apply phase by two mirrors at once, each in a child process forked here on its
@@ -348,10 +352,7 @@ def _side_by_side(args, settings: PlatformSettings, db: Path, work: Path
     they share the cores and nats-server, alike)."""
     children = {}
     for digests in (False, True):
-        copy_path = work / f"together-digests-{'on' if digests else 'off'}.db"
-        copy_path.unlink(missing_ok=True)
-        with sqlite3.connect(db) as source, sqlite3.connect(copy_path) as copy:
-            source.backup(copy)
+        copy_path = _fresh_copy(db, work / f"together-digests-{'on' if digests else 'off'}.db")
         readable, writable = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: its own event loop and NATS connection (asyncio.run)

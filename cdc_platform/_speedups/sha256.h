@@ -107,7 +107,8 @@ static inline __m128i cdc_sha256_shani_words(__m128i words[4], int group,
 CDC_SHA256_SHANI_TARGET
 static inline void cdc_sha256_shani_rounds(__m128i *abef, __m128i *cdgh, __m128i words,
                                            int group) {
-    __m128i sum = _mm_add_epi32(words, _mm_loadu_si128((const __m128i *)&cdc_sha256_k[4 * group]));
+    __m128i sum =
+        _mm_add_epi32(words, _mm_loadu_si128((const __m128i *)&cdc_sha256_k[4 * group]));
     *cdgh = _mm_sha256rnds2_epu32(*cdgh, *abef, sum);
     *abef = _mm_sha256rnds2_epu32(*abef, *cdgh, _mm_shuffle_epi32(sum, 0x0E));
 }
@@ -221,6 +222,15 @@ static uint64_t cdc_sha256_head64(const unsigned char *data, size_t size) {
     return (uint64_t)state[0] << 32 | state[1];
 }
 
+/* The message whole and padded into ``padded`` (its size rounded up to 64, plus up to 128),
+ * so that its blocks follow in one run; how many blocks. */
+static size_t cdc_sha256_padded(unsigned char *padded, const unsigned char *data,
+                                size_t size) {
+    size_t whole = size / 64 * 64;
+    memcpy(padded, data, whole);
+    return size / 64 + cdc_sha256_tail(padded + whole, data, size);
+}
+
 /* The largest message cdc_sha256_head64_pair pads on its stack (a row's canonical bytes are
  * ~100-300 bytes); longer ones are hashed one after the other. */
 #define CDC_SHA256_PAIR_MAX 1024
@@ -240,13 +250,8 @@ static inline void cdc_sha256_head64_pair(const unsigned char *first, size_t fir
         cdc_sha256_implementation();
     if (cdc_sha256_blocks == cdc_sha256_blocks_shani && first_size <= CDC_SHA256_PAIR_MAX &&
             second_size <= CDC_SHA256_PAIR_MAX) {
-        /* each message whole and padded in one buffer, so that its blocks follow in one run */
-        memcpy(first_padded, first, first_size / 64 * 64);
-        first_blocks = first_size / 64 +
-            cdc_sha256_tail(first_padded + first_size / 64 * 64, first, first_size);
-        memcpy(second_padded, second, second_size / 64 * 64);
-        second_blocks = second_size / 64 +
-            cdc_sha256_tail(second_padded + second_size / 64 * 64, second, second_size);
+        first_blocks = cdc_sha256_padded(first_padded, first, first_size);
+        second_blocks = cdc_sha256_padded(second_padded, second, second_size);
         common = first_blocks < second_blocks ? first_blocks : second_blocks;
         cdc_sha256_blocks_shani_pair(first_state, first_padded, second_state, second_padded,
                                      common);

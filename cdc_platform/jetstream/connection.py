@@ -92,14 +92,12 @@ async def connect_nats(settings: NatsSettings, *, name: str = "cdc_platform",
                 f"NATS at {settings.describe()} refused our credentials (check "
                 f"{_credential_variables(settings)})") from None
         cause = next((e for e in reversed(errors_seen) if str(e)), exc)
-        if isinstance(cause, ssl.SSLCertVerificationError):
-            raise NatsUnreachable(
-                f"cannot reach NATS at {settings.describe()}: its TLS certificate was not "
-                f"verified ({cause.verify_message}); check {settings.variable('tls_ca_file')} "
-                "(without it, the system's CAs; a nats:// URL is upgraded to TLS when the "
-                "server requires it)") from None
-        raise NatsUnreachable(f"cannot reach NATS at {settings.describe()}: "
-                              f"{cause or type(cause).__name__}") from None
+        why = (f"its TLS certificate was not verified ({cause.verify_message}); check "
+               f"{settings.variable('tls_ca_file')} (without it, the system's CAs; a nats:// "
+               "URL is upgraded to TLS when the server requires it)"
+               if isinstance(cause, ssl.SSLCertVerificationError)
+               else cause or type(cause).__name__)
+        raise NatsUnreachable(f"cannot reach NATS at {settings.describe()}: {why}") from None
 
 
 class _ServerNotVerified(Exception):
