@@ -26,8 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -264,9 +266,21 @@ def imported_snapshot(conninfo: str, snapshot_name: str, *, qualified_table: str
         conn.close()
 
 
+# Set by the in-process runner (tasks.py) in each of its range tasks' context: once it is set,
+# a task stops at its next COPY block. (Spark stops a Spark task itself: its job group is
+# cancelled.)
+RANGE_STOP: ContextVar[threading.Event | None] = ContextVar("cdc_snapshot_range_stop",
+                                                            default=None)
+
+
+class RangeStopped(Exception):
+    """A range task stopped before the end of its range (``RANGE_STOP``)."""
+
+
 async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 0) -> RangeStats:
     """Read, convert, chunk and publish one range; see the module docstring."""
     started = time.monotonic()
+    stop = RANGE_STOP.get()
     stats = RangeStats(block_range.index, attempt=attempt)
     client = await connect_nats(spec.nats, name=f"cdc-snapshot-{block_range.index}")
     publisher = None
@@ -293,6 +307,8 @@ async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 
                                qualified_table=spec.qualified_table,
                                lock_timeout_ms=spec.lock_timeout_ms) as conn:
             async for block in copy_blocks(conn.pgconn, spec.copy_command(block_range)):
+                if stop is not None and stop.is_set():
+                    raise RangeStopped(f"range {block_range.index} stopped before its end")
                 for chunk in chunker.add(block if keep is None else keep(block)):
                     await chunks.send(chunk, fault)
             for chunk in chunker.finish():

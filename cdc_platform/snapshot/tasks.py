@@ -5,7 +5,9 @@ threads of this process (step 6 of :mod:`.job`)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -19,7 +21,7 @@ from cdc_platform.errors import (
 )
 from cdc_platform.snapshot.options import SnapshotOptions
 from cdc_platform.snapshot.plan import BlockRange, plan_ranges, range_count
-from cdc_platform.snapshot.reader import RangeStats, run_partition
+from cdc_platform.snapshot.reader import RANGE_STOP, RangeStats, run_partition
 from cdc_platform.snapshot.source import SourceTable
 
 JOB_GROUP_PREFIX = "cdc-snapshot-"
@@ -92,14 +94,30 @@ def _run_spark_job(body: PartitionBody, spark: Any, spec: Any, ranges: list[Bloc
 async def _run_here(body: PartitionBody, spec: Any, ranges: list[BlockRange],
                     parallelism: int) -> list[dict[str, Any]]:
     """The Spark tasks' work (``body``) in threads of this process, for small tables: the
-    same ranges of the same exported snapshot, so the result is the same."""
-    limit = asyncio.Semaphore(max(1, parallelism))
+    same ranges of the same exported snapshot, so the result is the same. Cancelled, or a
+    task failed: the tasks still running stop at their next COPY block (``RANGE_STOP``) and
+    are waited for, so that nothing of the job is read or published any more once it ended
+    (a job taken again never overlaps with the tasks of the attempt before)."""
+    stop = threading.Event()
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(max(1, parallelism), thread_name_prefix="cdc-snapshot-task")
 
-    async def one(block_range: BlockRange) -> list[dict[str, Any]]:
-        async with limit:
-            return await asyncio.to_thread(lambda: list(body(spec, [block_range])))
+    def task(block_range: BlockRange) -> list[dict[str, Any]]:
+        RANGE_STOP.set(stop)  # (in this task's own copy of the context)
+        return list(body(spec, [block_range]))
 
-    return [row for rows in await asyncio.gather(*map(one, ranges)) for row in rows]
+    running = [loop.run_in_executor(executor, contextvars.copy_context().run, task, block_range)
+               for block_range in ranges]
+    try:
+        return [row for rows in await asyncio.gather(*running) for row in rows]
+    except BaseException:
+        stop.set()
+        for future in running:  # (those not started never start; no result is waited for)
+            future.cancel()
+        await asyncio.to_thread(executor.shutdown, wait=True)
+        raise
+    finally:
+        executor.shutdown(wait=False)
 
 
 def _spark_failure(exc: Exception) -> str:

@@ -38,11 +38,9 @@ import asyncio
 import logging
 import math
 import re
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import psycopg
@@ -197,19 +195,12 @@ async def _verify_once(spark: Any, settings: PlatformSettings, table: str,
                          qualified_name(described.schema.schema, described.schema.table),
                          lsn, described.blocks, len(ranges),
                          " (Spark)" if spark is not None else "")
-                # 4. the tasks; in this process they are threads, which a cancellation
-                # does not reach: told to stop when the run ends however it ends (Spark's
-                # are cancelled with their job)
+                # 4. the tasks (in this process, threads which a cancellation does not
+                # reach: the runner tells them to stop and waits for them, tasks.py)
                 digest_started = time.monotonic()
-                stop = threading.Event()
-                try:
-                    results = await run_tasks(
-                        spark, spec, ranges, options, verification_id, wire_table,
-                        body=digest_partition if spark is not None else partial(
-                            digest_partition, stop=stop),
-                        what="verification")
-                finally:
-                    stop.set()
+                results = await run_tasks(spark, spec, ranges, options, verification_id,
+                                          wire_table, body=digest_partition,
+                                          what="verification")
                 digest_seconds = time.monotonic() - digest_started
             control.execute("ROLLBACK")  # releases the guard lock
             digest, rows_read = summed_digest(results, held_bits, verification_id)

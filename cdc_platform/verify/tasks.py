@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +22,12 @@ from cdc_platform.errors import ConversionError, VerificationError
 from cdc_platform.postgres.catalog import CatalogColumn
 from cdc_platform.snapshot.chunks import Chunker, ChunkLayout
 from cdc_platform.snapshot.plan import BlockRange
-from cdc_platform.snapshot.reader import converters_for, copy_blocks, imported_snapshot
+from cdc_platform.snapshot.reader import (
+    RANGE_STOP,
+    converters_for,
+    copy_blocks,
+    imported_snapshot,
+)
 from cdc_platform.snapshot.source import SourceTable, copy_select
 from cdc_platform.verify.yielding import BridgeGate, YieldPolicy
 from cdc_platform.wire.digest import HASH_BITS, RowDigester, TableDigest, pack_totals
@@ -76,13 +80,13 @@ class DigestSpec:
         return self.select.replace("{range}", block_range.predicate().as_string(None))
 
 
-async def digest_range(spec: DigestSpec, block_range: BlockRange,
-                       stop: threading.Event | None = None) -> dict[str, Any]:
+async def digest_range(spec: DigestSpec, block_range: BlockRange) -> dict[str, Any]:
     """One range's digest: ``{partition, rows, seconds, yielded (seconds given way to the
     bridge), error, error_kind, totals (packed as in a digest message), counts}``. A
     malformed COPY row is returned as ``error`` (a retry cannot fix it); anything else
-    raises, and Spark retries the task. ``stop`` set: the verification ended, the task
-    raises between blocks or in a pause (:class:`BridgeGate`)."""
+    raises, and Spark retries the task. In this process, once the runner's ``RANGE_STOP``
+    is set (the verification ended: cancelled, or another task failed), the task raises
+    between blocks or in a pause (:class:`BridgeGate`)."""
     started = time.monotonic()
     chunker = Chunker(spec.layout, converters_for(spec.type_rows, spec.columns),
                       block_range.index)
@@ -90,7 +94,7 @@ async def digest_range(spec: DigestSpec, block_range: BlockRange,
     digest = TableDigest(spec.bits)
     gate = BridgeGate(spec.yield_policy, spec.conninfo, spec.qualified_table,
                       f"verification {spec.layout.snapshot_id} range {block_range.index}",
-                      stop)
+                      RANGE_STOP.get())
     rows = 0
     error = error_kind = None
     try:
@@ -115,12 +119,10 @@ async def digest_range(spec: DigestSpec, block_range: BlockRange,
             "totals": pack_totals(digest.totals), "counts": digest.counts}
 
 
-def digest_partition(spec: DigestSpec, ranges: Iterable[BlockRange],
-                     stop: threading.Event | None = None) -> Iterator[dict[str, Any]]:
-    """``mapPartitions`` body: one result per range (one range per partition); ``stop``: see
-    :func:`digest_range` (in-process tasks only: Spark's are cancelled with their job)."""
+def digest_partition(spec: DigestSpec, ranges: Iterable[BlockRange]) -> Iterator[dict[str, Any]]:
+    """``mapPartitions`` body: one result per range (one range per partition)."""
     for block_range in ranges:
-        yield asyncio.run(digest_range(spec, block_range, stop))
+        yield asyncio.run(digest_range(spec, block_range))
 
 
 def summed_digest(results: Sequence[dict[str, Any]], bits: int, verification_id: str

@@ -420,6 +420,49 @@ async def test_a_small_table_is_read_without_spark_and_equals_the_spark_read(
     assert by_key(rows) == by_key(direct)
 
 
+async def test_a_cancelled_snapshot_read_here_stops_reading_and_publishing(
+        cdc_database, pg_admin, provisioned_nats, nats_client):
+    """A snapshot of a small table (its range tasks in threads of this process) cancelled in
+    the middle: once the cancellation is through, its tasks have stopped. No chunk of it is
+    stored any more and no COPY of the table runs (before, each task read and published its
+    range to the end)."""
+    table = random_name("cancelled")
+    pg_admin.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, body text)")
+    pg_admin.execute(f"INSERT INTO {table} SELECT g, repeat('x', 200) "
+                     f"FROM generate_series(1, 200000) g")  # (~50 MB: read here)
+    cdc_database.add_tables(pg_admin, table)
+    cdc_database.create_slot(pg_admin)  # a stopped bridge's: no bridge runs here
+    settings = settings_for(cdc_database, provisioned_nats.url)
+    js = nats_client.jetstream()
+
+    async def chunks_stored() -> int:
+        info = await js.stream_info("INIT", subjects_filter=f"init.snap.{table}.>")
+        return sum((info.state.subjects or {}).values())
+
+    def copying() -> int:
+        return pg_admin.execute("SELECT count(*) FROM pg_stat_activity WHERE query LIKE %s",
+                                (f"COPY %{table}%",)).fetchone()[0]
+
+    def no_spark():
+        raise AssertionError("a small table must not start Spark")
+
+    snapshot = asyncio.create_task(snapshot_table(
+        no_spark, settings, table, options=SnapshotOptions(watermark_wait_seconds=0.2)))
+    for _ in range(600):
+        if await chunks_stored() or snapshot.done():
+            break
+        await asyncio.sleep(0.02)
+    assert not snapshot.done() and copying() > 0
+    snapshot.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await snapshot
+    stored = await chunks_stored()
+    assert copying() == 0
+    await asyncio.sleep(1.5)
+    assert await chunks_stored() == stored
+    assert copying() == 0
+
+
 async def test_a_snapshot_gives_way_to_ddl_its_export_waits_for(
         cdc_database, pg_admin, provisioned_nats, nats_client):
     """A transaction that already wrote runs ALTER TABLE on the table while the snapshot holds
