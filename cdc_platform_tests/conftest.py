@@ -53,7 +53,14 @@ def pytest_testnodedown(node, error):
     whole temp root (each worker's is under it) when the session finishes."""
     from cdc_platform_tests.fixtures.services import TEST_SECRETS
 
-    TEST_SECRETS.update(getattr(node, "workeroutput", {}).get("test_secrets", ()))
+    output = getattr(node, "workeroutput", None) or {}
+    if "test_secrets" not in output:  # (a worker that crashed: the run fails anyway)
+        reporter = node.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            worker = getattr(getattr(node, "gateway", None), "id", "a worker")
+            reporter.write_line(f"{worker} ended without handing over its passwords: its "
+                                "files are searched for the other workers' only", red=True)
+    TEST_SECRETS.update(output.get("test_secrets", ()))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -67,6 +67,27 @@ _MIN_BLOCK_BYTES = 64 * 1024  # ... and at least, unless the COPY has ended
 # retries it); the publisher resends meanwhile.
 _STALLED_TIMEOUTS = 6
 
+# The in-process runner's stop (tasks.py), set in each of its range tasks' context. Once its
+# event is set, a snapshot's task stops before it imports the snapshot, before its next COPY
+# block and within STOP_CHECK_SECONDS of a wait for acknowledgements (RangeStopped); a
+# verification's task between blocks and in a pause (VerificationError, verify/yielding.py).
+# Neither error is seen: the runner raises what ended the job. Spark stops its own tasks (their
+# job group is cancelled).
+RANGE_STOP: ContextVar[threading.Event | None] = ContextVar("cdc_snapshot_range_stop",
+                                                            default=None)
+STOP_CHECK_SECONDS = 0.05  # a waiting task sees the stop within this
+
+
+class RangeStopped(Exception):
+    """A range task stopped before the end of its range (``RANGE_STOP``)."""
+
+
+def raise_if_stopped(what: str) -> None:
+    """RangeStopped once the runner's stop (``RANGE_STOP``) is set."""
+    stop = RANGE_STOP.get()
+    if stop is not None and stop.is_set():
+        raise RangeStopped(f"{what}: stopped, its job ended")
+
 
 class InjectedFault(RuntimeError):
     """Test-only: a task attempt failing on purpose (see :class:`TaskFault`)."""
@@ -220,12 +241,29 @@ async def _outgoing(chunk: Chunk, claim_checks: ClaimChecks,
 async def _stalled_after(seconds: float, waiting: Awaitable[Any]) -> Any:
     """``waiting``, which waits for acknowledgements; PublishError when none came for
     ``seconds``: the task fails and Spark retries it (the publisher itself would resend for
-    ever)."""
+    ever). In this process, RangeStopped within STOP_CHECK_SECONDS of the runner's stop
+    (``RANGE_STOP``): a cancelled run does not wait out a stalled NATS."""
+    stop = RANGE_STOP.get()
+    if stop is None:
+        try:
+            async with asyncio.timeout(seconds):
+                return await waiting
+        except TimeoutError:
+            raise PublishError(f"no chunk acknowledged in {seconds:g} s") from None
+    acknowledged = asyncio.ensure_future(waiting)
+    deadline = time.monotonic() + seconds
     try:
-        async with asyncio.timeout(seconds):
-            return await waiting
-    except TimeoutError:
-        raise PublishError(f"no chunk acknowledged in {seconds:g} s") from None
+        while not acknowledged.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PublishError(f"no chunk acknowledged in {seconds:g} s")
+            await asyncio.wait({acknowledged}, timeout=min(left, STOP_CHECK_SECONDS))
+            if not acknowledged.done():
+                raise_if_stopped("a wait for acknowledgements")
+        return acknowledged.result()
+    finally:
+        if not acknowledged.done():
+            acknowledged.cancel()
 
 
 # -- one task ---------------------------------------------------------------------------------
@@ -266,21 +304,10 @@ def imported_snapshot(conninfo: str, snapshot_name: str, *, qualified_table: str
         conn.close()
 
 
-# Set by the in-process runner (tasks.py) in each of its range tasks' context: once it is set,
-# a task stops at its next COPY block. (Spark stops a Spark task itself: its job group is
-# cancelled.)
-RANGE_STOP: ContextVar[threading.Event | None] = ContextVar("cdc_snapshot_range_stop",
-                                                            default=None)
-
-
-class RangeStopped(Exception):
-    """A range task stopped before the end of its range (``RANGE_STOP``)."""
-
 
 async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 0) -> RangeStats:
     """Read, convert, chunk and publish one range; see the module docstring."""
     started = time.monotonic()
-    stop = RANGE_STOP.get()
     stats = RangeStats(block_range.index, attempt=attempt)
     client = await connect_nats(spec.nats, name=f"cdc-snapshot-{block_range.index}")
     publisher = None
@@ -303,12 +330,12 @@ async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 
                               stats)
         fault = spec.fault if (spec.fault and spec.fault.partition == block_range.index
                                and attempt == 0) else None
+        raise_if_stopped(f"range {block_range.index}")  # (before it waits for the table)
         with imported_snapshot(spec.conninfo, spec.snapshot_name,
                                qualified_table=spec.qualified_table,
                                lock_timeout_ms=spec.lock_timeout_ms) as conn:
             async for block in copy_blocks(conn.pgconn, spec.copy_command(block_range)):
-                if stop is not None and stop.is_set():
-                    raise RangeStopped(f"range {block_range.index} stopped before its end")
+                raise_if_stopped(f"range {block_range.index}")
                 for chunk in chunker.add(block if keep is None else keep(block)):
                     await chunks.send(chunk, fault)
             for chunk in chunker.finish():

@@ -21,7 +21,7 @@ from cdc_platform.errors import (
 )
 from cdc_platform.snapshot.options import SnapshotOptions
 from cdc_platform.snapshot.plan import BlockRange, plan_ranges, range_count
-from cdc_platform.snapshot.reader import RANGE_STOP, RangeStats, run_partition
+from cdc_platform.snapshot.reader import RANGE_STOP, RangeStats, RangeStopped, run_partition
 from cdc_platform.snapshot.source import SourceTable
 
 JOB_GROUP_PREFIX = "cdc-snapshot-"
@@ -95,26 +95,38 @@ async def _run_here(body: PartitionBody, spec: Any, ranges: list[BlockRange],
                     parallelism: int) -> list[dict[str, Any]]:
     """The Spark tasks' work (``body``) in threads of this process, for small tables: the
     same ranges of the same exported snapshot, so the result is the same. Cancelled, or a
-    task failed: the tasks still running stop at their next COPY block (``RANGE_STOP``) and
-    are waited for, so that nothing of the job is read or published any more once it ended
-    (a job taken again never overlaps with the tasks of the attempt before)."""
+    task raised: the tasks still running stop where they look at ``RANGE_STOP`` (reader.py)
+    and are waited for, so that nothing of the job is read or published any more once it
+    ended (a job taken again never overlaps with the tasks of the attempt before). A second
+    cancellation meanwhile does not cut that wait short; it is raised after it."""
     stop = threading.Event()
     loop = asyncio.get_running_loop()
     executor = ThreadPoolExecutor(max(1, parallelism), thread_name_prefix="cdc-snapshot-task")
 
     def task(block_range: BlockRange) -> list[dict[str, Any]]:
+        if stop.is_set():  # (a thread may take the next range before the loop has heard)
+            raise RangeStopped(f"range {block_range.index}: not begun, its job ended")
         RANGE_STOP.set(stop)  # (in this task's own copy of the context)
         return list(body(spec, [block_range]))
 
-    running = [loop.run_in_executor(executor, contextvars.copy_context().run, task, block_range)
+    futures = [loop.run_in_executor(executor, contextvars.copy_context().run, task, block_range)
                for block_range in ranges]
     try:
-        return [row for rows in await asyncio.gather(*running) for row in rows]
+        return [row for rows in await asyncio.gather(*futures) for row in rows]
     except BaseException:
         stop.set()
-        for future in running:  # (those not started never start; no result is waited for)
+        for future in futures:  # (their results no longer wanted)
             future.cancel()
-        await asyncio.to_thread(executor.shutdown, wait=True)
+        stopping = asyncio.ensure_future(
+            asyncio.to_thread(executor.shutdown, wait=True, cancel_futures=True))
+        cancelled_again = False
+        while not stopping.done():
+            try:
+                await asyncio.shield(stopping)
+            except asyncio.CancelledError:
+                cancelled_again = True
+        if cancelled_again:
+            raise asyncio.CancelledError() from None
         raise
     finally:
         executor.shutdown(wait=False)

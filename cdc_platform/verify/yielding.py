@@ -53,6 +53,7 @@ import psycopg
 
 from cdc_platform.errors import VerificationError
 from cdc_platform.lsn import format_lsn
+from cdc_platform.snapshot.reader import STOP_CHECK_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,6 @@ CHECK_SECONDS = 0.05
 CAUGHT_UP_SHARE = 1 / 16  # a lag this share of the limit is caught up (1 MiB by default)
 FIRST_PAUSE_SECONDS = 0.05  # a yield's first pause; each next one twice as long ...
 LONGEST_PAUSE_SECONDS = 1.0  # ... up to this: the bridge caught up is noticed within it
-STOP_CHECK_SECONDS = 0.05  # a pausing task sees its verification stopped within this
 
 # One row of pg_replication_slots: cheap (the slots are in shared memory). A slot that no
 # bridge streams from is not active; confirmed NULL: a slot that has confirmed nothing yet.
