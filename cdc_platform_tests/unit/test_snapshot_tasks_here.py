@@ -11,8 +11,15 @@ import time
 
 import pytest
 
+from cdc_platform.errors import PublishError
 from cdc_platform.snapshot.plan import BlockRange
-from cdc_platform.snapshot.reader import RangeStopped, raise_if_stopped
+from cdc_platform.snapshot.reader import (
+    RANGE_STOP,
+    STOP_CHECK_SECONDS,
+    RangeStopped,
+    _stalled_after,
+    raise_if_stopped,
+)
 from cdc_platform.snapshot.tasks import _run_here
 
 RANGES = [BlockRange(index, 10 * index, 10 * index + 10) for index in range(6)]
@@ -99,3 +106,23 @@ async def test_a_second_cancellation_does_not_cut_the_wait_short():
     with pytest.raises(asyncio.CancelledError):
         await running
     assert bodies.running == 0
+
+
+async def test_a_wait_for_acknowledgements_sees_the_stop():
+    """A task whose publish waits (NATS stalled) stops within STOP_CHECK_SECONDS of the
+    runner's stop, not after its stall timeout (6 publish timeouts: 180 s by default)."""
+    stop = threading.Event()
+    never_acknowledged = asyncio.get_running_loop().create_future()
+    token = RANGE_STOP.set(stop)
+    try:
+        asyncio.get_running_loop().call_later(0.2, stop.set)
+        started = time.monotonic()
+        with pytest.raises(RangeStopped):
+            await _stalled_after(60, never_acknowledged)
+        assert time.monotonic() - started < 0.2 + 5 * STOP_CHECK_SECONDS
+        assert never_acknowledged.cancelled()
+        with pytest.raises(PublishError):  # (the stall timeout still holds)
+            stop.clear()
+            await _stalled_after(0.1, asyncio.get_running_loop().create_future())
+    finally:
+        RANGE_STOP.reset(token)
