@@ -377,9 +377,19 @@ def _side_by_side(args, settings: PlatformSettings, db: Path, work: Path
     return results
 
 
+def _slower(rate_without: float, rate_with: float) -> float:
+    """How much slower the digests' side applies, in percent."""
+    return 100 * (1 - rate_with / rate_without)
+
+
+def _more(cpu_without: float, cpu_with: float) -> float:
+    """How much more CPU an event the digests' side takes, in percent."""
+    return 100 * (cpu_with / cpu_without - 1)
+
+
 def _side_by_side_figures(runs: list[dict[bool, tuple[float, float]]]) -> None:
-    slower = [100 * (1 - run[True][0] / run[False][0]) for run in runs]
-    more = [100 * (run[True][1] / run[False][1] - 1) for run in runs]
+    slower = [_slower(run[False][0], run[True][0]) for run in runs]
+    more = [_more(run[False][1], run[True][1]) for run in runs]
     print(f"digests, two mirrors at once ({len(runs)} runs): without "
           f"{median(run[False][0] for run in runs):,.0f} events/s, with "
           f"{median(run[True][0] for run in runs):,.0f}: {median(slower):.1f} % slower; CPU "
@@ -392,8 +402,8 @@ def _side_by_side_figures(runs: list[dict[bool, tuple[float, float]]]) -> None:
 def _digest_figures(rates: dict[bool, list[float]], cpus: dict[bool, list[float]]) -> None:
     """The apply with the digests' upkeep against without it: each pair of runs (one
     after the other) and the medians over pairs."""
-    slower = [100 * (1 - on / off) for off, on in zip(rates[False], rates[True], strict=True)]
-    more = [100 * (on / off - 1) for off, on in zip(cpus[False], cpus[True], strict=True)]
+    slower = [_slower(off, on) for off, on in zip(rates[False], rates[True], strict=True)]
+    more = [_more(off, on) for off, on in zip(cpus[False], cpus[True], strict=True)]
     print(f"digests: apply without upkeep {median(rates[False]):,.0f} events/s, with "
           f"{median(rates[True]):,.0f} events/s: {median(slower):.1f} % slower (target <= 10 "
           f"%); mirror CPU {median(cpus[False]):.1f} µs per event without, "
@@ -406,9 +416,9 @@ def _digest_figures(rates: dict[bool, list[float]], cpus: dict[bool, list[float]
         # (single pairs swing by tens of percent) only ever adds, so the best runs compare the
         # code's own costs (as timeit's best of N does)
         print(f"digests, best runs: {max(rates[False]):,.0f} events/s without, "
-              f"{max(rates[True]):,.0f} with: {100 * (1 - max(rates[True]) / max(rates[False])):.1f}"
+              f"{max(rates[True]):,.0f} with: {_slower(max(rates[False]), max(rates[True])):.1f}"
               f" % slower; CPU {min(cpus[False]):.2f} µs per event without, "
-              f"{min(cpus[True]):.2f} with: {100 * (min(cpus[True]) / min(cpus[False]) - 1):.1f}"
+              f"{min(cpus[True]):.2f} with: {_more(min(cpus[False]), min(cpus[True])):.1f}"
               " % more")
 
 
