@@ -244,12 +244,6 @@ async def _stalled_after(seconds: float, waiting: Awaitable[Any]) -> Any:
     ever). In this process, RangeStopped within STOP_CHECK_SECONDS of the runner's stop
     (``RANGE_STOP``): a cancelled run does not wait out a stalled NATS."""
     stop = RANGE_STOP.get()
-    if stop is None:
-        try:
-            async with asyncio.timeout(seconds):
-                return await waiting
-        except TimeoutError:
-            raise PublishError(f"no chunk acknowledged in {seconds:g} s") from None
     acknowledged = asyncio.ensure_future(waiting)
     deadline = time.monotonic() + seconds
     try:
@@ -257,7 +251,8 @@ async def _stalled_after(seconds: float, waiting: Awaitable[Any]) -> Any:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PublishError(f"no chunk acknowledged in {seconds:g} s")
-            await asyncio.wait({acknowledged}, timeout=min(left, STOP_CHECK_SECONDS))
+            await asyncio.wait({acknowledged},
+                               timeout=left if stop is None else min(left, STOP_CHECK_SECONDS))
             if not acknowledged.done():
                 raise_if_stopped("a wait for acknowledgements")
         return acknowledged.result()
@@ -302,7 +297,6 @@ def imported_snapshot(conninfo: str, snapshot_name: str, *, qualified_table: str
         conn.execute("COMMIT")
     finally:
         conn.close()
-
 
 
 async def read_range(spec: TaskSpec, block_range: BlockRange, *, attempt: int = 0) -> RangeStats:
